@@ -1,0 +1,190 @@
+"""Process facts, `initialize()`, and the process-wide default timeout."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from absl import logging
+import jax
+
+from multihost import _errors
+
+# Environment variables read by `initialize()` and set by `multihost.launch`.
+ENV_COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
+ENV_NUM_PROCESSES = 'JAX_NUM_PROCESSES'
+ENV_PROCESS_ID = 'JAX_PROCESS_ID'
+ENV_TIMEOUT = 'MULTIHOST_TIMEOUT'
+ENV_HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
+
+_DEFAULT_TIMEOUT_S = 300.0
+_default_timeout: float | None = None  # None: read ENV_TIMEOUT, then the constant.
+
+
+def set_default_timeout(seconds: float | None) -> None:
+  """Sets the process-wide default timeout of every blocking collective.
+
+  Args:
+    seconds: a positive number of seconds, or None to go back to the
+      `MULTIHOST_TIMEOUT` environment variable (or 300 s when it is unset).
+  """
+  global _default_timeout
+  if seconds is not None and not seconds > 0:
+    raise ValueError(
+        f'The default timeout must be a positive number of seconds; got '
+        f'{seconds!r}. Pass None to fall back to ${ENV_TIMEOUT} or '
+        f'{_DEFAULT_TIMEOUT_S:g} s.')
+  _default_timeout = None if seconds is None else float(seconds)
+
+
+def default_timeout() -> float:
+  """The timeout, in seconds, used when a collective gets `timeout=None`."""
+  if _default_timeout is not None:
+    return _default_timeout
+  env = os.environ.get(ENV_TIMEOUT)
+  if env:
+    try:
+      value = float(env)
+    except ValueError:
+      value = -1.0
+    if not value > 0:
+      raise ValueError(
+          f'${ENV_TIMEOUT}={env!r} is not a positive number of seconds. '
+          'Set it to e.g. 60, or unset it.')
+    return value
+  return _DEFAULT_TIMEOUT_S
+
+
+def resolve_timeout(timeout: float | None) -> float:
+  if timeout is None:
+    return default_timeout()
+  if not timeout > 0:
+    raise ValueError(
+        f'timeout must be a positive number of seconds; got {timeout!r}.')
+  return float(timeout)
+
+
+def process_index() -> int:
+  return jax.process_index()
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def is_multiprocess() -> bool:
+  """True when more than one controller takes part (jax.distributed is up)."""
+  return jax.process_count() > 1
+
+
+def log_prefix() -> str:
+  return f'[process={jax.process_index()}]'
+
+
+# Collective calls are numbered in call order. Every process must call the
+# collectives in the same order, so the same number names the same call on
+# every process; it keys the coordination-service barriers and KV entries.
+_call_counter = itertools.count()
+
+
+def next_call_id() -> int:
+  return next(_call_counter)
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               *,
+               local_device_ids: int | list[int] | None = None,
+               cluster_detection_method: str | None = None,
+               coordinator_bind_address: str | None = None,
+               initialization_timeout: float = 300,
+               heartbeat_timeout: float | None = None,
+               shutdown_timeout: float = 300) -> None:
+  """Initializes `jax.distributed`; safe to call when it is already initialized.
+
+  Arguments are taken, in order, from: this call; the environment that
+  `multihost.launch` sets (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+  `JAX_PROCESS_ID`); a cluster that JAX auto-detects (Slurm, Open MPI,
+  Kubernetes, ...). With none of these and no cluster, it does nothing and
+  the program runs as a single controller.
+
+  Args:
+    coordinator_address: 'host:port' of process 0's coordination service.
+    num_processes: number of controllers.
+    process_id: this controller's index.
+    local_device_ids: restricts this process to these local devices.
+    cluster_detection_method: passed to `jax.distributed.initialize`.
+    coordinator_bind_address: where process 0's service listens.
+    initialization_timeout: seconds to wait for every process to connect.
+    heartbeat_timeout: seconds without a heartbeat before the coordination
+      service declares a process dead. Default: $MULTIHOST_HEARTBEAT_TIMEOUT,
+      else JAX's default.
+    shutdown_timeout: seconds the shutdown barrier waits.
+
+  Raises:
+    ValueError: for inconsistent arguments (the message repeats them).
+  """
+  if jax.distributed.is_initialized():
+    logging.info('%s jax.distributed is already initialized; leaving it as '
+                 'is.', log_prefix())
+    return
+  env = os.environ
+  coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
+  if num_processes is None and env.get(ENV_NUM_PROCESSES):
+    num_processes = int(env[ENV_NUM_PROCESSES])
+  if process_id is None and env.get(ENV_PROCESS_ID):
+    process_id = int(env[ENV_PROCESS_ID])
+  if num_processes is not None and process_id is not None and not (
+      0 <= process_id < num_processes):
+    raise ValueError(
+        f'process_id must be in [0, num_processes); got process_id='
+        f'{process_id}, num_processes={num_processes}.')
+  explicit = None not in (coordinator_address, num_processes, process_id)
+  if not explicit and cluster_detection_method is None and not _cluster_env():
+    if any(v is not None for v in (coordinator_address, num_processes,
+                                   process_id)):
+      raise ValueError(
+          'initialize() needs coordinator_address, num_processes and '
+          f'process_id together; got coordinator_address='
+          f'{coordinator_address!r}, num_processes={num_processes!r}, '
+          f'process_id={process_id!r}. Pass all three, or run under '
+          '`python -m multihost.launch` or a cluster JAX detects.')
+    logging.info('No cluster or coordinator found: running as a single '
+                 'controller without jax.distributed.')
+    return
+  kwargs = dict(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=local_device_ids,
+      cluster_detection_method=cluster_detection_method,
+      initialization_timeout=int(initialization_timeout),
+      shutdown_timeout_seconds=int(shutdown_timeout),
+  )
+  if heartbeat_timeout is None and env.get(ENV_HEARTBEAT):
+    heartbeat_timeout = float(env[ENV_HEARTBEAT])
+  if heartbeat_timeout is not None:
+    kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
+  if coordinator_bind_address is not None:
+    kwargs['coordinator_bind_address'] = coordinator_bind_address
+  jax.distributed.initialize(**kwargs)
+  logging.info('%s jax.distributed initialized: %d processes, %d local '
+               'devices.', log_prefix(), jax.process_count(),
+               jax.local_device_count())
+
+
+def _cluster_env() -> bool:
+  """Whether the environment looks like a cluster JAX can auto-detect."""
+  markers = ('SLURM_JOB_ID', 'OMPI_MCA_orte_hnp_uri', 'OMPI_COMM_WORLD_SIZE',
+             'KUBERNETES_SERVICE_HOST', 'TPU_WORKER_HOSTNAMES', 'PMI_RANK')
+  return any(m in os.environ for m in markers)
+
+
+def require_not_tracer(x, op: str):
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f'{op} is a host-side collective and cannot run inside jax.jit, '
+        'vmap or grad (it got a tracer). Call it outside transformed code.')
+
+

@@ -1,0 +1,1 @@
+"""Pytest plugin for multi-controller tests (work in progress)."""
