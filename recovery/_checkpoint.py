@@ -1,0 +1,374 @@
+"""Orbax `CheckpointManager` save/restore of transition states onto the current mesh."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from recovery import _digest
+from recovery import _verify
+from recovery._state import TransitionState
+
+PyTree = Any
+
+STATE_ITEM = 'state'
+META_ITEM = 'meta'
+FORMAT = 'recovery-checkpoint-v1'
+_TMP_SUFFIX = '.orbax-checkpoint-tmp'
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is missing, unreadable, partial, or does not fit this run."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """A checkpoint's content does not match the digest stored with it."""
+
+
+def _prefix() -> str:
+  return f'[process={jax.process_index()}]'
+
+
+class Checkpoints:
+  """Saves and restores `TransitionState`s with Orbax's `CheckpointManager`.
+
+  Each checkpoint step holds two items: `state` (the whole transition state:
+  user state, PRNG key data, data order, cursor, epoch, step) and `meta` (a
+  JSON item with the step, the leaf shapes and a digest of the state's global
+  content). Saves are atomic (Orbax writes `<step>.orbax-checkpoint-tmp` and
+  renames it on commit), optionally asynchronous, and only the last `keep`
+  are kept. Restores go onto the shardings of a target state built on the
+  current mesh, never onto shardings read from the checkpoint, so a run can
+  resume on a different number of processes or devices.
+
+  Every method that saves or restores is a collective: every process must
+  call it, in the same order, on a folder that all processes share.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
+               keep: int = 3, async_save: bool = True):
+    if save_every < 1 or keep < 1:
+      raise ValueError(
+          f'save_every and keep must be >= 1; got save_every={save_every}, '
+          f'keep={keep}.')
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.save_every = int(save_every)
+    self.keep = int(keep)
+    _ensure_writable(self.directory)
+    self.partial_steps = _partial_steps(self.directory)
+    if self.partial_steps:
+      logging.warning(
+          '%s %s holds uncommitted (partial) saves of steps %s, left by a '
+          'save that was interrupted; they are ignored (a new save of the '
+          'same step replaces one).',
+          _prefix(), self.directory, self.partial_steps)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=self.keep,
+        enable_async_checkpointing=async_save,
+        create=True,
+        cleanup_tmp_directories=False,
+    )
+    try:
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} Cannot open checkpoint folder {self.directory}: '
+          f'{type(e).__name__}: {e}') from e
+
+  # -- queries ---------------------------------------------------------------
+
+  def steps(self) -> list[int]:
+    """Committed checkpoint steps, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.steps()
+    return steps[-1] if steps else None
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON metadata item of committed checkpoint `step`."""
+    try:
+      meta = self._manager.restore(
+          step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
+      meta = dict(meta[META_ITEM])
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} is corrupt '
+          f'or partial: its `{META_ITEM}` item cannot be read '
+          f'({type(e).__name__}: {_short(e)}). {self._fallback_hint(step)}'
+      ) from e
+    if meta.get('format') != FORMAT or 'digest' not in meta:
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} is not a '
+          f'{FORMAT} checkpoint (metadata keys: {sorted(meta)}). '
+          f'{self._fallback_hint(step)}')
+    return meta
+
+  def _fallback_hint(self, step: int) -> str:
+    older = [s for s in self.steps() if s < step]
+    path = os.path.join(self.directory, str(step))
+    if older:
+      return (f'Move {path} out of the folder to resume from the previous '
+              f'checkpoint (step {older[-1]}), or start fresh in a new folder.')
+    return 'No older checkpoint exists here; start fresh in a new folder.'
+
+  # -- save ------------------------------------------------------------------
+
+  def save(self, state: TransitionState, *, force: bool = False,
+           reason: str = '') -> bool:
+    """Saves `state` at `state.step` if that step is due (or `force`).
+
+    Collective: every process must call this, in the same order.
+
+    Before saving, checks that every controller holds an identical state
+    (`check_consistent`). The save is committed atomically; with async
+    saving it completes in the background (`wait()` blocks until it has).
+
+    Returns:
+      Whether a save was started.
+
+    Raises:
+      multihost.ConsistencyError: the controllers hold different states.
+      CheckpointError: the save could not be started.
+    """
+    step = state.step
+    if not force and step % self.save_every:
+      return False
+    if step in self._manager.all_steps():
+      return False
+    tree = state.to_tree()
+    digests = _verify.check_consistent(tree, what=f'Before saving step {step}')
+    meta = {
+        'format': FORMAT,
+        'step': step,
+        'epoch': state.epoch,
+        'cursor': state.cursor,
+        'digest': _digest.combine(digests),
+        'digest_algorithm': _digest.DIGEST_ALGORITHM,
+        'key_impl': str(jax.random.key_impl(state.key)),
+        'leaves': _leaf_specs(tree),
+        'process_count': jax.process_count(),
+        'device_count': jax.device_count(),
+        'reason': reason,
+    }
+    try:
+      self._manager.save(
+          step, force=True,
+          args=ocp.args.Composite(**{
+              STATE_ITEM: ocp.args.StandardSave(tree),
+              META_ITEM: ocp.args.JsonSave(meta),
+          }))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} Saving step {step} to {self.directory} failed: '
+          f'{type(e).__name__}: {_short(e)}. The previous checkpoint '
+          f'(step {self.latest_step()}) is untouched.') from e
+    logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
+                 reason or 'scheduled', self.directory)
+    return True
+
+  def wait(self) -> None:
+    """Blocks until an asynchronous save has committed."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} An asynchronous save to {self.directory} failed: '
+          f'{type(e).__name__}: {_short(e)}. The last committed checkpoint '
+          f'is step {self.latest_step()}.') from e
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def __enter__(self) -> Checkpoints:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if exc[0] is None:
+      self.close()
+    else:
+      try:
+        self.close()
+      except Exception:  # pylint: disable=broad-except
+        logging.exception('%s Closing %s after an error failed.', _prefix(),
+                          self.directory)
+
+  # -- restore ---------------------------------------------------------------
+
+  def restore(self, target: TransitionState, *,
+              step: int | None = None) -> TransitionState:
+    """Restores checkpoint `step` (default: the latest) onto `target`'s shardings.
+
+    Collective: every process must call this, in the same order.
+
+    `target` is a state built on the current mesh (e.g. the run's initial
+    state); its leaves give the shapes, dtypes and shardings to restore onto.
+    The stored shapes must match. After reading, the state's digest must equal
+    the one stored at save time, and every controller must hold an identical
+    state.
+
+    Raises:
+      CheckpointError: no checkpoint, unreadable files, or shapes that do not
+        fit `target` (e.g. a different model width).
+      CheckpointCorruptError: the restored state fails the digest check.
+      multihost.ConsistencyError: the controllers restored different states.
+    """
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise CheckpointError(self._no_checkpoint_message())
+    elif step not in self.steps():
+      raise CheckpointError(
+          f'{_prefix()} {self.directory} has no committed checkpoint step '
+          f'{step}; committed steps: {self.steps()}.')
+    meta = self.read_meta(step)
+    target_tree = target.to_tree()
+    self._check_fits(step, meta, target_tree)
+    abstract = jax.tree.map(_abstract, target_tree)
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(**{
+              STATE_ITEM: ocp.args.StandardRestore(abstract)}))[STATE_ITEM]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} cannot be '
+          f'read: {type(e).__name__}: {_short(e)}. The files are damaged or '
+          f'incomplete. {self._fallback_hint(step)}') from e
+    if meta.get('digest_algorithm') != _digest.DIGEST_ALGORITHM:
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} was digested with '
+          f'{meta.get("digest_algorithm")!r}; this version checks '
+          f'{_digest.DIGEST_ALGORITHM!r}. Restore it with the version that '
+          'wrote it.')
+    digests = _digest.leaf_digests(restored)
+    got = _digest.combine(digests)
+    if got != meta['digest']:
+      raise CheckpointCorruptError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} fails its '
+          f'digest check: stored {meta["digest"][:16]}..., restored state '
+          f'digests to {got[:16]}... Its files were altered or damaged after '
+          f'the save committed; refusing to resume from it. '
+          f'{self._fallback_hint(step)}')
+    _verify.check_consistent(restored, what=f'After restoring step {step}')
+    state = TransitionState.from_tree(restored, key_like=target.key)
+    if state.step != step:
+      raise CheckpointCorruptError(
+          f'{_prefix()} Checkpoint folder {step} holds a state at step '
+          f'{state.step}. {self._fallback_hint(step)}')
+    logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
+                 'digest %s...) from %s onto %d processes, %d devices.',
+                 _prefix(), step, state.epoch, state.cursor, got[:12],
+                 self.directory, jax.process_count(), jax.device_count())
+    return state
+
+  def _check_fits(self, step: int, meta: dict[str, Any], target_tree) -> None:
+    want = _leaf_specs(target_tree)
+    have = meta.get('leaves', {})
+    problems = []
+    for name in sorted(set(want) | set(have)):
+      if name not in have:
+        problems.append(f'{name}: missing from the checkpoint, this run '
+                        f'expects {want[name]}')
+      elif name not in want:
+        problems.append(f'{name}: in the checkpoint ({have[name]}) but not '
+                        'in this run\'s state')
+      elif list(have[name]) != list(want[name]):
+        problems.append(f'{name}: checkpoint has {have[name]}, this run '
+                        f'expects {want[name]}')
+    if problems:
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} does not '
+          f'fit this run: ' + '; '.join(problems) + '. It was made with a '
+          'different model or data configuration (e.g. another --width or '
+          '--samples): resume with the flags that made it, or start fresh in a '
+          'new folder.')
+
+  def _no_checkpoint_message(self) -> str:
+    msg = (f'{_prefix()} No committed checkpoint in {self.directory}, so '
+           'there is nothing to resume from.')
+    if self.partial_steps:
+      msg += (f' Only partial saves (steps {self.partial_steps}) were found: '
+              'a save was interrupted before it committed.')
+    return msg + ' Start without --resume (resume=False) to begin a fresh run.'
+
+  # -- start -----------------------------------------------------------------
+
+  def start(self, initial: TransitionState, *, resume: bool) -> TransitionState:
+    """Strict start: restores the latest checkpoint, or checks the folder is new.
+
+    Collective: every process must call this, in the same order.
+
+    Args:
+      initial: the fresh initial state, built on the current mesh; it is the
+        restore target.
+      resume: True to continue from the latest committed checkpoint (an error
+        when there is none); False to start fresh (an error when the folder
+        already holds a checkpoint, so a run never silently mixes with an
+        older one).
+    """
+    latest = self.latest_step()
+    if resume:
+      if latest is None:
+        raise CheckpointError(self._no_checkpoint_message())
+      return self.restore(initial)
+    if latest is not None:
+      raise CheckpointError(
+          f'{_prefix()} {self.directory} already holds checkpoint steps '
+          f'{self.steps()}. Pass --resume (resume=True) to continue from step '
+          f'{latest}, or use a new folder for a fresh run.')
+    return initial
+
+
+def _abstract(x):
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return np.asarray(x)
+
+
+def _leaf_specs(tree) -> dict[str, list]:
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    out[_digest.path_name(path)] = [list(np.shape(leaf)),
+                                    np.dtype(leaf.dtype).name]
+  return out
+
+
+def _partial_steps(directory: str) -> list[int]:
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  out = []
+  for n in names:
+    m = re.fullmatch(r'(\d+)' + re.escape(_TMP_SUFFIX) + r'.*', n)
+    if m:
+      out.append(int(m.group(1)))
+  return sorted(out)
+
+
+def _ensure_writable(directory: str) -> None:
+  probe = os.path.join(
+      directory, f'.write-probe-{jax.process_index()}-{os.getpid()}')
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise CheckpointError(
+        f'{_prefix()} Checkpoint folder {directory} is not writable '
+        f'({type(e).__name__}: {e.strerror or e}). Pick a folder this user can '
+        'write, shared by every process (--checkpoint_dir).') from e
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+  s = ' '.join(str(e).split())
+  return s if len(s) <= limit else s[:limit] + '...'

@@ -1,0 +1,97 @@
+"""Host-side global values of a state tree, and topology-independent digests."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+import multihost
+
+PyTree = Any
+
+# Named in every checkpoint, so that a later change of algorithm is detected
+# instead of being reported as corruption.
+DIGEST_ALGORITHM = 'recovery-sha256-v1'
+
+
+def host_value(x: Any) -> np.ndarray:
+  """Returns the global value of one leaf as a NumPy array on this host.
+
+  Typed PRNG keys become their key data. A replicated `jax.Array` is read
+  from a local shard; an array sharded across processes is gathered.
+
+  Collective (only for leaves sharded across processes): every process must
+  call this, in the same order.
+  """
+  if isinstance(x, jax.Array):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.is_fully_addressable:
+      return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+      return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(multihost.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def host_tree(tree: PyTree) -> PyTree:
+  """`host_value` of every leaf.
+
+  Collective (when some leaf is sharded across processes): every process
+  must call this, in the same order.
+  """
+  return jax.tree.map(host_value, tree)
+
+
+def leaf_digests(tree: PyTree) -> dict[str, str]:
+  """Maps each leaf's path ('user/weights') to a digest of its global value.
+
+  The digest covers dtype, shape and bytes, so it is the same for the same
+  global content on any mesh or number of processes.
+
+  Collective (when some leaf is sharded across processes): every process
+  must call this, in the same order.
+  """
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    value = np.ascontiguousarray(host_value(leaf))
+    h = hashlib.sha256()
+    h.update(f'{value.dtype.str}|{value.shape}|'.encode())
+    h.update(value.tobytes())
+    out[path_name(path)] = h.hexdigest()
+  return out
+
+
+def state_digest(tree: PyTree) -> str:
+  """One hex digest of the whole tree's global content and leaf paths.
+
+  Collective (when some leaf is sharded across processes): every process
+  must call this, in the same order.
+  """
+  if hasattr(tree, 'to_tree'):  # A TransitionState.
+    tree = tree.to_tree()
+  return combine(leaf_digests(tree))
+
+
+def combine(digests: dict[str, str]) -> str:
+  """One hex digest of a {leaf path: leaf digest} map."""
+  h = hashlib.sha256(DIGEST_ALGORITHM.encode())
+  for name, digest in sorted(digests.items()):
+    h.update(f'{name}={digest};'.encode())
+  return h.hexdigest()
+
+
+def path_name(path) -> str:
+  """'user/weights' for a key path such as (DictKey('user'), ...)."""
+  parts = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
