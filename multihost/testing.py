@@ -1,1 +1,485 @@
-"""Pytest plugin for multi-controller tests (work in progress)."""
+"""Pytest plugin: run a test's body in N real JAX controllers on this machine.
+
+The plugin is registered through the `pytest11` entry point `multihost`, so
+installing the package enables it (or add `-p multihost.testing`, or
+`pytest_plugins = ['multihost.testing']` in your top-level conftest.py).
+
+Mark a test and it runs in `num_processes` real controllers (`jax.distributed`
+over gloo on localhost), each with `devices_per_process` CPU devices:
+
+  import jax
+  import multihost
+  import pytest
+
+  @pytest.mark.multihost(num_processes=2, devices_per_process=2)
+  def test_allgather():
+    out = multihost.process_allgather(jax.numpy.array([jax.process_index()]))
+    assert out.tolist() == [[0], [1]]
+
+  @pytest.mark.multihost(num_processes=2, timeout=120)
+  def test_shared_files(multihost_tmp_path):  # the same folder on every process
+    ...
+
+How it runs:
+- The test passes only if it passes on every process. When it fails on some,
+  the report names them and shows each process's traceback and captured
+  output, labelled `[p0]`, `[p1]`, ...
+- Every process enters each test through a barrier (which also checks that
+  they all run the same test) and leaves it through an exchange of pass/fail,
+  so processes stay in step and fail together: a process whose own run passed
+  reports that the test failed on process N.
+- Marked tests that share (module, num_processes, devices_per_process,
+  timeout) run as a group in ONE launch: N worker pytest sessions, one per
+  process, started once, each calling `multihost.initialize()` before any
+  test touches JAX. The parent pytest reports each test individually.
+- `timeout=` (seconds, default 300) bounds the whole group. If a worker
+  crashes or hangs, the group's remaining tests fail with each process's
+  output, and no worker is left running.
+- In workers, collectives time out after $MULTIHOST_TIMEOUT seconds, default
+  60 here (or half the group timeout if smaller), so a test that leaves a
+  peer waiting in a collective fails instead of hanging.
+- The parent pytest process never initializes `jax.distributed` for marked
+  tests; unmarked tests run in the parent as usual. Fixtures of a marked test
+  are set up in the workers, once per process.
+- `multihost_tmp_path` is a fresh folder per test shared by all processes of
+  a marked test (a plain `tmp_path` differs between processes); in unmarked
+  tests it is `tmp_path`.
+
+Tests that kill processes (failure drills) should not use the marker; start
+controllers with `multihost.launch.Controllers` instead and send signals to
+`cluster.pids`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytest
+
+MARKER = 'multihost'
+# Set in worker pytest sessions: the folder where they write their results.
+WORKER_ENV = 'MULTIHOST_PYTEST_WORKER'
+# Seconds a worker waits at the per-test barriers.
+BARRIER_TIMEOUT_ENV = 'MULTIHOST_PYTEST_BARRIER_TIMEOUT'
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+_OUTPUT_TAIL_LINES = 60
+_KV_ROOT = 'multihost-pytest'
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line(
+      'markers',
+      f'{MARKER}(num_processes=2, devices_per_process=1, timeout='
+      f'{DEFAULT_TIMEOUT_S:g}): run the test body in num_processes real JAX '
+      'controllers (multihost.testing).')
+  results_dir = os.environ.get(WORKER_ENV)
+  if results_dir:
+    config.pluginmanager.register(_Worker(config, results_dir),
+                                  'multihost-worker')
+  else:
+    config.pluginmanager.register(_Parent(config), 'multihost-parent')
+
+
+@pytest.fixture
+def multihost_tmp_path(request: pytest.FixtureRequest,
+                       tmp_path: pathlib.Path) -> pathlib.Path:
+  """A fresh folder for this test, the same folder on every process."""
+  worker = request.config.pluginmanager.get_plugin('multihost-worker')
+  if worker is None:
+    return tmp_path
+  return worker.shared_path(request.node)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+  """What a group of marked tests shares: one launch runs them all."""
+  module: str
+  num_processes: int
+  devices_per_process: int
+  timeout: float
+
+
+def marker_spec(item: pytest.Item) -> GroupSpec | None:
+  """The test's group, or None when it is not marked.
+
+  Raises:
+    pytest.UsageError: the marker's arguments are invalid (named).
+  """
+  marker = item.get_closest_marker(MARKER)
+  if marker is None:
+    return None
+
+  def spec(num_processes: int = 2, devices_per_process: int = 1,
+           timeout: float = DEFAULT_TIMEOUT_S) -> GroupSpec:
+    if not (isinstance(num_processes, int) and num_processes >= 1 and
+            isinstance(devices_per_process, int) and devices_per_process >= 1
+            and timeout > 0):
+      raise ValueError(
+          f'got num_processes={num_processes!r}, devices_per_process='
+          f'{devices_per_process!r}, timeout={timeout!r}')
+    return GroupSpec(item.nodeid.split('::', 1)[0], num_processes,
+                     devices_per_process, float(timeout))
+
+  try:
+    return spec(*marker.args, **marker.kwargs)
+  except (TypeError, ValueError) as e:
+    raise pytest.UsageError(
+        f'{item.nodeid}: invalid @pytest.mark.{MARKER}(...): {e}. Use '
+        f'@pytest.mark.{MARKER}(num_processes=2, devices_per_process=1, '
+        'timeout=300) with positive integers and a positive timeout.'
+    ) from None
+
+
+# The parent: groups marked tests, launches workers, reports their results.
+
+
+@dataclasses.dataclass
+class _Record:
+  """One phase report of one test on one process, as a worker wrote it."""
+  outcome: str
+  longrepr: str
+  sections: list[tuple[str, str]]
+  duration: float
+  skip_location: tuple[str, int, str] | None
+  wasxfail: str | None
+  peer_failure: bool
+
+
+class _Parent:
+  """Runs marked tests' groups in workers and reports them one by one."""
+
+  def __init__(self, config: pytest.Config):
+    self._config = config
+    self._groups: dict[GroupSpec, list[pytest.Item]] = {}
+    # nodeid -> per process -> when -> record; filled as groups run.
+    self._records: dict[str, list[dict[str, _Record]]] = {}
+    self._launch_info: dict[GroupSpec, Any] = {}
+    self.launches = 0
+
+  def pytest_collection_finish(self, session: pytest.Session) -> None:
+    self._groups.clear()
+    for item in session.items:
+      spec = marker_spec(item)
+      if spec is not None:
+        self._groups.setdefault(spec, []).append(item)
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_runtest_protocol(self, item: pytest.Item,
+                              nextitem: pytest.Item | None) -> bool | None:
+    del nextitem
+    spec = marker_spec(item)
+    if spec is None:
+      return None
+    if spec not in self._launch_info:
+      self._run_group(spec)
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in self._reports(item, spec):
+      ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+  def _run_group(self, spec: GroupSpec) -> None:
+    from multihost import launch  # Not at import: keep plugin loading cheap.
+
+    items = self._groups.get(spec, [])
+    config = self._config
+    results_dir = tempfile.mkdtemp(prefix='multihost-pytest-')
+    command = [sys.executable, '-m', 'pytest', '-q', '--no-header',
+               '-p', 'no:cacheprovider', f'--rootdir={config.rootpath}']
+    if config.inipath is not None:
+      command.append(f'--config-file={config.inipath}')
+    if config.pluginmanager.get_plugin('multihost') is not sys.modules[
+        __name__] or os.environ.get('PYTEST_DISABLE_PLUGIN_AUTOLOAD'):
+      command += ['-p', 'multihost.testing']
+    command += [item.nodeid for item in items]
+    env = {WORKER_ENV: results_dir,
+           BARRIER_TIMEOUT_ENV: str(spec.timeout)}
+    if not os.environ.get('MULTIHOST_TIMEOUT'):
+      env['MULTIHOST_TIMEOUT'] = str(
+          min(DEFAULT_COLLECTIVE_TIMEOUT_S, spec.timeout / 2))
+    try:
+      result = launch.launch(
+          command, num_processes=spec.num_processes,
+          devices_per_process=spec.devices_per_process, timeout=spec.timeout,
+          env=env, cwd=config.rootpath)
+      self.launches += 1
+      self._launch_info[spec] = result
+      for i in range(spec.num_processes):
+        path = os.path.join(results_dir, f'p{i}.jsonl')
+        for record in _read_records(path):
+          per_process = self._records.setdefault(
+              record.pop('nodeid'),
+              [{} for _ in range(spec.num_processes)])
+          when = record.pop('when')
+          per_process[i][when] = _Record(**record)
+    finally:
+      shutil.rmtree(results_dir, ignore_errors=True)
+
+  def _reports(self, item: pytest.Item,
+               spec: GroupSpec) -> list[pytest.TestReport]:
+    n = spec.num_processes
+    per_process = self._records.get(item.nodeid, [{} for _ in range(n)])
+    result = self._launch_info[spec]
+    reports = []
+    for when in ('setup', 'call', 'teardown'):
+      records = [p.get(when) for p in per_process]
+      if any(r is None for r in records):
+        reports.append(self._incomplete(item, spec, per_process, result,
+                                        when=when))
+        break
+      reports.append(_combine(item, spec, when, records))
+      if when == 'setup' and reports[-1].outcome != 'passed':
+        break  # Like pytest: no call phase after a failed or skipped setup.
+    if reports[-1].when != 'teardown':
+      reports.append(_report(item, 'teardown', 'passed', None))
+    return reports
+
+  def _incomplete(self, item: pytest.Item, spec: GroupSpec,
+                  per_process: list[dict[str, _Record]], result: Any,
+                  when: str = 'call') -> pytest.TestReport:
+    """A failure report for a test that did not complete on every process."""
+    n = spec.num_processes
+    missing = [i for i in range(n) if per_process[i].get('teardown') is None]
+    started = [i for i in range(n) if per_process[i].get('setup') is not None]
+    if result.timed_out:
+      why = (f'the group of {item.nodeid.split("::")[0]} '
+             f'(num_processes={n}, devices_per_process='
+             f'{spec.devices_per_process}) hit its timeout of '
+             f'{spec.timeout:g} s and was stopped. Pass a larger '
+             f'@pytest.mark.{MARKER}(..., timeout=...) if it needs longer, '
+             'or look for a process waiting in a collective a peer did not '
+             'call')
+    else:
+      why = 'the worker processes stopped early'
+    lines = [f'multihost: this test did not complete on processes {missing} '
+             f'of {n}: {why}.']
+    if not started:
+      lines.append('It never started: an earlier test of the same group '
+                   'crashed or hung (see that test\'s report).')
+    lines += ['', result.summary]
+    sections = []
+    if started:  # Show the output only where it explains something.
+      for i, out in enumerate(result.outputs):
+        tail = out.splitlines()[-_OUTPUT_TAIL_LINES:]
+        sections.append((f'Output of process {i} (last {len(tail)} lines)',
+                         '\n'.join(f'[p{i}] {line}' for line in tail)))
+    return _report(item, when, 'failed', '\n'.join(lines), sections=sections)
+
+
+def _read_records(path: str) -> list[dict[str, Any]]:
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = f.read().splitlines()
+  except FileNotFoundError:
+    return []
+  records = []
+  for line in lines:
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:  # A worker killed mid-write.
+      break
+  return records
+
+
+def _report(item: pytest.Item, when: str, outcome: str, longrepr: Any, *,
+            sections=(), duration: float = 0.0,
+            wasxfail: str | None = None) -> pytest.TestReport:
+  extra = {} if wasxfail is None else {'wasxfail': wasxfail}
+  return pytest.TestReport(
+      item.nodeid, item.location, {k: 1 for k in item.keywords}, outcome,
+      longrepr, when, sections=list(sections), duration=duration,
+      user_properties=list(item.user_properties), **extra)
+
+
+def _combine(item: pytest.Item, spec: GroupSpec, when: str,
+             records: list[_Record]) -> pytest.TestReport:
+  """One report from every process's report of the same phase."""
+  n = spec.num_processes
+  # A process that passed but was told a peer failed does not count twice.
+  outcomes = ['passed' if r.peer_failure else r.outcome for r in records]
+  duration = max(r.duration for r in records)
+  sections = [(f'{title} [p{i}]', _prefix(i, text) + '\n')
+              for i, r in enumerate(records) for title, text in r.sections]
+  if 'failed' in outcomes:
+    failing = [i for i, o in enumerate(outcomes) if o == 'failed']
+    parts = [f'multihost: {when} failed on process(es) {failing} of {n} '
+             f'(devices_per_process={spec.devices_per_process}).']
+    for i in failing:
+      parts += ['', f'{"=" * 20} process {i} {"=" * 20}',
+                _prefix(i, records[i].longrepr)]
+    return _report(item, when, 'failed', '\n'.join(parts), sections=sections,
+                   duration=duration)
+  if all(o == 'skipped' for o in outcomes):
+    first = records[0]
+    longrepr = (tuple(first.skip_location) if first.skip_location
+                else first.longrepr)
+    return _report(item, when, 'skipped', longrepr, sections=sections,
+                   duration=duration, wasxfail=first.wasxfail)
+  if all(o == 'passed' for o in outcomes):
+    return _report(item, when, 'passed', None, sections=sections,
+                   duration=duration)
+  skipped = [i for i, o in enumerate(outcomes) if o == 'skipped']
+  passed = [i for i, o in enumerate(outcomes) if o == 'passed']
+  reasons = '; '.join(f'p{i}: {records[i].longrepr}' for i in skipped)
+  return _report(
+      item, when, 'failed',
+      f'multihost: {when} was skipped on process(es) {skipped} ({reasons}) '
+      f'but passed on {passed}. Every process must make the same skip '
+      'decision; skip before the test runs (a marker) or on every process.',
+      sections=sections, duration=duration)
+
+
+def _prefix(index: int, text: str) -> str:
+  return '\n'.join(f'[p{index}] {line}' for line in text.splitlines())
+
+
+# The worker: one pytest session per process, in step with its peers.
+
+
+class _Worker:
+  """Runs in each worker pytest session: initialize, barriers, results."""
+
+  def __init__(self, config: pytest.Config, results_dir: str):
+    import multihost  # Before any test module can touch JAX devices.
+
+    self._config = config
+    self._dir = pathlib.Path(results_dir)
+    self._index = int(os.environ.get('JAX_PROCESS_ID', '0'))
+    self._timeout = float(os.environ.get(BARRIER_TIMEOUT_ENV,
+                                         DEFAULT_TIMEOUT_S))
+    self._out = open(self._dir / f'p{self._index}.jsonl', 'a',
+                     encoding='utf-8')
+    self._seq = -1
+    self._failed = False
+    self._start_error: BaseException | None = None
+    self._peer_failed: set[str] = set()
+    multihost.initialize()
+
+  def shared_path(self, item: pytest.Item) -> pathlib.Path:
+    name = re.sub(r'[^\w.-]+', '_', item.name)[:60]
+    path = self._dir / 'shared' / f'{self._seq:04d}-{name}'
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+  def _exchange(self, phase: str, payload: Any) -> list[Any]:
+    """Gathers `payload` from every process, in a namespace of its own.
+
+    The keys and barrier are numbered by test, not by the collective call
+    counter, so a test that left collectives unmatched on some process cannot
+    pair them with these exchanges.
+    """
+    from multihost import _coordination, _exchange, _runtime
+
+    count = _runtime.process_count()
+    if count == 1:
+      return [payload]
+    prefix = f'{_KV_ROOT}/{self._seq}/{phase}/'
+    _coordination.kv_set(prefix + str(self._index), pickle.dumps(payload))
+    _exchange.barrier(prefix, f'pytest {phase} barrier', timeout=self._timeout)
+    messages: list[Any] = [None] * count
+    for key, value in _coordination.kv_dir(prefix):
+      messages[int(key.rsplit('/', 1)[1])] = pickle.loads(value)
+    return messages
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> None:
+    """Enters the test through a barrier that checks all run the same test."""
+    del nextitem
+    from multihost import _runtime
+
+    self._seq += 1
+    self._failed = False
+    self._start_error = None
+    try:
+      # Each process's next collective number: all restart from the largest,
+      # so collectives stay matched even after a test left some unmatched.
+      mine = (item.nodeid, _runtime.next_call_id())
+      everyone = self._exchange('start', mine)
+      ids = [m[0] for m in everyone]
+      if len(set(ids)) != 1:
+        raise RuntimeError(
+            f'[process={self._index}] the worker processes are not running '
+            f'the same test: {dict(enumerate(ids))}. This is a bug in '
+            'multihost.testing; please report it.')
+      counter = getattr(_runtime, '_call_counter', None)
+      if counter is not None:
+        import itertools
+        _runtime._call_counter = itertools.count(
+            max(m[1] for m in everyone) + 1)
+    except BaseException as e:  # noqa: BLE001  Reported as the test's error.
+      self._start_error = e
+    return None
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_runtest_setup(self, item: pytest.Item) -> None:
+    if self._start_error is not None:
+      item.session.shouldstop = (
+          'multihost: the processes could not meet at the start of '
+          f'{item.nodeid}')
+      raise self._start_error
+
+  @pytest.hookimpl(wrapper=True)
+  def pytest_runtest_makereport(self, item: pytest.Item, call):
+    report = yield
+    if report.failed:
+      self._failed = True
+    if call.when != 'teardown' or self._start_error is not None:
+      return report
+    try:
+      failed = self._exchange('end', self._failed)
+    except BaseException as e:  # noqa: BLE001
+      item.session.shouldstop = (
+          f'multihost: the processes could not meet at the end of '
+          f'{item.nodeid}')
+      report.outcome = 'failed'
+      report.longrepr = f'{type(e).__name__}: {e}'
+      return report
+    others = [i for i, f in enumerate(failed) if f and i != self._index]
+    if others and not self._failed:
+      report.outcome = 'failed'
+      report.longrepr = (
+          f'[process={self._index}] passed here, but the test failed on '
+          f'process(es) {others}; see their output.')
+      self._peer_failed.add(item.nodeid)
+    return report
+
+  def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+    skip_location = None
+    longrepr = ''
+    if report.longrepr is not None:
+      if isinstance(report.longrepr, tuple):
+        skip_location = [str(x) for x in report.longrepr]
+        skip_location[1] = int(report.longrepr[1])
+        longrepr = str(report.longrepr[2])
+      else:
+        longrepr = str(report.longrepr)
+    record = dict(
+        nodeid=report.nodeid, when=report.when, outcome=report.outcome,
+        longrepr=longrepr, sections=[list(s) for s in report.sections],
+        duration=report.duration, skip_location=skip_location,
+        wasxfail=getattr(report, 'wasxfail', None),
+        peer_failure=(report.when == 'teardown' and
+                      report.nodeid in self._peer_failed))
+    self._out.write(json.dumps(record) + '\n')
+    self._out.flush()
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_sessionfinish(self, session: pytest.Session,
+                           exitstatus: int) -> None:
+    self._out.close()
+    # Failed tests are reported through the results; a non-zero exit status
+    # means the worker itself broke.
+    if exitstatus == pytest.ExitCode.TESTS_FAILED:
+      session.exitstatus = pytest.ExitCode.OK
