@@ -142,7 +142,7 @@ class LinearRegression:
     g = 2 * x.T @ residual / self.batch_size
     tol = dict(rtol=recovery.RTOL, atol=recovery.ATOL)
     np.testing.assert_allclose(loss, np.mean(residual**2), rtol=1e-4,
-                               err_msg='loss differs from the host check')
+                               atol=recovery.ATOL, err_msg='loss differs from the host check')
     np.testing.assert_allclose(new['momentum'],
                                MOMENTUM * old['momentum'] + g, **tol,
                                err_msg='momentum differs from the host check')
@@ -253,7 +253,7 @@ def main(argv):
           print('Replay losses: ' + json.dumps(
               [[r.reference_loss, r.replayed_loss] for r in replay]), flush=True)
   except (recovery.CheckpointError, recovery.ReplayMismatchError,
-          multihost.ConsistencyError) as e:
+          recovery.StepCheckError, multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')
   except KeyboardInterrupt:
     _fail(f'{prefix} Interrupted (Ctrl-C). Committed checkpoints in '

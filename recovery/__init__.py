@@ -20,6 +20,7 @@ from recovery._digest import (
 from recovery._loop import (
     ResilientLoop as ResilientLoop,
     RunResult as RunResult,
+    StepCheckError as StepCheckError,
     StepRecord as StepRecord,
 )
 from recovery._state import (

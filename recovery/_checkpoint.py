@@ -52,7 +52,8 @@ class Checkpoints:
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
-               keep: int = 3, async_save: bool = True):
+               keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
     if save_every < 1 or keep < 1:
       raise ValueError(
           f'save_every and keep must be >= 1; got save_every={save_every}, '
@@ -60,7 +61,13 @@ class Checkpoints:
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = int(save_every)
     self.keep = int(keep)
-    _ensure_writable(self.directory)
+    self.read_only = read_only
+    if read_only:
+      if not os.path.isdir(self.directory):
+        raise CheckpointError(
+            f'{_prefix()} Checkpoint folder {self.directory} does not exist.')
+    else:
+      _ensure_writable(self.directory)
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
       logging.warning(
@@ -71,12 +78,15 @@ class Checkpoints:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep,
         enable_async_checkpointing=async_save,
-        create=True,
+        create=not read_only,
+        read_only=read_only,
         cleanup_tmp_directories=False,
     )
     try:
       self._manager = ocp.CheckpointManager(
-          self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
+          self.directory, options=options,
+          item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
+                         META_ITEM: ocp.JsonCheckpointHandler()})
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Cannot open checkpoint folder {self.directory}: '
@@ -110,6 +120,22 @@ class Checkpoints:
           f'{FORMAT} checkpoint (metadata keys: {sorted(meta)}). '
           f'{self._fallback_hint(step)}')
     return meta
+
+  def stored_tree(self, step: int) -> PyTree:
+    """The stored state's tree of `np.zeros` with the stored shapes and dtypes.
+
+    A restore target for tools that have no model at hand (such as
+    `bin/verify_checkpoint.py`); it restores every leaf as a NumPy array.
+    """
+    try:
+      meta = self._manager.item_metadata(step)[STATE_ITEM]
+      tree = meta.tree if hasattr(meta, 'tree') else meta
+      return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'{_prefix()} Checkpoint step {step} in {self.directory} has '
+          f'unreadable array metadata ({type(e).__name__}: {_short(e)}). '
+          f'{self._fallback_hint(step)}') from e
 
   def _fallback_hint(self, step: int) -> str:
     older = [s for s in self.steps() if s < step]

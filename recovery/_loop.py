@@ -28,6 +28,10 @@ DataFn = Callable[[np.ndarray], PyTree]
 CheckFn = Callable[[PyTree, PyTree, np.ndarray, float], None]
 
 
+class StepCheckError(AssertionError):
+  """A step's result disagreed with the user's independent check."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
   """What one step did: its number (after the step), epoch, sample ids, loss."""
@@ -90,7 +94,12 @@ class ResilientLoop:
     user, loss = self.step_fn(state.user, batch)
     loss = float(_digest.host_value(loss))
     if self.check_fn is not None:
-      self.check_fn(state.user, user, ids, loss)
+      try:
+        self.check_fn(state.user, user, ids, loss)
+      except AssertionError as e:
+        raise StepCheckError(
+            f'{_prefix()} Step {state.step + 1} (sample ids {ids.tolist()}) '
+            f'failed its independent check: {e}') from e
     nxt = nxt.replace(user=user, step=state.step + 1)
     return nxt, StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids, loss=loss)
 
