@@ -32,10 +32,10 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
 
   Collective: every process must call this, in the same order.
 
-  Each process digests every leaf of the whole state (user state, PRNG key,
-  data order, cursor, epoch, step) and `multihost.assert_equal` compares the
-  digests, so a mismatch raises on every process, naming the leaf paths and
-  the processes that differ.
+  `multihost.assert_equal` compares every leaf of the whole state (user
+  state, PRNG key data, data order, cursor, epoch, step) across processes, so
+  a mismatch raises on every process, naming the leaf paths and the
+  processes that differ.
 
   Args:
     state: a `TransitionState` or an already flattened checkpoint tree.
@@ -49,17 +49,15 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
     multihost.ConsistencyError: the controllers hold different states.
   """
   tree = state.to_tree() if isinstance(state, TransitionState) else state
-  digests = _digest.leaf_digests(tree)
   if jax.process_count() > 1:
-    payload = {name: np.frombuffer(bytes.fromhex(d), np.uint8)
-               for name, d in digests.items()}
     multihost.assert_equal(
-        payload,
-        f'{what}: the controllers hold different transition states (leaf '
-        'digests differ). Every controller must run the same step function '
-        'on the same data from the same restored state; look for '
-        'process-dependent randomness, data or code in the differing leaves.',
+        tree,
+        f'{what}: the controllers hold different transition states. Every '
+        'controller must run the same step function on the same data from '
+        'the same restored state; look for process-dependent randomness, data '
+        'or code behind the differing leaves.',
         timeout=timeout)
+  digests = _digest.leaf_digests(tree)
   return digests
 
 
