@@ -607,7 +607,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            cwd: str | os.PathLike[str] | None = None,
            stream: TextIO | None = None,
            summary_stream: TextIO | None = None,
-           forward_signals: bool = False) -> LaunchResult:
+           forward_signals: bool = False,
+           kill_wait: float = DEFAULT_KILL_WAIT_S) -> LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
   Args:
@@ -622,13 +623,16 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     summary_stream: where to print the summary at the end (None: don't).
     forward_signals: stop the run on SIGINT/SIGTERM to this process (main
       thread only; used by the command-line launcher).
+    kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
+      (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
 
   Returns:
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
   """
   cluster = Controllers(command, num_processes=num_processes,
                         devices_per_process=devices_per_process, env=env,
-                        cwd=cwd, grace_period=grace_period, stream=stream)
+                        cwd=cwd, grace_period=grace_period, stream=stream,
+                        kill_wait=kill_wait)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:

@@ -196,8 +196,11 @@ class _Parent:
     items = self._groups.get(spec, [])
     config = self._config
     results_dir = tempfile.mkdtemp(prefix='multihost-pytest-')
+    # tee-sys: a test's prints reach its report AND the process's output,
+    # which the parent shows when a worker crashes or hangs mid-test.
     command = [sys.executable, '-m', 'pytest', '-q', '--no-header',
-               '-p', 'no:cacheprovider', f'--rootdir={config.rootpath}']
+               '--capture=tee-sys', '-p', 'no:cacheprovider',
+               f'--rootdir={config.rootpath}']
     if config.inipath is not None:
       command.append(f'--config-file={config.inipath}')
     if config.pluginmanager.get_plugin('multihost') is not sys.modules[
@@ -213,7 +216,7 @@ class _Parent:
       result = launch.launch(
           command, num_processes=spec.num_processes,
           devices_per_process=spec.devices_per_process, timeout=spec.timeout,
-          env=env, cwd=config.rootpath)
+          env=env, cwd=config.rootpath, kill_wait=1.0)
       self.launches += 1
       self._launch_info[spec] = result
       for i in range(spec.num_processes):
@@ -261,6 +264,10 @@ class _Parent:
              f'@pytest.mark.{MARKER}(..., timeout=...) if it needs longer, '
              'or look for a process waiting in a collective a peer did not '
              'call')
+    elif result.first_failure is not None:
+      from multihost import launch
+      why = (f'the workers stopped early: process {result.first_failure} '
+             f'ended first, {launch.describe(result.returncodes[result.first_failure])}')
     else:
       why = 'the worker processes stopped early'
     lines = [f'multihost: this test did not complete on processes {missing} '
@@ -400,6 +407,9 @@ class _Worker:
     from multihost import _runtime
 
     self._seq += 1
+    # Marks the test in the process's output, for crash and hang reports.
+    sys.__stderr__.write(f'\n[multihost.testing] start {item.nodeid}\n')
+    sys.__stderr__.flush()
     self._failed = False
     self._start_error = None
     try:

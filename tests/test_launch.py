@@ -1,0 +1,236 @@
+"""Tests of multihost.launch: real processes, real signals, real JAX runs."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from multihost import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SEED = ROOT.parent / 'shared' / 'seeds' / '000_ceec6835a23a2fd6.txt'
+PY = sys.executable
+
+
+def _gone(pid: int) -> bool:
+  """True when no process has this pid (or it is only a zombie)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  try:
+    state = pathlib.Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1]
+  except OSError:
+    return True
+  return state.split()[0] in ('Z', 'X')
+
+
+def _py(code: str) -> list[str]:
+  return [PY, '-c', textwrap.dedent(code)]
+
+
+def test_child_env_lets_jax_detect_the_cluster():
+  """JAX's Open MPI detection finds the coordinator, size and rank we set."""
+  from jax._src.clusters import ompi_cluster  # Checked, not used by launch.
+
+  env = launch.child_env(1, num_processes=3, devices_per_process=2, port=4321,
+                         base={})
+  old = dict(os.environ)
+  try:
+    os.environ.clear()
+    os.environ.update(env)
+    cluster = ompi_cluster.OmpiCluster
+    assert cluster.is_env_present()
+    port_override = os.environ['JAX_COORDINATOR_PORT']
+    assert cluster.get_coordinator_address(None, port_override) == (
+        '127.0.0.1:4321')
+    assert (cluster.get_process_count(), cluster.get_process_id()) == (3, 1)
+  finally:
+    os.environ.clear()
+    os.environ.update(old)
+  assert env['JAX_COORDINATOR_ADDRESS'] == '127.0.0.1:4321'
+  assert env['JAX_COORDINATOR_BIND_ADDRESS'] == '127.0.0.1:4321'
+  assert (env['JAX_NUM_PROCESSES'], env['JAX_PROCESS_ID'],
+          env['JAX_NUM_CPU_DEVICES'], env['JAX_PLATFORMS']) == (
+              '3', '1', '2', 'cpu')
+
+
+def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
+  script = """
+      import jax
+      jax.distributed.initialize()  # No arguments: the environment suffices.
+      from jax.experimental import multihost_utils
+      import numpy as np
+      got = multihost_utils.process_allgather(np.array([jax.process_index()]))
+      print('facts', jax.process_index(), jax.process_count(),
+            jax.local_device_count(), jax.device_count(), got.ravel().tolist())
+      print('second line')
+  """
+  stream = io.StringIO()
+  result = launch.launch(_py(script), num_processes=2, devices_per_process=2,
+                         timeout=60, stream=stream)
+  assert result.ok, result.summary + '\n' + '\n'.join(result.outputs)
+  assert result.returncodes == (0, 0)
+  for i in range(2):
+    assert f'facts {i} 2 2 4 [0, 1]\n' in result.outputs[i]
+    assert f'[p{i}] facts {i} 2 2 4 [0, 1]\n' in stream.getvalue()
+    assert f'[p{i}] second line\n' in stream.getvalue()
+  assert 'exit status 0' in result.summary
+  assert all(_gone(pid) for pid in result.pids)
+
+
+@pytest.mark.parametrize('how, rc, status, text', [
+    ('sys.exit(3)', 3, 3, 'exit status 3'),
+    ('os.kill(os.getpid(), signal.SIGSEGV)', -signal.SIGSEGV,
+     128 + signal.SIGSEGV, 'killed by SIGSEGV'),
+])
+def test_first_failure_stops_the_others_after_the_grace_period(
+    how, rc, status, text):
+  script = f"""
+      import os, signal, sys, time
+      if os.environ['JAX_PROCESS_ID'] == '1':
+        time.sleep(0.3)
+        {how}
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Forces the SIGKILL.
+      print('waiting', flush=True)
+      time.sleep(60)
+  """
+  start = time.monotonic()
+  result = launch.launch(_py(script), num_processes=3, grace_period=0.5,
+                         kill_wait=0.5, timeout=30)
+  took = time.monotonic() - start
+  assert result.first_failure == 1
+  assert result.returncodes[1] == rc
+  assert result.exit_code == status
+  assert result.stopped == (0, 2)
+  assert result.returncodes[0] == result.returncodes[2] == -signal.SIGKILL
+  assert f'First failure: process 1 ({text}' in result.summary
+  assert 'were stopped after the 0.5 s grace period' in result.summary
+  assert not result.timed_out
+  assert took < 10, took
+  assert all(_gone(pid) for pid in result.pids)
+
+
+def test_timeout_stops_everything_and_names_who_was_running():
+  script = """
+      import os, sys, time
+      if os.environ['JAX_PROCESS_ID'] == '0':
+        sys.exit(0)
+      time.sleep(60)
+  """
+  result = launch.launch(_py(script), num_processes=3, timeout=1.0,
+                         kill_wait=0.5)
+  assert result.timed_out
+  assert result.exit_code == launch.TIMEOUT_EXIT_STATUS == 124
+  assert result.still_running_at_timeout == (1, 2)
+  assert result.first_failure is None
+  assert 'processes [1, 2] were still running' in result.summary
+  assert all(_gone(pid) for pid in result.pids)
+
+
+def test_coordinator_death_is_blamed_on_process_0_not_the_survivors():
+  script = """
+      import time
+      import jax
+      jax.distributed.initialize()
+      from jax.experimental import multihost_utils
+      print('ready', flush=True)
+      if jax.process_index() == 0:
+        time.sleep(60)
+      multihost_utils.sync_global_devices('never reached by process 0')
+  """
+  with launch.Controllers(_py(script), num_processes=3,
+                          grace_period=5) as cluster:
+    pids = cluster.pids
+    for i in range(3):
+      assert cluster.wait_for_output(i, 'ready', timeout=60), cluster.outputs
+    time.sleep(0.3)  # Let the others enter the barrier.
+    cluster.kill(0, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert result.first_failure == 0
+  assert result.returncodes[0] == -signal.SIGKILL
+  assert result.exit_code == 128 + signal.SIGKILL
+  # JAX's runtime aborts the survivors on its own, within the grace period.
+  assert result.returncodes[1:] == (-signal.SIGABRT, -signal.SIGABRT), (
+      result.summary)
+  assert result.stopped == ()
+  assert ('Process 0, which hosts the JAX coordination service, died first: '
+          'killed by SIGKILL') in result.summary
+  assert 'aborted the other processes [1, 2] (SIGABRT)' in result.summary
+  assert 'they are not the cause' in result.summary
+  assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize('entry', [
+    ['-m', 'multihost.launch'], [str(ROOT / 'bin' / 'launch.py')]])
+def test_command_line_prefixes_streams_and_propagates_status(entry):
+  child = ('import os, sys; i = os.environ["JAX_PROCESS_ID"]; '
+           'print("hello from", i); sys.exit(5 if i == "1" else 0)')
+  proc = subprocess.run(
+      [PY, *entry, '--num_processes=2', '--grace_period=1', '--',
+       PY, '-c', child], capture_output=True, text=True, timeout=60,
+      cwd=ROOT)
+  assert proc.returncode == 5, proc.stderr
+  assert '[p0] hello from 0\n' in proc.stdout
+  assert '[p1] hello from 1\n' in proc.stdout
+  assert 'First failure: process 1 (exit status 5)' in proc.stderr
+
+
+def test_sigint_to_the_launcher_is_forwarded_and_nothing_survives():
+  # Process 1 ignores SIGINT, so the launcher must follow up with SIGKILL.
+  child = textwrap.dedent("""
+      import os, signal, time
+      if os.environ['JAX_PROCESS_ID'] == '1':
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+      print('pid', os.getpid(), flush=True)
+      time.sleep(60)
+  """)
+  proc = subprocess.Popen(
+      [PY, '-m', 'multihost.launch', '--num_processes=2', '--',
+       PY, '-c', child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, cwd=ROOT)
+  try:
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 and time.monotonic() < deadline:
+      line = proc.stdout.readline()
+      if ' pid ' in line:
+        pids.append(int(line.split()[-1]))
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 128 + signal.SIGINT, err
+  assert 'Interrupted by SIGINT' in err
+  assert 'killed by SIGKILL' in err  # Process 1 ignored the SIGINT.
+  assert all(_gone(pid) for pid in pids)
+
+
+def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
+  if not SEED.exists():
+    pytest.skip(f'the tutorial seed {SEED} is not present in this checkout')
+  script = tmp_path / 'tutorial.py'
+  # The seed is a title line followed by a Python script.
+  script.write_text(SEED.read_text().split('\n', 1)[1])
+  checkpoints = tmp_path / 'checkpoints'
+  checkpoints.mkdir()
+  result = launch.launch(
+      [PY, str(script)], num_processes=2, devices_per_process=2, timeout=120,
+      env={'COURSE_MULTIPROCESS': '1',
+           'COURSE_CHECKPOINT_DIR': str(checkpoints)},
+      cwd=tmp_path)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  for out in result.outputs:
+    assert 'Recorded backend/processes/devices: cpu 2 4' in out
+  assert (checkpoints / 'step-one').is_dir()
