@@ -16,9 +16,11 @@ from multihost._broadcast import (
     broadcast_object as broadcast_object,
     broadcast_one_to_all as broadcast_one_to_all,
 )
+from multihost._digest import (
+    tree_digest as tree_digest,
+)
 from multihost._equal import (
     assert_equal as assert_equal,
-    tree_digest as tree_digest,
 )
 from multihost._errors import (
     CollectiveTimeoutError as CollectiveTimeoutError,

@@ -1,9 +1,139 @@
-"""Broadcast (temporary: delegates to JAX)."""
+"""broadcast_one_to_all and broadcast_object."""
+
+from __future__ import annotations
+
 import pickle
+from typing import Any
+
 import numpy as np
-from jax.experimental import multihost_utils as _m
-def broadcast_one_to_all(in_tree, is_source=None, *, timeout=None):
-  del timeout
-  return _m.broadcast_one_to_all(in_tree, is_source)
-def broadcast_object(obj, is_source=None, *, timeout=None):
-  raise NotImplementedError
+
+from multihost import _device
+from multihost import _errors
+from multihost import _leaves
+from multihost import _protocol
+from multihost import _runtime
+
+PyTree = Any
+
+
+def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
+                         timeout: float | None = None) -> PyTree:
+  """Returns the source process's `in_tree` on every process.
+
+  Collective: every process must call this, in the same order.
+
+  Drop-in for `jax.experimental.multihost_utils.broadcast_one_to_all`: the
+  result is a pytree of numpy arrays (typed PRNG key leaves come back as key
+  arrays), with the dtypes JAX would give on a device. Unlike JAX, it checks
+  that exactly one process is the source, and that every process passes the
+  same tree structure, shapes and dtypes, before moving any data; it moves
+  the whole tree as one packed transfer.
+
+  Args:
+    in_tree: pytree of arrays and scalars; same structure, shapes and dtypes
+      on every process.
+    is_source: whether this process is the source. Default: process 0 is.
+    timeout: seconds to wait for every process (default: the process-wide
+      default, see `multihost.set_default_timeout`).
+
+  Returns:
+    The source's tree, on every process.
+
+  Raises:
+    ConsistencyError: no source, several sources, or different trees.
+    CollectiveTimeoutError: a process did not arrive in time (named).
+  """
+  op = 'broadcast_one_to_all'
+  timeout = _runtime.resolve_timeout(timeout)
+  if is_source is None:
+    is_source = _runtime.process_index() == 0
+  leaves, paths, treedef = _leaves.flatten(in_tree)
+  if any(_leaves.is_global(x) for x in leaves):
+    bad = [p for p, x in zip(paths, leaves, strict=True) if _leaves.is_global(x)]
+    raise ValueError(
+        f'{op}: leaves {bad} are global jax.Arrays that are not fully '
+        'addressable; they are already shared by all processes. Broadcast '
+        'host-local values, or use process_allgather(..., tiled=True) to get '
+        'the full value of a global array.')
+  hosted = [_leaves.to_host(x, op) for x in leaves]
+  values = [v for v, _ in hosted]
+  specs = tuple(s for _, s in hosted)
+  if _runtime.process_count() == 1:
+    if not is_source:
+      raise _errors.ConsistencyError(
+          f'{op}: no process is the source (the only process passed '
+          'is_source=False). Pass is_source=True on exactly one process.')
+    return treedef.unflatten(
+        [_leaves.finish(v.copy(), s) for v, s in zip(values, specs, strict=True)])
+  size = sum(v.nbytes for v in values)
+  inline = is_source and size <= _protocol.INLINE_BYTES
+  header = _protocol.Header(
+      op, str(treedef), tuple(paths), specs, {'source': bool(is_source)},
+      size, _leaves.pack(values).tobytes() if inline else None)
+  headers = _protocol.exchange(header, timeout=timeout)
+  source = _one_source(headers, op)
+  _protocol.check_same_leaves(headers)
+  payload = headers[source].payload
+  if payload is not None:
+    buffer = np.frombuffer(payload, np.uint8)
+  else:
+    buffer = _device.broadcast(_leaves.pack(values) if is_source else None,
+                               size)
+  out = _leaves.unpack(buffer, list(specs))
+  return treedef.unflatten(
+      [_leaves.finish(v, s) for v, s in zip(out, specs, strict=True)])
+
+
+def broadcast_object(obj: Any, is_source: bool | None = None, *,
+                     timeout: float | None = None) -> Any:
+  """Returns the source process's picklable `obj` on every process.
+
+  Collective: every process must call this, in the same order.
+
+  Any picklable value of any size: small ones travel through the
+  coordination service, large ones through one device broadcast. The source
+  gets its own `obj` back; the others get an unpickled copy.
+
+  Args:
+    obj: the value (ignored on processes that are not the source).
+    is_source: whether this process is the source. Default: process 0 is.
+    timeout: seconds to wait for every process.
+
+  Raises:
+    ConsistencyError: no source or several sources.
+    CollectiveTimeoutError: a process did not arrive in time (named).
+  """
+  op = 'broadcast_object'
+  timeout = _runtime.resolve_timeout(timeout)
+  if is_source is None:
+    is_source = _runtime.process_index() == 0
+  if _runtime.process_count() == 1:
+    if not is_source:
+      raise _errors.ConsistencyError(
+          f'{op}: no process is the source (the only process passed '
+          'is_source=False). Pass is_source=True on exactly one process.')
+    return obj
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_source else b''
+  inline = is_source and len(data) <= _protocol.INLINE_BYTES
+  header = _protocol.Header(op, extra={'source': bool(is_source)},
+                            size=len(data), payload=data if inline else None)
+  headers = _protocol.exchange(header, timeout=timeout)
+  source = _one_source(headers, op)
+  payload = headers[source].payload
+  if payload is None:
+    size = headers[source].size
+    received = _device.broadcast(
+        np.frombuffer(data, np.uint8) if is_source else None, size)
+    payload = b'' if is_source else received.tobytes()
+  return obj if is_source else pickle.loads(payload)
+
+
+def _one_source(headers: list[_protocol.Header], op: str) -> int:
+  sources = [p for p, h in enumerate(headers) if h.extra.get('source')]
+  if len(sources) == 1:
+    return sources[0]
+  what = 'no process is' if not sources else f'processes {sources} are all'
+  raise _errors.ConsistencyError(
+      f'{_runtime.log_prefix()} {op}: {what} the source; exactly one process '
+      'must pass is_source=True (by default process 0 is the source). '
+      f'is_source by process: {[bool(h.extra.get("source")) for h in headers]}.')

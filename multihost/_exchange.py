@@ -14,6 +14,7 @@ import time
 
 from multihost import _coordination
 from multihost import _errors
+from multihost import _failure
 from multihost import _runtime
 
 _ROOT = 'multihost'
@@ -82,35 +83,45 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
 
 def translate_failure(error: BaseException, op: str, where: str, *,
                       waited: float, timeout: float) -> _errors.MultihostError:
-  """Turns a coordination-service error into a named multihost exception."""
-  count = _runtime.process_count()
+  """Turns a coordination-service error into a named multihost exception.
+
+  It makes no blocking call: which peers are gone comes from the failure
+  watchdog (`_failure`), or from the error's own text.
+  """
   me = _runtime.process_index()
   message = str(error)
-  everyone = list(range(count))
-  try:
-    alive = _coordination.live_processes(everyone)
-  except Exception:  # The service itself may be gone.  # noqa: BLE001
-    alive = None
-  if alive is not None and len(alive) < count:
-    dead = sorted(set(everyone) - set(alive))
-    return _errors.ProcessFailureError(
-        f'[process={me}] {op}: process(es) {dead} failed (the coordination '
-        f'service no longer sees them alive) after {waited:.1f} s. The '
-        'collective cannot complete; save what you can and restart the job.',
-        operation=op, failed=dead)
-  if alive is None:
+  if _failure.failed_processes():
+    return _failure.failure_error(op, waited=waited, cause=error)
+  if 'UNAVAILABLE' in message and ('coordination service' in message or
+                                   'failed to connect' in message):
     return _errors.ProcessFailureError(
         f'[process={me}] {op}: the coordination service (hosted by process '
         f'0) is unreachable after {waited:.1f} s; process 0 has probably '
         f'failed. Underlying error: {_short(message)}',
         operation=op, failed=[0])
+  if 'heartbeat' in message or 'unhealthy' in message:
+    dead = [t for t in _coordination.tasks_in(message) if t != me]
+    return _errors.ProcessFailureError(
+        f'[process={me}] {op}: process(es) {dead} failed (the coordination '
+        f'service reports missed heartbeats) after {waited:.1f} s. The '
+        'collective cannot complete; save what you can and restart the job.',
+        operation=op, failed=dead)
+  count = _runtime.process_count()
+  everyone = list(range(count))
   missing = [t for t in _coordination.tasks_in(message) if t != me]
   if not missing and where.endswith('/'):
     present = {int(k.rsplit('/', 1)[1])
                for k, _ in _safe_dir(where)}
     missing = [p for p in everyone if p not in present]
   if 'DEADLINE_EXCEEDED' in message or waited >= timeout * 0.99:
-    who = f'process(es) {missing}' if missing else 'some process(es)'
+    if not missing:
+      return _errors.CollectiveTimeoutError(
+          f'[process={me}] {op}: this process arrived late: the other '
+          f'processes had already given up waiting (timeout={timeout:g} s) '
+          f'when it got there after {waited:.1f} s more. Find what delayed '
+          f'process {me}, or pass a larger timeout=.',
+          operation=op, missing=[me], waited=waited)
+    who = f'process(es) {missing}'
     return _errors.CollectiveTimeoutError(
         f'[process={me}] {op}: timed out after {waited:.1f} s (timeout='
         f'{timeout:g} s) waiting for {who} to arrive. Check that every '

@@ -1,7 +1,207 @@
-"""Allgather (temporary: delegates to JAX)."""
-from jax.experimental import multihost_utils as _m
-def process_allgather(in_tree, tiled=False, *, timeout=None):
-  del timeout
-  return _m.process_allgather(in_tree, tiled)
-def allgather_object(obj, *, timeout=None):
-  raise NotImplementedError
+"""process_allgather and allgather_object."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import jax
+import numpy as np
+
+from multihost import _device
+from multihost import _leaves
+from multihost import _protocol
+from multihost import _runtime
+
+PyTree = Any
+
+# All-gathers whose total (per-process payload x processes) is at most this
+# travel through the coordination service; larger ones through the devices.
+_INLINE_TOTAL = 4 * _protocol.INLINE_BYTES
+
+
+def process_allgather(in_tree: PyTree, tiled: bool = False, *,
+                      timeout: float | None = None) -> PyTree:
+  """Gathers `in_tree` from every process; returns numpy arrays.
+
+  Collective: every process must call this, in the same order.
+
+  Drop-in for `jax.experimental.multihost_utils.process_allgather`:
+  * a host-local leaf (numpy array, scalar, fully addressable jax.Array) is
+    stacked along a new axis 0 (`tiled=False`, and always for 0-d leaves) or
+    concatenated along axis 0 (`tiled=True`);
+  * a global jax.Array that is not fully addressable comes back as its full
+    global value; that needs `tiled=True` (there is no per-process axis to
+    stack along), `tiled=False` raises ValueError.
+  Typed PRNG key leaves come back as key arrays. One process gives the same
+  shapes as many. The whole tree moves as one packed transfer, after the
+  processes agree on its structure, shapes and dtypes.
+
+  Args:
+    in_tree: pytree of arrays and scalars; same structure, shapes and dtypes
+      on every process.
+    tiled: concatenate instead of stacking.
+    timeout: seconds to wait for every process.
+
+  Returns:
+    A pytree of numpy arrays with the gathered values.
+
+  Raises:
+    ValueError: a non-fully-addressable array with tiled=False.
+    ConsistencyError: the processes passed different trees, shapes or dtypes.
+    CollectiveTimeoutError: a process did not arrive in time (named).
+  """
+  op = 'process_allgather'
+  timeout = _runtime.resolve_timeout(timeout)
+  leaves, paths, treedef = _leaves.flatten(in_tree)
+  parts: list[np.ndarray] = []   # what this process sends, in order
+  specs: list[_leaves.LeafSpec] = []
+  shards: list[list | None] = []  # per leaf: this process's shard bounds
+  for path, x in zip(paths, leaves, strict=True):
+    if _leaves.is_global(x):
+      if not tiled:
+        raise ValueError(
+            f'{op}: leaf {path} is a global jax.Array that is not fully '
+            f'addressable (shape {x.shape}, sharding {x.sharding}). Its '
+            'processes hold parts of one value, not one value each, so it '
+            'cannot be stacked: pass tiled=True to get its full global '
+            'value.')
+      spec, bounds, datas = _global_parts(x, op)
+      specs.append(spec)
+      shards.append(bounds)
+      parts.extend(datas)
+    else:
+      value, spec = _leaves.to_host(x, op)
+      specs.append(spec)
+      shards.append(None)
+      parts.append(value)
+  count = _runtime.process_count()
+  if count == 1:
+    out = [_assemble(parts_of_leaf, spec, tiled, bounds)
+           for parts_of_leaf, spec, bounds in _by_leaf([parts], specs, [shards])]
+    return treedef.unflatten(out)
+  size = sum(p.nbytes for p in parts)
+  inline = size * count <= _INLINE_TOTAL
+  header = _protocol.Header(
+      op, str(treedef), tuple(paths), tuple(specs),
+      {'shards': shards, 'tiled': bool(tiled)}, size,
+      _leaves.pack(parts).tobytes() if inline else None)
+  headers = _protocol.exchange(header, timeout=timeout)
+  _protocol.check_same_leaves(headers)
+  all_shards = [h.extra['shards'] for h in headers]
+  received = _receive(headers, parts, op)
+  per_process = [
+      _leaves.unpack(buf, _part_specs(specs, s)[0], _part_specs(specs, s)[1])
+      for buf, s in zip(received, all_shards, strict=True)]
+  out = [_assemble(parts_of_leaf, spec, tiled, bounds)
+         for parts_of_leaf, spec, bounds in _by_leaf(per_process, specs,
+                                                     all_shards)]
+  return treedef.unflatten(out)
+
+
+def _receive(headers, parts, op) -> list[np.ndarray]:
+  """Every process's packed bytes, from the headers or one device gather."""
+  if all(h.payload is not None for h in headers):
+    return [np.frombuffer(h.payload, np.uint8) for h in headers]
+  sizes = [h.size for h in headers]
+  rows = _device.allgather(_leaves.pack(parts), max(sizes))
+  return [rows[p, :n] for p, n in enumerate(sizes)]
+
+
+def _global_parts(x: jax.Array, op: str):
+  """Spec, shard bounds and data of this process's distinct shards of x."""
+  key_impl = None
+  if _leaves.is_key(x):
+    key_impl = str(jax.random.key_impl(x))
+    x = jax.random.key_data(x)
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+  spec = _leaves.LeafSpec(tuple(x.shape), np.dtype(dtype).name, key_impl)
+  bounds, datas, seen = [], [], set()
+  for shard in x.addressable_shards:
+    b = tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape,
+                                                 strict=True))
+    if b in seen:
+      continue
+    seen.add(b)
+    bounds.append(b)
+    value, _ = _leaves.to_host(shard.data, op)
+    datas.append(value)
+  return spec, bounds, datas
+
+
+def _part_specs(specs, shards):
+  """The (spec, shape) of every part one process sent, in order."""
+  out_specs, out_shapes = [], []
+  for spec, bounds in zip(specs, shards, strict=True):
+    if bounds is None:
+      out_specs.append(spec)
+      out_shapes.append(spec.shape)
+    else:
+      for b in bounds:
+        out_specs.append(spec)
+        out_shapes.append(tuple(stop - start for start, stop in b))
+  return out_specs, out_shapes
+
+
+def _by_leaf(per_process, specs, all_shards):
+  """Regroups each process's flat parts into [leaf][process][parts]."""
+  cursors = [0] * len(per_process)
+  for i, spec in enumerate(specs):
+    leaf_parts = []
+    for p, parts in enumerate(per_process):
+      bounds = all_shards[p][i]
+      n = 1 if bounds is None else len(bounds)
+      leaf_parts.append(parts[cursors[p]:cursors[p] + n])
+      cursors[p] += n
+    yield leaf_parts, spec, [s[i] for s in all_shards]
+
+
+def _assemble(parts_of_leaf, spec, tiled, bounds_by_process):
+  if bounds_by_process[0] is None:
+    values = [parts[0] for parts in parts_of_leaf]
+    if tiled and len(spec.shape) > 0:
+      out = np.concatenate(values, axis=0)
+    else:
+      out = np.stack(values, axis=0)
+  else:
+    out = np.empty(spec.shape, _leaves.np_dtype(spec.dtype))
+    for parts, bounds in zip(parts_of_leaf, bounds_by_process, strict=True):
+      for data, b in zip(parts, bounds, strict=True):
+        out[tuple(slice(start, stop) for start, stop in b)] = data
+  return _leaves.finish(out, spec)
+
+
+def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
+  """Returns every process's picklable `obj`, as a list in process order.
+
+  Collective: every process must call this, in the same order.
+
+  Any picklable value of any size (they may differ by process): small ones
+  travel through the coordination service, large ones through one device
+  all-gather. This process's own entry is `obj` itself.
+
+  Args:
+    obj: this process's value.
+    timeout: seconds to wait for every process.
+
+  Raises:
+    CollectiveTimeoutError: a process did not arrive in time (named).
+  """
+  op = 'allgather_object'
+  timeout = _runtime.resolve_timeout(timeout)
+  count = _runtime.process_count()
+  if count == 1:
+    return [obj]
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  inline = len(data) <= _protocol.INLINE_BYTES
+  header = _protocol.Header(op, size=len(data),
+                            payload=data if inline else None)
+  headers = _protocol.exchange(header, timeout=timeout)
+  me = _runtime.process_index()
+  if all(h.payload is not None for h in headers):
+    payloads = [h.payload for h in headers]
+  else:
+    sizes = [h.size for h in headers]
+    rows = _device.allgather(np.frombuffer(data, np.uint8), max(sizes))
+    payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
+  return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]

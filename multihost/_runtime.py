@@ -9,6 +9,7 @@ from absl import logging
 import jax
 
 from multihost import _errors
+from multihost import _failure
 
 # Environment variables read by `initialize()` and set by `multihost.launch`.
 ENV_COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
@@ -16,6 +17,11 @@ ENV_NUM_PROCESSES = 'JAX_NUM_PROCESSES'
 ENV_PROCESS_ID = 'JAX_PROCESS_ID'
 ENV_TIMEOUT = 'MULTIHOST_TIMEOUT'
 ENV_HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
+ENV_DETECT_FAILURES = 'MULTIHOST_DETECT_FAILURES'
+
+# With failure detection on, a killed peer is reported within about this many
+# seconds (plus ~1 s); JAX's own default (100 s) is meant for large TPU jobs.
+_DEFAULT_HEARTBEAT_S = 10
 
 _DEFAULT_TIMEOUT_S = 300.0
 _default_timeout: float | None = None  # None: read ENV_TIMEOUT, then the constant.
@@ -100,7 +106,8 @@ def initialize(coordinator_address: str | None = None,
                coordinator_bind_address: str | None = None,
                initialization_timeout: float = 300,
                heartbeat_timeout: float | None = None,
-               shutdown_timeout: float = 300) -> None:
+               shutdown_timeout: float = 300,
+               detect_failures: bool | None = None) -> None:
   """Initializes `jax.distributed`; safe to call when it is already initialized.
 
   Arguments are taken, in order, from: this call; the environment that
@@ -119,8 +126,14 @@ def initialize(coordinator_address: str | None = None,
     initialization_timeout: seconds to wait for every process to connect.
     heartbeat_timeout: seconds without a heartbeat before the coordination
       service declares a process dead. Default: $MULTIHOST_HEARTBEAT_TIMEOUT,
-      else JAX's default.
-    shutdown_timeout: seconds the shutdown barrier waits.
+      else 10 s with failure detection on (JAX's default, 100 s, without).
+    shutdown_timeout: seconds the shutdown barrier waits (with failure
+      detection on: how long process 0 waits at exit for the others).
+    detect_failures: turn on JAX's `jax_enable_recoverability` and start a
+      watchdog, so that when a peer dies every surviving process raises
+      `ProcessFailureError` naming it (within about heartbeat_timeout + 1 s)
+      instead of being aborted by JAX. Default: on, unless
+      $MULTIHOST_DETECT_FAILURES=0 or $JAX_ENABLE_RECOVERABILITY is set false.
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
@@ -128,6 +141,7 @@ def initialize(coordinator_address: str | None = None,
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', log_prefix())
+    _failure.ensure_started()
     return
   env = os.environ
   coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
@@ -164,14 +178,35 @@ def initialize(coordinator_address: str | None = None,
   )
   if heartbeat_timeout is None and env.get(ENV_HEARTBEAT):
     heartbeat_timeout = float(env[ENV_HEARTBEAT])
+  detect = _detect_failures(detect_failures)
+  if detect:
+    # Must be set before jax.distributed.initialize (the service reads it).
+    jax.config.update('jax_enable_recoverability', True)
+    if heartbeat_timeout is None:
+      heartbeat_timeout = _DEFAULT_HEARTBEAT_S
   if heartbeat_timeout is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
   jax.distributed.initialize(**kwargs)
+  if detect:
+    _failure.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+                   shutdown_timeout=shutdown_timeout)
   logging.info('%s jax.distributed initialized: %d processes, %d local '
                'devices.', log_prefix(), jax.process_count(),
                jax.local_device_count())
+
+
+def _detect_failures(detect_failures: bool | None) -> bool:
+  """Whether to turn on failure detection (see `initialize`)."""
+  if detect_failures is not None:
+    return bool(detect_failures)
+  off = ('0', 'false', 'no', 'off')
+  if os.environ.get(ENV_DETECT_FAILURES, '').strip().lower() in off:
+    return False
+  if os.environ.get('JAX_ENABLE_RECOVERABILITY', '').strip().lower() in off:
+    return False
+  return True
 
 
 def _cluster_env() -> bool:

@@ -1,0 +1,89 @@
+"""Device collectives over bytes: one packed transfer per call.
+
+Payloads too large for the coordination service move here, as one uint8
+buffer per process, over a 1-D mesh with one device per process (the
+lowest-id device of each). Buffer lengths are rounded up to a few sizes so
+that a handful of compiled programs serve every call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+_AXIS = 'processes'
+
+
+@functools.cache
+def _mesh() -> jax.sharding.Mesh:
+  by_process: dict[int, jax.Device] = {}
+  for d in jax.devices():
+    best = by_process.get(d.process_index)
+    if best is None or d.id < best.id:
+      by_process[d.process_index] = d
+  devices = [by_process[p] for p in range(jax.process_count())]
+  return jax.sharding.Mesh(np.array(devices), (_AXIS,))
+
+
+def _my_device() -> jax.Device:
+  return _mesh().devices[jax.process_index()]
+
+
+def bucket(n: int) -> int:
+  """Rounds n up so that at most ~12% is padding and sizes repeat."""
+  if n <= 4096:
+    return 4096
+  step = 1 << max(12, (n - 1).bit_length() - 3)
+  return -(-n // step) * step
+
+
+def _row(buffer: np.ndarray, length: int) -> jax.Array:
+  """This process's (1, length) row of a (P, length) global array."""
+  mesh = _mesh()
+  row = np.zeros((1, length), np.uint8)
+  row[0, :buffer.size] = buffer
+  local = jax.device_put(row, _my_device())
+  sharding = jax.sharding.NamedSharding(mesh, jax.P(_AXIS))
+  return jax.make_array_from_single_device_arrays(
+      (mesh.size, length), sharding, [local])
+
+
+@functools.cache
+def _gather_fn():
+  replicated = jax.sharding.NamedSharding(_mesh(), jax.P())
+  return jax.jit(lambda x: x, out_shardings=replicated)
+
+
+@functools.cache
+def _sum_fn():
+  mesh = _mesh()
+  body = jax.shard_map(lambda x: jax.lax.psum(x, _AXIS), mesh=mesh,
+                       in_specs=jax.P(_AXIS), out_specs=jax.P())
+  return jax.jit(body)
+
+
+def allgather(buffer: np.ndarray, length: int) -> np.ndarray:
+  """Gathers every process's uint8 buffer; returns a (P, >=length) array.
+
+  Collective: every process must call this, in the same order, with the
+  same `length` (>= every buffer's size).
+  """
+  padded = bucket(length)
+  out = _gather_fn()(_row(buffer, padded))
+  return np.asarray(out.addressable_data(0))
+
+
+def broadcast(buffer: np.ndarray | None, length: int) -> np.ndarray:
+  """Returns the source's `length` bytes on every process.
+
+  Collective: every process must call this, in the same order, with the
+  same `length`; exactly one process passes a buffer (the others None).
+  Memory per process is about two buffers, whatever the process count:
+  it is a sum in which every process but the source adds zeros.
+  """
+  padded = bucket(length)
+  source = np.zeros(0, np.uint8) if buffer is None else buffer
+  out = _sum_fn()(_row(source, padded))
+  return np.asarray(out.addressable_data(0)).reshape(-1)[:length]

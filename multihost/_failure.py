@@ -1,0 +1,391 @@
+"""Process-failure detection: a watchdog on the coordination service's liveness.
+
+When a peer is killed, JAX does not tell the survivors in a way Python can
+catch: with `jax_enable_recoverability` off, every survivor is aborted
+(SIGABRT) at the heartbeat timeout; with it on, nothing is aborted, but a
+coordination-service barrier waits for the dead process until its own
+timeout, and a gloo device collective waits forever on every process that is
+not a ring neighbour of the dead one (neighbours get "Connection closed by
+peer" at once). Measured on JAX 0.10.2; see the README's failure section.
+
+So, with recoverability on (`multihost.initialize()` turns it on):
+
+* A daemon thread per process (the watchdog) asks the coordination service
+  which processes are alive, every `POLL_INTERVAL_S`. The service drops a
+  process when its heartbeats stop for `heartbeat_timeout` seconds, so a
+  failure is seen within about heartbeat_timeout + POLL_INTERVAL_S.
+* Every blocking step of a collective runs through `call()`: in a worker
+  thread, while the calling thread waits for it or for the watchdog. When the
+  watchdog sees a peer gone, the caller raises `ProcessFailureError` naming
+  it, even if the worker is stuck in C++ (it is abandoned: this process can
+  no longer run collectives, but it can save local state, log, and exit).
+* Once a failure is known, every later collective raises at once (`check`).
+* At exit, each process records that it is leaving, so a peer that exits
+  normally is reported as "exited", not "failed"; and process 0, which hosts
+  the service, waits for the others to leave before it takes the service
+  down with it (the shutdown barrier JAX skips when recoverability is on).
+
+Not covered: the death of process 0 itself. It hosts the coordination
+service, and the C++ client of every other process aborts the process
+(SIGABRT, "Terminating process because the JAX distributed service detected
+fatal errors") about 1 ms after the connection drops, before any Python code
+can run; a Python `missed_heartbeat_callback` cannot replace that abort in
+jaxlib 0.10.2 (the callback's status argument fails to convert: std::bad_cast
+and std::terminate). The launcher reports it (process 0 died first).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from absl import logging
+import jax
+
+from multihost import _coordination
+from multihost import _errors
+
+POLL_INTERVAL_S = 0.5
+# Where each process records a normal exit in the key-value store.
+_EXIT_DIR = 'multihost_exit/'
+# Errors from a device collective whose peer went away.
+_PEER_LOSS_MARKERS = ('Connection closed by peer', 'Connection reset by peer',
+                      'Broken pipe', 'Connection refused')
+
+
+class _State:
+  """What the watchdog knows; guarded by `cond`."""
+
+  def __init__(self):
+    self.cond = threading.Condition()
+    self.running = False
+    self.stopping = False
+    self.me = 0
+    self.count = 1
+    self.heartbeat_timeout = 100.0
+    self.shutdown_timeout = 300.0
+    self.failed: dict[int, float] = {}  # process -> time.monotonic() seen.
+    self.exited: set[int] = set()
+    self.service_lost = False
+    self.thread: threading.Thread | None = None
+    self.worker: _Worker | None = None
+    self.abandoned = False  # A worker is stuck in a collective.
+
+
+_state = _State()
+
+
+def recoverability_enabled() -> bool:
+  """Whether `jax_enable_recoverability` is on (it must be before initialize)."""
+  return bool(jax.config.jax_enable_recoverability)
+
+
+def is_running() -> bool:
+  return _state.running
+
+
+def detection_bound() -> float:
+  """Seconds within which the watchdog reports a peer that was killed."""
+  return _state.heartbeat_timeout + 2 * POLL_INTERVAL_S + 1.0
+
+
+def start(*, heartbeat_timeout: float, shutdown_timeout: float = 300.0) -> bool:
+  """Starts the watchdog (once); returns whether it runs.
+
+  It runs only with more than one process, `jax.distributed` initialized and
+  `jax_enable_recoverability` on (without it, JAX aborts the survivors
+  itself). Every process must start it: asking the service which processes
+  are alive is a rendezvous of all live processes.
+
+  Args:
+    heartbeat_timeout: the `heartbeat_timeout_seconds` given to
+      `jax.distributed.initialize` (bounds the detection time).
+    shutdown_timeout: how long process 0 waits at exit for the others.
+  """
+  st = _state
+  with st.cond:
+    if st.running:
+      return True
+    if (_coordination.client() is None or jax.process_count() == 1
+        or not recoverability_enabled()):
+      return False
+    st.me = jax.process_index()
+    st.count = jax.process_count()
+    st.heartbeat_timeout = float(heartbeat_timeout)
+    st.shutdown_timeout = float(shutdown_timeout)
+    st.running = True
+    st.stopping = False
+    st.thread = threading.Thread(target=_watch, name='multihost-watchdog',
+                                 daemon=True)
+    st.thread.start()
+  # Registered after `import jax`, so it runs before JAX's own atexit
+  # shutdown of the distributed client.
+  atexit.register(_at_exit)
+  logging.info('[process=%d] multihost failure watchdog started: a killed '
+               'peer is reported within about %.1f s.', st.me,
+               detection_bound())
+  return True
+
+
+def ensure_started() -> bool:
+  """Starts the watchdog with JAX's default timeouts if nobody did."""
+  if _state.running:
+    return True
+  return start(heartbeat_timeout=100.0)
+
+
+def failed_processes() -> tuple[int, ...]:
+  """Processes the watchdog has seen fail or exit, in index order."""
+  with _state.cond:
+    return tuple(sorted(set(_state.failed) | _state.exited))
+
+
+def check(op: str) -> None:
+  """Raises `ProcessFailureError` if a peer is already known to be gone."""
+  if _state.failed or _state.exited or _state.service_lost:
+    raise failure_error(op, waited=None)
+
+
+def call(op: str, fn: Callable[..., Any], *args: Any,
+         timeout: float | None = None) -> Any:
+  """Runs `fn(*args)`, a blocking step of collective `op`, watched for failures.
+
+  Without a running watchdog (one process, or recoverability off) this is
+  just `fn(*args)`.
+
+  Args:
+    op: the collective's name, for error messages.
+    fn: the blocking step (a coordination-service wait or a device
+      collective); it runs in a worker thread.
+    *args: its arguments.
+    timeout: seconds after which to give up on `fn` (None: never; use it for
+      steps with no timeout of their own, such as gloo collectives).
+
+  Returns:
+    What `fn` returns.
+
+  Raises:
+    ProcessFailureError: a peer failed (named) before `fn` completed, or
+      `fn` failed because a peer's connection dropped.
+    CollectiveTimeoutError: `fn` did not complete within `timeout`.
+    Whatever `fn` raises, otherwise.
+  """
+  st = _state
+  if not st.running:
+    if not ensure_started():
+      return fn(*args)
+  check(op)
+  job = _Job(fn, args)
+  with st.cond:
+    if st.worker is None:
+      st.worker = _Worker()
+    worker = st.worker
+  worker.submit(job)
+  start_time = time.monotonic()
+  deadline = None if timeout is None else start_time + timeout
+  with st.cond:
+    while not job.done and not (st.failed or st.exited or st.service_lost):
+      remaining = None if deadline is None else deadline - time.monotonic()
+      if remaining is not None and remaining <= 0:
+        break
+      st.cond.wait(remaining)
+    if not job.done:
+      st.worker = None  # It is stuck in `fn`; later calls get a new one.
+      st.abandoned = True
+  waited = time.monotonic() - start_time
+  if not job.done:
+    if st.failed or st.exited or st.service_lost:
+      raise failure_error(op, waited=waited)
+    raise _errors.CollectiveTimeoutError(
+        f'[process={st.me}] {op}: the device collective did not complete in '
+        f'{waited:.1f} s (timeout={timeout:g} s), and the coordination '
+        'service still sees every process alive. A process may be stuck or '
+        'very slow; pass a larger timeout= if the transfer is legitimately '
+        'this slow.', operation=op, waited=waited)
+  if job.error is not None:
+    if _is_peer_loss(job.error):
+      _wait_for_named_failure()
+      raise failure_error(op, waited=time.monotonic() - start_time,
+                           cause=job.error) from job.error
+    raise job.error
+  return job.result
+
+
+class _Job:
+  __slots__ = ('fn', 'args', 'done', 'result', 'error')
+
+  def __init__(self, fn, args):
+    self.fn = fn
+    self.args = args
+    self.done = False
+    self.result = None
+    self.error: BaseException | None = None
+
+
+class _Worker:
+  """A daemon thread that runs jobs one at a time."""
+
+  def __init__(self):
+    self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+    threading.Thread(target=self._run, name='multihost-collective',
+                     daemon=True).start()
+
+  def submit(self, job: _Job) -> None:
+    self._jobs.put(job)
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()
+      try:
+        job.result = job.fn(*job.args)
+      except BaseException as e:  # Re-raised in the calling thread.  # noqa: BLE001
+        job.error = e
+      with _state.cond:
+        job.done = True
+        _state.cond.notify_all()
+
+
+def _is_peer_loss(error: BaseException) -> bool:
+  message = str(error)
+  return any(m in message for m in _PEER_LOSS_MARKERS)
+
+
+def _wait_for_named_failure() -> None:
+  """After a dropped connection, waits (bounded) for the watchdog to name it."""
+  deadline = time.monotonic() + detection_bound()
+  with _state.cond:
+    while not (_state.failed or _state.exited or _state.service_lost):
+      remaining = deadline - time.monotonic()
+      if remaining <= 0 or not _state.running:
+        return
+      _state.cond.wait(remaining)
+
+
+def failure_error(op: str, *, waited: float | None,
+                  cause: BaseException | None = None
+                  ) -> _errors.ProcessFailureError:
+  """A `ProcessFailureError` for `op` naming the processes known gone."""
+  st = _state
+  with st.cond:
+    failed = sorted(st.failed)
+    exited = sorted(st.exited - set(st.failed))
+    service_lost = st.service_lost
+  where = f' {op}:' if op else ''
+  parts = []
+  if failed:
+    parts.append(f'process(es) {failed} failed (the coordination service '
+                 'stopped receiving their heartbeats)')
+  if exited:
+    parts.append(f'process(es) {exited} exited before this collective')
+  if service_lost and not failed:
+    parts.append('the coordination service (hosted by process 0) is '
+                 'unreachable, so process 0 has probably failed')
+    failed = [0]
+  if not parts:
+    parts.append('a peer closed its connection during a device collective, '
+                 'but the coordination service still sees every process '
+                 f'alive after {detection_bound():.0f} s')
+  after = '' if waited is None else f' (after waiting {waited:.1f} s)'
+  detail = '' if cause is None else f' Device collective error: {_short(cause)}'
+  return _errors.ProcessFailureError(
+      f'[process={st.me}]{where} {"; ".join(parts)}{after}. The collective '
+      'cannot complete, and this process can no longer run collectives: '
+      'save what you can locally, exit with a non-zero status, and restart '
+      f'the job (e.g. from the last checkpoint).{detail}',
+      operation=op, failed=failed + exited)
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+  message = ' '.join(str(error).split())
+  return message if len(message) <= limit else message[:limit] + '...'
+
+
+def _watch() -> None:
+  st = _state
+  everyone = list(range(st.count))
+  while not st.stopping:
+    try:
+      alive = set(_coordination.live_processes(everyone))
+    except Exception as e:  # The service is gone.  # noqa: BLE001
+      if st.stopping:
+        return
+      with st.cond:
+        st.service_lost = True
+        st.cond.notify_all()
+      logging.error('[process=%d] multihost watchdog: the coordination '
+                    'service is unreachable (%s).', st.me, _short(e))
+      return
+    gone = [p for p in everyone if p not in alive and p not in st.failed
+            and p not in st.exited]
+    if gone:
+      exited = set(_exited_processes())
+      now = time.monotonic()
+      with st.cond:
+        for p in gone:
+          if p in exited:
+            st.exited.add(p)
+          else:
+            st.failed[p] = now
+        st.cond.notify_all()
+      dead = [p for p in gone if p not in exited]
+      if dead:
+        logging.error('[process=%d] multihost watchdog: process(es) %s '
+                      'failed (no heartbeat for %.0f s). Every collective '
+                      'now raises ProcessFailureError.', st.me, dead,
+                      st.heartbeat_timeout)
+    time.sleep(POLL_INTERVAL_S)
+
+
+def _exited_processes() -> list[int]:
+  try:
+    return [int(k.rsplit('/', 1)[1]) for k, _ in
+            _coordination.kv_dir(_EXIT_DIR)]
+  except Exception:  # noqa: BLE001
+    return []
+
+
+def _at_exit() -> None:
+  """Records this process's exit; process 0 waits for the others to leave."""
+  st = _state
+  if not st.running or _coordination.client() is None:
+    return
+  try:
+    _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
+    if _coordination.hosts_service():
+      _wait_for_others_to_leave()
+  except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
+    logging.warning('[process=%d] multihost: exit handshake failed: %s',
+                    st.me, _short(e))
+  st.stopping = True
+  st.running = False
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if st.abandoned:
+    # A worker is stuck in a device collective; JAX's own exit would wait
+    # for it forever. Leave now, with a failure status.
+    logging.error('[process=%d] multihost: exiting with status 1 because a '
+                  'collective is stuck after a peer failed.', st.me)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _wait_for_others_to_leave() -> None:
+  st = _state
+  deadline = time.monotonic() + st.shutdown_timeout
+  others = set(range(st.count)) - {st.me}
+  while time.monotonic() < deadline:
+    left = set(_exited_processes()) | set(st.failed)
+    if others <= left:
+      return
+    time.sleep(0.05)
+  logging.warning('[process=%d] multihost: exiting after %.0f s although '
+                  'process(es) %s have not exited; they will be aborted when '
+                  'the coordination service stops.', st.me,
+                  st.shutdown_timeout, sorted(others - left))

@@ -1,0 +1,134 @@
+"""Leaves of a pytree as host bytes: normalization, description, packing.
+
+A leaf of a collective is a numpy array, a `jax.Array` (including typed PRNG
+key arrays) or a Python scalar. Host-side it becomes a C-contiguous numpy array
+whose dtype is what JAX would give it on a device (`canonicalize_dtype`); key
+arrays travel as their `key_data` and are re-wrapped with the same
+implementation on the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from multihost import _runtime
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """What every process must agree on about a leaf."""
+  shape: tuple[int, ...]
+  dtype: str  # numpy dtype name; for keys the key_data dtype
+  key_impl: str | None = None  # the PRNG implementation of a typed key leaf
+
+  def describe(self) -> str:
+    kind = f'key<{self.key_impl}>' if self.key_impl else self.dtype
+    return f'{kind}{list(self.shape)}'
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
+
+
+def is_key(x) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key)
+
+
+def is_global(x) -> bool:
+  """A jax.Array whose shards are not all on this process."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
+  """A fully addressable leaf as a canonical-dtype numpy array and its spec."""
+  _runtime.require_not_tracer(x, op)
+  key_impl = None
+  if is_key(x):
+    key_impl = str(jax.random.key_impl(x))
+    x = jax.random.key_data(x)
+  if is_global(x):
+    raise ValueError(f'{op}: internal error, a global array reached to_host.')
+  value = np.asarray(x)
+  dtype = jax.dtypes.canonicalize_dtype(value.dtype)
+  if value.dtype != dtype:
+    value = value.astype(dtype)
+  if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
+    value = value.copy(order='C')
+  return value, LeafSpec(tuple(value.shape), value.dtype.name, key_impl)
+
+
+def np_dtype(name: str) -> np.dtype:
+  """The numpy dtype for a dtype name, including ml_dtypes' (bfloat16)."""
+  return np.dtype(jax.numpy.dtype(name))
+
+
+def from_bytes(buffer, spec: LeafSpec):
+  """Rebuilds a leaf from its bytes (a memoryview or uint8 array)."""
+  dtype = np_dtype(spec.dtype)
+  value = np.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
+  return finish(value, spec)
+
+
+def finish(value: np.ndarray, spec: LeafSpec):
+  """Wraps key data back into a typed key array; other leaves stay numpy."""
+  if spec.key_impl is None:
+    return value
+  return jax.random.wrap_key_data(np.array(value), impl=spec.key_impl)
+
+
+def pack(values: list[np.ndarray]) -> np.ndarray:
+  """Concatenates the raw bytes of `values` into one uint8 array."""
+  total = sum(v.nbytes for v in values)
+  out = np.empty(total, np.uint8)
+  offset = 0
+  for v in values:
+    n = v.nbytes
+    if n:
+      out[offset:offset + n] = v.reshape(-1).view(np.uint8)
+    offset += n
+  return out
+
+
+def unpack(buffer: np.ndarray, specs: list[LeafSpec],
+           shapes: list[tuple[int, ...]] | None = None) -> list:
+  """Splits `buffer` back into leaves (optionally with other shapes)."""
+  leaves = []
+  offset = 0
+  for i, spec in enumerate(specs):
+    shape = spec.shape if shapes is None else shapes[i]
+    dtype = np_dtype(spec.dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    value = buffer[offset:offset + n].view(dtype).reshape(shape)
+    offset += n
+    leaves.append(value)
+  return leaves
+
+
+def flatten(tree: PyTree):
+  """Leaves with their key paths (as strings) and the treedef."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  paths = [jax.tree_util.keystr(p) or '<root>' for p, _ in with_path]
+  leaves = [leaf for _, leaf in with_path]
+  return leaves, paths, treedef
+
+
+def first_difference(specs_by_process: dict[int, tuple]) -> str:
+  """Describes how (treedef, paths, specs) tuples differ between processes."""
+  items = sorted(specs_by_process.items())
+  base_p, (base_tree, base_paths, base_specs) = items[0]
+  for p, (tree, paths, specs) in items[1:]:
+    if tree != base_tree:
+      return (f'the tree structure differs: process {base_p} has {base_tree}'
+              f' but process {p} has {tree}')
+    for path, a, b in zip(base_paths, base_specs, specs, strict=True):
+      if a != b:
+        return (f'leaf {path} differs: process {base_p} has {a.describe()} '
+                f'but process {p} has {b.describe()}')
+  return 'no difference found'
