@@ -1,0 +1,336 @@
+"""Drills on the main job, bin/train.py, with real processes and real signals.
+
+Multi-controller runs go through `multihost.launch` (jax.distributed over gloo
+on localhost); single-controller runs are plain subprocesses without any
+cluster environment. Every process is bounded in time and killed by pid if it
+outlives its test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from multihost import launch
+import recovery
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / 'bin' / 'train.py')
+VERIFY = str(ROOT / 'bin' / 'verify_checkpoint.py')
+PY = sys.executable
+STEPS = 600  # 2x2 runs take about 200 steps/s here: a few seconds.
+RUN_TIMEOUT_S = 120
+# Cluster variables a single-controller run must not inherit.
+_CLUSTER_VARS = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES',
+                 'JAX_PROCESS_ID', 'OMPI_MCA_orte_hnp_uri',
+                 'OMPI_COMM_WORLD_SIZE', 'SLURM_JOB_ID')
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def _single_env(devices: int = 4) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+  env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS='cpu',
+             PYTHONUNBUFFERED='1')
+  return env
+
+
+@contextlib.contextmanager
+def _single(args, *, log: pathlib.Path, devices: int = 4):
+  """A single controller (no jax.distributed); killed by pid on exit."""
+  with open(log, 'wb') as out:
+    proc = subprocess.Popen([PY, *args], env=_single_env(devices), cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    yield proc
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait(timeout=30)
+
+
+def _run_single(args, *, log: pathlib.Path, devices: int = 4,
+                timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
+  with _single(args, log=log, devices=devices) as proc:
+    rc = proc.wait(timeout=timeout)
+  return rc, log.read_text()
+
+
+def _run_cluster(args, *, num_processes, devices_per_process):
+  result = launch.launch([PY, *args], num_processes=num_processes,
+                         devices_per_process=devices_per_process,
+                         timeout=RUN_TIMEOUT_S, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  return result
+
+
+def _wait_for_lines(path: pathlib.Path, n: int, *, alive, timeout: float):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if path.exists() and path.read_text().count('\n') >= n:
+      return
+    assert alive(), f'the run ended before writing {n} metrics lines'
+    time.sleep(0.02)
+  raise AssertionError(f'{path} did not reach {n} lines in {timeout} s')
+
+
+def _metrics(path: pathlib.Path) -> dict[int, dict]:
+  """Step -> record; a step written twice (by a killed run and its resume)
+  must have been written identically."""
+  out = {}
+  for line in path.read_text().splitlines():
+    rec = json.loads(line)
+    if rec['step'] in out:
+      assert out[rec['step']] == rec, f'step {rec["step"]} differs on replay'
+    out[rec['step']] = rec
+  return out
+
+
+def _final_digest(output: str) -> str:
+  for line in output.splitlines():
+    if line.startswith('Finished step'):
+      return line.split(' digest ')[1].split()[0]
+  raise AssertionError('no "Finished step" line in:\n' + output[-3000:])
+
+
+def _stored_state(directory, step=None) -> recovery.TransitionState:
+  """Reads a checkpoint in this process, as NumPy arrays."""
+  with recovery.Checkpoints(directory, read_only=True) as ckpt:
+    step = ckpt.latest_step() if step is None else step
+    tree = ckpt.stored_tree(step)
+    target = recovery.TransitionState(
+        user=tree['user'],
+        key=jax.random.wrap_key_data(tree['data']['key']),
+        order=tree['data']['order'], cursor=0, epoch=0, step=0)
+    return ckpt.restore(target, step=step)
+
+
+def _train_args(directory, metrics, *extra):
+  return [TRAIN, f'--checkpoint_dir={directory}', f'--metrics_out={metrics}',
+          f'--steps={STEPS}', '--save_every=100', '--keep=2', *extra]
+
+
+# -- the uninterrupted 2x2 reference run --------------------------------------
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """An uninterrupted run at P=2 x 2 devices, with a 3-step replay check."""
+  tmp = tmp_path_factory.mktemp('reference')
+  result = _run_cluster(
+      _train_args(tmp / 'ckpt', tmp / 'metrics.jsonl', '--verify_replay=3'),
+      num_processes=2, devices_per_process=2)
+  return dict(dir=tmp / 'ckpt', metrics=_metrics(tmp / 'metrics.jsonl'),
+              output=result.outputs[0],
+              digest=_final_digest(result.outputs[0]))
+
+
+def test_replay_check_across_an_epoch_boundary(reference):
+  # 64 samples in batches of 8: step 600 ends epoch 74, so the replayed steps
+  # 601-603 start a new epoch, reshuffled from the carried key.
+  out = reference['output']
+  assert ('Replay check passed: 3 steps from checkpoint step 600: sample ids '
+          'identical') in out
+  replay_ids = json.loads(out.split('Replay ids: ')[1].splitlines()[0])
+  sampler = recovery.EpochSampler(64, 8)
+  key, order = sampler.start(jax.random.key(17))
+  state = recovery.TransitionState(user=None, key=key, order=order, cursor=0,
+                                   epoch=0, step=0)
+  ids = []
+  for _ in range(STEPS + 3):
+    batch, state = sampler.next(state)
+    ids.append(batch.tolist())
+  assert state.epoch == 75
+  assert replay_ids == ids[STEPS:]
+  # The reference's own metrics carry the same sampler's ids.
+  assert reference['metrics'][STEPS]['ids'] == ids[STEPS - 1]
+
+
+def test_preempted_and_resumed_run_is_bitwise_identical_then_elastic(
+    reference, tmp_path):
+  """SIGTERM to process 1 of 2: all agree on a step, save, exit 0; a resume
+  reaches the reference's exact final state; the same checkpoint resumed on
+  1x4 and 4x1 reaches it within the tutorial's tolerances."""
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  with launch.Controllers([PY, *_train_args(ckpt, metrics)], num_processes=2,
+                          devices_per_process=2, cwd=ROOT) as cluster:
+    _wait_for_lines(metrics, 50, alive=lambda: len(cluster.running()) == 2,
+                    timeout=60)
+    cluster.kill(1, signal.SIGTERM)
+    result = cluster.wait(timeout=RUN_TIMEOUT_S)
+  assert result.returncodes == (0, 0), result.summary
+  stopped = []
+  for i, out in enumerate(result.outputs):
+    line = [l for l in out.splitlines()
+            if f'[process={i}] Preemption: all controllers stopped at step'
+            in l]
+    assert line, out[-3000:]
+    stopped.append(int(line[0].split('stopped at step ')[1].split(';')[0]))
+  step = stopped[0]
+  assert stopped == [step, step] and 50 <= step < STEPS
+  assert f'Preempted: saved step {step}' in result.outputs[0]
+  for layout in ('1x4', '4x1'):
+    shutil.copytree(ckpt, tmp_path / f'ckpt{layout}')
+    shutil.copy(metrics, tmp_path / f'metrics{layout}.jsonl')
+
+  # Same topology: bitwise.
+  resumed = _run_cluster(_train_args(ckpt, metrics, '--resume'),
+                         num_processes=2, devices_per_process=2)
+  assert f'Resumed from step {step} (epoch' in resumed.outputs[0]
+  assert _final_digest(resumed.outputs[0]) == reference['digest']
+  assert _metrics(metrics) == reference['metrics']
+
+  # Other topologies: same ids, state within the tutorial's tolerances.
+  want = _stored_state(reference['dir'])
+  rc, out = _run_single(
+      _train_args(tmp_path / 'ckpt1x4', tmp_path / 'metrics1x4.jsonl',
+                  '--resume'), log=tmp_path / '1x4.log', devices=4)
+  assert rc == 0, out[-3000:]
+  _run_cluster(_train_args(tmp_path / 'ckpt4x1', tmp_path / 'metrics4x1.jsonl',
+                           '--resume'), num_processes=4, devices_per_process=1)
+  for layout in ('1x4', '4x1'):
+    got_metrics = _metrics(tmp_path / f'metrics{layout}.jsonl')
+    assert sorted(got_metrics) == list(range(1, STEPS + 1))
+    for s, rec in reference['metrics'].items():
+      assert got_metrics[s]['ids'] == rec['ids'], (layout, s)
+      np.testing.assert_allclose(got_metrics[s]['loss'], rec['loss'],
+                                 rtol=recovery.RTOL, atol=recovery.ATOL)
+    got = _stored_state(tmp_path / f'ckpt{layout}')
+    assert (got.step, got.epoch, got.cursor) == (want.step, want.epoch,
+                                                 want.cursor)
+    np.testing.assert_array_equal(got.order, want.order)
+    for name in ('weights', 'momentum'):
+      np.testing.assert_allclose(got.user[name], want.user[name],
+                                 rtol=recovery.RTOL, atol=recovery.ATOL,
+                                 err_msg=f'{layout} {name}')
+
+
+# -- single controller ---------------------------------------------------------
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
+          '--steps=100000', '--save_every=1', '--keep=2', '--width=4096']
+  partial = []
+  with _single(args, log=tmp_path / 'killed.log') as proc:
+    _wait_for_lines(metrics, 5, alive=lambda: proc.poll() is None, timeout=60)
+    deadline = time.monotonic() + 30
+    while not partial and time.monotonic() < deadline:
+      partial = [n for n in os.listdir(ckpt) if n.endswith('-tmp')]
+    assert partial, 'never saw a save in progress'
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+  left = sorted(int(n.split('.')[0]) for n in os.listdir(ckpt)
+                if n.endswith('.orbax-checkpoint-tmp'))
+  committed = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
+  assert committed, os.listdir(ckpt)
+  rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
+                        log=tmp_path / 'verify.log')
+  assert rc == 0 and f'latest step {committed[-1]}.' in out, out[-3000:]
+  if left:  # The kill landed inside the save (almost always).
+    assert left[-1] > committed[-1]
+    assert f'Partial (uncommitted, ignored) saves: {left}' in out
+  killed_at = max(_metrics(metrics))
+  rc, out = _run_single(
+      [*args[:-3], f'--steps={killed_at + 3}', '--save_every=1', '--keep=2',
+       '--width=4096', '--resume'], log=tmp_path / 'resumed.log')
+  assert rc == 0, out[-3000:]
+  assert f'Resumed from step {committed[-1]} (epoch' in out
+  assert f'Finished step {killed_at + 3} ' in out
+  # _metrics checks that re-run steps were recomputed identically.
+  assert sorted(_metrics(metrics)) == list(range(1, killed_at + 4))
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
+  ckpt = tmp_path / 'ckpt'
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=10'],
+                        log=tmp_path / 'train.log')
+  assert rc == 0, out[-3000:]
+  for f in (ckpt / '10' / 'state').rglob('*'):
+    if f.is_file() and f.parent.name == 'd':
+      f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
+  rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
+                        log=tmp_path / 'verify.log')
+  assert rc == 1, out[-3000:]
+  assert 'step 5: OK' in out and 'step 10: FAIL' in out
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
+                         '--resume'], log=tmp_path / 'resume.log')
+  assert rc == 2, out[-3000:]
+  assert 'Traceback' not in out, out[-3000:]
+  assert 'error: [process=0] CheckpointError' in out
+  assert 'to resume from the previous checkpoint (step 5)' in out
+  # A checkpoint of another width is refused with the fix.
+  shutil.rmtree(ckpt / '10')
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
+                         '--resume', '--width=16'], log=tmp_path / 'w.log')
+  assert rc == 2 and 'does not fit this run' in out and '--width' in out
+  # Starting fresh in a folder that holds a checkpoint is refused.
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20'],
+                        log=tmp_path / 'fresh.log')
+  assert rc == 2 and 'already holds checkpoint steps [5]' in out
+
+
+def test_default_run_and_single_controller_signals(tmp_path):
+  # No flags: a quick run on 4 virtual CPU devices into a fresh folder.
+  env_devices = 4
+  t0 = time.monotonic()
+  with _single([TRAIN], log=tmp_path / 'default.log',
+               devices=env_devices) as proc:
+    rc = proc.wait(timeout=RUN_TIMEOUT_S)
+  out = (tmp_path / 'default.log').read_text()
+  assert rc == 0, out[-3000:]
+  folder = out.split('Checkpoint folder: ')[1].splitlines()[0]
+  try:
+    assert 'Finished step 20 (epoch 2)' in out
+    assert os.listdir(folder)
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+  assert time.monotonic() - t0 < 60
+
+  # SIGTERM: saved and exit 0 (handled), or killed with --nohandle_sigterm.
+  for handle in (True, False):
+    ckpt, metrics = tmp_path / f'c{handle}', tmp_path / f'm{handle}.jsonl'
+    args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
+            '--steps=100000', '--save_every=100000',
+            '--handle_sigterm' if handle else '--nohandle_sigterm']
+    with _single(args, log=tmp_path / f'{handle}.log') as proc:
+      _wait_for_lines(metrics, 3, alive=lambda: proc.poll() is None,
+                      timeout=60)
+      os.kill(proc.pid, signal.SIGTERM)
+      rc = proc.wait(timeout=60)
+    out = (tmp_path / f'{handle}.log').read_text()
+    if handle:
+      assert rc == 0, out[-3000:]
+      step = int(out.split('Preempted: saved step ')[1].split()[0])
+      assert _stored_state(ckpt).step == step
+    else:
+      assert rc == -signal.SIGTERM, out[-3000:]
+
+  # Ctrl-C: exit 130 with a clear line; committed checkpoints stay intact.
+  ckpt, metrics = tmp_path / 'cint', tmp_path / 'mint.jsonl'
+  args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
+          '--steps=100000', '--save_every=2']
+  with _single(args, log=tmp_path / 'int.log') as proc:
+    _wait_for_lines(metrics, 5, alive=lambda: proc.poll() is None, timeout=60)
+    os.kill(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=60)
+  out = (tmp_path / 'int.log').read_text()
+  assert rc == 130, out[-3000:]
+  assert 'Interrupted (Ctrl-C)' in out
+  rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
+                        log=tmp_path / 'verify.log')
+  assert rc == 0 and 'OK: ' in out, out[-3000:]
