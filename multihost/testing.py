@@ -38,6 +38,11 @@ How it runs:
 - In workers, collectives time out after $MULTIHOST_TIMEOUT seconds, default
   60 here (or half the group timeout if smaller), so a test that leaves a
   peer waiting in a collective fails instead of hanging.
+- Workers initialize `jax.distributed` before your conftest.py files are
+  imported. If conftest.py sets `jax_num_cpu_devices` (for fast multi-device
+  tests in one process), do it only when $JAX_NUM_CPU_DEVICES is unset: the
+  launcher sets that variable to devices_per_process in workers, and the
+  config option would override it.
 - The parent pytest process never initializes `jax.distributed` for marked
   tests; unmarked tests run in the parent as usual. Fixtures of a marked test
   are set up in the workers, once per process.
@@ -74,7 +79,18 @@ BARRIER_TIMEOUT_ENV = 'MULTIHOST_PYTEST_BARRIER_TIMEOUT'
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 _OUTPUT_TAIL_LINES = 60
+# Workers move in step, so after one crashes the others can only wait for it.
+_GRACE_PERIOD_S = 2.0
 _KV_ROOT = 'multihost-pytest'
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args) -> None:
+  """In a worker, initializes jax.distributed before conftest.py files load."""
+  del early_config, parser, args
+  if os.environ.get(WORKER_ENV):
+    import multihost
+    multihost.initialize()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -216,7 +232,8 @@ class _Parent:
       result = launch.launch(
           command, num_processes=spec.num_processes,
           devices_per_process=spec.devices_per_process, timeout=spec.timeout,
-          env=env, cwd=config.rootpath, kill_wait=1.0)
+          env=env, cwd=config.rootpath, grace_period=_GRACE_PERIOD_S,
+          kill_wait=1.0)
       self.launches += 1
       self._launch_info[spec] = result
       for i in range(spec.num_processes):
@@ -359,7 +376,7 @@ class _Worker:
   """Runs in each worker pytest session: initialize, barriers, results."""
 
   def __init__(self, config: pytest.Config, results_dir: str):
-    import multihost  # Before any test module can touch JAX devices.
+    import multihost  # Usually already initialized, before conftest.py.
 
     self._config = config
     self._dir = pathlib.Path(results_dir)

@@ -1,0 +1,161 @@
+"""Tests of the multihost.testing pytest plugin, on generated test files.
+
+Each test runs a real pytest in a subprocess (pytester), which launches real
+worker controllers; there are few of them because every launch costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import textwrap
+
+pytest_plugins = ['pytester']
+
+GROUPED_TESTS = '''
+import os
+import jax
+import pytest
+import multihost
+
+two_by_two = pytest.mark.multihost(num_processes=2, devices_per_process=2)
+
+
+@two_by_two
+def test_runs_on_every_process():
+  assert (jax.process_count(), jax.device_count(),
+          jax.local_device_count()) == (2, 4, 2)
+  assert multihost.allgather_object(jax.process_index()) == [0, 1]
+
+
+@two_by_two
+def test_fails_on_process_1():
+  print('output of process', jax.process_index())
+  assert jax.process_index() == 0, 'only process 1 fails'
+
+
+@two_by_two
+def test_process_1_skips_a_collective():
+  if jax.process_index() == 1:
+    raise ValueError('process 1 gives up before the collective')
+  multihost.allgather_object('lonely', timeout=2)
+
+
+@two_by_two
+def test_collectives_still_match_afterwards():
+  assert multihost.allgather_object(jax.process_index() * 10) == [0, 10]
+
+
+@two_by_two
+def test_shared_folder(multihost_tmp_path):
+  (multihost_tmp_path / str(jax.process_index())).write_text(str(os.getpid()))
+  multihost.sync_global_devices('files written')
+  assert sorted(p.name for p in multihost_tmp_path.iterdir()) == ['0', '1']
+
+
+def test_unmarked_runs_in_the_parent(request):
+  import jax
+  assert not jax.distributed.is_initialized()
+  plugin = request.config.pluginmanager.get_plugin('multihost-parent')
+  assert plugin.launches == 1  # All five marked tests: one launch.
+'''
+
+BROKEN_TESTS = '''
+import os
+import pathlib
+import time
+import jax
+import pytest
+import multihost
+
+group = pytest.mark.multihost(num_processes=2, timeout=60)
+PIDS = pathlib.Path(os.environ['PIDS_DIR'])
+
+
+@group
+def test_process_1_crashes():
+  (PIDS / f'crash-{jax.process_index()}').write_text(str(os.getpid()))
+  if jax.process_index() == 1:
+    print('process 1 is about to crash', flush=True)
+    os._exit(7)
+  multihost.sync_global_devices('process 1 never comes')
+
+
+@group
+def test_after_the_crash():
+  pass
+
+
+@pytest.mark.multihost(num_processes=2, timeout=3)
+def test_hangs():
+  (PIDS / f'hang-{jax.process_index()}').write_text(str(os.getpid()))
+  time.sleep(60)
+'''
+
+
+def _gone(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  stat = pathlib.Path(f'/proc/{pid}/stat')
+  try:
+    return stat.read_text().rsplit(')', 1)[1].split()[0] in ('Z', 'X')
+  except OSError:
+    return True
+
+
+def test_marked_tests_run_grouped_in_every_process(pytester):
+  pytester.makepyfile(test_grouped=GROUPED_TESTS)
+  result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rA',
+                                         timeout=240)
+  result.assert_outcomes(passed=4, failed=2)
+  out = result.stdout.str()
+  assert 'PASSED test_grouped.py::test_runs_on_every_process' in out
+  assert 'PASSED test_grouped.py::test_collectives_still_match_afterwards' in out
+  assert 'PASSED test_grouped.py::test_shared_folder' in out
+  assert 'PASSED test_grouped.py::test_unmarked_runs_in_the_parent' in out
+  # The failing process is named; its traceback and both outputs are shown.
+  result.stdout.fnmatch_lines([
+      '*_ test_fails_on_process_1 _*',
+      'multihost: call failed on process(es) [1] of 2 '
+      '(devices_per_process=2).',
+      '*= process 1 =*',
+      "[[]p1[]] E * AssertionError: only process 1 fails",
+  ])
+  assert '[p0] output of process 0' in out
+  assert '[p1] output of process 1' in out
+  # Process 0 timed out in the collective that process 1 skipped; both fail.
+  result.stdout.fnmatch_lines([
+      '*_ test_process_1_skips_a_collective _*',
+      'multihost: call failed on process(es) [[]0, 1[]] of 2 *',
+  ])
+  assert 'CollectiveTimeoutError: [process=0] allgather_object' in out
+  assert 'ValueError: process 1 gives up before the collective' in out
+
+
+def test_crashes_and_hangs_fail_the_group_and_leave_nothing_running(
+    pytester, tmp_path, monkeypatch):
+  monkeypatch.setenv('PIDS_DIR', str(tmp_path))
+  pytester.makepyfile(test_broken=BROKEN_TESTS)
+  result = pytester.runpytest_subprocess('-p', 'no:cacheprovider',
+                                         timeout=240)
+  result.assert_outcomes(failed=2, errors=1)
+  out = result.stdout.str()
+  result.stdout.fnmatch_lines([
+      '*_ test_process_1_crashes _*',
+      'multihost: this test did not complete on processes [[]0, 1[]] of 2: '
+      'the workers stopped early: process 1 ended first, exit status 7.',
+  ])
+  assert '[p1] process 1 is about to crash' in out
+  result.stdout.fnmatch_lines([
+      '*_ ERROR at setup of test_after_the_crash _*',
+      '*It never started*',
+  ])
+  result.stdout.fnmatch_lines([
+      '*_ test_hangs _*',
+      '*hit its timeout of 3 s and was stopped*',
+  ])
+  pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+  assert len(pids) == 4, sorted(p.name for p in tmp_path.iterdir())
+  assert all(_gone(pid) for pid in pids)
