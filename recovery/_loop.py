@@ -49,9 +49,11 @@ class RunResult:
     state: the state after the last step taken.
     preempted: True when the run stopped at an agreed preemption step (after
       saving it, when checkpoints are configured).
+    last_loss: the loss of the last step taken, or None when no step ran.
   """
   state: TransitionState
   preempted: bool
+  last_loss: float | None = None
 
 
 class ResilientLoop:
@@ -137,6 +139,7 @@ class ResilientLoop:
     sigterm = _SigtermFlag() if (handle_sigterm
                                  and jax.process_count() == 1) else None
     start_step, t0 = state.step, time.monotonic()
+    record = None
     last_log = t0
     try:
       if sigterm is not None:
@@ -163,7 +166,7 @@ class ResilientLoop:
               '%s Preemption: all controllers stopped at step %d; %s. Exiting; '
               'relaunch with --resume to continue.', _prefix(), state.step,
               where)
-          return RunResult(state=state, preempted=True)
+          return RunResult(state=state, preempted=True, last_loss=record.loss)
         now = time.monotonic()
         if now - last_log >= progress_every_s:
           rate = (state.step - start_step) / (now - t0)
@@ -172,7 +175,8 @@ class ResilientLoop:
           last_log = now
       if checkpoints is not None:
         checkpoints.wait()
-      return RunResult(state=state, preempted=False)
+      return RunResult(state=state, preempted=False,
+                       last_loss=None if record is None else record.loss)
     except KeyboardInterrupt:
       latest = None
       if checkpoints is not None:
