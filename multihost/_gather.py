@@ -110,12 +110,15 @@ def _receive(headers, parts, op) -> list[np.ndarray]:
 
 def _global_parts(x: jax.Array, op: str):
   """Spec, shard bounds and data of this process's distinct shards of x."""
-  key_impl = None
+  key_impl, key_dims = None, 0
   if _leaves.is_key(x):
     key_impl = str(jax.random.key_impl(x))
-    x = jax.random.key_data(x)
+    data = jax.random.key_data(x)
+    key_dims = data.ndim - x.ndim
+    x = data
   dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-  spec = _leaves.LeafSpec(tuple(x.shape), np.dtype(dtype).name, key_impl)
+  spec = _leaves.LeafSpec(tuple(x.shape), np.dtype(dtype).name, key_impl,
+                          key_dims)
   bounds, datas, seen = [], [], set()
   for shard in x.addressable_shards:
     b = tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape,
@@ -159,7 +162,7 @@ def _by_leaf(per_process, specs, all_shards):
 def _assemble(parts_of_leaf, spec, tiled, bounds_by_process):
   if bounds_by_process[0] is None:
     values = [parts[0] for parts in parts_of_leaf]
-    if tiled and len(spec.shape) > 0:
+    if tiled and spec.ndim > 0:
       out = np.concatenate(values, axis=0)
     else:
       out = np.stack(values, axis=0)

@@ -26,6 +26,12 @@ class LeafSpec:
   shape: tuple[int, ...]
   dtype: str  # numpy dtype name; for keys the key_data dtype
   key_impl: str | None = None  # the PRNG implementation of a typed key leaf
+  key_dims: int = 0  # trailing dims of `shape` that belong to each key
+
+  @property
+  def ndim(self) -> int:
+    """The leaf's own ndim (for keys: without the key data dims)."""
+    return len(self.shape) - self.key_dims
 
   def describe(self) -> str:
     kind = f'key<{self.key_impl}>' if self.key_impl else self.dtype
@@ -49,10 +55,12 @@ def is_global(x) -> bool:
 def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   """A fully addressable leaf as a canonical-dtype numpy array and its spec."""
   _runtime.require_not_tracer(x, op)
-  key_impl = None
+  key_impl, key_dims = None, 0
   if is_key(x):
     key_impl = str(jax.random.key_impl(x))
-    x = jax.random.key_data(x)
+    data = jax.random.key_data(x)
+    key_dims = data.ndim - x.ndim
+    x = data
   if is_global(x):
     raise ValueError(f'{op}: internal error, a global array reached to_host.')
   value = np.asarray(x)
@@ -61,7 +69,8 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
     value = value.copy(order='C')
-  return value, LeafSpec(tuple(value.shape), value.dtype.name, key_impl)
+  return value, LeafSpec(tuple(value.shape), value.dtype.name, key_impl,
+                        key_dims)
 
 
 def np_dtype(name: str) -> np.dtype:
