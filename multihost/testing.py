@@ -66,7 +66,7 @@ import re
 import shutil
 import sys
 import tempfile
-import time
+import traceback
 from typing import Any
 
 import pytest
@@ -93,6 +93,7 @@ def pytest_load_initial_conftests(early_config, parser, args) -> None:
     multihost.initialize()
 
 
+@pytest.hookimpl(tryfirst=True)  # Before tmp_path reads --basetemp.
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line(
       'markers',
@@ -101,6 +102,9 @@ def pytest_configure(config: pytest.Config) -> None:
       'controllers (multihost.testing).')
   results_dir = os.environ.get(WORKER_ENV)
   if results_dir:
+    if config.option.basetemp is None:  # tmp_path: one tree per process.
+      config.option.basetemp = os.path.join(
+          results_dir, f'basetemp-p{os.environ.get("JAX_PROCESS_ID", "0")}')
     config.pluginmanager.register(_Worker(config, results_dir),
                                   'multihost-worker')
   else:
@@ -193,7 +197,6 @@ class _Parent:
   @pytest.hookimpl(tryfirst=True)
   def pytest_runtest_protocol(self, item: pytest.Item,
                               nextitem: pytest.Item | None) -> bool | None:
-    del nextitem
     spec = marker_spec(item)
     if spec is None:
       return None
@@ -201,7 +204,18 @@ class _Parent:
       self._run_group(spec)
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for report in self._reports(item, spec):
+    reports = self._reports(item, spec)
+    # The test ran elsewhere, but the parent's fixtures of earlier unmarked
+    # tests (module or class scope) that `nextitem` does not need end here,
+    # as pytest's own runner would end them.
+    teardown = getattr(item.session, '_setupstate', None)
+    if teardown is not None:
+      try:
+        teardown.teardown_exact(nextitem)
+      except Exception:  # noqa: BLE001  Reported like pytest does.
+        reports[-1] = _report(item, 'teardown', 'failed',
+                              traceback.format_exc())
+    for report in reports:
       ihook.pytest_runtest_logreport(report=report)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
@@ -289,12 +303,17 @@ class _Parent:
       why = 'the worker processes stopped early'
     lines = [f'multihost: this test did not complete on processes {missing} '
              f'of {n}: {why}.']
-    if not started:
+    group_started = any(self._records.get(other.nodeid)
+                        for other in self._groups.get(spec, []))
+    if not group_started:
+      lines.append('The workers failed before running any test of the group; '
+                   'their output below says why.')
+    elif not started:
       lines.append('It never started: an earlier test of the same group '
                    'crashed or hung (see that test\'s report).')
     lines += ['', result.summary]
     sections = []
-    if started:  # Show the output only where it explains something.
+    if started or not group_started:  # Output only where it explains.
       for i, out in enumerate(result.outputs):
         tail = out.splitlines()[-_OUTPUT_TAIL_LINES:]
         sections.append((f'Output of process {i} (last {len(tail)} lines)',

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import textwrap
 
 pytest_plugins = ['pytester']
 
@@ -19,6 +18,15 @@ import pytest
 import multihost
 
 two_by_two = pytest.mark.multihost(num_processes=2, devices_per_process=2)
+
+
+@pytest.fixture(scope='module')
+def parent_module_fixture():
+  yield 'set up in the parent'
+
+
+def test_unmarked_first(parent_module_fixture):
+  assert parent_module_fixture == 'set up in the parent'
 
 
 @two_by_two
@@ -51,6 +59,13 @@ def test_shared_folder(multihost_tmp_path):
   (multihost_tmp_path / str(jax.process_index())).write_text(str(os.getpid()))
   multihost.sync_global_devices('files written')
   assert sorted(p.name for p in multihost_tmp_path.iterdir()) == ['0', '1']
+'''
+
+# Runs after test_grouped.py, whose last test is marked: the parent must
+# have ended test_grouped.py's module fixture as pytest would.
+OTHER_MODULE = '''
+def test_in_another_module():
+  pass
 
 
 def test_unmarked_runs_in_the_parent(request):
@@ -106,15 +121,17 @@ def _gone(pid: int) -> bool:
 
 
 def test_marked_tests_run_grouped_in_every_process(pytester):
-  pytester.makepyfile(test_grouped=GROUPED_TESTS)
+  pytester.makepyfile(test_grouped=GROUPED_TESTS,
+                      test_zz_other=OTHER_MODULE)
   result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rA',
                                          timeout=240)
-  result.assert_outcomes(passed=4, failed=2)
+  result.assert_outcomes(passed=6, failed=2)
   out = result.stdout.str()
   assert 'PASSED test_grouped.py::test_runs_on_every_process' in out
   assert 'PASSED test_grouped.py::test_collectives_still_match_afterwards' in out
   assert 'PASSED test_grouped.py::test_shared_folder' in out
-  assert 'PASSED test_grouped.py::test_unmarked_runs_in_the_parent' in out
+  assert 'PASSED test_zz_other.py::test_unmarked_runs_in_the_parent' in out
+  assert 'PASSED test_zz_other.py::test_in_another_module' in out
   # The failing process is named; its traceback and both outputs are shown.
   result.stdout.fnmatch_lines([
       '*_ test_fails_on_process_1 _*',
