@@ -47,7 +47,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   timeout = _runtime.resolve_timeout(timeout)
   if is_source is None:
     is_source = _runtime.process_index() == 0
-  leaves, paths, treedef = _leaves.flatten(in_tree)
+  leaves, paths, treedef = _leaves.flatten(in_tree, op)
   if any(_leaves.is_global(x) for x in leaves):
     bad = [p for p, x in zip(paths, leaves, strict=True) if _leaves.is_global(x)]
     raise ValueError(

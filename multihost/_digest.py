@@ -69,7 +69,7 @@ def tree_digest(tree: PyTree) -> str:
   Returns:
     A 32-character hex string.
   """
-  leaves, paths, treedef = _leaves.flatten(tree)
+  leaves, paths, treedef = _leaves.flatten(tree, 'tree_digest')
   h = hashlib.sha256(str(treedef).encode())
   for path, leaf in zip(paths, leaves, strict=True):
     h.update(path.encode())

@@ -47,7 +47,7 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
   """
   op = 'assert_equal'
   timeout = _runtime.resolve_timeout(timeout)
-  leaves, paths, treedef = _leaves.flatten(in_tree)
+  leaves, paths, treedef = _leaves.flatten(in_tree, op)
   if _runtime.process_count() == 1:
     for x in leaves:
       _runtime.require_not_tracer(x, op)

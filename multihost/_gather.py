@@ -53,7 +53,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   """
   op = 'process_allgather'
   timeout = _runtime.resolve_timeout(timeout)
-  leaves, paths, treedef = _leaves.flatten(in_tree)
+  leaves, paths, treedef = _leaves.flatten(in_tree, op)
   parts: list[np.ndarray] = []   # what this process sends, in order
   specs: list[_leaves.LeafSpec] = []
   shards: list[list | None] = []  # per leaf: this process's shard bounds

@@ -120,9 +120,15 @@ def unpack(buffer: np.ndarray, specs: list[LeafSpec],
   return leaves
 
 
-def flatten(tree: PyTree):
-  """Leaves with their key paths (as strings) and the treedef."""
+def flatten(tree: PyTree, op: str):
+  """Leaves with their key paths (as strings) and the treedef.
+
+  Raises:
+    TypeError: a leaf is a tracer (the collectives are host-side).
+  """
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  for _, leaf in with_path:
+    _runtime.require_not_tracer(leaf, op)
   paths = [jax.tree_util.keystr(p) or '<root>' for p, _ in with_path]
   leaves = [leaf for _, leaf in with_path]
   return leaves, paths, treedef

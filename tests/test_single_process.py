@@ -1,0 +1,142 @@
+"""Every function works as one controller without jax.distributed (4 devices)."""
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import multihost
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_runs_without_jax_distributed():
+  assert not jax.distributed.is_initialized()
+  assert jax.process_count() == 1 and jax.local_device_count() == 4
+
+
+def test_initialize_without_cluster_is_a_no_op(monkeypatch):
+  for var in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID',
+              'SLURM_JOB_ID', 'OMPI_MCA_orte_hnp_uri'):
+    monkeypatch.delenv(var, raising=False)
+  multihost.initialize()
+  assert not jax.distributed.is_initialized()
+  with pytest.raises(ValueError, match='together'):
+    multihost.initialize(coordinator_address='127.0.0.1:1')
+  with pytest.raises(ValueError, match='process_id=3, num_processes=2'):
+    multihost.initialize('127.0.0.1:1', 2, 3)
+
+
+def test_broadcast_and_allgather_give_the_shapes_of_many_processes():
+  tree = {'s': np.float32(2.0), 'v': np.arange(3, dtype=np.int32),
+          'k': jax.random.key(3), 'f': 1.5}
+  out = multihost.broadcast_one_to_all(tree)
+  assert out['s'].shape == () and out['v'].tolist() == [0, 1, 2]
+  assert out['f'].dtype == np.float32  # The dtype a device would give.
+  stacked = multihost.process_allgather(tree)
+  assert stacked['s'].shape == (1,) and stacked['v'].shape == (1, 3)
+  assert stacked['k'].shape == (1,)
+  tiled = multihost.process_allgather(tree, tiled=True)
+  assert tiled['s'].shape == (1,) and tiled['v'].shape == (3,)
+  with pytest.raises(multihost.ConsistencyError, match='no process is the source'):
+    multihost.broadcast_one_to_all(tree, is_source=False)
+
+
+def test_results_are_copies():
+  x = np.arange(3)
+  out = multihost.broadcast_one_to_all(x)
+  out[0] = 7
+  assert x[0] == 0
+
+
+def test_barrier_assert_and_objects():
+  multihost.sync_global_devices('anything')
+  multihost.assert_equal({'a': np.ones(3)}, 'never raises with one process')
+  assert multihost.allgather_object({'a': 1}) == [{'a': 1}]
+  assert multihost.broadcast_object([1, 2]) == [1, 2]
+  assert multihost.reached_preemption_sync_point(0) is False
+  with pytest.raises(TypeError, match='name must be a str'):
+    multihost.sync_global_devices(3)
+
+
+def test_tree_digest():
+  a = {'w': np.arange(4, dtype=np.float32), 'k': jax.random.key(1)}
+  b = {'w': np.arange(4, dtype=np.float32), 'k': jax.random.key(1)}
+  assert multihost.tree_digest(a) == multihost.tree_digest(b)
+  assert len(multihost.tree_digest(a)) == 32
+  b['w'] = b['w'] + 1
+  assert multihost.tree_digest(a) != multihost.tree_digest(b)
+  # Same bytes, other dtype or shape: other digest.
+  assert multihost.tree_digest(np.zeros(4, np.int32)) != multihost.tree_digest(
+      np.zeros(4, np.float32))
+  assert multihost.tree_digest(np.zeros((2, 2))) != multihost.tree_digest(
+      np.zeros(4))
+  big = np.random.default_rng(0).normal(size=(9 << 20) // 8 * 3)  # chunked path
+  assert multihost.tree_digest(big) == multihost.tree_digest(big.copy())
+  # Sharded or not, the same value has the same digest.
+  mesh = jax.make_mesh((4,), ('x',))
+  sharded = jax.device_put(np.arange(8.0, dtype=np.float32),
+                           jax.NamedSharding(mesh, jax.P('x')))
+  assert multihost.tree_digest(sharded) == multihost.tree_digest(
+      np.arange(8.0, dtype=np.float32))
+
+
+def test_array_conversions_on_one_process():
+  mesh = jax.make_mesh((1, 4), ('host', 'dev'))
+  local = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+  g = multihost.host_local_array_to_global_array(local, mesh, jax.P('dev'))
+  assert g.shape == (4, 2) and len(g.addressable_shards) == 4
+  back = multihost.global_array_to_host_local_array(g, mesh, jax.P('dev'))
+  assert back is g  # Fully addressable: returned as is.
+  with pytest.raises(ValueError, match=re.escape('PartitionSpec()')):
+    multihost.host_local_array_to_global_array(local, mesh, None)
+
+
+def test_tracers_are_rejected_clearly():
+  with pytest.raises(TypeError, match='outside transformed code'):
+    jax.jit(multihost.process_allgather)(np.ones(2))
+
+
+def test_default_timeout(monkeypatch):
+  monkeypatch.setenv('MULTIHOST_TIMEOUT', '12')
+  assert multihost.default_timeout() == 12
+  multihost.set_default_timeout(3)
+  try:
+    assert multihost.default_timeout() == 3
+  finally:
+    multihost.set_default_timeout(None)
+  assert multihost.default_timeout() == 12
+  monkeypatch.setenv('MULTIHOST_TIMEOUT', 'soon')
+  with pytest.raises(ValueError, match='MULTIHOST_TIMEOUT'):
+    multihost.default_timeout()
+  with pytest.raises(ValueError, match='positive'):
+    multihost.set_default_timeout(0)
+
+
+def test_jax_internals_confined_to_one_module():
+  """Only multihost/_coordination.py may import jax._src (no public client)."""
+  offenders = []
+  for folder in ('multihost', 'recovery', 'bin'):
+    for path in sorted((ROOT / folder).rglob('*.py')):
+      text = path.read_text()
+      if re.search(r'^\s*(from|import)\s+jax\._src', text, re.M):
+        offenders.append(str(path.relative_to(ROOT)))
+  assert offenders == ['multihost/_coordination.py']
+
+
+def test_public_names_match_jax_multihost_utils():
+  import inspect
+  from jax.experimental import multihost_utils as jax_mhu
+  for name in ('broadcast_one_to_all', 'process_allgather',
+               'sync_global_devices', 'assert_equal',
+               'host_local_array_to_global_array',
+               'global_array_to_host_local_array',
+               'reached_preemption_sync_point'):
+    ours = inspect.signature(getattr(multihost, name)).parameters
+    theirs = inspect.signature(getattr(jax_mhu, name)).parameters
+    positional = [p for p in ours.values() if p.kind != p.KEYWORD_ONLY]
+    assert [p.name for p in positional] == list(theirs), name
+    for p in positional:
+      assert p.default == theirs[p.name].default, (name, p.name)
