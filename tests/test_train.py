@@ -241,9 +241,9 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
   rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
                         log=tmp_path / 'verify.log')
   assert rc == 0 and f'latest step {committed[-1]}.' in out, out[-3000:]
-  if left:  # The kill landed inside the save (almost always).
-    assert left[-1] > committed[-1]
-    assert f'Partial (uncommitted, ignored) saves: {left}' in out
+  # The kill landed inside a save: it left that step uncommitted.
+  assert left and left[-1] > committed[-1], os.listdir(ckpt)
+  assert f'Partial (uncommitted, ignored) saves: {left}' in out
   killed_at = max(_metrics(metrics))
   rc, out = _run_single(
       [*args[:-3], f'--steps={killed_at + 3}', '--save_every=1', '--keep=2',
@@ -270,7 +270,9 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
                          '--resume'], log=tmp_path / 'resume.log')
   assert rc == 2, out[-3000:]
-  assert 'Traceback' not in out, out[-3000:]
+  # No traceback through our code (TensorStore may print 'Event loop is
+  # closed' for reads still in flight when Orbax's restore failed).
+  assert f'File "{ROOT}' not in out, out[-3000:]
   assert 'error: [process=0] CheckpointError' in out
   assert 'to resume from the previous checkpoint (step 5)' in out
   # A checkpoint of another width is refused with the fix.
