@@ -94,7 +94,7 @@ def learning_rate(width: int, batch_size: int) -> float:
 
 
 class LinearRegression:
-  """The tutorial's fixture: data, targets, the jitted step and its host check."""
+  """The tutorial's fixture: data, targets, jitted step and its host check."""
 
   def __init__(self, mesh: jax.sharding.Mesh, *, width: int, samples: int,
                batch_size: int):
@@ -161,7 +161,7 @@ class LinearRegression:
 
 
 def _close(name: str, actual, desired, slack) -> None:
-  """Raises AssertionError unless |actual - desired| <= atol + rtol|desired| + slack."""
+  """Raises AssertionError unless |actual - desired| <= tolerance + slack."""
   actual = np.asarray(actual, np.float64)
   err = np.abs(actual - desired)
   tol = recovery.ATOL + recovery.RTOL * np.abs(desired) + slack
@@ -226,7 +226,12 @@ def main(argv):
 
   metrics = None
   if _METRICS_OUT.value and pid == 0:
-    metrics = open(_METRICS_OUT.value, 'a')  # pylint: disable=consider-using-with
+    try:
+      metrics = open(_METRICS_OUT.value, 'a')
+    except OSError as e:
+      raise app.UsageError(
+          f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
+          f'appending: {e}') from e
 
   def on_step(state, record):
     if not _METRICS_OUT.value:
@@ -275,7 +280,8 @@ def main(argv):
                 f'within rtol={recovery.RTOL}, atol={recovery.ATOL}.')
           print('Replay ids: ' + json.dumps([r.ids.tolist() for r in replay]))
           print('Replay losses: ' + json.dumps(
-              [[r.reference_loss, r.replayed_loss] for r in replay]), flush=True)
+              [[r.reference_loss, r.replayed_loss] for r in replay]),
+              flush=True)
   except (recovery.CheckpointError, recovery.ReplayMismatchError,
           recovery.StepCheckError, multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')

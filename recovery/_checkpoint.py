@@ -1,4 +1,4 @@
-"""Orbax `CheckpointManager` save/restore of transition states onto the current mesh."""
+"""Orbax `CheckpointManager` save/restore of transition states onto the mesh."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ class Checkpoints:
 
   def restore(self, target: TransitionState, *,
               step: int | None = None) -> TransitionState:
-    """Restores checkpoint `step` (default: the latest) onto `target`'s shardings.
+    """Restores checkpoint `step` (default: latest) onto `target`'s shardings.
 
     Collective: every process must call this, in the same order.
 
@@ -328,7 +328,7 @@ class Checkpoints:
   # -- start -----------------------------------------------------------------
 
   def start(self, initial: TransitionState, *, resume: bool) -> TransitionState:
-    """Strict start: restores the latest checkpoint, or checks the folder is new.
+    """Strict start: restores the latest step, or checks the folder is new.
 
     Collective: every process must call this, in the same order.
 

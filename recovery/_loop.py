@@ -75,7 +75,7 @@ class ResilientLoop:
     self.check_fn = check_fn
 
   def init(self, user_state: PyTree, key: jax.Array) -> TransitionState:
-    """The state at step 0: `user_state` and the first epoch's order from `key`."""
+    """The state at step 0: `user_state`, first epoch's order from `key`."""
     if not (isinstance(key, jax.Array)
             and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
       raise TypeError(
@@ -159,7 +159,8 @@ class ResilientLoop:
         if preempted:
           if checkpoints is not None:
             checkpoints.wait()
-            where = f'saved checkpoint step {state.step} in {checkpoints.directory}'
+            where = (f'saved checkpoint step {state.step} in '
+                     f'{checkpoints.directory}')
           else:
             where = 'no checkpoint folder, nothing saved'
           logging.warning(
@@ -195,7 +196,8 @@ class ResilientLoop:
       if sigterm is not None:
         sigterm.uninstall()
 
-  def _reached_preemption(self, step: int, sigterm: _SigtermFlag | None) -> bool:
+  def _reached_preemption(self, step: int,
+                          sigterm: _SigtermFlag | None) -> bool:
     if sigterm is not None:
       return sigterm.is_set()
     if jax.process_count() == 1:

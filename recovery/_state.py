@@ -93,7 +93,8 @@ class EpochSampler:
 
     Does not change `state.step` or `state.user`.
     """
-    key, order, cursor, epoch = state.key, state.order, state.cursor, state.epoch
+    key, order = state.key, state.order
+    cursor, epoch = state.cursor, state.epoch
     if order.shape != (self.num_samples,):
       raise ValueError(
           f'The carried data order has shape {order.shape}, but this sampler '

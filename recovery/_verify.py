@@ -73,7 +73,7 @@ class ReplayStep:
 def verify_replay(loop: ResilientLoop, reference: TransitionState,
                   restored: TransitionState, num_steps: int, *,
                   rtol: float = RTOL, atol: float = ATOL) -> list[ReplayStep]:
-  """Checks that `num_steps` steps from a restored state replay the original run.
+  """Checks that `num_steps` steps from a restored state replay the original.
 
   Collective: every process must call this, in the same order.
 
@@ -102,7 +102,8 @@ def verify_replay(loop: ResilientLoop, reference: TransitionState,
     raise ValueError(f'num_steps must be >= 1; got {num_steps}.')
   ref_digests = _digest.leaf_digests(reference.to_tree())
   got_digests = _digest.leaf_digests(restored.to_tree())
-  differ = sorted(k for k in ref_digests if ref_digests[k] != got_digests.get(k))
+  differ = sorted(k for k in ref_digests
+                  if ref_digests[k] != got_digests.get(k))
   if differ or ref_digests.keys() != got_digests.keys():
     raise ReplayMismatchError(
         f'[process={jax.process_index()}] The restored state at step '
@@ -115,7 +116,8 @@ def verify_replay(loop: ResilientLoop, reference: TransitionState,
     where = f'[process={jax.process_index()}] Replay step {rec.step}'
     if not np.array_equal(ref_rec.ids, rec.ids):
       raise ReplayMismatchError(
-          f'{where}: sample ids differ: uninterrupted run {ref_rec.ids.tolist()}'
+          f'{where}: sample ids differ: uninterrupted run '
+          f'{ref_rec.ids.tolist()}'
           f', replay {rec.ids.tolist()}. The data order is not carried '
           'exactly (key, order, cursor, epoch).')
     if not np.allclose(rec.loss, ref_rec.loss, rtol=rtol, atol=atol):
@@ -127,7 +129,8 @@ def verify_replay(loop: ResilientLoop, reference: TransitionState,
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref_host)[0],
                             jax.tree.leaves(got_host), strict=True):
       if a.shape != b.shape or not np.allclose(b, a, rtol=rtol, atol=atol):
-        err = np.max(np.abs(b.astype(np.float64) - a)) if a.shape == b.shape else None
+        err = (np.max(np.abs(b.astype(np.float64) - a))
+               if a.shape == b.shape else None)
         raise ReplayMismatchError(
             f'{where}: state leaf {_digest.path_name(path)} differs from the '
             f'uninterrupted run (max abs difference {err}, rtol={rtol}, '

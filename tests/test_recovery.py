@@ -58,7 +58,8 @@ def _toy_loop(*, check_fn=None) -> recovery.ResilientLoop:
 
 def _initial(loop, seed=3) -> recovery.TransitionState:
   zeros = np.zeros(WIDTH, np.float32)
-  user = {'w': jax.device_put(zeros, _rep()), 'v': jax.device_put(zeros, _rep())}
+  user = {'w': jax.device_put(zeros, _rep()),
+          'v': jax.device_put(zeros, _rep())}
   return loop.init(user, jax.random.key(seed))
 
 
@@ -88,7 +89,8 @@ def test_sampler_reshuffles_from_the_carried_key_at_epoch_boundaries():
   _, again = _run(loop, _initial(loop), 7)
   assert [r.ids.tolist() for r in again] == [r.ids.tolist() for r in records]
   _, other = _run(loop, _initial(loop, seed=4), 3)
-  assert [r.ids.tolist() for r in other] != [r.ids.tolist() for r in records[:3]]
+  assert ([r.ids.tolist() for r in other]
+          != [r.ids.tolist() for r in records[:3]])
   assert (state.step, state.epoch, state.cursor) == (7, 2, BATCH)
 
 
@@ -120,8 +122,10 @@ def test_init_rejects_raw_uint32_keys():
 def test_digest_is_the_same_on_any_placement_and_changes_with_content():
   value = np.arange(8, dtype=np.float32)
   mesh = _mesh()
-  sharded = jax.device_put(value, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec('data'))) if 8 % jax.device_count() == 0 else value
+  sharded = value
+  if 8 % jax.device_count() == 0:
+    sharded = jax.device_put(value, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec('data')))
   single = jax.device_put(value, jax.devices()[0])
   digests = {recovery.state_digest({'x': v})
              for v in (value, single, sharded, jax.device_put(value, _rep()))}
@@ -173,7 +177,8 @@ def test_start_is_strict_about_resume(tmp_path):
   loop, directory, _ = _saved_run(tmp_path)
   with recovery.Checkpoints(directory) as ckpt:
     with pytest.raises(recovery.CheckpointError,
-                       match=r'already holds checkpoint steps \[6, 7\].*--resume'):
+                       match=r'already holds checkpoint steps \[6, 7\]'
+                       r'.*--resume'):
       ckpt.start(_initial(loop), resume=False)
   with recovery.Checkpoints(tmp_path / 'fresh') as ckpt:
     with pytest.raises(recovery.CheckpointError,
@@ -190,12 +195,13 @@ def test_wrong_shapes_give_a_clear_error(tmp_path):
   with recovery.Checkpoints(directory) as ckpt:
     with pytest.raises(recovery.CheckpointError,
                        match=r'does not fit this run: user/v: checkpoint has '
-                       r'\[\[4\], .float32.\], this run expects \[\[6\].*--width'):
+                       r'\[\[4\], .float32.\], this run expects '
+                       r'\[\[6\].*--width'):
       ckpt.restore(target)
 
 
 def test_altered_checkpoint_fails_its_digest_check(tmp_path):
-  """A value changed behind Orbax's back reads cleanly; only the digest sees it."""
+  """A value changed behind Orbax's back reads cleanly; the digest sees it."""
   loop, directory, _ = _saved_run(tmp_path)
   # Another run's step-7 state item (same structure, other values) replaces
   # this run's, keeping this run's metadata (and so its digest).
@@ -214,8 +220,8 @@ def test_altered_checkpoint_fails_its_digest_check(tmp_path):
 
 def test_damaged_array_bytes_give_a_clear_error(tmp_path):
   loop, directory, _ = _saved_run(tmp_path)
-  files = [f for f in glob.glob(str(directory / '7' / 'state' / '**' / 'd' / '*'),
-                                recursive=True) if os.path.isfile(f)]
+  pattern = str(directory / '7' / 'state' / '**' / 'd' / '*')
+  files = [f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)]
   assert files
   for f in files:
     size = os.path.getsize(f)
