@@ -21,6 +21,18 @@ _ROOT = 'multihost'
 # Calls are grouped in blocks of this many; process 0 deletes a whole block's
 # keys once every process is two blocks further, so the store stays small.
 _BLOCK = 64
+# The fast path waits this long at its barrier before falling back to the
+# full exchange. The service checks barrier deadlines about once a second,
+# so a shorter window would not fail faster.
+FAST_WINDOW_S = 1.0
+# After a fallback, this many calls take the full exchange directly: a peer
+# that runs more than the window behind then costs one window, not one per
+# call. Every process counts the same calls, so they all agree on the path.
+_BACKOFF_CALLS = 8
+_backoff = 0
+
+_FELL_BACK = b'F'
+_DIRECT = b'D'
 
 
 def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
@@ -40,30 +52,100 @@ def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
     CollectiveTimeoutError: a process did not arrive in time (named).
     ProcessFailureError: the coordination service reports a peer gone.
   """
+  return rendezvous(op, payload, timeout=timeout)
+
+
+def rendezvous(op: str, message: bytes, *, timeout: float,
+               agreement: bytes | None = None, publish: bool = True,
+               read: bool = True) -> list[bytes | None] | None:
+  """Meets every process; returns their messages, or None when they agree.
+
+  Collective: every process must call this, in the same order.
+
+  Fast path (`agreement` given): one coordination-service barrier whose id
+  carries `agreement`, so it completes only if every process passed the same
+  bytes; `message` is published first only if `publish`, and everyone's
+  published messages are read only if `read`. If the barrier does not
+  complete within FAST_WINDOW_S (a slow peer, or a disagreement), every
+  process falls back to the full exchange: publish, wait at a plain barrier
+  for the rest of `timeout`, read all messages. The full exchange is what
+  names missing processes and lets callers describe disagreements.
+
+  Returns:
+    None after a fast path with read=False (every process agreed); else a
+    list with one message per process (None for a process that published
+    nothing on the fast path).
+
+  Raises:
+    CollectiveTimeoutError: a process did not arrive in time (named).
+    ProcessFailureError: the coordination service reports a peer gone.
+  """
+  global _backoff
   count = _runtime.process_count()
   if count == 1:
-    return [payload]
+    return [message]
   me = _runtime.process_index()
   call = _runtime.next_call_id()
   prefix = f'{_ROOT}/{call // _BLOCK}/{call}/'
-  _coordination.kv_set(prefix + str(me), payload)
-  barrier(prefix, op, timeout=timeout, call=call)
-  messages: list[bytes | None] = [None] * count
-  for key, value in _coordination.kv_dir(prefix):
-    messages[int(key.rsplit('/', 1)[1])] = value
-  if me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
-    _coordination.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
+  start = time.monotonic()
+  fast = agreement is not None and _backoff == 0
+  _backoff = max(0, _backoff - 1)
+  published = False
+  fell_back = False
+  if fast:
+    if publish:
+      _coordination.kv_set(prefix + str(me), _DIRECT + message)
+      published = True
+    window = min(FAST_WINDOW_S, timeout)
+    try:
+      _coordination.wait_at_barrier(f'{prefix}a{agreement.hex()}', window)
+    except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+      failure = translate_failure(e, op, prefix, waited=time.monotonic() - start,
+                                  timeout=timeout)
+      if isinstance(failure, _errors.ProcessFailureError):
+        raise failure from e
+      fell_back = True
+    else:
+      _cleanup(call, me)
+      return _read(prefix, count) if read else None
+  if not published or fell_back:
+    flag = _FELL_BACK if fell_back else _DIRECT
+    _coordination.kv_set(prefix + str(me), flag + message)
+  remaining = timeout - (time.monotonic() - start)
+  barrier(prefix + 's', op, timeout=max(remaining, 0.001), call=call,
+          waited_before=time.monotonic() - start, total_timeout=timeout,
+          published=prefix)
+  messages = _read(prefix, count, flags=True)
   missing = [p for p, m in enumerate(messages) if m is None]
   if missing:  # Cannot happen after a completed barrier; never hide it.
     raise _errors.MultihostError(
         f'{_runtime.log_prefix()} {op}: the barrier completed but the '
         f'messages of processes {missing} are missing from the '
         'coordination service. This is a bug in multihost; please report it.')
-  return messages  # type: ignore[return-value]
+  if any(m[:1] == _FELL_BACK for m in messages):
+    _backoff = _BACKOFF_CALLS
+  _cleanup(call, me)
+  return [m[1:] for m in messages]
+
+
+def _read(prefix: str, count: int, flags: bool = False) -> list[bytes | None]:
+  messages: list[bytes | None] = [None] * count
+  for key, value in _coordination.kv_dir(prefix):
+    name = key.rsplit('/', 1)[1]
+    if name.isdigit():
+      messages[int(name)] = value if flags else value[1:]
+  return messages
+
+
+def _cleanup(call: int, me: int) -> None:
+  if me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
+    _coordination.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
 
 
 def barrier(barrier_id: str, op: str, *, timeout: float,
-            call: int | None = None) -> None:
+            call: int | None = None, waited_before: float = 0.0,
+            total_timeout: float | None = None,
+            published: str | None = None) -> None:
   """Waits at a coordination-service barrier, translating its failures.
 
   Collective: every process must call this, in the same order.
@@ -74,7 +156,9 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
   """
   start = time.monotonic()
   try:
-    _coordination.wait_at_barrier(barrier_id, timeout)
+    # In a worker thread, so that a peer's death raises here within the
+    # failure watchdog's bound instead of after `timeout` (see `_failure`).
+    _failure.call(op, _coordination.wait_at_barrier, barrier_id, timeout)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
     waited = time.monotonic() - start
     raise translate_failure(e, op, barrier_id, waited=waited,

@@ -75,6 +75,7 @@ class _State:
     self.service_lost = False
     self.thread: threading.Thread | None = None
     self.worker: _Worker | None = None
+    self.pending: set[_Job] = set()  # Jobs whose callers are waiting.
     self.abandoned = False  # A worker is stuck in a collective.
 
 
@@ -182,22 +183,22 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
       return fn(*args)
   check(op)
   job = _Job(fn, args)
-  with st.cond:
-    if st.worker is None:
-      st.worker = _Worker()
-    worker = st.worker
-  worker.submit(job)
+  worker = st.worker
+  if worker is None:
+    worker = st.worker = _Worker()
   start_time = time.monotonic()
-  deadline = None if timeout is None else start_time + timeout
-  with st.cond:
-    while not job.done and not (st.failed or st.exited or st.service_lost):
-      remaining = None if deadline is None else deadline - time.monotonic()
-      if remaining is not None and remaining <= 0:
-        break
-      st.cond.wait(remaining)
-    if not job.done:
-      st.worker = None  # It is stuck in `fn`; later calls get a new one.
-      st.abandoned = True
+  # The job's lock is released by the worker when `fn` returns, or by the
+  # watchdog when a peer is gone; set membership is atomic under the GIL.
+  st.pending.add(job)
+  try:
+    worker.submit(job)
+    if not (st.failed or st.exited or st.service_lost):
+      job.wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+  finally:
+    st.pending.discard(job)
+  if not job.done:
+    st.worker = None  # It is stuck in `fn`; later calls get a new one.
+    st.abandoned = True
   waited = time.monotonic() - start_time
   if not job.done:
     if st.failed or st.exited or st.service_lost:
@@ -218,7 +219,7 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
 
 
 class _Job:
-  __slots__ = ('fn', 'args', 'done', 'result', 'error')
+  __slots__ = ('fn', 'args', 'done', 'result', 'error', 'wake')
 
   def __init__(self, fn, args):
     self.fn = fn
@@ -226,6 +227,14 @@ class _Job:
     self.done = False
     self.result = None
     self.error: BaseException | None = None
+    self.wake = threading.Lock()
+    self.wake.acquire()
+
+  def notify(self) -> None:
+    try:
+      self.wake.release()
+    except RuntimeError:  # Already released by the worker or the watchdog.
+      pass
 
 
 class _Worker:
@@ -246,9 +255,8 @@ class _Worker:
         job.result = job.fn(*job.args)
       except BaseException as e:  # Re-raised in the calling thread.  # noqa: BLE001
         job.error = e
-      with _state.cond:
-        job.done = True
-        _state.cond.notify_all()
+      job.done = True
+      job.notify()
 
 
 def _is_peer_loss(error: BaseException) -> bool:
@@ -306,6 +314,13 @@ def _short(error: BaseException, limit: int = 300) -> str:
   return message if len(message) <= limit else message[:limit] + '...'
 
 
+def _wake_waiters() -> None:
+  """Called with `cond` held after recording a failure."""
+  _state.cond.notify_all()
+  for job in list(_state.pending):
+    job.notify()
+
+
 def _watch() -> None:
   st = _state
   everyone = list(range(st.count))
@@ -317,7 +332,7 @@ def _watch() -> None:
         return
       with st.cond:
         st.service_lost = True
-        st.cond.notify_all()
+        _wake_waiters()
       logging.error('[process=%d] multihost watchdog: the coordination '
                     'service is unreachable (%s).', st.me, _short(e))
       return
@@ -332,7 +347,7 @@ def _watch() -> None:
             st.exited.add(p)
           else:
             st.failed[p] = now
-        st.cond.notify_all()
+        _wake_waiters()
       dead = [p for p in gone if p not in exited]
       if dead:
         logging.error('[process=%d] multihost watchdog: process(es) %s '
@@ -351,41 +366,70 @@ def _exited_processes() -> list[int]:
 
 
 def _at_exit() -> None:
-  """Records this process's exit; process 0 waits for the others to leave."""
+  """Leaves the job cleanly: records the exit; process 0 waits for the others.
+
+  With recoverability on, JAX's shutdown barrier no longer holds process 0
+  back, and when process 0 exits the coordination service goes with it and
+  the C++ client aborts every process still connected. So every other
+  process records its exit and disconnects at once, and process 0 waits (up
+  to `shutdown_timeout`) until the watchdog has seen every other process
+  leave or fail.
+
+  No thread of ours may still be inside a C++ call when the interpreter
+  finalizes: a daemon thread that returns from C++ then is unwound by force,
+  which aborts the process. So the watchdog is joined, and if a collective
+  was abandoned (its worker may return at any time) the process leaves with
+  `os._exit(1)`.
+  """
   st = _state
   if not st.running or _coordination.client() is None:
     return
   try:
-    _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
     if _coordination.hosts_service():
+      _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
       _wait_for_others_to_leave()
+      _stop_watchdog()
+    else:
+      _stop_watchdog()
+      _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
+      jax.distributed.shutdown()  # Disconnect now, before process 0 goes.
   except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
     logging.warning('[process=%d] multihost: exit handshake failed: %s',
                     st.me, _short(e))
   st.stopping = True
   st.running = False
-  sys.stdout.flush()
-  sys.stderr.flush()
-  if st.abandoned:
-    # A worker is stuck in a device collective; JAX's own exit would wait
-    # for it forever. Leave now, with a failure status.
-    logging.error('[process=%d] multihost: exiting with status 1 because a '
-                  'collective is stuck after a peer failed.', st.me)
+  if st.abandoned or (st.thread is not None and st.thread.is_alive()):
+    logging.error('[process=%d] multihost: leaving with os._exit(1): a '
+                  'collective abandoned after a peer failed may still be '
+                  'running, and the normal exit would abort or hang on it.',
+                  st.me)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
+
+
+def _stop_watchdog() -> None:
+  """Stops the watchdog; it finishes its current liveness query first."""
+  st = _state
+  st.stopping = True
+  if st.thread is not None:
+    st.thread.join(POLL_INTERVAL_S + 3.0)
 
 
 def _wait_for_others_to_leave() -> None:
   st = _state
   deadline = time.monotonic() + st.shutdown_timeout
   others = set(range(st.count)) - {st.me}
-  while time.monotonic() < deadline:
-    left = set(_exited_processes()) | set(st.failed)
-    if others <= left:
-      return
-    time.sleep(0.05)
+  with st.cond:
+    while True:
+      left = st.exited | set(st.failed)
+      if others <= left or st.service_lost or not st.thread.is_alive():
+        return
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        break
+      st.cond.wait(min(remaining, POLL_INTERVAL_S))
   logging.warning('[process=%d] multihost: exiting after %.0f s although '
-                  'process(es) %s have not exited; they will be aborted when '
-                  'the coordination service stops.', st.me,
-                  st.shutdown_timeout, sorted(others - left))
+                  'process(es) %s have not exited; the JAX runtime will abort '
+                  'them when the coordination service stops with this '
+                  'process.', st.me, st.shutdown_timeout, sorted(others - left))
