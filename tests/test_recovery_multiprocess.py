@@ -54,3 +54,31 @@ def test_divergent_data_order_is_named():
   state = _state(np.zeros(4, np.float32), cursor=4 * jax.process_index())
   with pytest.raises(multihost.ConsistencyError, match='cursor'):
     recovery.check_consistent(state, what='After restoring step 3')
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
+    multihost_tmp_path):
+  mesh = jax.make_mesh((jax.device_count(),), ('data',))
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  row = jax.sharding.NamedSharding(mesh, P('data'))
+  rep = jax.sharding.NamedSharding(mesh, P())
+  value = np.arange(8, dtype=np.float32)
+  sharded = jax.make_array_from_callback((8,), row, lambda i: value[i])
+  assert not sharded.is_fully_addressable
+  state = _state(np.zeros(4, np.float32)).replace(
+      user={'weights': sharded})
+  # The digest is of the global value, whatever the placement.
+  assert (recovery.state_digest(state)
+          == recovery.state_digest(state.replace(user={'weights': value})))
+  with recovery.Checkpoints(multihost_tmp_path / 'ckpt') as ckpt:
+    assert ckpt.save(state, force=True)
+    ckpt.wait()
+    zeros = np.zeros(8, np.float32)
+    target = state.replace(user={'weights': jax.make_array_from_callback(
+        (8,), rep, lambda i: zeros[i])})
+    restored = ckpt.restore(target)
+  assert restored.user['weights'].sharding == rep
+  np.testing.assert_array_equal(
+      recovery.host_value(restored.user['weights']), value)
+  assert recovery.state_digest(restored) == recovery.state_digest(state)
