@@ -15,8 +15,9 @@ SIGKILL) and exits with the first failing process's status (128+signal for a
 signal); a summary says who failed first and how. When process 0, which
 hosts JAX's coordination service, dies first, the summary says so and does
 not blame the survivors that the JAX runtime then aborted. `--timeout`
-bounds the whole run (exit status 124). SIGINT/SIGTERM to the launcher are
-forwarded to the controllers, which are then killed; nothing is left running.
+bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
+launcher are forwarded to the controllers, which are then killed; nothing is
+left running.
 
 The same machinery is a library, for tests and the pytest plugin:
 
@@ -53,6 +54,9 @@ DEFAULT_GRACE_PERIOD_S = 5.0
 # SIGKILL.
 DEFAULT_KILL_WAIT_S = 2.0
 _POLL_S = 0.02
+# Signals the command-line launcher forwards to the controllers (SIGHUP: the
+# terminal closed; the controllers, in their own sessions, would not get it).
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def find_free_port(host: str = '127.0.0.1') -> int:
@@ -146,7 +150,8 @@ class LaunchResult:
     timed_out: whether the timeout stopped the run.
     still_running_at_timeout: the processes that were running at the
       timeout.
-    interrupted_by: the signal (SIGINT/SIGTERM) the launcher got, or None.
+    interrupted_by: the signal (SIGINT/SIGTERM/SIGHUP) the launcher got, or
+      None.
     exit_code: the launcher's exit status: 0, the first failure's status,
       124 on timeout, or 128+signal when interrupted.
     summary: a human-readable account of all of the above.
@@ -197,7 +202,8 @@ class Controllers:
     devices_per_process: CPU devices per controller.
     env: extra environment variables for every process (over os.environ).
     cwd: working directory of the processes.
-    grace_period: seconds the others get to finish after the first failure.
+    grace_period: seconds the others get to finish after the first failure
+      (math.inf: never stop them).
     stream: where to write the prefixed output lines live (None: only
       capture them).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping.
@@ -441,7 +447,12 @@ class Controllers:
   # Signal forwarding (for the command-line launcher, main thread only).
 
   def forward_signals(self) -> collections.abc.Callable[[], None]:
-    """Makes SIGINT/SIGTERM stop the run; returns a function undoing it."""
+    """Makes SIGINT/SIGTERM/SIGHUP stop the run; returns the undo function.
+
+    The signal is forwarded to the running processes, which are killed
+    `kill_wait` seconds later. (Only a SIGKILL of the launcher itself can
+    leave them running.)
+    """
     previous = {}
 
     def handler(signum, frame):
@@ -451,7 +462,7 @@ class Controllers:
           self._interrupt = signum
         self._changed.notify_all()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _FORWARDED_SIGNALS:
       previous[sig] = signal.signal(sig, handler)
 
     def restore():
@@ -621,8 +632,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     cwd: working directory of the processes.
     stream: where to stream the `[pN] `-prefixed output (None: capture only).
     summary_stream: where to print the summary at the end (None: don't).
-    forward_signals: stop the run on SIGINT/SIGTERM to this process (main
-      thread only; used by the command-line launcher).
+    forward_signals: stop the run on SIGINT/SIGTERM/SIGHUP to this process
+      (main thread only; used by the command-line launcher).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
       (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
 

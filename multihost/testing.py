@@ -297,8 +297,9 @@ class _Parent:
              'call')
     elif result.first_failure is not None:
       from multihost import launch
-      why = (f'the workers stopped early: process {result.first_failure} '
-             f'ended first, {launch.describe(result.returncodes[result.first_failure])}')
+      first = result.first_failure
+      why = (f'the workers stopped early: process {first} ended first, '
+             f'{launch.describe(result.returncodes[first])}')
     else:
       why = 'the worker processes stopped early'
     lines = [f'multihost: this test did not complete on processes {missing} '

@@ -127,9 +127,9 @@ def test_marked_tests_run_grouped_in_every_process(pytester):
                                          timeout=240)
   result.assert_outcomes(passed=6, failed=2)
   out = result.stdout.str()
-  assert 'PASSED test_grouped.py::test_runs_on_every_process' in out
-  assert 'PASSED test_grouped.py::test_collectives_still_match_afterwards' in out
-  assert 'PASSED test_grouped.py::test_shared_folder' in out
+  for name in ('test_runs_on_every_process', 'test_shared_folder',
+               'test_collectives_still_match_afterwards'):
+    assert f'PASSED test_grouped.py::{name}' in out
   assert 'PASSED test_zz_other.py::test_unmarked_runs_in_the_parent' in out
   assert 'PASSED test_zz_other.py::test_in_another_module' in out
   # The failing process is named; its traceback and both outputs are shown.
