@@ -251,6 +251,11 @@ def main(argv):
                               keep=_KEEP.value,
                               async_save=_ASYNC_SAVE.value) as checkpoints:
       state = checkpoints.start(initial, resume=_RESUME.value)
+      if state.step > _STEPS.value:
+        raise recovery.CheckpointError(
+            f'{prefix} The latest checkpoint in {directory} is at step '
+            f'{state.step}, beyond --steps={_STEPS.value}. Pass a larger '
+            '--steps to continue training.')
       if pid == 0 and _RESUME.value:
         print(f'Resumed from step {state.step} (epoch {state.epoch}).',
               flush=True)

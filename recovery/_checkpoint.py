@@ -177,6 +177,7 @@ class Checkpoints:
         'epoch': state.epoch,
         'cursor': state.cursor,
         'digest': _digest.combine(digests),
+        'leaf_digests': digests,
         'digest_algorithm': _digest.DIGEST_ALGORITHM,
         'key_impl': str(jax.random.key_impl(state.key)),
         'leaves': _leaf_specs(tree),
@@ -277,11 +278,14 @@ class Checkpoints:
     digests = _digest.leaf_digests(restored)
     got = _digest.combine(digests)
     if got != meta['digest']:
+      stored = meta.get('leaf_digests', {})
+      changed = sorted(k for k in digests if stored.get(k) != digests[k])
       raise CheckpointCorruptError(
           f'{_prefix()} Checkpoint step {step} in {self.directory} fails its '
           f'digest check: stored {meta["digest"][:16]}..., restored state '
-          f'digests to {got[:16]}... Its files were altered or damaged after '
-          f'the save committed; refusing to resume from it. '
+          f'digests to {got[:16]}... (leaves that changed: '
+          f'{", ".join(changed) or "unknown"}). Its files were altered or '
+          f'damaged after the save committed; refusing to resume from it. '
           f'{self._fallback_hint(step)}')
     _verify.check_consistent(restored, what=f'After restoring step {step}')
     state = TransitionState.from_tree(restored, key_like=target.key)

@@ -212,7 +212,8 @@ def test_altered_checkpoint_fails_its_digest_check(tmp_path):
   shutil.copytree(other / '7' / 'state', directory / '7' / 'state')
   with recovery.Checkpoints(directory) as ckpt:
     with pytest.raises(recovery.CheckpointCorruptError,
-                       match=r'step 7 .* fails its digest check.*previous '
+                       match=r'step 7 .* fails its digest check.*changed: '
+                       r'data/key, data/order, user/v, user/w\).*previous '
                        r'checkpoint \(step 6\)'):
       ckpt.start(_initial(loop), resume=True)
     assert ckpt.restore(_initial(loop), step=6).step == 6  # Untouched.
