@@ -32,6 +32,9 @@ How it runs:
   timeout) run as a group in ONE launch: N worker pytest sessions, one per
   process, started once, each calling `multihost.initialize()` before any
   test touches JAX. The parent pytest reports each test individually.
+- The launch's own cost (starting N processes, `jax.distributed`, collection)
+  is reported as the setup time of the group's first test, so
+  `pytest --durations` shows what each group costs.
 - `timeout=` (seconds, default 300) bounds the whole group. If a worker
   crashes or hangs, the group's remaining tests fail with each process's
   output, and no worker is left running.
@@ -66,6 +69,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -185,6 +189,9 @@ class _Parent:
     # nodeid -> per process -> when -> record; filled as groups run.
     self._records: dict[str, list[dict[str, _Record]]] = {}
     self._launch_info: dict[GroupSpec, Any] = {}
+    # Seconds of a group's launch not spent in its tests (process start,
+    # jax.distributed, collection), charged to its first test's setup.
+    self._overhead: dict[GroupSpec, float] = {}
     self.launches = 0
 
   def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -242,6 +249,7 @@ class _Parent:
     if not os.environ.get('MULTIHOST_TIMEOUT'):
       env['MULTIHOST_TIMEOUT'] = str(
           min(DEFAULT_COLLECTIVE_TIMEOUT_S, spec.timeout / 2))
+    start = time.monotonic()
     try:
       result = launch.launch(
           command, num_processes=spec.num_processes,
@@ -258,6 +266,11 @@ class _Parent:
               [{} for _ in range(spec.num_processes)])
           when = record.pop('when')
           per_process[i][when] = _Record(**record)
+      in_tests = sum(
+          max((sum(r.duration for r in p.values())
+               for p in self._records.get(item.nodeid, [])), default=0.0)
+          for item in items)
+      self._overhead[spec] = max(0.0, time.monotonic() - start - in_tests)
     finally:
       shutil.rmtree(results_dir, ignore_errors=True)
 
@@ -278,6 +291,9 @@ class _Parent:
         break  # Like pytest: no call phase after a failed or skipped setup.
     if reports[-1].when != 'teardown':
       reports.append(_report(item, 'teardown', 'passed', None))
+    group = self._groups.get(spec, [])
+    if group and group[0] is item:  # Shows the launch cost in --durations.
+      reports[0].duration += self._overhead.get(spec, 0.0)
     return reports
 
   def _incomplete(self, item: pytest.Item, spec: GroupSpec,
