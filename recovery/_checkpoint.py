@@ -76,7 +76,9 @@ class Checkpoints:
           'same step replaces one).',
           _prefix(), self.directory, self.partial_steps)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=self.keep,
+        max_to_keep=None if read_only else self.keep,
+        # Saves are scheduled by `save()`; Orbax's own interval is unused.
+        save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=async_save,
         create=not read_only,
         read_only=read_only,
