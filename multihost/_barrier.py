@@ -32,10 +32,12 @@ def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
   timeout = _runtime.resolve_timeout(timeout)
   if _runtime.process_count() == 1:
     return
-  headers = _protocol.exchange(
-      _protocol.Header('sync_global_devices', extra={'name': name}),
-      timeout=timeout)
-  names = [h.extra['name'] for h in headers]
+  headers, agreed = _protocol.exchange(
+      _protocol.Header('sync_global_devices', agreed=name), timeout=timeout,
+      fast=True, publish=False, read=False)
+  if agreed:
+    return
+  names = [h.agreed for h in headers]
   if len(set(names)) > 1:
     raise _errors.ConsistencyError(
         f'{_runtime.log_prefix()} sync_global_devices name mismatch: '

@@ -45,7 +45,8 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   """
   op = 'broadcast_one_to_all'
   timeout = _runtime.resolve_timeout(timeout)
-  if is_source is None:
+  default_source = is_source is None
+  if default_source:
     is_source = _runtime.process_index() == 0
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
   if any(_leaves.is_global(x) for x in leaves):
@@ -66,19 +67,28 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     return treedef.unflatten(
         [_leaves.finish(v.copy(), s) for v, s in zip(values, specs, strict=True)])
   size = sum(v.nbytes for v in values)
-  inline = is_source and size <= _protocol.INLINE_BYTES
+  # The size follows from the specs, which every process checks are equal.
+  inline = size <= _protocol.INLINE_BYTES
   header = _protocol.Header(
       op, str(treedef), tuple(paths), specs, {'source': bool(is_source)},
-      size, _leaves.pack(values).tobytes() if inline else None)
-  headers = _protocol.exchange(header, timeout=timeout)
-  source = _one_source(headers, op)
-  _protocol.check_same_leaves(headers)
-  payload = headers[source].payload
-  if payload is not None:
-    buffer = np.frombuffer(payload, np.uint8)
+      size, _leaves.pack(values).tobytes() if is_source and inline else None,
+      agreed='source: process 0' if default_source else None)
+  # With the default source every process knows who it is, so the fast path
+  # can prove agreement; with explicit is_source, the full exchange counts
+  # the sources.
+  headers, agreed = _protocol.exchange(
+      header, timeout=timeout, fast=default_source,
+      publish=is_source and inline, read=inline and not is_source)
+  if agreed:  # Process 0 is the source; others read its header if inline.
+    source_header = headers[0] if inline and not is_source else header
   else:
-    buffer = _device.broadcast(_leaves.pack(values) if is_source else None,
-                               size)
+    source_header = headers[_one_source(headers, op)]
+    _protocol.check_same_leaves(headers)
+  if source_header.payload is not None:
+    buffer = np.frombuffer(source_header.payload, np.uint8)
+  else:
+    packed = _leaves.pack(values, _device.bucket(size)) if is_source else None
+    buffer = _device.broadcast(packed, size, op=op, timeout=timeout)
   out = _leaves.unpack(buffer, list(specs))
   return treedef.unflatten(
       [_leaves.finish(v, s) for v, s in zip(out, specs, strict=True)])
@@ -117,13 +127,14 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   inline = is_source and len(data) <= _protocol.INLINE_BYTES
   header = _protocol.Header(op, extra={'source': bool(is_source)},
                             size=len(data), payload=data if inline else None)
-  headers = _protocol.exchange(header, timeout=timeout)
+  headers, _ = _protocol.exchange(header, timeout=timeout)
   source = _one_source(headers, op)
   payload = headers[source].payload
   if payload is None:
     size = headers[source].size
     received = _device.broadcast(
-        np.frombuffer(data, np.uint8) if is_source else None, size)
+        np.frombuffer(data, np.uint8) if is_source else None, size, op=op,
+        timeout=timeout)
     payload = b'' if is_source else received.tobytes()
   return obj if is_source else pickle.loads(payload)
 

@@ -13,6 +13,8 @@ import functools
 import jax
 import numpy as np
 
+from multihost import _failure
+
 _AXIS = 'processes'
 
 
@@ -42,8 +44,11 @@ def bucket(n: int) -> int:
 def _row(buffer: np.ndarray, length: int) -> jax.Array:
   """This process's (1, length) row of a (P, length) global array."""
   mesh = _mesh()
-  row = np.zeros((1, length), np.uint8)
-  row[0, :buffer.size] = buffer
+  if buffer.size == length:
+    row = buffer.reshape(1, length)
+  else:
+    row = np.zeros((1, length), np.uint8)
+    row[0, :buffer.size] = buffer
   local = jax.device_put(row, _my_device())
   sharding = jax.sharding.NamedSharding(mesh, jax.P(_AXIS))
   return jax.make_array_from_single_device_arrays(
@@ -64,18 +69,23 @@ def _sum_fn():
   return jax.jit(body)
 
 
-def allgather(buffer: np.ndarray, length: int) -> np.ndarray:
+def _run(fn, row: jax.Array) -> np.ndarray:
+  return np.asarray(fn(row).addressable_data(0))
+
+
+def allgather(buffer: np.ndarray, length: int, *, op: str,
+              timeout: float) -> np.ndarray:
   """Gathers every process's uint8 buffer; returns a (P, >=length) array.
 
   Collective: every process must call this, in the same order, with the
   same `length` (>= every buffer's size).
   """
-  padded = bucket(length)
-  out = _gather_fn()(_row(buffer, padded))
-  return np.asarray(out.addressable_data(0))
+  row = _row(buffer, bucket(length))
+  return _failure.call(op, _run, _gather_fn(), row, timeout=timeout)
 
 
-def broadcast(buffer: np.ndarray | None, length: int) -> np.ndarray:
+def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
+              timeout: float) -> np.ndarray:
   """Returns the source's `length` bytes on every process.
 
   Collective: every process must call this, in the same order, with the
@@ -83,7 +93,7 @@ def broadcast(buffer: np.ndarray | None, length: int) -> np.ndarray:
   Memory per process is about two buffers, whatever the process count:
   it is a sum in which every process but the source adds zeros.
   """
-  padded = bucket(length)
   source = np.zeros(0, np.uint8) if buffer is None else buffer
-  out = _sum_fn()(_row(source, padded))
-  return np.asarray(out.addressable_data(0)).reshape(-1)[:length]
+  row = _row(source, bucket(length))
+  out = _failure.call(op, _run, _sum_fn(), row, timeout=timeout)
+  return out.reshape(-1)[:length]

@@ -52,13 +52,14 @@ def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
     CollectiveTimeoutError: a process did not arrive in time (named).
     ProcessFailureError: the coordination service reports a peer gone.
   """
-  return rendezvous(op, payload, timeout=timeout)
+  return rendezvous(op, payload, timeout=timeout)[0]
 
 
 def rendezvous(op: str, message: bytes, *, timeout: float,
                agreement: bytes | None = None, publish: bool = True,
-               read: bool = True) -> list[bytes | None] | None:
-  """Meets every process; returns their messages, or None when they agree.
+               read: bool = True
+               ) -> tuple[list[bytes | None] | None, bool]:
+  """Meets every process; returns (messages, whether the fast path agreed).
 
   Collective: every process must call this, in the same order.
 
@@ -72,9 +73,10 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   names missing processes and lets callers describe disagreements.
 
   Returns:
-    None after a fast path with read=False (every process agreed); else a
-    list with one message per process (None for a process that published
-    nothing on the fast path).
+    (messages, agreed). After the fast path, agreed is True and messages is
+    None unless `read` (then a list with what each process published, None
+    for those that published nothing). After the full exchange, agreed is
+    False and messages has one message per process.
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -83,7 +85,7 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   global _backoff
   count = _runtime.process_count()
   if count == 1:
-    return [message]
+    return [message], agreement is not None
   me = _runtime.process_index()
   call = _runtime.next_call_id()
   prefix = f'{_ROOT}/{call // _BLOCK}/{call}/'
@@ -98,7 +100,8 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
       published = True
     window = min(FAST_WINDOW_S, timeout)
     try:
-      _coordination.wait_at_barrier(f'{prefix}a{agreement.hex()}', window)
+      _failure.call(op, _coordination.wait_at_barrier,
+                    f'{prefix}a{agreement.hex()}', window)
     except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
       failure = translate_failure(e, op, prefix, waited=time.monotonic() - start,
                                   timeout=timeout)
@@ -107,7 +110,7 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
       fell_back = True
     else:
       _cleanup(call, me)
-      return _read(prefix, count) if read else None
+      return (_read(prefix, count) if read else None), True
   if not published or fell_back:
     flag = _FELL_BACK if fell_back else _DIRECT
     _coordination.kv_set(prefix + str(me), flag + message)
@@ -125,7 +128,7 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   if any(m[:1] == _FELL_BACK for m in messages):
     _backoff = _BACKOFF_CALLS
   _cleanup(call, me)
-  return [m[1:] for m in messages]
+  return [m[1:] for m in messages], False
 
 
 def _read(prefix: str, count: int, flags: bool = False) -> list[bytes | None]:
@@ -154,15 +157,17 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
     CollectiveTimeoutError: naming the processes that did not arrive.
     ProcessFailureError: naming processes the service reports as gone.
   """
+  del call
   start = time.monotonic()
   try:
     # In a worker thread, so that a peer's death raises here within the
     # failure watchdog's bound instead of after `timeout` (see `_failure`).
     _failure.call(op, _coordination.wait_at_barrier, barrier_id, timeout)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    waited = time.monotonic() - start
-    raise translate_failure(e, op, barrier_id, waited=waited,
-                            timeout=timeout) from e
+    waited = time.monotonic() - start + waited_before
+    raise translate_failure(
+        e, op, published or barrier_id, waited=waited,
+        timeout=timeout if total_timeout is None else total_timeout) from e
 
 
 def translate_failure(error: BaseException, op: str, where: str, *,

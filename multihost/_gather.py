@@ -82,16 +82,31 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     return treedef.unflatten(out)
   size = sum(p.nbytes for p in parts)
   inline = size * count <= _INLINE_TOTAL
+  has_global = any(b is not None for b in shards)
   header = _protocol.Header(
       op, str(treedef), tuple(paths), tuple(specs),
-      {'shards': shards, 'tiled': bool(tiled)}, size,
-      _leaves.pack(parts).tobytes() if inline else None)
-  headers = _protocol.exchange(header, timeout=timeout)
-  _protocol.check_same_leaves(headers)
-  all_shards = [h.extra['shards'] for h in headers]
-  received = _receive(headers, parts, op)
+      {'shards': shards}, size,
+      _leaves.pack(parts).tobytes() if inline else None, agreed=bool(tiled))
+  # Without global leaves every process sends the same sizes, which follow
+  # from the (agreed) specs, so the fast path can prove agreement. Global
+  # leaves' shards differ by process: the full exchange describes them.
+  headers, agreed = _protocol.exchange(
+      header, timeout=timeout, fast=not has_global, publish=inline,
+      read=inline)
+  if agreed:
+    all_shards = [shards] * count
+    if inline:
+      received = [np.frombuffer(h.payload, np.uint8) for h in headers]
+    else:
+      packed = _leaves.pack(parts, _device.bucket(size))
+      rows = _device.allgather(packed, size, op=op, timeout=timeout)
+      received = [rows[p, :size] for p in range(count)]
+  else:
+    _protocol.check_same_leaves(headers)
+    all_shards = [h.extra['shards'] for h in headers]
+    received = _receive(headers, parts, op, timeout)
   per_process = [
-      _leaves.unpack(buf, _part_specs(specs, s)[0], _part_specs(specs, s)[1])
+      _leaves.unpack(buf, *_part_specs(specs, s))
       for buf, s in zip(received, all_shards, strict=True)]
   out = [_assemble(parts_of_leaf, spec, tiled, bounds)
          for parts_of_leaf, spec, bounds in _by_leaf(per_process, specs,
@@ -99,12 +114,13 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   return treedef.unflatten(out)
 
 
-def _receive(headers, parts, op) -> list[np.ndarray]:
+def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
   """Every process's packed bytes, from the headers or one device gather."""
   if all(h.payload is not None for h in headers):
     return [np.frombuffer(h.payload, np.uint8) for h in headers]
   sizes = [h.size for h in headers]
-  rows = _device.allgather(_leaves.pack(parts), max(sizes))
+  packed = _leaves.pack(parts, _device.bucket(max(sizes)))
+  rows = _device.allgather(packed, max(sizes), op=op, timeout=timeout)
   return [rows[p, :n] for p, n in enumerate(sizes)]
 
 
@@ -199,12 +215,13 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   inline = len(data) <= _protocol.INLINE_BYTES
   header = _protocol.Header(op, size=len(data),
                             payload=data if inline else None)
-  headers = _protocol.exchange(header, timeout=timeout)
+  headers, _ = _protocol.exchange(header, timeout=timeout)
   me = _runtime.process_index()
   if all(h.payload is not None for h in headers):
     payloads = [h.payload for h in headers]
   else:
     sizes = [h.size for h in headers]
-    rows = _device.allgather(np.frombuffer(data, np.uint8), max(sizes))
+    rows = _device.allgather(np.frombuffer(data, np.uint8), max(sizes),
+                             op=op, timeout=timeout)
     payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
   return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]

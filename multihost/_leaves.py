@@ -92,10 +92,15 @@ def finish(value: np.ndarray, spec: LeafSpec):
   return jax.random.wrap_key_data(np.array(value), impl=spec.key_impl)
 
 
-def pack(values: list[np.ndarray]) -> np.ndarray:
-  """Concatenates the raw bytes of `values` into one uint8 array."""
+def pack(values: list[np.ndarray], pad_to: int = 0) -> np.ndarray:
+  """Concatenates the raw bytes of `values` into one uint8 array.
+
+  With `pad_to`, the array is zero-padded to at least that many bytes (so a
+  device transfer can use it without another copy).
+  """
   total = sum(v.nbytes for v in values)
-  out = np.empty(total, np.uint8)
+  out = np.empty(max(total, pad_to), np.uint8)
+  out[total:] = 0
   offset = 0
   for v in values:
     n = v.nbytes

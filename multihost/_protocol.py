@@ -10,6 +10,7 @@ collective starts, and a missing process raises a timeout naming it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 from typing import Any
 
@@ -33,24 +34,45 @@ class Header:
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
   size: int = 0  # bytes this process contributes to the data phase
   payload: bytes | None = None  # the data itself, when small
+  agreed: Any = None  # what else must be equal everywhere (a name, digests)
+
+  def agreement(self) -> bytes:
+    """A digest of everything every process must agree on."""
+    what = (self.op, self.tree, self.paths, self.specs, self.agreed)
+    return hashlib.sha256(
+        pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)).digest()[:16]
 
 
-def exchange(header: Header, *, timeout: float) -> list[Header]:
-  """Gathers every process's header and checks they run the same operation.
+def exchange(header: Header, *, timeout: float, fast: bool = False,
+             publish: bool = True, read: bool = True
+             ) -> tuple[list[Header | None] | None, bool]:
+  """Meets every process with `header`; returns (headers, proven_equal).
 
   Collective: every process must call this, in the same order.
+
+  With `fast`, it first tries one barrier that completes only if every
+  process's header agrees (`Header.agreement`); then `proven_equal` is True,
+  and `headers` is None unless `read` (then it holds the headers of the
+  processes that `publish`ed, None for the others). Otherwise (or after the
+  fast path fell back) it returns every process's header, already checked to
+  name the same operation, and `proven_equal` is False.
   """
-  messages = _exchange.allgather_bytes(
+  messages, agreed = _exchange.rendezvous(
       header.op, pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL),
-      timeout=timeout)
-  headers = [pickle.loads(m) for m in messages]
+      timeout=timeout, agreement=header.agreement() if fast else None,
+      publish=publish, read=read)
+  if messages is None:
+    return None, True
+  headers = [None if m is None else pickle.loads(m) for m in messages]
+  if agreed:
+    return headers, True
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:
     raise _errors.ConsistencyError(
         f'{_runtime.log_prefix()} processes called different collectives at '
         f'the same point: {groups(ops)}. Every process must call the same '
         'multihost collectives in the same order.')
-  return headers
+  return headers, False
 
 
 def check_same_leaves(headers: list[Header], what: str = '') -> None:
