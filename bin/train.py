@@ -62,7 +62,9 @@ _BATCH_SIZE = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer('seed', 17, 'Seed of the data-order PRNG key.')
 _METRICS_OUT = flags.DEFINE_string(
     'metrics_out', '',
-    'Process 0 appends one JSON object per step: step, loss, ids, digest.')
+    'Process 0 writes one JSON object per step: step, loss, ids (the sample '
+    'ids of the batch), digest (of the state after the step). --resume '
+    'appends to the file.')
 _NUM_CPU_DEVICES = flags.DEFINE_integer(
     'num_cpu_devices', 4,
     'Virtual CPU devices per process when $JAX_NUM_CPU_DEVICES is unset.',
@@ -225,13 +227,6 @@ def main(argv):
                       jax.random.key(_SEED.value))
 
   metrics = None
-  if _METRICS_OUT.value and pid == 0:
-    try:
-      metrics = open(_METRICS_OUT.value, 'a')
-    except OSError as e:
-      raise app.UsageError(
-          f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
-          f'appending: {e}') from e
 
   def on_step(state, record):
     if not _METRICS_OUT.value:
@@ -256,6 +251,14 @@ def main(argv):
             f'{prefix} The latest checkpoint in {directory} is at step '
             f'{state.step}, beyond --steps={_STEPS.value}. Pass a larger '
             '--steps to continue training.')
+      if _METRICS_OUT.value and pid == 0:
+        try:
+          # A resumed run continues the file; a fresh run starts it anew.
+          metrics = open(_METRICS_OUT.value, 'a' if _RESUME.value else 'w')
+        except OSError as e:
+          raise app.UsageError(
+              f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
+              f'writing: {e}') from e
       if pid == 0 and _RESUME.value:
         print(f'Resumed from step {state.step} (epoch {state.epoch}).',
               flush=True)
