@@ -177,6 +177,8 @@ def translate_failure(error: BaseException, op: str, where: str, *,
   It makes no blocking call: which peers are gone comes from the failure
   watchdog (`_failure`), or from the error's own text.
   """
+  if isinstance(error, _errors.MultihostError):  # Already named (_failure).
+    return error
   me = _runtime.process_index()
   message = str(error)
   if _failure.failed_processes():

@@ -300,7 +300,7 @@ def failure_error(op: str, *, waited: float | None,
                  'but the coordination service still sees every process '
                  f'alive after {detection_bound():.0f} s')
   after = '' if waited is None else f' (after waiting {waited:.1f} s)'
-  detail = '' if cause is None else f' Device collective error: {_short(cause)}'
+  detail = '' if cause is None else f' Underlying error: {_short(cause)}'
   return _errors.ProcessFailureError(
       f'[process={st.me}]{where} {"; ".join(parts)}{after}. The collective '
       'cannot complete, and this process can no longer run collectives: '

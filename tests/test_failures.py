@@ -1,0 +1,195 @@
+"""Process-failure drills: real controllers, a real SIGKILL, every survivor raises.
+
+Each test starts N controllers with `multihost.launch.Controllers`, lets them
+loop one collective, kills one with SIGKILL, and checks every other
+process's output: it raised `ProcessFailureError` naming the dead process,
+within the watchdog's bound (heartbeat timeout + ~1 s; 3 s here), and exited
+non-zero; the run's status is non-zero and nothing is left running.
+
+Process 0 is different: it hosts JAX's coordination service, and when it
+dies JAX's C++ client aborts every other process (SIGABRT) about a
+millisecond later, before Python can run. That test checks that this is what
+happens and that the launcher's summary says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+
+from multihost import launch
+
+HEARTBEAT_S = 3
+# Detection is bounded by the heartbeat timeout plus the watchdog's poll
+# (0.5 s) and a rendezvous; allow for a loaded 2-core machine.
+DETECTION_BOUND_S = HEARTBEAT_S + 4.0
+
+_DRILL = textwrap.dedent('''
+    """Loops one collective until a peer dies; prints what it raised."""
+    import os
+    import sys
+    import time
+
+    import numpy as np
+
+    import multihost
+
+    MODE, SIZE, SLEEPER = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    multihost.initialize(heartbeat_timeout=float(os.environ['DRILL_HB']))
+    import jax  # noqa: E402
+
+    me = jax.process_index()
+    # 'big': 16 MiB per process, moved by a gloo device collective; 'small':
+    # 64 bytes, carried inside the coordination-service exchange.
+    n = (4 << 20) if SIZE == 'big' else 16
+    data = np.full((n,), me, np.float32)
+    print('READY', flush=True)
+    step = 0
+    try:
+      if MODE == 'late':
+        if me == SLEEPER:
+          time.sleep(6)
+        multihost.sync_global_devices('late', timeout=2)
+        print('PASSED', flush=True)
+      while MODE != 'late':
+        if MODE == 'barrier':
+          if me == SLEEPER and step == 3:
+            print('SLEEPING', flush=True)
+            time.sleep(120)
+          multihost.sync_global_devices(f'step{step}')
+        elif MODE == 'allgather':
+          out = multihost.process_allgather(data)
+          assert out.shape == (jax.process_count(), n), out.shape
+          assert (out[:, 0] == np.arange(jax.process_count())).all()
+        elif MODE == 'broadcast':
+          out = multihost.broadcast_one_to_all(data)
+          assert (out == 0).all()
+        if step == 3:
+          print('LOOPING', flush=True)
+        step += 1
+    except multihost.ProcessFailureError as e:
+      print(f'RAISED ProcessFailureError failed={list(e.failed)} '
+            f'at={time.time():.3f} message={e}', flush=True)
+      sys.exit(3)
+    except multihost.CollectiveTimeoutError as e:
+      print(f'RAISED CollectiveTimeoutError missing={list(e.missing)} '
+            f'message={e}', flush=True)
+      sys.exit(4)
+''')
+
+
+def _start(tmp_path, num_processes, mode, size='small', sleeper=-1):
+  script = tmp_path / 'drill.py'
+  script.write_text(_DRILL)
+  env = dict(os.environ, DRILL_HB=str(HEARTBEAT_S))
+  # The grace period must outlast the detection time, or the launcher would
+  # stop the survivors before they raise.
+  return launch.Controllers(
+      [sys.executable, str(script), mode, size, str(sleeper)],
+      num_processes=num_processes, env=env, grace_period=30)
+
+
+def _wait_all(cluster, text, indices, timeout=60):
+  for i in indices:
+    cluster.wait_for_output(i, text, timeout=timeout)
+
+
+def _assert_nothing_running(cluster):
+  for pid in cluster.pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+
+
+def _check_survivors(result, victim, killed_at):
+  """Every other process raised ProcessFailureError naming `victim`, in time."""
+  assert not result.ok, result.summary
+  assert result.exit_code != 0, result.summary
+  assert result.returncodes[victim] == -signal.SIGKILL, result.summary
+  for i, out in enumerate(result.outputs):
+    if i == victim:
+      continue
+    m = re.search(r'RAISED ProcessFailureError failed=\[(.*?)\] at=([\d.]+) '
+                  r'message=(.*)', out)
+    assert m, f'process {i} did not raise ProcessFailureError:\n{out[-3000:]}'
+    assert m.group(1) == str(victim), m.group(0)
+    assert f'process(es) [{victim}]' in m.group(3), m.group(0)
+    latency = float(m.group(2)) - killed_at
+    assert 0 < latency < DETECTION_BOUND_S, (i, latency, m.group(0))
+    assert result.returncodes[i] not in (0, None), (i, result.summary)
+    assert result.returncodes[i] > 0, (  # Raised and exited; not aborted.
+        i, result.summary, out[-3000:])
+
+
+@pytest.mark.parametrize('num_processes,mode,size,victim', [
+    # A barrier (sync_global_devices) while the victim is not there yet.
+    (2, 'barrier', 'small', 1),
+    (4, 'barrier', 'small', 2),
+    # Collectives in a tight loop: the kill lands in (or between) them.
+    (2, 'allgather', 'small', 1),
+    (4, 'broadcast', 'small', 3),
+    # Device collectives over gloo. At P=4, killing 2 leaves process 0, which
+    # is not its ring neighbour, blocked in gloo with no error of its own.
+    (2, 'broadcast', 'big', 1),
+    (4, 'allgather', 'big', 2),
+])
+def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
+                                                    mode, size, victim):
+  with _start(tmp_path, num_processes, mode, size, sleeper=victim) as cluster:
+    _wait_all(cluster, 'READY', range(num_processes))
+    if mode == 'barrier':
+      cluster.wait_for_output(victim, 'SLEEPING', timeout=60)
+      time.sleep(0.3)  # The others are now waiting at the barrier.
+    else:
+      _wait_all(cluster, 'LOOPING', range(num_processes))
+    killed_at = time.time()
+    cluster.kill(victim, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  _check_survivors(result, victim, killed_at)
+  _assert_nothing_running(cluster)
+
+
+def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
+    tmp_path):
+  with _start(tmp_path, 3, 'allgather', 'small') as cluster:
+    _wait_all(cluster, 'LOOPING', range(3))
+    cluster.kill(0, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  assert result.first_failure == 0, result.summary
+  assert result.exit_code == 128 + signal.SIGKILL, result.summary
+  for i in (1, 2):
+    # JAX's client aborts them as soon as the service's connection drops;
+    # this documents it (multihost cannot turn it into an exception).
+    assert result.returncodes[i] == -signal.SIGABRT, result.summary
+    assert ('Terminating process because the JAX distributed service '
+            'detected fatal errors') in result.outputs[i], result.outputs[i]
+  assert 'hosts the JAX coordination service, died first' in result.summary
+  assert 'aborted the other processes [1, 2]' in result.summary
+  _assert_nothing_running(cluster)
+
+
+def test_a_late_process_is_named_in_the_timeout_on_every_other_process(
+    tmp_path):
+  with _start(tmp_path, 3, 'late', sleeper=2) as cluster:
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  for i in (0, 1):
+    out = result.outputs[i]
+    assert 'RAISED CollectiveTimeoutError missing=[2]' in out, out[-3000:]
+    assert 'waiting for process(es) [2]' in out, out[-3000:]
+    assert result.returncodes[i] == 4, result.summary
+  # The late process arrives after the others gave up: it raises too, a
+  # timeout, or (usually) a ProcessFailureError saying process 1 has exited.
+  late = result.outputs[2]
+  assert ('RAISED CollectiveTimeoutError' in late or
+          'RAISED ProcessFailureError failed=[1]' in late and
+          'process(es) [1] exited before this collective' in late), late
+  assert result.returncodes[2] in (3, 4), result.summary
+  _assert_nothing_running(cluster)
