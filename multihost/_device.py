@@ -34,7 +34,10 @@ def _my_device() -> jax.Device:
 
 
 def bucket(n: int) -> int:
-  """Rounds n up so that at most ~12% is padding and sizes repeat."""
+  """Rounds n up so that at most ~12% is padding and sizes repeat.
+
+  The result is a multiple of 4096, so the buffer is also whole 32-bit words.
+  """
   if n <= 4096:
     return 4096
   step = 1 << max(12, (n - 1).bit_length() - 3)
@@ -49,10 +52,11 @@ def _row(buffer: np.ndarray, length: int) -> jax.Array:
   else:
     row = np.zeros((1, length), np.uint8)
     row[0, :buffer.size] = buffer
-  local = jax.device_put(row, _my_device())
+  # As 32-bit words: a quarter of the elements to move and add.
+  local = jax.device_put(row.view(np.uint32), _my_device())
   sharding = jax.sharding.NamedSharding(mesh, jax.P(_AXIS))
   return jax.make_array_from_single_device_arrays(
-      (mesh.size, length), sharding, [local])
+      (mesh.size, length // 4), sharding, [local])
 
 
 @functools.cache
@@ -70,7 +74,7 @@ def _sum_fn():
 
 
 def _run(fn, row: jax.Array) -> np.ndarray:
-  return np.asarray(fn(row).addressable_data(0))
+  return np.asarray(fn(row).addressable_data(0)).view(np.uint8)
 
 
 def allgather(buffer: np.ndarray, length: int, *, op: str,

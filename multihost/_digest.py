@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent import futures
 import functools
 import hashlib
+import zlib
 from typing import Any
 
 import jax
@@ -15,9 +16,14 @@ from multihost import _leaves
 PyTree = Any
 
 DIGEST_BYTES = 16
-# Arrays larger than this are hashed as chunks on two threads (hashlib
-# releases the GIL), then the chunk digests are hashed together.
-_CHUNK = 8 << 20
+# Up to this size a leaf's bytes go through SHA-256 whole. Larger leaves are
+# checksummed as CRC-32s of 4 MiB chunks on two threads (zlib releases the
+# GIL; about 6 GB/s per core here, against 2 GB/s for SHA-256), and the
+# checksums go through SHA-256. That detects accidental differences and
+# corruption, like gzip's check, not deliberate collisions; it keeps
+# assert_equal on a 64 MiB tree at ~5 ms of hashing instead of ~17 ms.
+_WHOLE = 1 << 20
+_CHUNK = 4 << 20
 
 
 @functools.cache
@@ -25,19 +31,21 @@ def _pool() -> futures.ThreadPoolExecutor:
   return futures.ThreadPoolExecutor(2, thread_name_prefix='multihost-digest')
 
 
-def _sha(data) -> bytes:
-  return hashlib.sha256(data).digest()
+def _crc(data) -> bytes:
+  return zlib.crc32(data).to_bytes(4, 'little')
 
 
 def array_digest(value: np.ndarray, spec: _leaves.LeafSpec) -> bytes:
   """A 16-byte digest of a host array's spec (dtype, shape, key impl) and bytes."""
   h = hashlib.sha256(spec.describe().encode())
-  data = memoryview(np.require(value, requirements='C').reshape(-1).view(np.uint8))
-  if len(data) <= 2 * _CHUNK:
+  data = memoryview(np.require(value, requirements='C').reshape(-1).view(
+      np.uint8))
+  if len(data) <= _WHOLE:
     h.update(data)
   else:
     chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)]
-    for d in _pool().map(_sha, chunks):
+    h.update(b'crc32-4MiB')
+    for d in _pool().map(_crc, chunks):
       h.update(d)
   return h.digest()[:DIGEST_BYTES]
 
