@@ -35,6 +35,9 @@ How it runs:
 - The launch's own cost (starting N processes, `jax.distributed`, collection)
   is reported as the setup time of the group's first test, so
   `pytest --durations` shows what each group costs.
+- Ctrl-C, SIGTERM (e.g. from `timeout`) or SIGHUP to the parent pytest
+  stop the running group's workers first; a worker whose parent pytest is
+  killed outright exits within a second.
 - `timeout=` (seconds, default 300) bounds the whole group. If a worker
   crashes or hangs, the group's remaining tests fail with each process's
   output, and no worker is left running.
@@ -67,8 +70,10 @@ import pathlib
 import pickle
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -251,11 +256,18 @@ class _Parent:
           min(DEFAULT_COLLECTIVE_TIMEOUT_S, spec.timeout / 2))
     start = time.monotonic()
     try:
+      # SIGINT/SIGTERM/SIGHUP to this pytest (Ctrl-C, `timeout`, a closed
+      # terminal) first stop the workers, then act as they would have.
       result = launch.launch(
           command, num_processes=spec.num_processes,
           devices_per_process=spec.devices_per_process, timeout=spec.timeout,
           env=env, cwd=config.rootpath, grace_period=_GRACE_PERIOD_S,
-          kill_wait=1.0)
+          kill_wait=1.0, forward_signals=(
+              threading.current_thread() is threading.main_thread()))
+      if result.interrupted_by == signal.SIGINT:
+        raise KeyboardInterrupt
+      if result.interrupted_by is not None:
+        signal.raise_signal(result.interrupted_by)
       self.launches += 1
       self._launch_info[spec] = result
       for i in range(spec.num_processes):
@@ -408,6 +420,26 @@ def _prefix(index: int, text: str) -> str:
 # The worker: one pytest session per process, in step with its peers.
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+  """Ends this worker when the pytest that launched it is gone.
+
+  The parent stops its workers itself when it can; this covers a parent
+  killed outright (SIGKILL), which would otherwise leave workers waiting at
+  a barrier for up to the group's timeout.
+  """
+  while os.getppid() == parent_pid:
+    time.sleep(0.5)
+  try:  # Usually nobody reads this any more: the pipe's reader is gone.
+    sys.__stderr__.write(
+        f'[multihost.testing] the parent pytest (pid {parent_pid}) is gone; '
+        'this worker exits.\n')
+    sys.__stderr__.flush()
+  except (OSError, ValueError):
+    pass
+  finally:
+    os._exit(3)
+
+
 class _Worker:
   """Runs in each worker pytest session: initialize, barriers, results."""
 
@@ -426,6 +458,8 @@ class _Worker:
     self._start_error: BaseException | None = None
     self._peer_failed: set[str] = set()
     multihost.initialize()
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),),
+                     daemon=True, name='multihost-worker-watchdog').start()
 
   def shared_path(self, item: pytest.Item) -> pathlib.Path:
     name = re.sub(r'[^\w.-]+', '_', item.name)[:60]

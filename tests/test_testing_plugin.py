@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
 
 pytest_plugins = ['pytester']
 
@@ -176,3 +182,49 @@ def test_crashes_and_hangs_fail_the_group_and_leave_nothing_running(
   pids = [int(p.read_text()) for p in tmp_path.iterdir()]
   assert len(pids) == 4, sorted(p.name for p in tmp_path.iterdir())
   assert all(_gone(pid) for pid in pids)
+
+
+SLEEPING_TEST = '''
+import os
+import pathlib
+import time
+import jax
+import pytest
+
+
+@pytest.mark.multihost(num_processes=2, timeout=120)
+def test_sleeps():
+  pids = pathlib.Path(os.environ['PIDS_DIR'])
+  (pids / str(jax.process_index())).write_text(str(os.getpid()))
+  time.sleep(100)
+'''
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
+def test_killing_the_parent_pytest_leaves_no_worker(pytester, tmp_path, sig):
+  """SIGTERM (e.g. from `timeout`): the parent stops the workers itself.
+
+  SIGKILL: the workers notice that their parent is gone and exit.
+  """
+  pytester.makepyfile(test_sleeping=SLEEPING_TEST)
+  env = dict(os.environ, PIDS_DIR=str(tmp_path))
+  parent = subprocess.Popen(
+      [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider'],
+      cwd=pytester.path, env=env, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    workers = [int(p.read_text()) for p in tmp_path.iterdir()]
+    assert len(workers) == 2
+    parent.send_signal(sig)
+    assert parent.wait(timeout=30) == -sig
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert all(_gone(p) for p in workers), workers
+  finally:
+    if parent.poll() is None:
+      parent.kill()
+      parent.wait()
