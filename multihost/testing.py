@@ -267,6 +267,7 @@ class _Parent:
       if result.interrupted_by == signal.SIGINT:
         raise KeyboardInterrupt
       if result.interrupted_by is not None:
+        shutil.rmtree(results_dir, ignore_errors=True)  # No `finally` after.
         signal.raise_signal(result.interrupted_by)
       self.launches += 1
       self._launch_info[spec] = result
@@ -420,7 +421,7 @@ def _prefix(index: int, text: str) -> str:
 # The worker: one pytest session per process, in step with its peers.
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _exit_when_orphaned(parent_pid: int, results_dir: str) -> None:
   """Ends this worker when the pytest that launched it is gone.
 
   The parent stops its workers itself when it can; this covers a parent
@@ -437,6 +438,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
   except (OSError, ValueError):
     pass
   finally:
+    shutil.rmtree(results_dir, ignore_errors=True)  # The parent cannot.
     os._exit(3)
 
 
@@ -458,7 +460,8 @@ class _Worker:
     self._start_error: BaseException | None = None
     self._peer_failed: set[str] = set()
     multihost.initialize()
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),),
+    threading.Thread(target=_exit_when_orphaned,
+                     args=(os.getppid(), results_dir),
                      daemon=True, name='multihost-worker-watchdog').start()
 
   def shared_path(self, item: pytest.Item) -> pathlib.Path:

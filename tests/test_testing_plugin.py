@@ -195,7 +195,8 @@ import pytest
 @pytest.mark.multihost(num_processes=2, timeout=120)
 def test_sleeps():
   pids = pathlib.Path(os.environ['PIDS_DIR'])
-  (pids / str(jax.process_index())).write_text(str(os.getpid()))
+  (pids / str(jax.process_index())).write_text(
+      f"{os.getpid()} {os.environ['MULTIHOST_PYTEST_WORKER']}")
   time.sleep(100)
 '''
 
@@ -216,14 +217,17 @@ def test_killing_the_parent_pytest_leaves_no_worker(pytester, tmp_path, sig):
     deadline = time.monotonic() + 60
     while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
       time.sleep(0.1)
-    workers = [int(p.read_text()) for p in tmp_path.iterdir()]
-    assert len(workers) == 2
+    written = [p.read_text().split() for p in tmp_path.iterdir()]
+    assert len(written) == 2
+    workers = [int(pid) for pid, _ in written]
+    results_dir = pathlib.Path(written[0][1])
     parent.send_signal(sig)
     assert parent.wait(timeout=30) == -sig
     deadline = time.monotonic() + 10
     while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
       time.sleep(0.1)
     assert all(_gone(p) for p in workers), workers
+    assert not results_dir.exists()  # Removed by the parent or the workers.
   finally:
     if parent.poll() is None:
       parent.kill()
