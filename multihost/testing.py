@@ -1,8 +1,9 @@
 """Pytest plugin: run a test's body in N real JAX controllers on this machine.
 
-The plugin is registered through the `pytest11` entry point `multihost`, so
-installing the package enables it (or add `-p multihost.testing`, or
-`pytest_plugins = ['multihost.testing']` in your top-level conftest.py).
+Installing the package enables the plugin (`pytest11` entry point
+`multihost`). Only with plugin autoloading disabled
+(PYTEST_DISABLE_PLUGIN_AUTOLOAD=1) add `-p multihost.testing`; with it
+enabled, that flag would register the plugin twice, which pytest refuses.
 
 Mark a test and it runs in `num_processes` real controllers (`jax.distributed`
 over gloo on localhost), each with `devices_per_process` CPU devices:
