@@ -86,5 +86,67 @@ def kv_delete(key: str) -> None:
 
 
 def live_processes(process_ids: list[int]) -> list[int]:
-  """The subset of `process_ids` that the coordination service sees alive."""
+  """The subset of `process_ids` that the coordination service sees alive.
+
+  A rendezvous: the service answers only once every process it considers
+  alive has asked too, so every process must poll it (the failure watchdog
+  in `_failure` does).
+  """
   return sorted(require_client().get_live_nodes(list(process_ids)))
+
+
+# Hosting the service outside the controllers (in a launcher) makes the death
+# of process 0 an ordinary peer failure. When process 0 hosts it, the JAX
+# client of every other process aborts (SIGABRT) about 1 ms after it goes.
+
+
+def start_service(address: str, num_processes: int, *,
+                  heartbeat_timeout: int, shutdown_timeout: int = 300):
+  """Hosts a recoverable coordination service in this process (a launcher).
+
+  The controllers must then call `initialize_without_service` (which
+  `multihost.initialize()` does when $MULTIHOST_EXTERNAL_SERVICE=1) with the
+  same `heartbeat_timeout`. Call `.shutdown()` on the result once they exit.
+
+  Args:
+    address: 'host:port' to listen on.
+    num_processes: number of controllers.
+    heartbeat_timeout: seconds without heartbeats before a controller is
+      declared dead.
+    shutdown_timeout: seconds the shutdown barrier may wait.
+  """
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  return _jax.get_distributed_runtime_service(
+      address, num_processes, heartbeat_timeout=int(heartbeat_timeout),
+      shutdown_timeout=int(shutdown_timeout), recoverable=True)
+
+
+class _NoServiceLib:
+  """jaxlib's module as seen by `jax.distributed`, minus the service."""
+
+  def __init__(self, lib):
+    self._lib = lib
+
+  def __getattr__(self, name):
+    return getattr(self._lib, name)
+
+  def get_distributed_runtime_service(self, *args, **kwargs):
+    del args, kwargs
+    return None
+
+
+def initialize_without_service(**kwargs) -> None:
+  """`jax.distributed.initialize(**kwargs)`, but process 0 hosts no service.
+
+  For controllers whose coordination service runs elsewhere (see
+  `start_service`). `jax.distributed.initialize` always starts the service
+  in process 0 and has no option against it, so for the duration of the call
+  the jaxlib module it uses answers the service request with None.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  lib = _distributed._jax
+  _distributed._jax = _NoServiceLib(lib)
+  try:
+    jax.distributed.initialize(**kwargs)
+  finally:
+    _distributed._jax = lib

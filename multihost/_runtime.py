@@ -8,6 +8,7 @@ import os
 from absl import logging
 import jax
 
+from multihost import _coordination
 from multihost import _errors
 from multihost import _failure
 
@@ -18,6 +19,8 @@ ENV_PROCESS_ID = 'JAX_PROCESS_ID'
 ENV_TIMEOUT = 'MULTIHOST_TIMEOUT'
 ENV_HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
 ENV_DETECT_FAILURES = 'MULTIHOST_DETECT_FAILURES'
+# Set to 1 by a launcher that hosts the coordination service itself.
+ENV_EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
 
 # With failure detection on, a killed peer is reported within about this many
 # seconds (plus ~1 s); JAX's own default (100 s) is meant for large TPU jobs.
@@ -188,7 +191,12 @@ def initialize(coordinator_address: str | None = None,
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
-  jax.distributed.initialize(**kwargs)
+  if env.get(ENV_EXTERNAL_SERVICE, '') == '1':
+    # A launcher hosts the coordination service (see
+    # `_coordination.start_service`): process 0 must not start another.
+    _coordination.initialize_without_service(**kwargs)
+  else:
+    jax.distributed.initialize(**kwargs)
   if detect:
     _failure.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
                    shutdown_timeout=shutdown_timeout)

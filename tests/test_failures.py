@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from multihost import _coordination
 from multihost import launch
 
 HEARTBEAT_S = 3
@@ -57,7 +58,11 @@ _DRILL = textwrap.dedent('''
           time.sleep(6)
         multihost.sync_global_devices('late', timeout=2)
         print('PASSED', flush=True)
-      while MODE != 'late':
+      if MODE == 'idle':  # The peer dies while this process computes.
+        time.sleep(5)
+        print(f'WOKE at={time.time():.3f}', flush=True)
+        multihost.sync_global_devices('after the failure')
+      while MODE not in ('late', 'idle'):
         if MODE == 'barrier':
           if me == SLEEPER and step == 3:
             print('SLEEPING', flush=True)
@@ -84,15 +89,16 @@ _DRILL = textwrap.dedent('''
 ''')
 
 
-def _start(tmp_path, num_processes, mode, size='small', sleeper=-1):
+def _start(tmp_path, num_processes, mode, size='small', sleeper=-1, *,
+           port=None, extra_env=None):
   script = tmp_path / 'drill.py'
   script.write_text(_DRILL)
-  env = dict(os.environ, DRILL_HB=str(HEARTBEAT_S))
+  env = dict(os.environ, DRILL_HB=str(HEARTBEAT_S), **(extra_env or {}))
   # The grace period must outlast the detection time, or the launcher would
   # stop the survivors before they raise.
   return launch.Controllers(
       [sys.executable, str(script), mode, size, str(sleeper)],
-      num_processes=num_processes, env=env, grace_period=30)
+      num_processes=num_processes, env=env, grace_period=30, port=port)
 
 
 def _wait_all(cluster, text, indices, timeout=60):
@@ -155,6 +161,24 @@ def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
   _assert_nothing_running(cluster)
 
 
+def test_a_peer_killed_between_collectives_fails_the_next_one_at_once(
+    tmp_path):
+  with _start(tmp_path, 3, 'idle') as cluster:
+    _wait_all(cluster, 'READY', range(3))
+    cluster.kill(1, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  for i in (0, 2):
+    out = result.outputs[i]
+    woke = float(re.search(r'WOKE at=([\d.]+)', out).group(1))
+    raised = re.search(r'RAISED ProcessFailureError failed=\[1\] at=([\d.]+)',
+                       out)
+    assert raised, out[-3000:]
+    assert float(raised.group(1)) - woke < 1.0, out[-3000:]
+    assert result.returncodes[i] == 3, result.summary
+  _assert_nothing_running(cluster)
+
+
 def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
     tmp_path):
   with _start(tmp_path, 3, 'allgather', 'small') as cluster:
@@ -192,4 +216,24 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process(
           'RAISED ProcessFailureError failed=[1]' in late and
           'process(es) [1] exited before this collective' in late), late
   assert result.returncodes[2] in (3, 4), result.summary
+  _assert_nothing_running(cluster)
+
+
+def test_with_an_external_service_process_0_is_an_ordinary_failure(tmp_path):
+  """When the launcher hosts the coordination service, killing 0 raises too."""
+  port = launch.find_free_port()
+  service = _coordination.start_service(
+      f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
+      shutdown_timeout=10)
+  try:
+    with _start(tmp_path, 3, 'allgather', 'small', port=port,
+                extra_env={'MULTIHOST_EXTERNAL_SERVICE': '1'}) as cluster:
+      _wait_all(cluster, 'LOOPING', range(3))
+      killed_at = time.time()
+      cluster.kill(0, signal.SIGKILL)
+      result = cluster.wait(timeout=60)
+  finally:
+    service.shutdown()
+  assert not result.timed_out, result.summary
+  _check_survivors(result, 0, killed_at)
   _assert_nothing_running(cluster)
