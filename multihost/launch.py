@@ -686,6 +686,10 @@ def main(argv: collections.abc.Sequence[str] | None = None) -> int:
   args = parser.parse_args(options)
   if not command:
     parser.error('give the command after --, e.g. -- python train.py')
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    parser.error(f'--num_processes and --devices_per_process must be at '
+                 f'least 1; got {args.num_processes} and '
+                 f'{args.devices_per_process}.')
   return run_cli(command, num_processes=args.num_processes,
                  devices_per_process=args.devices_per_process,
                  timeout=args.timeout, grace_period=args.grace_period)
@@ -695,10 +699,16 @@ def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
             grace_period: float) -> int:
   """Runs the command with live prefixed output and a summary on stderr."""
-  result = launch(command, num_processes=num_processes,
-                  devices_per_process=devices_per_process, timeout=timeout,
-                  grace_period=grace_period, stream=sys.stdout,
-                  summary_stream=sys.stderr, forward_signals=True)
+  try:
+    result = launch(command, num_processes=num_processes,
+                    devices_per_process=devices_per_process, timeout=timeout,
+                    grace_period=grace_period, stream=sys.stdout,
+                    summary_stream=sys.stderr, forward_signals=True)
+  except OSError as e:  # The command itself could not start (as a shell).
+    sys.stderr.write(
+        f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '
+        'the command after --; give a path or a program on $PATH.\n')
+    return 127 if isinstance(e, FileNotFoundError) else 126
   return result.exit_code
 
 
