@@ -214,7 +214,7 @@ class _Parent:
     if spec is None:
       return None
     if spec not in self._launch_info:
-      self._run_group(spec)
+      self._run_group(spec, item)
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = self._reports(item, spec)
@@ -233,10 +233,12 @@ class _Parent:
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
 
-  def _run_group(self, spec: GroupSpec) -> None:
+  def _run_group(self, spec: GroupSpec, first: pytest.Item) -> None:
+    """Runs every test of the group in one launch; stores their results."""
     from multihost import launch  # Not at import: keep plugin loading cheap.
 
-    items = self._groups.get(spec, [])
+    # Never an empty list: workers given no test would run the whole suite.
+    items = self._groups.get(spec) or [first]
     config = self._config
     results_dir = tempfile.mkdtemp(prefix='multihost-pytest-')
     # tee-sys: a test's prints reach its report AND the process's output,
