@@ -1,0 +1,70 @@
+"""Smoke test of bin/bench.py: a tiny run at 2 controllers, its JSON rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+from multihost import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = str(ROOT / 'bin' / 'bench.py')
+KEYS = ('op', 'payload_bytes', 'leaves', 'processes', 'ours_ms', 'jax_ms',
+        'ratio', 'ours_first_ms', 'jax_first_ms')
+
+
+def _positive(row, key):
+  value = row[key]
+  assert isinstance(value, (int, float)) and value > 0 and math.isfinite(
+      value), f'{key}={value!r} in {row}'
+
+
+def test_quick_run_at_two_processes_writes_every_row(tmp_path):
+  out = tmp_path / 'bench.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--quick', '--recovery', f'--json={out}',
+       f'--recovery_dir={tmp_path}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  # Process 0 prints the markdown table.
+  assert '| op | payload | ours ms | jax ms | ours/jax |' in result.outputs[0]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  for row in rows:
+    assert set(KEYS) <= set(row), row
+    assert row['processes'] == 2, row
+
+  compare = [r for r in rows if r['kind'] == 'compare']
+  ops = {r['op'] for r in compare}
+  assert ops >= {'sync_global_devices', 'broadcast_one_to_all',
+                 'process_allgather', 'assert_equal',
+                 'process_allgather(tiled)'}, ops
+  payloads = {(r['op'], r['payload_bytes'], r['leaves']) for r in compare}
+  assert ('broadcast_one_to_all', 8, 1) in payloads
+  assert ('process_allgather', 1024, 1) in payloads
+  assert ('assert_equal', 80, 10) in payloads  # --quick: 10 leaves x 8 B.
+  for row in compare:
+    for key in ('ours_ms', 'ours_first_ms'):
+      _positive(row, key)
+    if row['jax_ms'] is None:
+      # Only JAX's own failures are n/a, and the table says why.
+      assert 'jax n/a' in row['note'], row
+    else:
+      for key in ('jax_ms', 'jax_first_ms', 'ratio'):
+        _positive(row, key)
+      assert row['ratio'] == row['ours_ms'] / row['jax_ms']
+
+  refs = {r['op']: r for r in rows if r['kind'] == 'reference'}
+  for name in ('coordination service wait_at_barrier',
+               'loopback TCP, process 0 -> 1'):
+    _positive(refs[name], 'ref_ms')
+
+  recovery = [r for r in rows if r['kind'] == 'recovery']
+  assert len(recovery) == 3, recovery
+  for row in recovery:
+    for key in ('ours_ms', 'jax_ms', 'ratio', 'ours_first_ms',
+                'jax_first_ms'):
+      _positive(row, key)
+  # The checkpoint folders were removed.
+  assert not list(tmp_path.glob('multihost-bench-*'))
