@@ -57,7 +57,7 @@ def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
 
 def rendezvous(op: str, message: bytes, *, timeout: float,
                agreement: bytes | None = None, publish: bool = True,
-               read: bool = True
+               read: bool = True, fast_message: bytes | None = None
                ) -> tuple[list[bytes | None] | None, bool]:
   """Meets every process; returns (messages, whether the fast path agreed).
 
@@ -65,8 +65,8 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
 
   Fast path (`agreement` given): one coordination-service barrier whose id
   carries `agreement`, so it completes only if every process passed the same
-  bytes; `message` is published first only if `publish`, and everyone's
-  published messages are read only if `read`. If the barrier does not
+  bytes; `fast_message` (default: `message`) is published first only if
+  `publish`, and everyone's published messages are read only if `read`. If the barrier does not
   complete within FAST_WINDOW_S (a slow peer, or a disagreement), every
   process falls back to the full exchange: publish, wait at a plain barrier
   for the rest of `timeout`, read all messages. The full exchange is what
@@ -96,7 +96,8 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   fell_back = False
   if fast:
     if publish:
-      _coordination.kv_set(prefix + str(me), _DIRECT + message)
+      _coordination.kv_set(prefix + str(me), _DIRECT + (
+          message if fast_message is None else fast_message))
       published = True
     window = min(FAST_WINDOW_S, timeout)
     try:
@@ -111,7 +112,7 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
     else:
       _cleanup(call, me)
       return (_read(prefix, count) if read else None), True
-  if not published or fell_back:
+  if not published or fell_back or fast_message is not None:
     flag = _FELL_BACK if fell_back else _DIRECT
     _coordination.kv_set(prefix + str(me), flag + message)
   remaining = timeout - (time.monotonic() - start)

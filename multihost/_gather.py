@@ -133,7 +133,7 @@ def _global_parts(x: jax.Array, op: str):
     key_dims = data.ndim - x.ndim
     x = data
   dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-  spec = _leaves.LeafSpec(tuple(x.shape), np.dtype(dtype).name, key_impl,
+  spec = _leaves.LeafSpec(tuple(x.shape), _leaves.dtype_name(dtype), key_impl,
                           key_dims)
   bounds, datas, seen = [], [], set()
   for shard in x.addressable_shards:

@@ -10,6 +10,8 @@ implementation on the way out.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
@@ -39,7 +41,7 @@ class LeafSpec:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
+    return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
 def is_key(x) -> bool:
@@ -69,13 +71,19 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
     value = value.copy(order='C')
-  return value, LeafSpec(tuple(value.shape), value.dtype.name, key_impl,
+  return value, LeafSpec(tuple(value.shape), dtype_name(value.dtype), key_impl,
                         key_dims)
 
 
+@functools.cache
 def np_dtype(name: str) -> np.dtype:
   """The numpy dtype for a dtype name, including ml_dtypes' (bfloat16)."""
   return np.dtype(jax.numpy.dtype(name))
+
+
+@functools.cache
+def dtype_name(dtype: np.dtype) -> str:
+  return np.dtype(dtype).name
 
 
 def from_bytes(buffer, spec: LeafSpec):
@@ -118,7 +126,7 @@ def unpack(buffer: np.ndarray, specs: list[LeafSpec],
   for i, spec in enumerate(specs):
     shape = spec.shape if shapes is None else shapes[i]
     dtype = np_dtype(spec.dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize
     value = buffer[offset:offset + n].view(dtype).reshape(shape)
     offset += n
     leaves.append(value)

@@ -57,15 +57,19 @@ def exchange(header: Header, *, timeout: float, fast: bool = False,
   fast path fell back) it returns every process's header, already checked to
   name the same operation, and `proven_equal` is False.
   """
+  # On the fast path everything but the payload is proven equal, so only the
+  # payload travels; the full header goes only into the full exchange.
   messages, agreed = _exchange.rendezvous(
       header.op, pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL),
       timeout=timeout, agreement=header.agreement() if fast else None,
-      publish=publish, read=read)
+      publish=publish, read=read,
+      fast_message=header.payload or b'' if fast else None)
   if messages is None:
     return None, True
-  headers = [None if m is None else pickle.loads(m) for m in messages]
   if agreed:
-    return headers, True
+    return [None if m is None else dataclasses.replace(header, payload=m)
+            for m in messages], True
+  headers = [pickle.loads(m) for m in messages]
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:
     raise _errors.ConsistencyError(
