@@ -87,13 +87,5 @@ def tree_digest(tree: PyTree) -> str:
 
 def shard_digests(x: jax.Array, op: str) -> list[tuple[tuple, bytes]]:
   """(bounds, digest) of each distinct addressable shard of a global array."""
-  out, seen = [], set()
-  for shard in x.addressable_shards:
-    bounds = tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape,
-                                                      strict=True))
-    if bounds in seen:
-      continue
-    seen.add(bounds)
-    value, spec = _leaves.to_host(shard.data, op)
-    out.append((bounds, array_digest(value, spec)))
-  return out
+  return [(bounds, array_digest(value, spec))
+          for bounds, value, spec in _leaves.distinct_shards(x, op)]

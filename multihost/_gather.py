@@ -135,16 +135,9 @@ def _global_parts(x: jax.Array, op: str):
   dtype = jax.dtypes.canonicalize_dtype(x.dtype)
   spec = _leaves.LeafSpec(tuple(x.shape), _leaves.dtype_name(dtype), key_impl,
                           key_dims)
-  bounds, datas, seen = [], [], set()
-  for shard in x.addressable_shards:
-    b = tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape,
-                                                 strict=True))
-    if b in seen:
-      continue
-    seen.add(b)
-    bounds.append(b)
-    value, _ = _leaves.to_host(shard.data, op)
-    datas.append(value)
+  shards = list(_leaves.distinct_shards(x, op))
+  bounds = [b for b, _, _ in shards]
+  datas = [value for _, value, _ in shards]
   return spec, bounds, datas
 
 

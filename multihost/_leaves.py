@@ -75,6 +75,21 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
                         key_dims)
 
 
+def distinct_shards(x: jax.Array, op: str):
+  """Yields (bounds, host value, spec) of each distinct addressable shard.
+
+  `bounds` is a tuple of (start, stop) per dimension of the global array;
+  replicas of a shard already yielded are skipped.
+  """
+  seen = set()
+  for shard in x.addressable_shards:
+    bounds = tuple(s.indices(n)[:2]
+                   for s, n in zip(shard.index, x.shape, strict=True))
+    if bounds not in seen:
+      seen.add(bounds)
+      yield (bounds, *to_host(shard.data, op))
+
+
 @functools.cache
 def np_dtype(name: str) -> np.dtype:
   """The numpy dtype for a dtype name, including ml_dtypes' (bfloat16)."""
