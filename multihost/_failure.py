@@ -113,7 +113,8 @@ def start(*, heartbeat_timeout: float, shutdown_timeout: float = 300.0) -> bool:
   with st.cond:
     if st.running:
       return True
-    if (_coordination.client() is None or jax.process_count() == 1
+    if (st.stopping  # After `_at_exit`: never start again.
+        or _coordination.client() is None or jax.process_count() == 1
         or not recoverability_enabled()):
       return False
     st.me = jax.process_index()
@@ -292,8 +293,8 @@ def failure_error(op: str, *, waited: float | None,
   if exited:
     parts.append(f'process(es) {exited} exited before this collective')
   if service_lost and not failed:
-    parts.append('the coordination service (hosted by process 0) is '
-                 'unreachable, so process 0 has probably failed')
+    parts.append('the coordination service is unreachable, so process 0 '
+                 '(or the launcher) that hosts it has probably failed')
     failed = [0]
   if not parts:
     parts.append('a peer closed its connection during a device collective, '
@@ -328,8 +329,8 @@ def _watch() -> None:
     try:
       alive = set(_coordination.live_processes(everyone))
     except Exception as e:  # The service is gone.  # noqa: BLE001
-      if st.stopping:
-        return
+      if st.stopping or _coordination.client() is None:
+        return  # Exiting, or the program shut jax.distributed down itself.
       with st.cond:
         st.service_lost = True
         _wake_waiters()
