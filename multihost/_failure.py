@@ -25,13 +25,15 @@ So, with recoverability on (`multihost.initialize()` turns it on):
   the service, waits for the others to leave before it takes the service
   down with it (the shutdown barrier JAX skips when recoverability is on).
 
-Not covered: the death of process 0 itself. It hosts the coordination
-service, and the C++ client of every other process aborts the process
-(SIGABRT, "Terminating process because the JAX distributed service detected
-fatal errors") about 1 ms after the connection drops, before any Python code
-can run; a Python `missed_heartbeat_callback` cannot replace that abort in
-jaxlib 0.10.2 (the callback's status argument fails to convert: std::bad_cast
-and std::terminate). The launcher reports it (process 0 died first).
+Process 0 is special when it hosts the coordination service (JAX's
+default): when it dies, the C++ client of every other process aborts the
+process (SIGABRT, "Terminating process because the JAX distributed service
+detected fatal errors") about 1 ms after the connection drops, before any
+Python code can run; a Python `missed_heartbeat_callback` cannot replace that
+abort in jaxlib 0.10.2 (its status argument fails to convert: std::bad_cast,
+then std::terminate). The launcher reports it (process 0 died first). When a
+launcher hosts the service instead (`_coordination.start_service` and
+$MULTIHOST_EXTERNAL_SERVICE=1), process 0's death is an ordinary failure.
 """
 
 from __future__ import annotations
