@@ -85,7 +85,7 @@ _state = _State()
 
 
 def recoverability_enabled() -> bool:
-  """Whether `jax_enable_recoverability` is on (it must be before initialize)."""
+  """Whether `jax_enable_recoverability` is on (set it before initialize)."""
   return bool(jax.config.jax_enable_recoverability)
 
 
@@ -256,7 +256,7 @@ class _Worker:
       job = self._jobs.get()
       try:
         job.result = job.fn(*job.args)
-      except BaseException as e:  # Re-raised in the calling thread.  # noqa: BLE001
+      except BaseException as e:  # noqa: BLE001  Re-raised by the caller.
         job.error = e
       job.done = True
       job.notify()

@@ -1,4 +1,4 @@
-"""Process-failure drills: real controllers, a real SIGKILL, every survivor raises.
+"""Process-failure drills: real controllers, a real SIGKILL; survivors raise.
 
 Each test starts N controllers with `multihost.launch.Controllers`, lets them
 loop one collective, kills one with SIGKILL, and checks every other
