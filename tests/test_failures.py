@@ -188,14 +188,22 @@ def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
   assert not result.timed_out, result.summary
   assert result.first_failure == 0, result.summary
   assert result.exit_code == 128 + signal.SIGKILL, result.summary
+  aborted = []
   for i in (1, 2):
-    # JAX's client aborts them as soon as the service's connection drops;
-    # this documents it (multihost cannot turn it into an exception).
-    assert result.returncodes[i] == -signal.SIGABRT, result.summary
-    assert ('Terminating process because the JAX distributed service '
-            'detected fatal errors') in result.outputs[i], result.outputs[i]
+    # JAX's client aborts them about 1 ms after the service's connection
+    # drops, before Python runs; this documents it. (A process that raised
+    # first, in that millisecond, must at least name process 0.)
+    out = result.outputs[i]
+    if result.returncodes[i] == -signal.SIGABRT:
+      assert ('Terminating process because the JAX distributed service '
+              'detected fatal errors') in out, out[-3000:]
+      aborted.append(i)
+    else:
+      assert 'RAISED ProcessFailureError failed=[0]' in out, result.summary
+      assert result.returncodes[i] > 0, result.summary
   assert 'hosts the JAX coordination service, died first' in result.summary
-  assert 'aborted the other processes [1, 2]' in result.summary
+  if aborted == [1, 2]:
+    assert 'aborted the other processes [1, 2]' in result.summary
   _assert_nothing_running(cluster)
 
 
