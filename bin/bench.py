@@ -78,9 +78,9 @@ _OPS = flags.DEFINE_list(
     'What to run: sync_global_devices, broadcast_one_to_all, '
     'process_allgather, assert_equal, global (sharded global array cases), '
     'reference (reference rows). Empty: none (e.g. only --recovery).')
-_REPEATS = flags.DEFINE_integer('repeats', 15, 'Timed calls of each '
+_REPEATS = flags.DEFINE_integer('repeats', 11, 'Timed calls of each '
                                 'implementation per case.', lower_bound=1)
-_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed calls of each '
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed calls of each '
                                'implementation per case, after the first.',
                                lower_bound=0)
 _MEMORY = flags.DEFINE_boolean('memory', True,
@@ -697,11 +697,15 @@ def render(rows: list[Row]) -> str:
   return '\n'.join(lines)
 
 
-def _header() -> str:
+def _load() -> str:
   try:
-    load = ' '.join(f'{x:.2f}' for x in os.getloadavg())
+    return ' '.join(f'{x:.2f}' for x in os.getloadavg())
   except OSError:
-    load = 'n/a'
+    return 'n/a'
+
+
+def _header() -> str:
+  load = _load()
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')
   return (f'multihost bench: {jax.process_count()} processes x '
           f'{jax.local_device_count()} {jax.devices()[0].platform} devices; '
@@ -769,8 +773,8 @@ def main(argv):
                           _RECOVERY_DIR.value)
     say(f'[{time.perf_counter() - start:6.1f} s] recovery benchmark done')
   if pid == 0:
-    print('\n' + ' '.join(['python', *sys.argv]) + '\n' + render(rows),
-          flush=True)
+    print(f'\nLoad average at the end: {_load()}.\n'
+          + ' '.join(['python', *sys.argv]) + '\n' + render(rows), flush=True)
     if _JSON.value:
       with open(_JSON.value, 'w') as f:
         for r in rows:
