@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from multihost import _device
+from multihost import _bulk
 from multihost import _errors
 from multihost import _leaves
 from multihost import _protocol
@@ -80,15 +80,17 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
       header, timeout=timeout, fast=default_source,
       publish=is_source and inline, read=inline and not is_source)
   if agreed:  # Process 0 is the source; others read its header if inline.
+    source = 0
     source_header = headers[0] if inline and not is_source else header
   else:
-    source_header = headers[_one_source(headers, op)]
+    source = _one_source(headers, op)
+    source_header = headers[source]
     _protocol.check_same_leaves(headers)
   if source_header.payload is not None:
     buffer = np.frombuffer(source_header.payload, np.uint8)
   else:
-    packed = _leaves.pack(values, _device.bucket(size)) if is_source else None
-    buffer = _device.broadcast(packed, size, op=op, timeout=timeout)
+    packed = _leaves.pack(values) if is_source else None
+    buffer = _bulk.broadcast(packed, size, source, op=op, timeout=timeout)
   out = _leaves.unpack(buffer, list(specs))
   return treedef.unflatten(
       [_leaves.finish(v, s) for v, s in zip(out, specs, strict=True)])
@@ -132,9 +134,9 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   payload = headers[source].payload
   if payload is None:
     size = headers[source].size
-    received = _device.broadcast(
-        np.frombuffer(data, np.uint8) if is_source else None, size, op=op,
-        timeout=timeout)
+    received = _bulk.broadcast(
+        np.frombuffer(data, np.uint8) if is_source else None, size, source,
+        op=op, timeout=timeout)
     payload = b'' if is_source else received.tobytes()
   return obj if is_source else pickle.loads(payload)
 

@@ -150,3 +150,8 @@ def initialize_without_service(**kwargs) -> None:
     jax.distributed.initialize(**kwargs)
   finally:
     _distributed._jax = lib
+
+
+def coordinator_address() -> str | None:
+  """'host:port' of the coordination service, or None without jax.distributed."""
+  return _distributed.global_state.coordinator_address

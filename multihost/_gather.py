@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from multihost import _device
+from multihost import _bulk
 from multihost import _leaves
 from multihost import _protocol
 from multihost import _runtime
@@ -98,9 +98,8 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     if inline:
       received = [np.frombuffer(h.payload, np.uint8) for h in headers]
     else:
-      packed = _leaves.pack(parts, _device.bucket(size))
-      rows = _device.allgather(packed, size, op=op, timeout=timeout)
-      received = [rows[p, :size] for p in range(count)]
+      received = _bulk.allgather(_leaves.pack(parts), [size] * count, op=op,
+                                 timeout=timeout)
   else:
     _protocol.check_same_leaves(headers)
     all_shards = [h.extra['shards'] for h in headers]
@@ -118,10 +117,8 @@ def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
   """Every process's packed bytes, from the headers or one device gather."""
   if all(h.payload is not None for h in headers):
     return [np.frombuffer(h.payload, np.uint8) for h in headers]
-  sizes = [h.size for h in headers]
-  packed = _leaves.pack(parts, _device.bucket(max(sizes)))
-  rows = _device.allgather(packed, max(sizes), op=op, timeout=timeout)
-  return [rows[p, :n] for p, n in enumerate(sizes)]
+  return _bulk.allgather(_leaves.pack(parts), [h.size for h in headers],
+                         op=op, timeout=timeout)
 
 
 def _global_parts(x: jax.Array, op: str):
@@ -213,8 +210,7 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   if all(h.payload is not None for h in headers):
     payloads = [h.payload for h in headers]
   else:
-    sizes = [h.size for h in headers]
-    rows = _device.allgather(np.frombuffer(data, np.uint8), max(sizes),
-                             op=op, timeout=timeout)
-    payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
+    blocks = _bulk.allgather(np.frombuffer(data, np.uint8),
+                             [h.size for h in headers], op=op, timeout=timeout)
+    payloads = [b.tobytes() for b in blocks]
   return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]
