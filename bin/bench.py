@@ -48,6 +48,7 @@ import platform
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -704,6 +705,24 @@ def _load() -> str:
     return 'n/a'
 
 
+def _source() -> str:
+  """The git commit of the multihost package measured, and local changes."""
+  folder = os.path.dirname(os.path.dirname(os.path.abspath(multihost.__file__)))
+  try:
+    commit = subprocess.run(
+        ['git', 'rev-parse', '--short', 'HEAD'], cwd=folder, check=True,
+        capture_output=True, text=True, timeout=10).stdout.strip()
+    changed = subprocess.run(
+        ['git', 'status', '--porcelain', '--', 'multihost', 'recovery'],
+        cwd=folder, check=True, capture_output=True, text=True,
+        timeout=10).stdout.split('\n')
+  except (OSError, subprocess.SubprocessError):
+    return f'multihost from {folder} (not a git checkout)'
+  changed = [line[3:] for line in changed if line.strip()]
+  return (f'multihost from {folder} at commit {commit}'
+          + (f' with local changes to {", ".join(changed)}' if changed else ''))
+
+
 def _header() -> str:
   load = _load()
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')
@@ -711,7 +730,7 @@ def _header() -> str:
           f'{jax.local_device_count()} {jax.devices()[0].platform} devices; '
           f'jax {jax.__version__}; python {platform.python_version()}; '
           f'{os.cpu_count()} cores; load {load}; {now} UTC; repeats '
-          f'{_REPEATS.value}, warm-up {_WARMUP.value}.')
+          f'{_REPEATS.value}, warm-up {_WARMUP.value}.\n{_source()}.')
 
 
 def _quiet_orbax(record) -> bool:
