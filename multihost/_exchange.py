@@ -10,6 +10,7 @@ will not join with the same shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import time
 
 from multihost import _coordination
@@ -55,11 +56,15 @@ def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
   return rendezvous(op, payload, timeout=timeout)[0]
 
 
-def rendezvous(op: str, message: bytes, *, timeout: float,
+def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
+               timeout: float,
                agreement: bytes | None = None, publish: bool = True,
                read: bool = True, fast_message: bytes | None = None
                ) -> tuple[list[bytes | None] | None, bool]:
   """Meets every process; returns (messages, whether the fast path agreed).
+
+  `message` may be a function that makes it: it is then called only when the
+  full exchange needs it.
 
   Collective: every process must call this, in the same order.
 
@@ -85,7 +90,8 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   global _backoff
   count = _runtime.process_count()
   if count == 1:
-    return [message], agreement is not None
+    return [message if isinstance(message, bytes) else message()], (
+        agreement is not None)
   me = _runtime.process_index()
   call = _runtime.next_call_id()
   prefix = f'{_ROOT}/{call // _BLOCK}/{call}/'
@@ -97,12 +103,13 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
   if fast:
     if publish:
       _coordination.kv_set(prefix + str(me), _DIRECT + (
-          message if fast_message is None else fast_message))
+          _bytes(message) if fast_message is None else fast_message))
       published = True
     window = min(FAST_WINDOW_S, timeout)
     try:
-      _failure.call(op, _coordination.wait_at_barrier,
-                    f'{prefix}a{agreement.hex()}', window)
+      # Directly, not under the failure watchdog: the window bounds it,
+      # and a failed peer is then caught by the full exchange below.
+      _coordination.wait_at_barrier(f'{prefix}a{agreement.hex()}', window)
     except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
       failure = translate_failure(e, op, prefix, waited=time.monotonic() - start,
                                   timeout=timeout)
@@ -114,7 +121,7 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
       return (_read(prefix, count) if read else None), True
   if not published or fell_back or fast_message is not None:
     flag = _FELL_BACK if fell_back else _DIRECT
-    _coordination.kv_set(prefix + str(me), flag + message)
+    _coordination.kv_set(prefix + str(me), flag + _bytes(message))
   remaining = timeout - (time.monotonic() - start)
   barrier(prefix + 's', op, timeout=max(remaining, 0.001), call=call,
           waited_before=time.monotonic() - start, total_timeout=timeout,
@@ -130,6 +137,10 @@ def rendezvous(op: str, message: bytes, *, timeout: float,
     _backoff = _BACKOFF_CALLS
   _cleanup(call, me)
   return [m[1:] for m in messages], False
+
+
+def _bytes(message: bytes | Callable[[], bytes]) -> bytes:
+  return message if isinstance(message, bytes) else message()
 
 
 def _read(prefix: str, count: int, flags: bool = False) -> list[bytes | None]:

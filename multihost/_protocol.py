@@ -60,7 +60,7 @@ def exchange(header: Header, *, timeout: float, fast: bool = False,
   # On the fast path everything but the payload is proven equal, so only the
   # payload travels; the full header goes only into the full exchange.
   messages, agreed = _exchange.rendezvous(
-      header.op, pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL),
+      header.op, lambda: pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL),
       timeout=timeout, agreement=header.agreement() if fast else None,
       publish=publish, read=read,
       fast_message=header.payload or b'' if fast else None)
