@@ -134,6 +134,10 @@ def test_large_payloads_take_the_device_path(topology):
   for p in range(count):
     np.testing.assert_array_equal(gathered['x'][p], big - pid + p)
   assert gathered['y'].tolist() == list(range(count))
+  # A source in the middle of the chain, and again (connections are reused).
+  for _ in range(2):
+    got = multihost.broadcast_one_to_all(big, is_source=pid == count - 1)
+    np.testing.assert_array_equal(got, big - pid + count - 1)
   blob = multihost.broadcast_object(b'x' * 300_000 if pid == 0 else None)
   assert blob == b'x' * 300_000
   blobs = multihost.allgather_object('y' * (100_000 + pid))
