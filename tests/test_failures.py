@@ -181,7 +181,9 @@ def test_a_peer_killed_between_collectives_fails_the_next_one_at_once(
     raised = re.search(r'RAISED ProcessFailureError failed=\[1\] at=([\d.]+)',
                        out)
     assert raised, out[-3000:]
-    assert float(raised.group(1)) - woke < 1.0, out[-3000:]
+    # At once, or after the exchange's fast-path window (1 s, which the
+    # service enforces with ~1 s granularity) if it does not check first.
+    assert float(raised.group(1)) - woke < 3.0, out[-3000:]
     assert result.returncodes[i] == 3, result.summary
   _assert_nothing_running(cluster)
 
