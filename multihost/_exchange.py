@@ -92,6 +92,7 @@ def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
   if count == 1:
     return [message if isinstance(message, bytes) else message()], (
         agreement is not None)
+  _failure.check(op)  # A peer known to be gone: raise at once.
   me = _runtime.process_index()
   call = _runtime.next_call_id()
   prefix = f'{_ROOT}/{call // _BLOCK}/{call}/'
