@@ -456,11 +456,11 @@ class Controllers:
     previous = {}
 
     def handler(signum, frame):
+      # No lock here: the handler runs on the main thread, which may hold
+      # `_lock` already (a deadlock). The wait loop polls `_interrupt`.
       del frame
-      with self._changed:
-        if self._interrupt is None:
-          self._interrupt = signum
-        self._changed.notify_all()
+      if self._interrupt is None:
+        self._interrupt = signum
 
     for sig in _FORWARDED_SIGNALS:
       previous[sig] = signal.signal(sig, handler)
