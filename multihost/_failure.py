@@ -54,6 +54,8 @@ from multihost import _coordination
 from multihost import _errors
 
 POLL_INTERVAL_S = 0.5
+# At exit, how long abandoned collectives get to return (see `_at_exit`).
+_EXIT_GRACE_S = 5.0
 # Where each process records a normal exit in the key-value store.
 _EXIT_DIR = 'multihost_exit/'
 # Errors from a device collective whose peer went away.
@@ -79,6 +81,7 @@ class _State:
     self.worker: _Worker | None = None
     self.pending: set[_Job] = set()  # Jobs whose callers are waiting.
     self.abandoned = False  # A worker is stuck in a collective.
+    self.abandoned_jobs: list[_Job] = []
 
 
 _state = _State()
@@ -202,6 +205,7 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
   if not job.done:
     st.worker = None  # It is stuck in `fn`; later calls get a new one.
     st.abandoned = True
+    st.abandoned_jobs.append(job)
   waited = time.monotonic() - start_time
   if not job.done:
     if st.failed or st.exited or st.service_lost:
@@ -380,31 +384,40 @@ def _at_exit() -> None:
 
   No thread of ours may still be inside a C++ call when the interpreter
   finalizes: a daemon thread that returns from C++ then is unwound by force,
-  which aborts the process. So the watchdog is joined, and if a collective
-  was abandoned (its worker may return at any time) the process leaves with
-  `os._exit(1)`.
+  which aborts the process. Disconnecting ends the coordination-service
+  calls, and peers that leave end a gloo collective; if a thread is still
+  inside one a few seconds later, the process leaves with `os._exit(1)`.
   """
   st = _state
   if not st.running or _coordination.client() is None:
     return
   try:
-    if _coordination.hosts_service():
+    hosting = _coordination.hosts_service()
+    if hosting:
       _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
       _wait_for_others_to_leave()
       _stop_watchdog()
     else:
       _stop_watchdog()
       _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
-      jax.distributed.shutdown()  # Disconnect now, before process 0 goes.
+    if not hosting or st.abandoned or st.thread.is_alive():
+      # Disconnect now: before process 0 goes, and to end our calls in
+      # flight. (Otherwise JAX's own atexit does it.)
+      jax.distributed.shutdown()
   except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
     logging.warning('[process=%d] multihost: exit handshake failed: %s',
                     st.me, _short(e))
   st.stopping = True
   st.running = False
-  if st.abandoned or (st.thread is not None and st.thread.is_alive()):
+  deadline = time.monotonic() + _EXIT_GRACE_S
+  st.thread.join(max(0.0, deadline - time.monotonic()))
+  for job in list(st.abandoned_jobs):
+    while not job.done and time.monotonic() < deadline:
+      time.sleep(0.01)
+  if st.thread.is_alive() or not all(j.done for j in st.abandoned_jobs):
     logging.error('[process=%d] multihost: leaving with os._exit(1): a '
-                  'collective abandoned after a peer failed may still be '
-                  'running, and the normal exit would abort or hang on it.',
+                  'collective abandoned after a peer failed is still running '
+                  'in C++, and a normal exit would abort or hang on it.',
                   st.me)
     sys.stdout.flush()
     sys.stderr.flush()
