@@ -17,6 +17,7 @@ from multihost._broadcast import (
     broadcast_one_to_all as broadcast_one_to_all,
 )
 from multihost._digest import (
+    leaf_digests as leaf_digests,
     tree_digest as tree_digest,
 )
 from multihost._equal import (

@@ -61,6 +61,29 @@ def leaf_digest(x, op: str = 'tree_digest') -> bytes:
   return array_digest(value, spec)
 
 
+def leaf_digests(tree: PyTree) -> dict[str, str]:
+  """Returns a hex digest of each leaf's global value, keyed by its path.
+
+  Keys are `jax.tree_util.keystr` paths (e.g. "['params']['w']"), in
+  flattening order. A leaf's digest covers its dtype, shape and bytes (for
+  typed PRNG keys: the key data and implementation), so it is the same for
+  the same global value on any process, mesh or process count.
+
+  Collective only when the tree holds global arrays that are neither fully
+  addressable nor fully replicated: their full value is gathered (every
+  process must then call this, in the same order). Otherwise it is local.
+
+  Args:
+    tree: a pytree of arrays and scalars.
+
+  Returns:
+    A dict from leaf path to a 32-character hex digest.
+  """
+  leaves, paths, _ = _leaves.flatten(tree, 'leaf_digests')
+  return {path: leaf_digest(leaf).hex()
+          for path, leaf in zip(paths, leaves, strict=True)}
+
+
 def tree_digest(tree: PyTree) -> str:
   """Returns a hex digest of a pytree's structure, shapes, dtypes and values.
 
@@ -77,11 +100,10 @@ def tree_digest(tree: PyTree) -> str:
   Returns:
     A 32-character hex string.
   """
-  leaves, paths, treedef = _leaves.flatten(tree, 'tree_digest')
-  h = hashlib.sha256(str(treedef).encode())
-  for path, leaf in zip(paths, leaves, strict=True):
+  h = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+  for path, digest in leaf_digests(tree).items():
     h.update(path.encode())
-    h.update(leaf_digest(leaf))
+    h.update(bytes.fromhex(digest))
   return h.hexdigest()[:2 * DIGEST_BYTES]
 
 

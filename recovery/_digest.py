@@ -14,7 +14,7 @@ PyTree = Any
 
 # Named in every checkpoint, so that a later change of algorithm is detected
 # instead of being reported as corruption.
-DIGEST_ALGORITHM = 'recovery-sha256-v1'
+DIGEST_ALGORITHM = 'multihost-leaf-digests-v1'
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -49,20 +49,16 @@ def host_tree(tree: PyTree) -> PyTree:
 def leaf_digests(tree: PyTree) -> dict[str, str]:
   """Maps each leaf's path ('user/weights') to a digest of its global value.
 
-  The digest covers dtype, shape and bytes, so it is the same for the same
-  global content on any mesh or number of processes.
+  The digest (`multihost.leaf_digests`) covers dtype, shape and bytes, so it
+  is the same for the same global content on any mesh or number of
+  processes.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order.
   """
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    value = np.ascontiguousarray(host_value(leaf))
-    h = hashlib.sha256()
-    h.update(f'{value.dtype.str}|{value.shape}|'.encode())
-    h.update(value.tobytes())
-    out[path_name(path)] = h.hexdigest()
-  return out
+  names = [path_name(path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return dict(zip(names, multihost.leaf_digests(tree).values(), strict=True))
 
 
 def state_digest(tree: PyTree) -> str:

@@ -75,6 +75,10 @@ def test_tree_digest():
       np.zeros(4))
   big = np.random.default_rng(0).normal(size=(9 << 20) // 8 * 3)  # chunked path
   assert multihost.tree_digest(big) == multihost.tree_digest(big.copy())
+  per_leaf = multihost.leaf_digests(a)
+  assert list(per_leaf) == ["['k']", "['w']"]
+  assert per_leaf == multihost.leaf_digests(
+      {'w': np.arange(4, dtype=np.float32), 'k': jax.random.key(1)})
   # Sharded or not, the same value has the same digest.
   mesh = jax.make_mesh((4,), ('x',))
   sharded = jax.device_put(np.arange(8.0, dtype=np.float32),
