@@ -278,7 +278,8 @@ def run_case(case: Case, index: int) -> Row:
     first_ms = ms(slowest_one(first[name]))
     median = (ms(statistics.median(slowest(times[name])))
               if name in live else None)
-    peak = peak_increase(impls[name]) if _MEMORY.value and name in live else None
+    measure = _MEMORY.value and name in live
+    peak = peak_increase(impls[name]) if measure else None
     peak = slowest_one(peak)
     setattr(row, f'{name}_first_ms', first_ms)
     setattr(row, f'{name}_ms', median)
@@ -434,7 +435,8 @@ def reference_rows(sizes: list[int], repeats: int, tcp_bytes: int) -> list[Row]:
       first, median = time_reference(
           lambda fn=fn: fn(x).block_until_ready(), repeats)
       rows.append(Row(name, n, 1, kind='reference', ref_ms=median,
-                      ref_first_ms=first, payload=f'{format_size(n)} per device'))
+                      ref_first_ms=first,
+                      payload=f'{format_size(n)} per device'))
     del x
   if jax.process_count() > 1:
     rows.append(loopback_tcp(tcp_bytes, repeats))
@@ -525,10 +527,12 @@ def torch_rows(sizes: list[int], repeats: int) -> list[Row]:
       t = torch.ones(n // 4, dtype=torch.float32)
       out = [torch.empty_like(t) for _ in range(jax.process_count())]
       for name, fn in (
-          ('torch.distributed gloo broadcast', lambda t=t: dist.broadcast(t, 0)),
+          ('torch.distributed gloo broadcast',
+           lambda t=t: dist.broadcast(t, 0)),
           ('torch.distributed gloo all_gather',
            lambda t=t, out=out: dist.all_gather(out, t)),
-          ('torch.distributed gloo all_reduce', lambda t=t: dist.all_reduce(t))):
+          ('torch.distributed gloo all_reduce',
+           lambda t=t: dist.all_reduce(t))):
         first, median = time_reference(fn, repeats)
         rows.append(Row(name, n, 1, kind='reference', ref_ms=median,
                         ref_first_ms=first, payload=format_size(n)))
@@ -632,7 +636,8 @@ def recovery_rows(width: int, repeats: int, sharded: bool,
             ms(slowest_one(first)))
 
   rows = []
-  label = f'{nbytes / 2**20:.4g} MiB, {leaves} leaves, {_RECOVERY_SHARDING.value}'
+  label = (f'{nbytes / 2**20:.4g} MiB, {leaves} leaves, '
+           f'{_RECOVERY_SHARDING.value}')
   for phase, what in ((0, 'save (async, until committed)'),
                       (1, 'restore (+ digest and agreement checks)'),
                       (None, 'save + restore + verification')):
