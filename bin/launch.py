@@ -1,7 +1,7 @@
 r"""Runs N JAX controllers of a command on this machine.
 
   python bin/launch.py --num_processes=2 --devices_per_process=2 \
-      [--timeout=600] [--grace_period=5] -- python bin/train.py --flag=...
+      [--timeout=600] [--grace_period=15] [--host_service] -- python bin/train.py --flag=...
 
 Each controller can call `multihost.initialize()` or a bare
 `jax.distributed.initialize()` unchanged. Output lines are prefixed with the
@@ -27,6 +27,10 @@ _GRACE_PERIOD = flags.DEFINE_float(
     'grace_period', launch.DEFAULT_GRACE_PERIOD_S,
     'Seconds the other processes get to finish after the first failure.',
     lower_bound=0)
+_HOST_SERVICE = flags.DEFINE_bool(
+    'host_service', False, 'Host the JAX coordination service in the '
+    'launcher, so that a death of process 0 is reported like any other '
+    '(the command must use multihost.initialize()).')
 
 
 def main(argv: list[str]) -> int:
@@ -38,7 +42,8 @@ def main(argv: list[str]) -> int:
   return launch.run_cli(command, num_processes=_NUM_PROCESSES.value,
                         devices_per_process=_DEVICES_PER_PROCESS.value,
                         timeout=_TIMEOUT.value,
-                        grace_period=_GRACE_PERIOD.value)
+                        grace_period=_GRACE_PERIOD.value,
+                        host_service=_HOST_SERVICE.value)
 
 
 if __name__ == '__main__':

@@ -49,7 +49,11 @@ import weakref
 
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
 TIMEOUT_EXIT_STATUS = 124
-DEFAULT_GRACE_PERIOD_S = 5.0
+# Longer than the default failure-detection time (10 s heartbeat timeout, see
+# multihost.initialize), so survivors can raise ProcessFailureError and exit
+# on their own before they are stopped.
+DEFAULT_GRACE_PERIOD_S = 15.0
+DEFAULT_HEARTBEAT_S = 10.0
 # How long stopped processes get between SIGTERM (or a forwarded signal) and
 # SIGKILL.
 DEFAULT_KILL_WAIT_S = 2.0
@@ -208,6 +212,13 @@ class Controllers:
       capture them).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping.
     port: the coordinator port (default: a free one).
+    host_service: host JAX's coordination service in this (launcher)
+      process instead of in process 0, so that the death of process 0 is an
+      ordinary failure the others raise `ProcessFailureError` for, rather
+      than one that makes JAX abort them. The controllers must call
+      `multihost.initialize()` (not a bare `jax.distributed.initialize()`).
+    heartbeat_timeout: with host_service, seconds without heartbeats before
+      the service declares a controller dead.
   """
 
   def __init__(self, command: collections.abc.Sequence[str], *,
@@ -217,7 +228,9 @@ class Controllers:
                grace_period: float = DEFAULT_GRACE_PERIOD_S,
                stream: TextIO | None = None,
                kill_wait: float = DEFAULT_KILL_WAIT_S,
-               port: int | None = None):
+               port: int | None = None,
+               host_service: bool = False,
+               heartbeat_timeout: float = DEFAULT_HEARTBEAT_S):
     if isinstance(command, str) or not command:
       raise ValueError(
           f'command must be a non-empty list of arguments, e.g. '
@@ -237,6 +250,9 @@ class Controllers:
     self.grace_period = grace_period
     self.kill_wait = kill_wait
     self.port = port
+    self.host_service = host_service
+    self.heartbeat_timeout = heartbeat_timeout
+    self._service = None
     self._extra_env = dict(env or {})
     self._cwd = cwd
     self._stream = stream
@@ -264,10 +280,20 @@ class Controllers:
     self._start_time = time.monotonic()
     _LIVE.add(self)
     try:
+      service_env = {}
+      if self.host_service:
+        from multihost import _coordination  # pylint: disable=g-import-not-at-top
+        self._service = _coordination.start_service(
+            f'127.0.0.1:{self.port}', self.num_processes,
+            heartbeat_timeout=int(self.heartbeat_timeout))
+        service_env = {'MULTIHOST_EXTERNAL_SERVICE': '1',
+                       'MULTIHOST_HEARTBEAT_TIMEOUT':
+                           str(int(self.heartbeat_timeout))}
       for i in range(self.num_processes):
         env = child_env(i, num_processes=self.num_processes,
                         devices_per_process=self.devices_per_process,
                         port=self.port)
+        env.update(service_env)
         env.update(self._extra_env)
         proc = subprocess.Popen(
             self.command, env=env, cwd=self._cwd, stdin=subprocess.DEVNULL,
@@ -432,6 +458,9 @@ class Controllers:
         pass
     for t in self._threads:
       t.join(timeout=5)
+    if self._service is not None:
+      self._service.shutdown()
+      self._service = None
     _LIVE.discard(self)
 
   # Context manager.
@@ -573,7 +602,7 @@ class Controllers:
       others = [i for i in range(n) if i != first]
       collateral = [i for i in others
                     if rcs[i] not in (None, 0) and i not in stopped]
-      if first == 0 and n > 1:
+      if first == 0 and n > 1 and not self.host_service:
         out.append(
             f'Process 0, which hosts the JAX coordination service, died '
             f'first: {how}.')
@@ -619,7 +648,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            stream: TextIO | None = None,
            summary_stream: TextIO | None = None,
            forward_signals: bool = False,
-           kill_wait: float = DEFAULT_KILL_WAIT_S) -> LaunchResult:
+           kill_wait: float = DEFAULT_KILL_WAIT_S,
+           host_service: bool = False) -> LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
   Args:
@@ -636,6 +666,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       (main thread only; used by the command-line launcher).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
       (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
+    host_service: host the coordination service in this process (see
+      `Controllers`).
 
   Returns:
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
@@ -643,7 +675,7 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
   cluster = Controllers(command, num_processes=num_processes,
                         devices_per_process=devices_per_process, env=env,
                         cwd=cwd, grace_period=grace_period, stream=stream,
-                        kill_wait=kill_wait)
+                        kill_wait=kill_wait, host_service=host_service)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:
@@ -675,7 +707,8 @@ def main(argv: collections.abc.Sequence[str] | None = None) -> int:
       prog='python -m multihost.launch',
       description='Run N JAX controllers on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
-            '[--timeout=S] [--grace_period=S] -- COMMAND [ARGS...]')
+            '[--timeout=S] [--grace_period=S] [--host_service] -- COMMAND '
+            '[ARGS...]')
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--devices_per_process', type=int, default=1)
   parser.add_argument('--timeout', type=float, default=None,
@@ -683,6 +716,10 @@ def main(argv: collections.abc.Sequence[str] | None = None) -> int:
   parser.add_argument('--grace_period', type=float,
                       default=DEFAULT_GRACE_PERIOD_S,
                       help='seconds the others get after the first failure')
+  parser.add_argument('--host_service', action='store_true',
+                      help='host the coordination service in the launcher, '
+                      'so that a death of process 0 is reported like any '
+                      'other (the command must use multihost.initialize())')
   args = parser.parse_args(options)
   if not command:
     parser.error('give the command after --, e.g. -- python train.py')
@@ -692,18 +729,20 @@ def main(argv: collections.abc.Sequence[str] | None = None) -> int:
                  f'{args.devices_per_process}.')
   return run_cli(command, num_processes=args.num_processes,
                  devices_per_process=args.devices_per_process,
-                 timeout=args.timeout, grace_period=args.grace_period)
+                 timeout=args.timeout, grace_period=args.grace_period,
+                 host_service=args.host_service)
 
 
 def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
-            grace_period: float) -> int:
+            grace_period: float, host_service: bool = False) -> int:
   """Runs the command with live prefixed output and a summary on stderr."""
   try:
     result = launch(command, num_processes=num_processes,
                     devices_per_process=devices_per_process, timeout=timeout,
                     grace_period=grace_period, stream=sys.stdout,
-                    summary_stream=sys.stderr, forward_signals=True)
+                    summary_stream=sys.stderr, forward_signals=True,
+                    host_service=host_service)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

@@ -234,3 +234,32 @@ def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
   for out in result.outputs:
     assert 'Recorded backend/processes/devices: cpu 2 4' in out
   assert (checkpoints / 'step-one').is_dir()
+
+
+def test_host_service_turns_process_0_death_into_an_ordinary_failure(tmp_path):
+  script = tmp_path / 'loop.py'
+  script.write_text(textwrap.dedent('''
+      import os, signal, time
+      import multihost
+      multihost.initialize()
+      import jax
+      try:
+        for step in range(100000):
+          multihost.sync_global_devices('step')
+          if step == 20 and jax.process_index() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+          time.sleep(0.01)
+      except multihost.ProcessFailureError as e:
+        print('RAISED', e.failed, flush=True)
+        raise SystemExit(3)
+  '''))
+  with launch.Controllers([PY, str(script)], num_processes=3,
+                          grace_period=30, host_service=True,
+                          heartbeat_timeout=3) as cluster:
+    result = cluster.wait(timeout=90)
+  assert result.returncodes[0] == -signal.SIGKILL, result.summary
+  for i in (1, 2):
+    assert 'RAISED (0,)' in result.outputs[i], result.outputs[i][-2000:]
+    assert result.returncodes[i] == 3, result.summary
+  assert 'hosts the JAX coordination service' not in result.summary
+  assert all(_gone(pid) for pid in result.pids)
