@@ -289,7 +289,8 @@ class Checkpoints:
           f'{", ".join(changed) or "unknown"}). Its files were altered or '
           f'damaged after the save committed; refusing to resume from it. '
           f'{self._fallback_hint(step)}')
-    _verify.check_consistent(restored, what=f'After restoring step {step}')
+    _verify.check_consistent(restored, what=f'After restoring step {step}',
+                             digests=digests)
     state = TransitionState.from_tree(restored, key_like=target.key)
     if state.step != step:
       raise CheckpointCorruptError(

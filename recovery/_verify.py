@@ -27,7 +27,8 @@ class ReplayMismatchError(AssertionError):
 
 
 def check_consistent(state: TransitionState | PyTree, *, what: str,
-                     timeout: float | None = None) -> dict[str, str]:
+                     timeout: float | None = None,
+                     digests: dict[str, str] | None = None) -> dict[str, str]:
   """Checks that every controller holds an identical transition state.
 
   Collective: every process must call this, in the same order.
@@ -41,6 +42,7 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
     state: a `TransitionState` or an already flattened checkpoint tree.
     what: the moment of the check, used in the error ('before saving step 8').
     timeout: seconds to wait for the other processes.
+    digests: this process's leaf digests of `state`, if already computed.
 
   Returns:
     This process's leaf digests, by leaf path.
@@ -57,8 +59,7 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
         'the same restored state; look for process-dependent randomness, data '
         'or code behind the differing leaves.',
         timeout=timeout)
-  digests = _digest.leaf_digests(tree)
-  return digests
+  return _digest.leaf_digests(tree) if digests is None else digests
 
 
 @dataclasses.dataclass(frozen=True)
