@@ -34,9 +34,9 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
   Collective: every process must call this, in the same order.
 
   `multihost.assert_equal` compares every leaf of the whole state (user
-  state, PRNG key data, data order, cursor, epoch, step) across processes, so
-  a mismatch raises on every process, naming the leaf paths and the
-  processes that differ.
+  state, PRNG key data, data order, cursor, epoch, step) across processes, by
+  its digest, so a mismatch raises on every process, naming the leaf paths
+  and the processes that differ.
 
   Args:
     state: a `TransitionState` or an already flattened checkpoint tree.
@@ -51,15 +51,26 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
     multihost.ConsistencyError: the controllers hold different states.
   """
   tree = state.to_tree() if isinstance(state, TransitionState) else state
+  if digests is None:
+    digests = _digest.leaf_digests(tree)
   if jax.process_count() > 1:
+    # Comparing each leaf's digest is comparing the leaf, at 16 bytes a leaf.
+    # A leaf sharded across processes has one digest of its gathered value,
+    # which would hide replicas that differ: then compare the tree itself
+    # (shard by shard).
+    sharded = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                  and not x.is_fully_replicated for x in jax.tree.leaves(tree))
+    compared = tree if sharded else {
+        name: np.frombuffer(bytes.fromhex(d), np.uint8)
+        for name, d in digests.items()}
     multihost.assert_equal(
-        tree,
+        compared,
         f'{what}: the controllers hold different transition states. Every '
         'controller must run the same step function on the same data from '
         'the same restored state; look for process-dependent randomness, data '
         'or code behind the differing leaves.',
         timeout=timeout)
-  return _digest.leaf_digests(tree) if digests is None else digests
+  return digests
 
 
 @dataclasses.dataclass(frozen=True)
