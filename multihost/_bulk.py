@@ -22,13 +22,12 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
-              timeout: float) -> list[np.ndarray]:
-  """Every process's bytes (process p sends sizes[p]), in process order.
+              timeout: float) -> np.ndarray:
+  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]].
 
   Collective: every process must call this, in the same order, with the
   same `sizes`.
   """
   if _transport.enabled():
     return _transport.allgather(buffer, sizes, op=op, timeout=timeout)
-  rows = _device.allgather(buffer, max(sizes), op=op, timeout=timeout)
-  return [rows[p, :n] for p, n in enumerate(sizes)]
+  return _device.allgather(buffer, max(sizes), op=op, timeout=timeout)

@@ -94,16 +94,15 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
       header, timeout=timeout, fast=not has_global, publish=inline,
       read=inline)
   if agreed:
-    all_shards = [shards] * count
     if inline:
-      received = [np.frombuffer(h.payload, np.uint8) for h in headers]
+      rows = np.stack([np.frombuffer(h.payload, np.uint8) for h in headers])
     else:
-      received = _bulk.allgather(_leaves.pack(parts), [size] * count, op=op,
-                                 timeout=timeout)
-  else:
-    _protocol.check_same_leaves(headers)
-    all_shards = [h.extra['shards'] for h in headers]
-    received = _receive(headers, parts, op, timeout)
+      rows = _bulk.allgather(_leaves.pack(parts, copy=False), [size] * count,
+                             op=op, timeout=timeout)
+    return treedef.unflatten(_stacked_views(rows, specs, tiled))
+  _protocol.check_same_leaves(headers)
+  all_shards = [h.extra['shards'] for h in headers]
+  received = _receive(headers, parts, op, timeout)
   per_process = [
       _leaves.unpack(buf, *_part_specs(specs, s))
       for buf, s in zip(received, all_shards, strict=True)]
@@ -117,8 +116,31 @@ def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
   """Every process's packed bytes, from the headers or one device gather."""
   if all(h.payload is not None for h in headers):
     return [np.frombuffer(h.payload, np.uint8) for h in headers]
-  return _bulk.allgather(_leaves.pack(parts), [h.size for h in headers],
-                         op=op, timeout=timeout)
+  sizes = [h.size for h in headers]
+  rows = _bulk.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
+                         timeout=timeout)
+  return [rows[p, :n] for p, n in enumerate(sizes)]
+
+
+def _stacked_views(rows: np.ndarray, specs, tiled: bool) -> list:
+  """Leaves gathered from equal-layout rows, as views of `rows` (no copy).
+
+  Row p holds process p's packed leaves, all at the same offsets, so a
+  leaf's stacked value is a column band of `rows` viewed as its dtype. With
+  a single leaf whose size is the row's, it is contiguous.
+  """
+  count = rows.shape[0]
+  out, offset = [], 0
+  for spec in specs:
+    n = spec.nbytes
+    band = rows[:, offset:offset + n]
+    offset += n
+    value = band.view(_leaves.np_dtype(spec.dtype)).reshape(
+        (count,) + spec.shape)
+    if tiled and spec.ndim > 0:
+      value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
+    out.append(_leaves.finish(value, spec))
+  return out
 
 
 def _global_parts(x: jax.Array, op: str):
@@ -210,7 +232,8 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   if all(h.payload is not None for h in headers):
     payloads = [h.payload for h in headers]
   else:
-    blocks = _bulk.allgather(np.frombuffer(data, np.uint8),
-                             [h.size for h in headers], op=op, timeout=timeout)
-    payloads = [b.tobytes() for b in blocks]
+    sizes = [h.size for h in headers]
+    rows = _bulk.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
+                           timeout=timeout)
+    payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
   return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]

@@ -115,13 +115,17 @@ def finish(value: np.ndarray, spec: LeafSpec):
   return jax.random.wrap_key_data(np.array(value), impl=spec.key_impl)
 
 
-def pack(values: list[np.ndarray], pad_to: int = 0) -> np.ndarray:
+def pack(values: list[np.ndarray], pad_to: int = 0, *,
+         copy: bool = True) -> np.ndarray:
   """Concatenates the raw bytes of `values` into one uint8 array.
 
   With `pad_to`, the array is zero-padded to at least that many bytes (so a
-  device transfer can use it without another copy).
+  device transfer can use it without another copy). With copy=False, a
+  single value is returned as a byte view of itself (read it, don't keep it).
   """
   total = sum(v.nbytes for v in values)
+  if not copy and len(values) == 1 and pad_to <= total:
+    return values[0].reshape(-1).view(np.uint8)
   out = np.empty(max(total, pad_to), np.uint8)
   out[total:] = 0
   offset = 0

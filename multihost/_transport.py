@@ -271,8 +271,8 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
-              timeout: float) -> list[np.ndarray]:
-  """Every process's bytes (process p sent sizes[p]), in process order (a ring).
+              timeout: float) -> np.ndarray:
+  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]] (a ring).
 
   Collective: every process must call this, in the same order, with the
   same `sizes`.
@@ -283,8 +283,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   plane = _get_plane(op)
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
-  blocks = [np.empty(n, np.uint8) for n in sizes]
-  blocks[me] = buffer.reshape(-1)[:sizes[me]]
+  rows = np.empty((count, max(sizes)), np.uint8)
+  rows[me, :sizes[me]] = buffer.reshape(-1)[:sizes[me]]
+  blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   peer = prev
   sender = _Sender()
   try:
@@ -312,7 +313,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       sender.finish(time.monotonic() + 0.1)
     _break(plane, e)
     raise _peer_error(op, peer, e) from e
-  return blocks
+  return rows
 
 
 def _check_frame(got: bytes, want: bytes, op: str, peer: int) -> None:
