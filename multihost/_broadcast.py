@@ -78,7 +78,8 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   # the sources.
   headers, agreed = _protocol.exchange(
       header, timeout=timeout, fast=default_source,
-      publish=is_source and inline, read=inline and not is_source)
+      publish=is_source and inline, read=0 if inline and not is_source
+      else False)
   if agreed:  # Process 0 is the source; others read its header if inline.
     source = 0
     source_header = headers[0] if inline and not is_source else header

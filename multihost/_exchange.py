@@ -59,7 +59,7 @@ def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
 def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
                timeout: float,
                agreement: bytes | None = None, publish: bool = True,
-               read: bool = True, fast_message: bytes | None = None
+               read: bool | int = True, fast_message: bytes | None = None
                ) -> tuple[list[bytes | None] | None, bool]:
   """Meets every process; returns (messages, whether the fast path agreed).
 
@@ -71,7 +71,8 @@ def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
   Fast path (`agreement` given): one coordination-service barrier whose id
   carries `agreement`, so it completes only if every process passed the same
   bytes; `fast_message` (default: `message`) is published first only if
-  `publish`, and everyone's published messages are read only if `read`. If the barrier does not
+  `publish`, and everyone's published messages are read only if `read` (an
+  int: only that process's message). If the barrier does not
   complete within FAST_WINDOW_S (a slow peer, or a disagreement), every
   process falls back to the full exchange: publish, wait at a plain barrier
   for the rest of `timeout`, read all messages. The full exchange is what
@@ -119,7 +120,13 @@ def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
       fell_back = True
     else:
       _cleanup(call, me)
-      return (_read(prefix, count) if read else None), True
+      if read is True:
+        return _read(prefix, count), True
+      if read is False:
+        return None, True
+      one: list[bytes | None] = [None] * count
+      one[read] = _coordination.kv_get(prefix + str(read), window)[1:]
+      return one, True
   if not published or fell_back or fast_message is not None:
     flag = _FELL_BACK if fell_back else _DIRECT
     _coordination.kv_set(prefix + str(me), flag + _bytes(message))

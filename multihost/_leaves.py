@@ -56,23 +56,32 @@ def is_global(x) -> bool:
 
 def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   """A fully addressable leaf as a canonical-dtype numpy array and its spec."""
-  _runtime.require_not_tracer(x, op)
   key_impl, key_dims = None, 0
-  if is_key(x):
-    key_impl = str(jax.random.key_impl(x))
-    data = jax.random.key_data(x)
-    key_dims = data.ndim - x.ndim
-    x = data
-  if is_global(x):
-    raise ValueError(f'{op}: internal error, a global array reached to_host.')
-  value = np.asarray(x)
-  dtype = jax.dtypes.canonicalize_dtype(value.dtype)
+  if isinstance(x, np.ndarray):  # The common case, kept cheap.
+    value = x
+  else:
+    _runtime.require_not_tracer(x, op)
+    if is_key(x):
+      key_impl = str(jax.random.key_impl(x))
+      data = jax.random.key_data(x)
+      key_dims = data.ndim - x.ndim
+      x = data
+    if is_global(x):
+      raise ValueError(f'{op}: internal error, a global array reached '
+                       'to_host.')
+    value = np.asarray(x)
+  dtype = _canonical(value.dtype)
   if value.dtype != dtype:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
     value = value.copy(order='C')
-  return value, LeafSpec(tuple(value.shape), dtype_name(value.dtype), key_impl,
-                        key_dims)
+  return value, LeafSpec(value.shape, dtype_name(dtype), key_impl, key_dims)
+
+
+@functools.cache
+def _canonical(dtype: np.dtype) -> np.dtype:
+  """The dtype a JAX device would give `dtype` (e.g. float64 -> float32)."""
+  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def distinct_shards(x: jax.Array, op: str):

@@ -44,7 +44,7 @@ class Header:
 
 
 def exchange(header: Header, *, timeout: float, fast: bool = False,
-             publish: bool = True, read: bool = True
+             publish: bool = True, read: bool | int = True
              ) -> tuple[list[Header | None] | None, bool]:
   """Meets every process with `header`; returns (headers, proven_equal).
 
