@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any
 
@@ -57,6 +58,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   parts: list[np.ndarray] = []   # what this process sends, in order
   specs: list[_leaves.LeafSpec] = []
   shards: list[list | None] = []  # per leaf: this process's shard bounds
+  layouts: list[list | None] = []  # per leaf: every process's shard bounds
   for path, x in zip(paths, leaves, strict=True):
     if _leaves.is_global(x):
       if not tiled:
@@ -66,14 +68,16 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
             'processes hold parts of one value, not one value each, so it '
             'cannot be stacked: pass tiled=True to get its full global '
             'value.')
-      spec, bounds, datas = _global_parts(x, op)
+      spec, bounds, datas, layout = _global_parts(x, op)
       specs.append(spec)
       shards.append(bounds)
+      layouts.append(layout)
       parts.extend(datas)
     else:
       value, spec = _leaves.to_host(x, op)
       specs.append(spec)
       shards.append(None)
+      layouts.append(None)
       parts.append(value)
   count = _runtime.process_count()
   if count == 1:
@@ -81,28 +85,34 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
            for parts_of_leaf, spec, bounds in _by_leaf([parts], specs, [shards])]
     return treedef.unflatten(out)
   size = sum(p.nbytes for p in parts)
-  inline = size * count <= _INLINE_TOTAL
   has_global = any(b is not None for b in shards)
+  # What every process sends follows from the specs and the global leaves'
+  # layouts, which the agreement covers, so every process knows every size.
+  sizes = [_size_of(specs, layouts, p) for p in range(count)]
+  inline = max(sizes) * count <= _INLINE_TOTAL
   header = _protocol.Header(
       op, str(treedef), tuple(paths), tuple(specs),
       {'shards': shards}, size,
-      _leaves.pack(parts).tobytes() if inline else None, agreed=bool(tiled))
-  # Without global leaves every process sends the same sizes, which follow
-  # from the (agreed) specs, so the fast path can prove agreement. Global
-  # leaves' shards differ by process: the full exchange describes them.
+      _leaves.pack(parts).tobytes() if inline else None,
+      agreed=(bool(tiled), layouts))
   headers, agreed = _protocol.exchange(
-      header, timeout=timeout, fast=not has_global, publish=inline,
-      read=inline)
+      header, timeout=timeout, fast=True, publish=inline, read=inline)
   if agreed:
     if inline:
-      rows = np.stack([np.frombuffer(h.payload, np.uint8) for h in headers])
+      received = [np.frombuffer(h.payload, np.uint8) for h in headers]
     else:
-      rows = _bulk.allgather(_leaves.pack(parts, copy=False), [size] * count,
-                             op=op, timeout=timeout)
-    return treedef.unflatten(_stacked_views(rows, specs, tiled))
-  _protocol.check_same_leaves(headers)
-  all_shards = [h.extra['shards'] for h in headers]
-  received = _receive(headers, parts, op, timeout)
+      rows = _bulk.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
+                             timeout=timeout)
+      received = [rows[p, :n] for p, n in enumerate(sizes)]
+    if not has_global:
+      return treedef.unflatten(_stacked_views(np.stack(received) if inline
+                                              else rows, specs, tiled))
+    all_shards = [[None if layout is None else layout[p]
+                   for layout in layouts] for p in range(count)]
+  else:
+    _protocol.check_same_leaves(headers)
+    all_shards = [h.extra['shards'] for h in headers]
+    received = _receive(headers, parts, op, timeout)
   per_process = [
       _leaves.unpack(buf, *_part_specs(specs, s))
       for buf, s in zip(received, all_shards, strict=True)]
@@ -154,10 +164,28 @@ def _global_parts(x: jax.Array, op: str):
   dtype = jax.dtypes.canonicalize_dtype(x.dtype)
   spec = _leaves.LeafSpec(tuple(x.shape), _leaves.dtype_name(dtype), key_impl,
                           key_dims)
-  shards = list(_leaves.distinct_shards(x, op))
+  shards = sorted(_leaves.distinct_shards(x, op), key=lambda s: s[0])
   bounds = [b for b, _, _ in shards]
   datas = [value for _, value, _ in shards]
-  return spec, bounds, datas
+  # Every process's distinct shards, from the sharding alone.
+  layout = [set() for _ in range(_runtime.process_count())]
+  for device, index in x.sharding.devices_indices_map(x.shape).items():
+    layout[device.process_index].add(
+        tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)))
+  return spec, bounds, datas, [sorted(b) for b in layout]
+
+
+def _size_of(specs, layouts, process: int) -> int:
+  """Bytes `process` sends: its host-local leaves and its global shards."""
+  total = 0
+  for spec, layout in zip(specs, layouts, strict=True):
+    if layout is None:
+      total += spec.nbytes
+    else:
+      itemsize = _leaves.np_dtype(spec.dtype).itemsize
+      total += sum(math.prod(stop - start for start, stop in b) * itemsize
+                   for b in layout[process])
+  return total
 
 
 def _part_specs(specs, shards):
