@@ -215,6 +215,21 @@ class _Sender:
       return TimeoutError('sending did not finish in time')
     return self.error
 
+  def close(self, deadline: float) -> None:
+    """Waits for the queued sends; raises what sending raised."""
+    error = self.finish(deadline)
+    if error is not None:
+      raise error
+
+
+def _failed(plane: _Plane, sender: _Sender | None, op: str, peer: int,
+            error: BaseException) -> _errors.MultihostError:
+  """Stops a failed transfer; returns the named error to raise."""
+  if sender is not None:
+    sender.finish(time.monotonic() + 0.1)
+  _break(plane, error)
+  return _peer_error(op, peer, error)
+
 
 def _start(op: str, peer: int, conn: socket.socket, deadline: float) -> None:
   conn.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -258,15 +273,10 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
           sender.send(down, chunk)
     if sender is not None:
       peer = nxt
-      error = sender.finish(deadline)
-      sender = None
-      if error is not None:
-        raise error
+      sender, done = None, sender
+      done.close(deadline)
   except (OSError, TimeoutError, _errors.MultihostError) as e:
-    if sender is not None:
-      sender.finish(time.monotonic() + 0.1)
-    _break(plane, e)
-    raise _peer_error(op, peer, e) from e
+    raise _failed(plane, sender, op, peer, e) from e
   return out.reshape(-1)[:length]
 
 
@@ -304,15 +314,10 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       if sender.error is not None:
         raise sender.error
     peer = nxt
-    error = sender.finish(deadline)
-    sender = None
-    if error is not None:
-      raise error
+    sender, done = None, sender
+    done.close(deadline)
   except (OSError, TimeoutError, _errors.MultihostError) as e:
-    if sender is not None:
-      sender.finish(time.monotonic() + 0.1)
-    _break(plane, e)
-    raise _peer_error(op, peer, e) from e
+    raise _failed(plane, sender, op, peer, e) from e
   return rows
 
 
