@@ -179,7 +179,7 @@ def first_difference(specs_by_process: dict[int, tuple]) -> str:
   """Describes how (treedef, paths, specs) tuples differ between processes."""
   items = sorted(specs_by_process.items())
   base_p, (base_tree, base_paths, base_specs) = items[0]
-  for p, (tree, paths, specs) in items[1:]:
+  for p, (tree, _, specs) in items[1:]:
     if tree != base_tree:
       return (f'the tree structure differs: process {base_p} has {base_tree}'
               f' but process {p} has {tree}')

@@ -9,7 +9,6 @@ from absl import logging
 import jax
 
 from multihost import _coordination
-from multihost import _errors
 from multihost import _failure
 
 # Environment variables read by `initialize()` and set by `multihost.launch`.

@@ -363,8 +363,10 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
   for what, value, pattern in cases:
     for fn in (multihost.process_allgather, multihost.broadcast_one_to_all,
                multihost.assert_equal):
-      with pytest.raises(multihost.ConsistencyError, match=pattern):
+      with pytest.raises(multihost.ConsistencyError, match=pattern) as info:
         fn(value)
+      assert f'process [{count - 1}]' in str(info.value) or (
+          f'processes [{count - 1}]' in str(info.value)), (what, info.value)
   # Different collectives at the same point.
   with pytest.raises(multihost.ConsistencyError, match='different collectives'):
     if odd:
