@@ -336,3 +336,34 @@ def test_default_run_and_single_controller_signals(tmp_path):
   rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
                         log=tmp_path / 'verify.log')
   assert rc == 0 and 'OK: ' in out, out[-3000:]
+
+
+def test_ctrl_c_on_two_controllers_loses_nothing(tmp_path):
+  """SIGINT to the launcher reaches every controller; checkpoints survive."""
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'm.jsonl'
+  launcher = subprocess.Popen(
+      [PY, '-m', 'multihost.launch', '--num_processes=2',
+       '--devices_per_process=1', '--grace_period=20', '--',
+       PY, TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
+       '--steps=1000000', '--save_every=5'],
+      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    _wait_for_lines(metrics, 12, alive=lambda: launcher.poll() is None,
+                    timeout=90)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=90)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait(timeout=30)
+  assert launcher.returncode == 128 + signal.SIGINT, out[-3000:]
+  assert 'Interrupted by SIGINT' in out, out[-3000:]
+  rc, verified = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
+                             log=tmp_path / 'verify.log')
+  assert rc == 0 and 'OK: ' in verified, verified[-3000:]
+  latest = _stored_state(ckpt).step
+  result = _run_cluster([TRAIN, f'--checkpoint_dir={ckpt}', '--resume',
+                         f'--steps={latest + 5}'], num_processes=2,
+                        devices_per_process=1)
+  assert f'Finished step {latest + 5}' in result.outputs[0]
