@@ -267,6 +267,7 @@ class Controllers:
     self._write_lock = threading.Lock()
     self._start_time = 0.0
     self._interrupt: int | None = None
+    self._signals_seen = 0
     self._result: LaunchResult | None = None
 
   # Starting and observing.
@@ -428,8 +429,16 @@ class Controllers:
     self._finish()
 
   def _forward(self, sig: int) -> None:
+    """Forwards `sig`; the processes get the grace period to stop cleanly.
+
+    (A program may turn the signal into a clean, collective stop, e.g.
+    `recovery` saves an agreed step on Ctrl-C.) A second signal to the
+    launcher stops them at once.
+    """
     self._signal_running(sig)
-    self._finish()
+    self._signals_seen = 1
+    self._finish(wait=max(self.kill_wait, self.grace_period),
+                 until_signal=True)
 
   def _signal_running(self, sig: int) -> None:
     for i, proc in enumerate(self._procs):
@@ -439,12 +448,14 @@ class Controllers:
         self._stopped.add(i)
       _signal_group(proc, sig)
 
-  def _finish(self) -> None:
-    """Waits kill_wait for running processes, SIGKILLs them, reaps all."""
-    deadline = time.monotonic() + self.kill_wait
+  def _finish(self, wait: float | None = None,
+              until_signal: bool = False) -> None:
+    """Waits (kill_wait) for running processes, SIGKILLs them, reaps all."""
+    deadline = time.monotonic() + (self.kill_wait if wait is None else wait)
     with self._changed:
       while (any(rc is None for rc in self._returncodes[:len(self._procs)])
-             and time.monotonic() < deadline):
+             and time.monotonic() < deadline
+             and not (until_signal and self._signals_seen > 1)):
         self._changed.wait(max(0.0, min(0.1, deadline - time.monotonic())))
     for i, proc in enumerate(self._procs):
       if proc.returncode is None and self._returncodes[i] is None:
@@ -490,6 +501,8 @@ class Controllers:
       del frame
       if self._interrupt is None:
         self._interrupt = signum
+      else:
+        self._signals_seen += 1  # A second signal: stop at once.
 
     for sig in _FORWARDED_SIGNALS:
       previous[sig] = signal.signal(sig, handler)
@@ -590,7 +603,8 @@ class Controllers:
       out.append(f'  [p{i}] pid {self.pids[i]}: {describe(rc)}{when}{note}')
     if self._interrupt is not None:
       out.append(f'Interrupted by {signal_name(self._interrupt)}: forwarded '
-                 'it to the running processes, then stopped them.')
+                 'it to the running processes, gave them the grace period '
+                 'to stop, then stopped the rest.')
     if timed_out:
       out.append(
           f'Timed out: the run took longer than its timeout; processes '

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -123,7 +124,12 @@ class ResilientLoop:
     process), so with `handle_sigterm` the loop installs its own SIGTERM
     handler for the duration of the run and treats the signal the same way.
     On Ctrl-C (KeyboardInterrupt) it lets a save in flight commit, then
-    re-raises; the last committed checkpoint is never touched.
+    re-raises; the last committed checkpoint is never touched. With several
+    controllers, a Ctrl-C lands at a different point of the loop on each, so
+    an interrupted collective (a save) would leave the others waiting: there
+    the first Ctrl-C is turned into a preemption notice (SIGTERM to this
+    process), so that every controller stops at one agreed step and saves it;
+    a second Ctrl-C interrupts at once.
 
     Args:
       state: the state to continue from (fresh or restored).
@@ -138,12 +144,15 @@ class ResilientLoop:
     """
     sigterm = _SigtermFlag() if (handle_sigterm
                                  and jax.process_count() == 1) else None
+    sigint = _SigintAsPreemption() if jax.process_count() > 1 else None
     start_step, t0 = state.step, time.monotonic()
     record = None
     last_log = t0
     try:
       if sigterm is not None:
         sigterm.install()
+      if sigint is not None:
+        sigint.install()
       while state.step < until_step:
         state, record = self.step(state)
         if on_step is not None:
@@ -195,6 +204,8 @@ class ResilientLoop:
     finally:
       if sigterm is not None:
         sigterm.uninstall()
+      if sigint is not None:
+        sigint.uninstall()
 
   def _reached_preemption(self, step: int,
                           sigterm: _SigtermFlag | None) -> bool:
@@ -230,6 +241,36 @@ class _SigtermFlag:
 
   def is_set(self) -> bool:
     return self._event.is_set()
+
+
+class _SigintAsPreemption:
+  """With several controllers: the first Ctrl-C becomes a preemption notice.
+
+  JAX's preemption service listens for SIGTERM; the handler sends one to
+  this process, so the controllers agree on a step, save it and stop, as on
+  a real preemption. It then restores the previous SIGINT handler, so a
+  second Ctrl-C raises KeyboardInterrupt as usual.
+  """
+
+  def __init__(self):
+    self._previous = None
+
+  def install(self) -> None:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+
+  def uninstall(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+  def _handle(self, signum, frame) -> None:
+    del signum, frame
+    self.uninstall()
+    logging.warning('%s Ctrl-C: stopping every controller at an agreed step '
+                    'and saving it (as on a preemption). Press Ctrl-C again '
+                    'to abort at once.', _prefix())
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _prefix() -> str:

@@ -338,8 +338,8 @@ def test_default_run_and_single_controller_signals(tmp_path):
   assert rc == 0 and 'OK: ' in out, out[-3000:]
 
 
-def test_ctrl_c_on_two_controllers_loses_nothing(tmp_path):
-  """SIGINT to the launcher reaches every controller; checkpoints survive."""
+def test_ctrl_c_on_two_controllers_stops_at_an_agreed_step(tmp_path):
+  """SIGINT to the launcher reaches every controller; they save one step."""
   ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'm.jsonl'
   launcher = subprocess.Popen(
       [PY, '-m', 'multihost.launch', '--num_processes=2',
@@ -359,10 +359,16 @@ def test_ctrl_c_on_two_controllers_loses_nothing(tmp_path):
       launcher.wait(timeout=30)
   assert launcher.returncode == 128 + signal.SIGINT, out[-3000:]
   assert 'Interrupted by SIGINT' in out, out[-3000:]
+  assert 'Ctrl-C: stopping every controller at an agreed step' in out
+  saved = int(out.split('Preempted: saved step ')[1].split()[0])
+  for i in (0, 1):  # Both stopped on their own, with status 0.
+    assert f'[p{i}] pid' in out and 'exit status 0' in out.split(
+        f'[p{i}] pid')[1].splitlines()[0], out[-2000:]
   rc, verified = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
                              log=tmp_path / 'verify.log')
   assert rc == 0 and 'OK: ' in verified, verified[-3000:]
   latest = _stored_state(ckpt).step
+  assert latest == saved
   result = _run_cluster([TRAIN, f'--checkpoint_dir={ckpt}', '--resume',
                          f'--steps={latest + 5}'], num_processes=2,
                         devices_per_process=1)
