@@ -68,13 +68,6 @@ def kv_get(key: str, timeout_s: float) -> bytes:
       key, max(1, int(timeout_s * 1000)))
 
 
-def kv_try_get(key: str) -> bytes | None:
-  try:
-    return require_client().key_value_try_get_bytes(key)
-  except Exception:  # NOT_FOUND is reported as an exception.  # noqa: BLE001
-    return None
-
-
 def kv_dir(prefix: str) -> list[tuple[str, bytes]]:
   """All (key, value) pairs under `prefix` (which should end with '/')."""
   return require_client().key_value_dir_get_bytes(prefix)

@@ -1,11 +1,12 @@
-"""Small-message all-gather through the coordination service, with a timeout.
+"""The rendezvous every collective starts with, through the coordination service.
 
-This is the rendezvous every collective starts with: each process publishes a
-small message (what it is about to do, and for small payloads the payload
-itself), waits at a timed barrier, and reads everyone's message. A process
-that does not arrive in time is named in the exception raised on every
-process that did; processes never enter a device collective that a peer
-will not join with the same shapes.
+Fast path: one timed barrier whose id carries a digest of what every process
+must agree on (see `rendezvous`); small payloads are published in the
+key-value store beside it. Full exchange (when the fast path does not
+complete within a second): each process publishes its message, waits at a
+timed barrier and reads everyone's. A process that does not arrive in time
+is named in the exception raised on every process that did; processes never
+start moving data that a peer will not receive with the same shapes.
 """
 
 from __future__ import annotations
@@ -34,26 +35,6 @@ _backoff = 0
 
 _FELL_BACK = b'F'
 _DIRECT = b'D'
-
-
-def allgather_bytes(op: str, payload: bytes, *, timeout: float) -> list[bytes]:
-  """Gathers one bytes message from every process, in process order.
-
-  Collective: every process must call this, in the same order.
-
-  Args:
-    op: the operation's name, used in error messages.
-    payload: this process's message.
-    timeout: seconds to wait for every process.
-
-  Returns:
-    A list with one message per process, indexed by process.
-
-  Raises:
-    CollectiveTimeoutError: a process did not arrive in time (named).
-    ProcessFailureError: the coordination service reports a peer gone.
-  """
-  return rendezvous(op, payload, timeout=timeout)[0]
 
 
 def rendezvous(op: str, message: bytes | Callable[[], bytes], *,
