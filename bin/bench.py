@@ -433,7 +433,7 @@ def reference_rows(sizes: list[int], repeats: int, tcp_bytes: int) -> list[Row]:
     for name, fn in (('plain jitted all-gather (global array)', gather),
                      ('plain jitted psum (global array)', psum)):
       first, median = time_reference(
-          lambda fn=fn: fn(x).block_until_ready(), repeats)
+          lambda fn=fn, x=x: fn(x).block_until_ready(), repeats)
       rows.append(Row(name, n, 1, kind='reference', ref_ms=median,
                       ref_first_ms=first,
                       payload=f'{format_size(n)} per device'))
@@ -740,14 +740,11 @@ def _header() -> str:
           f'{_REPEATS.value}, warm-up {_WARMUP.value}.\n{_source()}.')
 
 
-def _quiet_orbax(record) -> bool:
-  return record.levelno >= logging.converter.STANDARD_WARNING or (
-      f'{os.sep}orbax{os.sep}' not in record.pathname)
-
-
 def main(argv):
   del argv  # Unused.
-  logging.get_absl_handler().addFilter(_quiet_orbax)
+  if _RECOVERY.value:
+    import recovery  # pylint: disable=import-outside-toplevel
+    recovery.quiet_orbax_logs()
   multihost.initialize()
   if _QUICK.value:
     for name, value in (('sizes', ['8', '1KiB']), ('leaves', 10),

@@ -176,11 +176,6 @@ def _close(name: str, actual, desired, slack) -> None:
         f'{recovery.RTOL}, atol={recovery.ATOL} plus float32 rounding).')
 
 
-def _quiet_orbax(record) -> bool:
-  return record.levelno >= logging.converter.STANDARD_WARNING or (
-      f'{os.sep}orbax{os.sep}' not in record.pathname)
-
-
 def _fail(message: str, code: int = 2) -> None:
   logging.error('%s', message)
   print(f'error: {message}', file=sys.stderr, flush=True)
@@ -190,7 +185,7 @@ def _fail(message: str, code: int = 2) -> None:
 def main(argv):
   del argv  # Unused.
   if not _ORBAX_INFO.value:
-    logging.get_absl_handler().addFilter(_quiet_orbax)
+    recovery.quiet_orbax_logs()
   if 'JAX_NUM_CPU_DEVICES' not in os.environ:
     jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
   multihost.initialize()

@@ -10,12 +10,10 @@ summary and exits 1 when anything is wrong (2 for bad usage).
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 import numpy as np
 
@@ -25,11 +23,6 @@ _CHECKPOINT_DIR = flags.DEFINE_string('checkpoint_dir', None,
                                       'The checkpoint folder to check.')
 _STEP = flags.DEFINE_integer('step', None,
                              'Check only this step (default: every step).')
-
-
-def _quiet_orbax(record) -> bool:
-  return record.levelno >= logging.converter.STANDARD_WARNING or (
-      f'{os.sep}orbax{os.sep}' not in record.pathname)
 
 
 def check_step(checkpoints: recovery.Checkpoints, step: int) -> str:
@@ -53,7 +46,7 @@ def check_step(checkpoints: recovery.Checkpoints, step: int) -> str:
 
 def main(argv):
   del argv  # Unused.
-  logging.get_absl_handler().addFilter(_quiet_orbax)
+  recovery.quiet_orbax_logs()
   directory = _CHECKPOINT_DIR.value
   try:
     checkpoints = recovery.Checkpoints(directory, read_only=True)

@@ -10,6 +10,7 @@ from recovery._checkpoint import (
     CheckpointCorruptError as CheckpointCorruptError,
     CheckpointError as CheckpointError,
     Checkpoints as Checkpoints,
+    quiet_orbax_logs as quiet_orbax_logs,
 )
 from recovery._digest import (
     host_tree as host_tree,

@@ -405,3 +405,16 @@ def _ensure_writable(directory: str) -> None:
 def _short(e: BaseException, limit: int = 400) -> str:
   s = ' '.join(str(e).split())
   return s if len(s) <= limit else s[:limit] + '...'
+
+
+def quiet_orbax_logs() -> None:
+  """Drops Orbax's INFO log lines (many per save) from absl's log handler.
+
+  For binaries; warnings and errors from Orbax still show.
+  """
+  logging.get_absl_handler().addFilter(_not_orbax_info)
+
+
+def _not_orbax_info(record) -> bool:
+  return record.levelno >= logging.converter.STANDARD_WARNING or (
+      f'{os.sep}orbax{os.sep}' not in record.pathname)
