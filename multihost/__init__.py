@@ -43,4 +43,8 @@ from multihost._runtime import (
     set_default_timeout as set_default_timeout,
 )
 
+from multihost._watched import (
+    call_watched as call_watched,
+)
+
 __version__ = '0.1.0'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -10,6 +11,8 @@ from absl import logging
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+import multihost
 
 from recovery import _digest
 from recovery import _verify
@@ -188,12 +191,15 @@ class Checkpoints:
         'reason': reason,
     }
     try:
-      self._manager.save(
-          step, force=True,
-          args=ocp.args.Composite(**{
-              STATE_ITEM: ocp.args.StandardSave(tree),
-              META_ITEM: ocp.args.JsonSave(meta),
-          }))
+      # Watched: Orbax's barriers would wait for a dead peer indefinitely.
+      multihost.call_watched(
+          functools.partial(self._manager.save, step, force=True,
+                            args=ocp.args.Composite(**{
+                                STATE_ITEM: ocp.args.StandardSave(tree),
+                                META_ITEM: ocp.args.JsonSave(meta),
+                            })), op=f'save checkpoint step {step}')
+    except multihost.ProcessFailureError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Saving step {step} to {self.directory} failed: '
@@ -206,7 +212,10 @@ class Checkpoints:
   def wait(self) -> None:
     """Blocks until an asynchronous save has committed."""
     try:
-      self._manager.wait_until_finished()
+      multihost.call_watched(self._manager.wait_until_finished,
+                             op='commit checkpoint')
+    except multihost.ProcessFailureError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} An asynchronous save to {self.directory} failed: '
@@ -263,9 +272,14 @@ class Checkpoints:
     self._check_fits(step, meta, target_tree)
     abstract = jax.tree.map(_abstract, target_tree)
     try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{
-              STATE_ITEM: ocp.args.StandardRestore(abstract)}))[STATE_ITEM]
+      restored = multihost.call_watched(
+          functools.partial(self._manager.restore, step,
+                            args=ocp.args.Composite(**{
+                                STATE_ITEM: ocp.args.StandardRestore(
+                                    abstract)})),
+          op=f'restore checkpoint step {step}')[STATE_ITEM]
+    except multihost.ProcessFailureError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Checkpoint step {step} in {self.directory} cannot be '

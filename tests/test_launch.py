@@ -69,10 +69,14 @@ def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
       jax.distributed.initialize()  # No arguments: the environment suffices.
       from jax.experimental import multihost_utils
       import numpy as np
+      import os
       got = multihost_utils.process_allgather(np.array([jax.process_index()]))
-      print('facts', jax.process_index(), jax.process_count(),
-            jax.local_device_count(), jax.device_count(), got.ravel().tolist())
-      print('second line')
+      # One write per line: JAX's C++ logging shares the pipe (stderr), and
+      # an unbuffered print() writes the text and its newline separately.
+      os.write(1, (f'facts {jax.process_index()} {jax.process_count()} '
+                   f'{jax.local_device_count()} {jax.device_count()} '
+                   f'{got.ravel().tolist()}\n').encode())
+      os.write(1, b'second line\n')
   """
   stream = io.StringIO()
   result = launch.launch(_py(script), num_processes=2, devices_per_process=2,

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -373,3 +374,40 @@ def test_ctrl_c_on_two_controllers_stops_at_an_agreed_step(tmp_path):
                          f'--steps={latest + 5}'], num_processes=2,
                         devices_per_process=1)
   assert f'Finished step {latest + 5}' in result.outputs[0]
+
+
+def test_sigkill_of_a_controller_during_a_save_at_two_processes(tmp_path):
+  """The survivor raises and exits; the previous checkpoint resumes both."""
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
+          '--save_every=1', '--keep=2', '--width=4096']
+  env = {'MULTIHOST_HEARTBEAT_TIMEOUT': '3'}
+  with launch.Controllers([PY, *args, '--steps=100000'], num_processes=2,
+                          env=env, cwd=ROOT, grace_period=60) as cluster:
+    _wait_for_lines(metrics, 5, alive=lambda: all(
+        rc is None for rc in cluster.returncodes), timeout=60)
+    partial = []
+    deadline = time.monotonic() + 30
+    while not partial and time.monotonic() < deadline:
+      partial = [n for n in os.listdir(ckpt) if n.endswith('-tmp')]
+    assert partial, 'never saw a save in progress'
+    cluster.kill(1, signal.SIGKILL)
+    result = cluster.wait(timeout=90)
+  assert result.returncodes[1] == -signal.SIGKILL, result.summary
+  # The survivor raised (naming process 1) and exited on its own.
+  assert result.returncodes[0] not in (None, 0), result.summary
+  assert 'stopped by the launcher' not in result.summary, result.summary
+  assert re.search(r'ProcessFailureError: .*process\(es\) \[1\]',
+                   result.outputs[0]), result.outputs[0][-3000:]
+  assert not any(cluster.running()), result.summary
+  committed = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
+  rc, out = _run_single([VERIFY, f'--checkpoint_dir={ckpt}'],
+                        log=tmp_path / 'verify.log')
+  assert rc == 0 and f'latest step {committed[-1]}.' in out, out[-3000:]
+  killed_at = max(_metrics(metrics))
+  resumed = _run_cluster([*args, f'--steps={killed_at + 3}', '--resume'],
+                         num_processes=2, devices_per_process=1)
+  assert f'Resumed from step {committed[-1]} (epoch' in resumed.outputs[0]
+  assert f'Finished step {killed_at + 3} ' in resumed.outputs[0]
+  # _metrics checks that re-run steps were recomputed identically.
+  assert sorted(_metrics(metrics)) == list(range(1, killed_at + 4))
