@@ -75,8 +75,8 @@ def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
       # an unbuffered print() writes the text and its newline separately.
       os.write(1, (f'facts {jax.process_index()} {jax.process_count()} '
                    f'{jax.local_device_count()} {jax.device_count()} '
-                   f'{got.ravel().tolist()}\n').encode())
-      os.write(1, b'second line\n')
+                   f'{got.ravel().tolist()}\\n').encode())
+      os.write(1, b'second line\\n')
   """
   stream = io.StringIO()
   result = launch.launch(_py(script), num_processes=2, devices_per_process=2,
