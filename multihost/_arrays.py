@@ -45,12 +45,7 @@ def host_local_array_to_global_array(local_inputs: PyTree,
   Returns:
     A pytree of global jax.Arrays.
   """
-  specs = _broadcast_specs(pspecs, local_inputs, 'pspecs')
-  local_mesh = _local_mesh(global_mesh)
-  leaves, treedef = jax.tree.flatten(local_inputs)
-  out = [_to_global(x, global_mesh, local_mesh, s)
-         for x, s in zip(leaves, specs, strict=True)]
-  return treedef.unflatten(out)
+  return _map_leaves(_to_global, local_inputs, global_mesh, pspecs)
 
 
 def global_array_to_host_local_array(global_inputs: PyTree,
@@ -74,12 +69,17 @@ def global_array_to_host_local_array(global_inputs: PyTree,
   Returns:
     A pytree of host-local jax.Arrays.
   """
-  specs = _broadcast_specs(pspecs, global_inputs, 'pspecs')
-  local_mesh = _local_mesh(global_mesh)
-  leaves, treedef = jax.tree.flatten(global_inputs)
-  out = [_to_local(x, global_mesh, local_mesh, s)
-         for x, s in zip(leaves, specs, strict=True)]
-  return treedef.unflatten(out)
+  return _map_leaves(_to_local, global_inputs, global_mesh, pspecs)
+
+
+def _map_leaves(convert, tree: PyTree, mesh: jax.sharding.Mesh,
+                pspecs: Any) -> PyTree:
+  """`convert(leaf, mesh, local mesh, spec)` over the tree's leaves."""
+  specs = _broadcast_specs(pspecs, tree, 'pspecs')
+  local_mesh = _local_mesh(mesh)
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten([convert(x, mesh, local_mesh, s)
+                            for x, s in zip(leaves, specs, strict=True)])
 
 
 def _is_spec(x) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import os
 import re
@@ -190,37 +191,27 @@ class Checkpoints:
         'device_count': jax.device_count(),
         'reason': reason,
     }
-    try:
-      # Watched: Orbax's barriers would wait for a dead peer indefinitely.
-      multihost.call_watched(
-          functools.partial(self._manager.save, step, force=True,
-                            args=ocp.args.Composite(**{
-                                STATE_ITEM: ocp.args.StandardSave(tree),
-                                META_ITEM: ocp.args.JsonSave(meta),
-                            })), op=f'save checkpoint step {step}')
-    except multihost.ProcessFailureError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'{_prefix()} Saving step {step} to {self.directory} failed: '
-          f'{type(e).__name__}: {_short(e)}. The previous checkpoint '
-          f'(step {self.latest_step()}) is untouched.') from e
+    _watched(
+        f'save checkpoint step {step}',
+        functools.partial(self._manager.save, step, force=True,
+                          args=ocp.args.Composite(**{
+                              STATE_ITEM: ocp.args.StandardSave(tree),
+                              META_ITEM: ocp.args.JsonSave(meta),
+                          })),
+        lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
+                   f'failed: {type(e).__name__}: {_short(e)}. The previous '
+                   f'checkpoint (step {self.latest_step()}) is untouched.'))
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
 
   def wait(self) -> None:
     """Blocks until an asynchronous save has committed."""
-    try:
-      multihost.call_watched(self._manager.wait_until_finished,
-                             op='commit checkpoint')
-    except multihost.ProcessFailureError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'{_prefix()} An asynchronous save to {self.directory} failed: '
-          f'{type(e).__name__}: {_short(e)}. The last committed checkpoint '
-          f'is step {self.latest_step()}.') from e
+    _watched(
+        'commit checkpoint', self._manager.wait_until_finished,
+        lambda e: (f'{_prefix()} An asynchronous save to {self.directory} '
+                   f'failed: {type(e).__name__}: {_short(e)}. The last '
+                   f'committed checkpoint is step {self.latest_step()}.'))
 
   def close(self) -> None:
     self.wait()
@@ -271,20 +262,16 @@ class Checkpoints:
     target_tree = target.to_tree()
     self._check_fits(step, meta, target_tree)
     abstract = jax.tree.map(_abstract, target_tree)
-    try:
-      restored = multihost.call_watched(
-          functools.partial(self._manager.restore, step,
-                            args=ocp.args.Composite(**{
-                                STATE_ITEM: ocp.args.StandardRestore(
-                                    abstract)})),
-          op=f'restore checkpoint step {step}')[STATE_ITEM]
-    except multihost.ProcessFailureError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'{_prefix()} Checkpoint step {step} in {self.directory} cannot be '
-          f'read: {type(e).__name__}: {_short(e)}. The files are damaged or '
-          f'incomplete. {self._fallback_hint(step)}') from e
+    restored = _watched(
+        f'restore checkpoint step {step}',
+        functools.partial(self._manager.restore, step,
+                          args=ocp.args.Composite(**{
+                              STATE_ITEM: ocp.args.StandardRestore(
+                                  abstract)})),
+        lambda e: (f'{_prefix()} Checkpoint step {step} in {self.directory} '
+                   f'cannot be read: {type(e).__name__}: {_short(e)}. The '
+                   f'files are damaged or incomplete. '
+                   f'{self._fallback_hint(step)}'))[STATE_ITEM]
     if meta.get('digest_algorithm') != _digest.DIGEST_ALGORITHM:
       raise CheckpointError(
           f'{_prefix()} Checkpoint step {step} was digested with '
@@ -419,6 +406,23 @@ def _ensure_writable(directory: str) -> None:
 def _short(e: BaseException, limit: int = 400) -> str:
   s = ' '.join(str(e).split())
   return s if len(s) <= limit else s[:limit] + '...'
+
+
+def _watched(op: str, fn: Callable[[], Any],
+             explain: Callable[[Exception], str]) -> Any:
+  """Runs an Orbax call that every process takes part in.
+
+  Under the failure watchdog (`multihost.call_watched`), since Orbax's
+  barriers would wait for a dead peer indefinitely: a dead peer raises
+  `ProcessFailureError`; any other failure becomes a `CheckpointError` whose
+  message is `explain(error)`.
+  """
+  try:
+    return multihost.call_watched(fn, op=op)
+  except multihost.ProcessFailureError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(explain(e)) from e
 
 
 def quiet_orbax_logs() -> None:
