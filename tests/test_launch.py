@@ -257,7 +257,7 @@ def test_host_service_turns_process_0_death_into_an_ordinary_failure(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
           time.sleep(0.01)
       except multihost.ProcessFailureError as e:
-        print('RAISED', e.failed, flush=True)
+        os.write(1, f'RAISED {e.failed}\\n'.encode())  # One write.
         raise SystemExit(3)
   '''))
   with launch.Controllers([PY, str(script)], num_processes=3,
