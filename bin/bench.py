@@ -62,7 +62,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 import multihost
-from multihost import _coordination  # The coordination-service barrier.
+from multihost import lowlevel  # The raw coordination-service barrier.
 
 _SIZES = flags.DEFINE_list(
     'sizes', ['8', '1KiB', '1MiB', '64MiB'],
@@ -143,7 +143,7 @@ _barrier_ids = iter(range(10**9))
 def barrier() -> None:
   """All processes meet (coordination service; a few tenths of a ms)."""
   if jax.process_count() > 1:
-    _coordination.wait_at_barrier(f'multihost-bench/{next(_barrier_ids)}',
+    lowlevel.wait_at_barrier(f'multihost-bench/{next(_barrier_ids)}',
                                   _TIMEOUT.value)
 
 
@@ -410,7 +410,7 @@ def reference_rows(sizes: list[int], repeats: int, tcp_bytes: int) -> list[Row]:
   ids = iter(range(10**9))
 
   def coordination_barrier():
-    _coordination.wait_at_barrier(f'multihost-bench-ref/{next(ids)}',
+    lowlevel.wait_at_barrier(f'multihost-bench-ref/{next(ids)}',
                                   _TIMEOUT.value)
 
   first, median = time_reference(coordination_barrier, repeats)

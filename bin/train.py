@@ -186,7 +186,7 @@ def main(argv):
   del argv  # Unused.
   if not _ORBAX_INFO.value:
     recovery.quiet_orbax_logs()
-  if 'JAX_NUM_CPU_DEVICES' not in os.environ:
+  if multihost.env.NUM_CPU_DEVICES not in os.environ:
     jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
   multihost.initialize()
   pid = jax.process_index()

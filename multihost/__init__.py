@@ -42,9 +42,11 @@ from multihost._runtime import (
     initialize as initialize,
     set_default_timeout as set_default_timeout,
 )
-
 from multihost._watched import (
     call_watched as call_watched,
 )
+
+from multihost import env as env
+from multihost import lowlevel as lowlevel
 
 __version__ = '0.1.0'

@@ -9,24 +9,12 @@ from absl import logging
 import jax
 
 from multihost import _coordination
+from multihost import env as _env
 from multihost import _failure
 
-# Environment variables read by `initialize()` and set by `multihost.launch`.
-ENV_COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
-ENV_NUM_PROCESSES = 'JAX_NUM_PROCESSES'
-ENV_PROCESS_ID = 'JAX_PROCESS_ID'
-ENV_TIMEOUT = 'MULTIHOST_TIMEOUT'
-ENV_HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
-ENV_DETECT_FAILURES = 'MULTIHOST_DETECT_FAILURES'
-# Set to 1 by a launcher that hosts the coordination service itself.
-ENV_EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
-
-# With failure detection on, a killed peer is reported within about this many
-# seconds (plus ~1 s); JAX's own default (100 s) is meant for large TPU jobs.
-_DEFAULT_HEARTBEAT_S = 10
 
 _DEFAULT_TIMEOUT_S = 300.0
-_default_timeout: float | None = None  # None: read ENV_TIMEOUT, then the constant.
+_default_timeout: float | None = None  # None: read _env.TIMEOUT, then the constant.
 
 
 def set_default_timeout(seconds: float | None) -> None:
@@ -40,7 +28,7 @@ def set_default_timeout(seconds: float | None) -> None:
   if seconds is not None and not seconds > 0:
     raise ValueError(
         f'The default timeout must be a positive number of seconds; got '
-        f'{seconds!r}. Pass None to fall back to ${ENV_TIMEOUT} or '
+        f'{seconds!r}. Pass None to fall back to ${_env.TIMEOUT} or '
         f'{_DEFAULT_TIMEOUT_S:g} s.')
   _default_timeout = None if seconds is None else float(seconds)
 
@@ -49,7 +37,7 @@ def default_timeout() -> float:
   """The timeout, in seconds, used when a collective gets `timeout=None`."""
   if _default_timeout is not None:
     return _default_timeout
-  env = os.environ.get(ENV_TIMEOUT)
+  env = os.environ.get(_env.TIMEOUT)
   if env:
     try:
       value = float(env)
@@ -57,7 +45,7 @@ def default_timeout() -> float:
       value = -1.0
     if not value > 0:
       raise ValueError(
-          f'${ENV_TIMEOUT}={env!r} is not a positive number of seconds. '
+          f'${_env.TIMEOUT}={env!r} is not a positive number of seconds. '
           'Set it to e.g. 60, or unset it.')
     return value
   return _DEFAULT_TIMEOUT_S
@@ -146,18 +134,18 @@ def initialize(coordinator_address: str | None = None,
     _failure.ensure_started()
     return
   env = os.environ
-  coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
-  if num_processes is None and env.get(ENV_NUM_PROCESSES):
-    num_processes = int(env[ENV_NUM_PROCESSES])
-  if process_id is None and env.get(ENV_PROCESS_ID):
-    process_id = int(env[ENV_PROCESS_ID])
+  coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
+  if num_processes is None and env.get(_env.NUM_PROCESSES):
+    num_processes = int(env[_env.NUM_PROCESSES])
+  if process_id is None and env.get(_env.PROCESS_ID):
+    process_id = int(env[_env.PROCESS_ID])
   if num_processes is not None and process_id is not None and not (
       0 <= process_id < num_processes):
     raise ValueError(
         f'process_id must be in [0, num_processes); got process_id='
         f'{process_id}, num_processes={num_processes}.')
   explicit = None not in (coordinator_address, num_processes, process_id)
-  if not explicit and cluster_detection_method is None and not _cluster_env():
+  if not explicit and cluster_detection_method is None and not _env.in_cluster():
     if any(v is not None for v in (coordinator_address, num_processes,
                                    process_id)):
       raise ValueError(
@@ -178,19 +166,19 @@ def initialize(coordinator_address: str | None = None,
       initialization_timeout=int(initialization_timeout),
       shutdown_timeout_seconds=int(shutdown_timeout),
   )
-  if heartbeat_timeout is None and env.get(ENV_HEARTBEAT):
-    heartbeat_timeout = float(env[ENV_HEARTBEAT])
+  if heartbeat_timeout is None and env.get(_env.HEARTBEAT):
+    heartbeat_timeout = float(env[_env.HEARTBEAT])
   detect = _detect_failures(detect_failures)
   if detect:
     # Must be set before jax.distributed.initialize (the service reads it).
     jax.config.update('jax_enable_recoverability', True)
     if heartbeat_timeout is None:
-      heartbeat_timeout = _DEFAULT_HEARTBEAT_S
+      heartbeat_timeout = _env.DEFAULT_HEARTBEAT_S
   if heartbeat_timeout is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
-  if env.get(ENV_EXTERNAL_SERVICE, '') == '1':
+  if env.get(_env.EXTERNAL_SERVICE, '') == '1':
     # A launcher hosts the coordination service (see
     # `_coordination.start_service`): process 0 must not start another.
     _coordination.initialize_without_service(**kwargs)
@@ -208,19 +196,8 @@ def _detect_failures(detect_failures: bool | None) -> bool:
   """Whether to turn on failure detection (see `initialize`)."""
   if detect_failures is not None:
     return bool(detect_failures)
-  off = ('0', 'false', 'no', 'off')
-  if os.environ.get(ENV_DETECT_FAILURES, '').strip().lower() in off:
-    return False
-  if os.environ.get('JAX_ENABLE_RECOVERABILITY', '').strip().lower() in off:
-    return False
-  return True
-
-
-def _cluster_env() -> bool:
-  """Whether the environment looks like a cluster JAX can auto-detect."""
-  markers = ('SLURM_JOB_ID', 'OMPI_MCA_orte_hnp_uri', 'OMPI_COMM_WORLD_SIZE',
-             'KUBERNETES_SERVICE_HOST', 'TPU_WORKER_HOSTNAMES', 'PMI_RANK')
-  return any(m in os.environ for m in markers)
+  return not (_env.is_off(_env.DETECT_FAILURES) or
+              _env.is_off(_env.ENABLE_RECOVERABILITY))
 
 
 def require_not_tracer(x, op: str):

@@ -28,11 +28,11 @@ import time
 import numpy as np
 
 from multihost import _coordination
+from multihost import env as _env
 from multihost import _errors
 from multihost import _failure
 from multihost import _runtime
 
-ENV_TRANSPORT = 'MULTIHOST_TRANSPORT'
 _CHUNK = 4 << 20
 _ADDRESS_KEY = 'multihost_transport/{}'
 _HELLO = struct.Struct('<4sI')  # magic, sender's process index
@@ -42,10 +42,10 @@ _MAGIC = b'MHT1'
 
 def enabled() -> bool:
   """Whether large payloads travel over TCP (else over a device collective)."""
-  value = os.environ.get(ENV_TRANSPORT, 'tcp').lower()
+  value = os.environ.get(_env.TRANSPORT, 'tcp').lower()
   if value not in ('tcp', 'device'):
     raise ValueError(
-        f'${ENV_TRANSPORT}={value!r} is not a transport; use tcp (the '
+        f'${_env.TRANSPORT}={value!r} is not a transport; use tcp (the '
         'default) or device.')
   return value == 'tcp'
 

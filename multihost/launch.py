@@ -47,13 +47,15 @@ import time
 from typing import TextIO
 import weakref
 
+from multihost import env as env_lib
+
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
 TIMEOUT_EXIT_STATUS = 124
 # Longer than the default failure-detection time (10 s heartbeat timeout, see
 # multihost.initialize), so survivors can raise ProcessFailureError and exit
 # on their own before they are stopped.
 DEFAULT_GRACE_PERIOD_S = 15.0
-DEFAULT_HEARTBEAT_S = 10.0
+DEFAULT_HEARTBEAT_S = float(env_lib.DEFAULT_HEARTBEAT_S)
 # How long stopped processes get between SIGTERM (or a forwarded signal) and
 # SIGKILL.
 DEFAULT_KILL_WAIT_S = 2.0
@@ -73,48 +75,10 @@ def find_free_port(host: str = '127.0.0.1') -> int:
 def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
               port: int, base: collections.abc.Mapping[str, str] | None = None,
               host: str = '127.0.0.1') -> dict[str, str]:
-  """The environment of controller `process_id` of a local run.
-
-  It makes `multihost.initialize()` (which reads `JAX_COORDINATOR_ADDRESS`,
-  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) and a bare
-  `jax.distributed.initialize()` (which reads `JAX_COORDINATOR_ADDRESS`,
-  `JAX_COORDINATOR_BIND_ADDRESS` and detects Open MPI from
-  `OMPI_MCA_orte_hnp_uri` and `OMPI_COMM_WORLD_*`) both work, on CPU with
-  `devices_per_process` devices each, with the coordinator bound to loopback.
-
-  Args:
-    process_id: this controller's index.
-    num_processes: number of controllers.
-    devices_per_process: CPU devices per controller (`JAX_NUM_CPU_DEVICES`).
-    port: the coordinator's port.
-    base: environment to start from (default: `os.environ`).
-    host: the coordinator's address.
-
-  Returns:
-    A new environment dictionary.
-  """
-  env = dict(os.environ if base is None else base)
-  address = f'{host}:{port}'
-  env.update({
-      'JAX_COORDINATOR_ADDRESS': address,
-      'JAX_COORDINATOR_BIND_ADDRESS': address,
-      'JAX_COORDINATOR_PORT': str(port),
-      'JAX_NUM_PROCESSES': str(num_processes),
-      'JAX_PROCESS_ID': str(process_id),
-      'JAX_NUM_CPU_DEVICES': str(devices_per_process),
-      'JAX_PLATFORMS': 'cpu',
-      # Open MPI's variables, which JAX's OmpiCluster auto-detects: the
-      # coordinator host comes from the URI, the port from
-      # JAX_COORDINATOR_PORT.
-      'OMPI_MCA_orte_hnp_uri': f'{port << 12}.0;tcp://{host}:{port}',
-      'OMPI_COMM_WORLD_SIZE': str(num_processes),
-      'OMPI_COMM_WORLD_RANK': str(process_id),
-      'OMPI_COMM_WORLD_LOCAL_RANK': str(process_id),
-      'OMPI_COMM_WORLD_LOCAL_SIZE': str(num_processes),
-      # Lines reach the launcher (and the user) as they are printed.
-      'PYTHONUNBUFFERED': '1',
-  })
-  return env
+  """The environment of controller `process_id` of a local run (see `multihost.env.controller_env`)."""
+  return env_lib.controller_env(process_id, num_processes=num_processes,
+                                devices_per_process=devices_per_process,
+                                port=port, base=base, host=host)
 
 
 def status_of(returncode: int) -> int:
@@ -283,13 +247,11 @@ class Controllers:
     try:
       service_env = {}
       if self.host_service:
-        from multihost import _coordination  # pylint: disable=g-import-not-at-top
-        self._service = _coordination.start_service(
+        from multihost import lowlevel  # pylint: disable=g-import-not-at-top
+        self._service = lowlevel.start_service(
             f'127.0.0.1:{self.port}', self.num_processes,
             heartbeat_timeout=int(self.heartbeat_timeout))
-        service_env = {'MULTIHOST_EXTERNAL_SERVICE': '1',
-                       'MULTIHOST_HEARTBEAT_TIMEOUT':
-                           str(int(self.heartbeat_timeout))}
+        service_env = env_lib.external_service_env(self.heartbeat_timeout)
       for i in range(self.num_processes):
         env = child_env(i, num_processes=self.num_processes,
                         devices_per_process=self.devices_per_process,

@@ -81,11 +81,11 @@ from typing import Any
 
 import pytest
 
+from multihost import env as env_lib
+
 MARKER = 'multihost'
-# Set in worker pytest sessions: the folder where they write their results.
-WORKER_ENV = 'MULTIHOST_PYTEST_WORKER'
-# Seconds a worker waits at the per-test barriers.
-BARRIER_TIMEOUT_ENV = 'MULTIHOST_PYTEST_BARRIER_TIMEOUT'
+WORKER_ENV = env_lib.PYTEST_WORKER
+BARRIER_TIMEOUT_ENV = env_lib.PYTEST_BARRIER_TIMEOUT
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 _OUTPUT_TAIL_LINES = 60
@@ -114,7 +114,7 @@ def pytest_configure(config: pytest.Config) -> None:
   if results_dir:
     if config.option.basetemp is None:  # tmp_path: one tree per process.
       config.option.basetemp = os.path.join(
-          results_dir, f'basetemp-p{os.environ.get("JAX_PROCESS_ID", "0")}')
+          results_dir, f'basetemp-p{os.environ.get(env_lib.PROCESS_ID, "0")}')
     config.pluginmanager.register(_Worker(config, results_dir),
                                   'multihost-worker')
   else:
@@ -249,13 +249,13 @@ class _Parent:
     if config.inipath is not None:
       command.append(f'--config-file={config.inipath}')
     if config.pluginmanager.get_plugin('multihost') is not sys.modules[
-        __name__] or os.environ.get('PYTEST_DISABLE_PLUGIN_AUTOLOAD'):
+        __name__] or os.environ.get(env_lib.PYTEST_DISABLE_PLUGIN_AUTOLOAD):
       command += ['-p', 'multihost.testing']
     command += [item.nodeid for item in items]
     env = {WORKER_ENV: results_dir,
            BARRIER_TIMEOUT_ENV: str(spec.timeout)}
-    if not os.environ.get('MULTIHOST_TIMEOUT'):
-      env['MULTIHOST_TIMEOUT'] = str(
+    if not os.environ.get(env_lib.TIMEOUT):
+      env[env_lib.TIMEOUT] = str(
           min(DEFAULT_COLLECTIVE_TIMEOUT_S, spec.timeout / 2))
     start = time.monotonic()
     try:
@@ -453,7 +453,7 @@ class _Worker:
 
     self._config = config
     self._dir = pathlib.Path(results_dir)
-    self._index = int(os.environ.get('JAX_PROCESS_ID', '0'))
+    self._index = int(os.environ.get(env_lib.PROCESS_ID, '0'))
     self._timeout = float(os.environ.get(BARRIER_TIMEOUT_ENV,
                                          DEFAULT_TIMEOUT_S))
     self._out = open(self._dir / f'p{self._index}.jsonl', 'a',

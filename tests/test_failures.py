@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from multihost import _coordination
+from multihost import lowlevel
 from multihost import launch
 
 HEARTBEAT_S = 3
@@ -41,7 +41,7 @@ _DRILL = textwrap.dedent('''
 
     import multihost
 
-    from multihost import _failure
+    from multihost import lowlevel
 
     MODE, SIZE, SLEEPER = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if os.environ['DRILL_HB']:
@@ -50,7 +50,7 @@ _DRILL = textwrap.dedent('''
       multihost.initialize()
     import jax  # noqa: E402
 
-    print(f'BOUND {_failure.detection_bound():g}', flush=True)
+    print(f'BOUND {lowlevel.failure_detection_bound():g}', flush=True)
 
     me = jax.process_index()
     # 'big': 16 MiB per process, moved by a gloo device collective; 'small':
@@ -248,7 +248,7 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process(
 def test_with_an_external_service_process_0_is_an_ordinary_failure(tmp_path):
   """When the launcher hosts the coordination service, killing 0 raises too."""
   port = launch.find_free_port()
-  service = _coordination.start_service(
+  service = lowlevel.start_service(
       f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
       shutdown_timeout=10)
   try:

@@ -41,7 +41,7 @@ def test_large_payloads_over_each_transport(tmp_path, transport):
 
 
 def test_unknown_transport_is_a_clear_error(monkeypatch):
-  from multihost import _transport
+  from multihost import lowlevel
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'carrier-pigeon')
   with pytest.raises(ValueError, match='use tcp'):
-    _transport.enabled()
+    lowlevel.tcp_transport_enabled()

@@ -1,0 +1,124 @@
+"""Environment variable names, and the launcher<->controller contract (JAX-free).
+
+This module imports neither JAX nor any other part of `multihost`, so the
+launcher and the pytest plugin can use it before (or without) JAX. Each
+environment variable the project reads or sets is named here, once; other
+modules refer to these constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import os
+
+# --- Read by `multihost.initialize()`; set by `multihost.launch`. -----------
+COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
+COORDINATOR_BIND = 'JAX_COORDINATOR_BIND_ADDRESS'
+COORDINATOR_PORT = 'JAX_COORDINATOR_PORT'
+NUM_PROCESSES = 'JAX_NUM_PROCESSES'
+PROCESS_ID = 'JAX_PROCESS_ID'
+NUM_CPU_DEVICES = 'JAX_NUM_CPU_DEVICES'
+PLATFORMS = 'JAX_PLATFORMS'
+ENABLE_RECOVERABILITY = 'JAX_ENABLE_RECOVERABILITY'
+PYTHON_UNBUFFERED = 'PYTHONUNBUFFERED'
+
+# --- multihost's own settings. ---------------------------------------------
+TIMEOUT = 'MULTIHOST_TIMEOUT'
+HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
+DETECT_FAILURES = 'MULTIHOST_DETECT_FAILURES'
+TRANSPORT = 'MULTIHOST_TRANSPORT'
+# Set to 1 by a launcher that hosts the coordination service itself: process
+# 0 then starts no service of its own.
+EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
+
+# --- The pytest plugin's workers. ------------------------------------------
+# Set in worker pytest sessions: the folder where they write their results.
+PYTEST_WORKER = 'MULTIHOST_PYTEST_WORKER'
+# Seconds a worker waits at the per-test barriers.
+PYTEST_BARRIER_TIMEOUT = 'MULTIHOST_PYTEST_BARRIER_TIMEOUT'
+PYTEST_DISABLE_PLUGIN_AUTOLOAD = 'PYTEST_DISABLE_PLUGIN_AUTOLOAD'
+
+# --- Open MPI's variables (JAX's OmpiCluster auto-detects them). ----------
+OMPI_HNP_URI = 'OMPI_MCA_orte_hnp_uri'
+OMPI_SIZE = 'OMPI_COMM_WORLD_SIZE'
+OMPI_RANK = 'OMPI_COMM_WORLD_RANK'
+OMPI_LOCAL_RANK = 'OMPI_COMM_WORLD_LOCAL_RANK'
+OMPI_LOCAL_SIZE = 'OMPI_COMM_WORLD_LOCAL_SIZE'
+
+# Variables whose presence means a cluster JAX can auto-detect.
+CLUSTER_MARKERS = ('SLURM_JOB_ID', OMPI_HNP_URI, OMPI_SIZE,
+                   'KUBERNETES_SERVICE_HOST', 'TPU_WORKER_HOSTNAMES',
+                   'PMI_RANK')
+
+# With failure detection on, a killed peer is reported within about this many
+# seconds (plus ~1 s); JAX's own default (100 s) is meant for large TPU jobs.
+DEFAULT_HEARTBEAT_S = 10
+
+_OFF = ('0', 'false', 'no', 'off')
+
+
+def get(name: str, default: str | None = None) -> str | None:
+  """The value of environment variable `name` (one of this module's names)."""
+  return os.environ.get(name, default)
+
+
+def is_off(name: str) -> bool:
+  """Whether environment variable `name` is set to a false value (0/false/no/off)."""
+  return os.environ.get(name, '').strip().lower() in _OFF
+
+
+def in_cluster() -> bool:
+  """Whether the environment looks like a cluster JAX can auto-detect."""
+  return any(m in os.environ for m in CLUSTER_MARKERS)
+
+
+def controller_env(process_id: int, *, num_processes: int,
+                   devices_per_process: int, port: int,
+                   base: Mapping[str, str] | None = None,
+                   host: str = '127.0.0.1') -> dict[str, str]:
+  """The environment of controller `process_id` of a local run.
+
+  It makes `multihost.initialize()` (which reads `JAX_COORDINATOR_ADDRESS`,
+  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) and a bare
+  `jax.distributed.initialize()` (which reads `JAX_COORDINATOR_ADDRESS`,
+  `JAX_COORDINATOR_BIND_ADDRESS` and detects Open MPI from
+  `OMPI_MCA_orte_hnp_uri` and `OMPI_COMM_WORLD_*`) both work, on CPU with
+  `devices_per_process` devices each, with the coordinator bound to `host`.
+
+  Args:
+    process_id: this controller's index.
+    num_processes: number of controllers.
+    devices_per_process: CPU devices per controller (`JAX_NUM_CPU_DEVICES`).
+    port: the coordinator's port.
+    base: environment to start from (default: `os.environ`).
+    host: the coordinator's address.
+
+  Returns:
+    A new environment dictionary.
+  """
+  env = dict(os.environ if base is None else base)
+  address = f'{host}:{port}'
+  env.update({
+      COORDINATOR: address,
+      COORDINATOR_BIND: address,
+      COORDINATOR_PORT: str(port),
+      NUM_PROCESSES: str(num_processes),
+      PROCESS_ID: str(process_id),
+      NUM_CPU_DEVICES: str(devices_per_process),
+      PLATFORMS: 'cpu',
+      # The coordinator host comes from the URI, the port from
+      # JAX_COORDINATOR_PORT.
+      OMPI_HNP_URI: f'{port << 12}.0;tcp://{host}:{port}',
+      OMPI_SIZE: str(num_processes),
+      OMPI_RANK: str(process_id),
+      OMPI_LOCAL_RANK: str(process_id),
+      OMPI_LOCAL_SIZE: str(num_processes),
+      # Lines reach the launcher (and the user) as they are printed.
+      PYTHON_UNBUFFERED: '1',
+  })
+  return env
+
+
+def external_service_env(heartbeat_timeout_s: float) -> dict[str, str]:
+  """What a launcher that hosts the coordination service tells its controllers."""
+  return {EXTERNAL_SERVICE: '1', HEARTBEAT: str(int(heartbeat_timeout_s))}

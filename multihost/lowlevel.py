@@ -1,0 +1,55 @@
+"""Semi-public seams for tools and tests: the raw coordination barrier, service hosting, transport choice.
+
+These are what `bin/bench.py`, the launcher and the tests need below the
+collectives. They are not part of the `jax.experimental.multihost_utils`
+surface and carry no compatibility promise; training code should not need
+them. Nothing outside `multihost/` imports a private `multihost._*` module:
+it goes through here.
+"""
+
+from __future__ import annotations
+
+from multihost import _coordination
+from multihost import _diagnostics
+from multihost import _failure
+from multihost import _transport
+
+
+def wait_at_barrier(barrier_id: str, timeout_s: float) -> None:
+  """Waits at a raw coordination-service barrier (no agreement, no watchdog).
+
+  Collective: every process must call this with the same `barrier_id`.
+  """
+  _coordination.wait_at_barrier(barrier_id, timeout_s)
+
+
+def start_service(address: str, num_processes: int, *,
+                  heartbeat_timeout: int, shutdown_timeout: int = 300):
+  """Hosts a recoverable coordination service in this process; `.shutdown()` it after use.
+
+  The controllers must then run with `MULTIHOST_EXTERNAL_SERVICE=1` (see
+  `multihost.env.external_service_env`) and call `multihost.initialize()`.
+  """
+  return _coordination.start_service(
+      address, num_processes, heartbeat_timeout=heartbeat_timeout,
+      shutdown_timeout=shutdown_timeout)
+
+
+def failure_detection_bound() -> float:
+  """Seconds within which the watchdog reports a peer that was killed."""
+  return _failure.detection_bound()
+
+
+def tcp_transport_enabled() -> bool:
+  """Whether large payloads travel over TCP (else a device collective); validates $MULTIHOST_TRANSPORT."""
+  return _transport.enabled()
+
+
+def process_prefix(index: int | None = None) -> str:
+  """'[process=N]' for this process (or `index`): how every message of the project starts."""
+  return _diagnostics.prefix(index)
+
+
+def shorten(message: object, limit: int = 400) -> str:
+  """`message` (a string or an exception) on one line, cut to `limit` characters."""
+  return _diagnostics.shorten(message, limit)
