@@ -14,9 +14,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import multihost
-
+from multihost.lowlevel import process_prefix as _prefix
+from multihost.lowlevel import shorten as _short
+from recovery import _consistency
 from recovery import _digest
-from recovery import _verify
+from recovery._errors import CheckpointCorruptError
+from recovery._errors import CheckpointError
+from recovery._errors import fallback_advice
 from recovery._state import TransitionState
 
 PyTree = Any
@@ -25,18 +29,6 @@ STATE_ITEM = 'state'
 META_ITEM = 'meta'
 FORMAT = 'recovery-checkpoint-v1'
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint is missing, unreadable, partial, or does not fit this run."""
-
-
-class CheckpointCorruptError(CheckpointError):
-  """A checkpoint's content does not match the digest stored with it."""
-
-
-def _prefix() -> str:
-  return f'[process={jax.process_index()}]'
 
 
 class Checkpoints:
@@ -144,12 +136,7 @@ class Checkpoints:
           f'{self._fallback_hint(step)}') from e
 
   def _fallback_hint(self, step: int) -> str:
-    older = [s for s in self.steps() if s < step]
-    path = os.path.join(self.directory, str(step))
-    if older:
-      return (f'Move {path} out of the folder to resume from the previous '
-              f'checkpoint (step {older[-1]}), or start fresh in a new folder.')
-    return 'No older checkpoint exists here; start fresh in a new folder.'
+    return fallback_advice(self.directory, step, self.steps())
 
   # -- save ------------------------------------------------------------------
 
@@ -176,7 +163,8 @@ class Checkpoints:
     if step in self._manager.all_steps():
       return False
     tree = state.to_tree()
-    digests = _verify.check_consistent(tree, what=f'Before saving step {step}')
+    digests = _consistency.check_consistent(
+        tree, what=f'Before saving step {step}')
     meta = {
         'format': FORMAT,
         'step': step,
@@ -278,7 +266,7 @@ class Checkpoints:
           f'{meta.get("digest_algorithm")!r}; this version checks '
           f'{_digest.DIGEST_ALGORITHM!r}. Restore it with the version that '
           'wrote it.')
-    digests = _digest.leaf_digests(restored)
+    digests = _digest.checkpoint_leaf_digests(restored)
     got = _digest.combine(digests)
     if got != meta['digest']:
       stored = meta.get('leaf_digests', {})
@@ -290,8 +278,8 @@ class Checkpoints:
           f'{", ".join(changed) or "unknown"}). Its files were altered or '
           f'damaged after the save committed; refusing to resume from it. '
           f'{self._fallback_hint(step)}')
-    _verify.check_consistent(restored, what=f'After restoring step {step}',
-                             digests=digests)
+    _consistency.check_consistent(
+        restored, what=f'After restoring step {step}', digests=digests)
     state = TransitionState.from_tree(restored, key_like=target.key)
     if state.step != step:
       raise CheckpointCorruptError(
@@ -401,11 +389,6 @@ def _ensure_writable(directory: str) -> None:
         f'{_prefix()} Checkpoint folder {directory} is not writable '
         f'({type(e).__name__}: {e.strerror or e}). Pick a folder this user can '
         'write, shared by every process (--checkpoint_dir).') from e
-
-
-def _short(e: BaseException, limit: int = 400) -> str:
-  s = ' '.join(str(e).split())
-  return s if len(s) <= limit else s[:limit] + '...'
 
 
 def _watched(op: str, fn: Callable[[], Any],

@@ -1,4 +1,4 @@
-"""Host-side global values of a state tree, and topology-independent digests."""
+"""Host-side global values of a state tree, and its digests by leaf path."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 import multihost
+from recovery._state import TransitionState
 
 PyTree = Any
 
@@ -46,12 +47,13 @@ def host_tree(tree: PyTree) -> PyTree:
   return jax.tree.map(host_value, tree)
 
 
-def leaf_digests(tree: PyTree) -> dict[str, str]:
+def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
   """Maps each leaf's path ('user/weights') to a digest of its global value.
 
-  The digest (`multihost.leaf_digests`) covers dtype, shape and bytes, so it
-  is the same for the same global content on any mesh or number of
-  processes.
+  The digests are `multihost.leaf_digests`'s (dtype, shape and bytes, so the
+  same for the same global content on any mesh or number of processes); only
+  the keys differ: '/'-joined paths, as stored in a checkpoint's metadata,
+  instead of `jax.tree_util.keystr` paths.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order.
@@ -61,15 +63,15 @@ def leaf_digests(tree: PyTree) -> dict[str, str]:
   return dict(zip(names, multihost.leaf_digests(tree).values(), strict=True))
 
 
-def state_digest(tree: PyTree) -> str:
+def state_digest(tree: TransitionState | PyTree) -> str:
   """One hex digest of the whole tree's global content and leaf paths.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order.
   """
-  if hasattr(tree, 'to_tree'):  # A TransitionState.
+  if isinstance(tree, TransitionState):
     tree = tree.to_tree()
-  return combine(leaf_digests(tree))
+  return combine(checkpoint_leaf_digests(tree))
 
 
 def combine(digests: dict[str, str]) -> str:

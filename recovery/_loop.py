@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
-import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -15,8 +12,13 @@ import jax
 import numpy as np
 
 import multihost
+from multihost.lowlevel import process_prefix as _prefix
 from recovery import _digest
 from recovery._checkpoint import Checkpoints
+from recovery._errors import RELAUNCH_WITH_RESUME
+from recovery._errors import StepCheckError
+from recovery._signals import SigintAsPreemption
+from recovery._signals import SigtermFlag
 from recovery._state import EpochSampler
 from recovery._state import TransitionState
 
@@ -27,10 +29,6 @@ StepFn = Callable[[PyTree, PyTree], tuple[PyTree, Any]]
 DataFn = Callable[[np.ndarray], PyTree]
 # (old_user_state, new_user_state, ids, loss) -> None; raises on a bad step.
 CheckFn = Callable[[PyTree, PyTree, np.ndarray, float], None]
-
-
-class StepCheckError(AssertionError):
-  """A step's result disagreed with the user's independent check."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +140,9 @@ class ResilientLoop:
     Returns:
       A `RunResult`.
     """
-    sigterm = _SigtermFlag() if (handle_sigterm
+    sigterm = SigtermFlag() if (handle_sigterm
                                  and jax.process_count() == 1) else None
-    sigint = _SigintAsPreemption() if jax.process_count() > 1 else None
+    sigint = SigintAsPreemption() if jax.process_count() > 1 else None
     start_step, t0 = state.step, time.monotonic()
     record = None
     last_log = t0
@@ -173,9 +171,9 @@ class ResilientLoop:
           else:
             where = 'no checkpoint folder, nothing saved'
           logging.warning(
-              '%s Preemption: all controllers stopped at step %d; %s. Exiting; '
-              'relaunch with --resume to continue.', _prefix(), state.step,
-              where)
+              '%s Preemption: all controllers stopped at step %d; %s. '
+              'Exiting. %s', _prefix(), state.step, where,
+              RELAUNCH_WITH_RESUME)
           return RunResult(state=state, preempted=True, last_loss=record.loss)
         now = time.monotonic()
         if now - last_log >= progress_every_s:
@@ -198,8 +196,8 @@ class ResilientLoop:
                             _prefix())
       logging.warning(
           '%s Interrupted (Ctrl-C) after step %d; the last committed '
-          'checkpoint is step %s. Relaunch with --resume to continue from it.',
-          _prefix(), state.step, latest)
+          'checkpoint is step %s. %s', _prefix(), state.step, latest,
+          RELAUNCH_WITH_RESUME)
       raise
     finally:
       if sigterm is not None:
@@ -208,70 +206,9 @@ class ResilientLoop:
         sigint.uninstall()
 
   def _reached_preemption(self, step: int,
-                          sigterm: _SigtermFlag | None) -> bool:
+                          sigterm: SigtermFlag | None) -> bool:
     if sigterm is not None:
       return sigterm.is_set()
     if jax.process_count() == 1:
       return False
     return multihost.reached_preemption_sync_point(step)
-
-
-class _SigtermFlag:
-  """A SIGTERM handler that only records the signal (main thread only)."""
-
-  def __init__(self):
-    self._event = threading.Event()
-    self._previous = None
-
-  def install(self) -> None:
-    if threading.current_thread() is not threading.main_thread():
-      logging.warning('%s Not on the main thread: SIGTERM keeps its current '
-                      'handler.', _prefix())
-      return
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def uninstall(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
-
-  def _handle(self, signum, frame) -> None:
-    del signum, frame
-    self._event.set()
-
-  def is_set(self) -> bool:
-    return self._event.is_set()
-
-
-class _SigintAsPreemption:
-  """With several controllers: the first Ctrl-C becomes a preemption notice.
-
-  JAX's preemption service listens for SIGTERM; the handler sends one to
-  this process, so the controllers agree on a step, save it and stop, as on
-  a real preemption. It then restores the previous SIGINT handler, so a
-  second Ctrl-C raises KeyboardInterrupt as usual.
-  """
-
-  def __init__(self):
-    self._previous = None
-
-  def install(self) -> None:
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-
-  def uninstall(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-      self._previous = None
-
-  def _handle(self, signum, frame) -> None:
-    del signum, frame
-    self.uninstall()
-    logging.warning('%s Ctrl-C: stopping every controller at an agreed step '
-                    'and saving it (as on a preemption). Press Ctrl-C again '
-                    'to abort at once.', _prefix())
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _prefix() -> str:
-  return f'[process={jax.process_index()}]'

@@ -7,9 +7,11 @@ test_train.py.
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
+import pathlib
 import shutil
 import signal
 
@@ -325,3 +327,45 @@ def test_single_controller_sigterm_saves_and_stops(tmp_path):
     assert ckpt.steps() == [4]
     assert json.loads(json.dumps(ckpt.read_meta(4)))['reason'] == 'preemption'
   assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+  """Every module `path` imports: top-level, function-local, TYPE_CHECKING.
+
+  `from a import b` counts as importing `a.b` when that is one of `modules`,
+  else as importing `a`.
+  """
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:
+        name = f'{node.module}.{a.name}'
+        out.add(name if name in modules else node.module)
+  return out
+
+
+def test_recovery_modules_import_in_layers_without_a_cycle():
+  folder = pathlib.Path(recovery.__file__).parent
+  files = {f'recovery.{f.stem}': f for f in folder.glob('_*.py')
+           if f.name != '__init__.py'}
+  graph = {name: {m for m in _imports(f, set(files))
+                  if m == 'recovery' or m.startswith('recovery.')}
+           for name, f in files.items()}
+  assert len(graph) >= 6, graph
+  done = set()
+
+  def visit(module, path):
+    # A private module importing the package (`import recovery`) would be a
+    # cycle through recovery/__init__.py.
+    assert module in graph, f'{path[-1]} imports {module}'
+    assert module not in path, f'import cycle: {path + [module]}'
+    if module in done:
+      return
+    for dep in sorted(graph[module]):
+      visit(dep, path + [module])
+    done.add(module)
+
+  for module in sorted(graph):
+    visit(module, [])

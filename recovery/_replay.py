@@ -1,76 +1,41 @@
-"""Consistency checks across controllers, and replay verification."""
+"""Checks that a run restored from a checkpoint replays the uninterrupted one."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import jax
 import numpy as np
 
-import multihost
+from multihost import lowlevel
+
 from recovery import _digest
+from recovery._errors import ReplayMismatchError
 from recovery._state import TransitionState
-
-if TYPE_CHECKING:
-  from recovery._loop import ResilientLoop
-
-PyTree = Any
 
 # The tutorial's tolerances for comparisons across runs.
 RTOL = 2e-5
 ATOL = 2e-6
 
 
-class ReplayMismatchError(AssertionError):
-  """A replay from a checkpoint diverged from the uninterrupted run."""
+class StepResult(Protocol):
+  """What `verify_replay` reads of one step's record (a `StepRecord` has it)."""
+  step: int
+  ids: np.ndarray
+  loss: float
 
 
-def check_consistent(state: TransitionState | PyTree, *, what: str,
-                     timeout: float | None = None,
-                     digests: dict[str, str] | None = None) -> dict[str, str]:
-  """Checks that every controller holds an identical transition state.
+class Stepper(Protocol):
+  """What `verify_replay` needs of a loop (a `ResilientLoop` is one).
 
-  Collective: every process must call this, in the same order.
-
-  `multihost.assert_equal` compares every leaf of the whole state (user
-  state, PRNG key data, data order, cursor, epoch, step) across processes, by
-  its digest, so a mismatch raises on every process, naming the leaf paths
-  and the processes that differ.
-
-  Args:
-    state: a `TransitionState` or an already flattened checkpoint tree.
-    what: the moment of the check, used in the error ('before saving step 8').
-    timeout: seconds to wait for the other processes.
-    digests: this process's leaf digests of `state`, if already computed.
-
-  Returns:
-    This process's leaf digests, by leaf path.
-
-  Raises:
-    multihost.ConsistencyError: the controllers hold different states.
+  `step` takes one step from a state: it draws the next batch, runs the
+  step function and returns the new state with what the step did.
   """
-  tree = state.to_tree() if isinstance(state, TransitionState) else state
-  if digests is None:
-    digests = _digest.leaf_digests(tree)
-  if jax.process_count() > 1:
-    # Comparing each leaf's digest is comparing the leaf, at 16 bytes a leaf.
-    # A leaf sharded across processes has one digest of its gathered value,
-    # which would hide replicas that differ: then compare the tree itself
-    # (shard by shard).
-    sharded = any(isinstance(x, jax.Array) and not x.is_fully_addressable
-                  and not x.is_fully_replicated for x in jax.tree.leaves(tree))
-    compared = tree if sharded else {
-        name: np.frombuffer(bytes.fromhex(d), np.uint8)
-        for name, d in digests.items()}
-    multihost.assert_equal(
-        compared,
-        f'{what}: the controllers hold different transition states. Every '
-        'controller must run the same step function on the same data from '
-        'the same restored state; look for process-dependent randomness, data '
-        'or code behind the differing leaves.',
-        timeout=timeout)
-  return digests
+
+  def step(self, state: TransitionState) -> tuple[TransitionState,
+                                                  StepResult]:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +47,7 @@ class ReplayStep:
   replayed_loss: float
 
 
-def verify_replay(loop: ResilientLoop, reference: TransitionState,
+def verify_replay(loop: Stepper, reference: TransitionState,
                   restored: TransitionState, num_steps: int, *,
                   rtol: float = RTOL, atol: float = ATOL) -> list[ReplayStep]:
   """Checks that `num_steps` steps from a restored state replay the original.
@@ -97,7 +62,7 @@ def verify_replay(loop: ResilientLoop, reference: TransitionState,
   boundaries as the original run did.
 
   Args:
-    loop: the loop whose step function, sampler and data both runs use.
+    loop: what takes a step (e.g. the `ResilientLoop` both runs use).
     reference: the uninterrupted run's state at the checkpointed step.
     restored: the state restored from that checkpoint.
     num_steps: number of steps to replay.
@@ -112,20 +77,20 @@ def verify_replay(loop: ResilientLoop, reference: TransitionState,
   """
   if num_steps < 1:
     raise ValueError(f'num_steps must be >= 1; got {num_steps}.')
-  ref_digests = _digest.leaf_digests(reference.to_tree())
-  got_digests = _digest.leaf_digests(restored.to_tree())
+  ref_digests = _digest.checkpoint_leaf_digests(reference.to_tree())
+  got_digests = _digest.checkpoint_leaf_digests(restored.to_tree())
   differ = sorted(k for k in ref_digests
                   if ref_digests[k] != got_digests.get(k))
   if differ or ref_digests.keys() != got_digests.keys():
     raise ReplayMismatchError(
-        f'[process={jax.process_index()}] The restored state at step '
+        f'{lowlevel.process_prefix()} The restored state at step '
         f'{restored.step} differs from the saved one in leaves {differ}. The '
         'checkpoint did not round-trip; check the restore target.')
   out = []
   for _ in range(num_steps):
     reference, ref_rec = loop.step(reference)
     restored, rec = loop.step(restored)
-    where = f'[process={jax.process_index()}] Replay step {rec.step}'
+    where = f'{lowlevel.process_prefix()} Replay step {rec.step}'
     if not np.array_equal(ref_rec.ids, rec.ids):
       raise ReplayMismatchError(
           f'{where}: sample ids differ: uninterrupted run '
