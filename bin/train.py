@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import multihost
+from multihost import lowlevel
 import recovery
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Train until this step.',
@@ -190,7 +191,7 @@ def main(argv):
     jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
   multihost.initialize()
   pid = jax.process_index()
-  prefix = f'[process={pid}]'
+  prefix = lowlevel.process_prefix()
   count = jax.device_count()
   batch_size = _BATCH_SIZE.value
   if batch_size % count:

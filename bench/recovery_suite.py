@@ -1,0 +1,150 @@
+"""The recovery suite: `recovery.Checkpoints` save + restore against plain Orbax.
+
+A transition state of two float32 leaves of `width` weights (replicated on
+every device, as in bin/train.py, or sharded over all devices) is saved and
+restored with `recovery.Checkpoints` (async save until committed, with its
+agreement check and digests; restore with its digest and agreement checks)
+and with plain `orbax.checkpoint.StandardCheckpointer`, alternating, one
+untimed round of each first, on a folder shared by all processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+import multihost
+import recovery
+
+from bench.harness import barrier
+from bench.harness import ms
+from bench.harness import Row
+from bench.harness import Settings
+from bench.harness import slowest
+from bench.harness import slowest_one
+
+
+def recovery_rows(width: int, repeats: int, sharded: bool, parent: str,
+                  settings: Settings) -> list[Row]:
+  """Three rows: save, restore, and both. Collective: every process calls it.
+
+  Args:
+    width: float32 weights per leaf; with `sharded`, a multiple of the
+      device count.
+    repeats: timed rounds of each (after one untimed round of each).
+    sharded: shard the leaves over all devices instead of replicating them.
+    parent: parent folder of the checkpoint folders, shared by all
+      processes ('' for the temp folder).
+    settings: the harness settings (timeout of the collectives).
+  """
+  mesh = jax.make_mesh((jax.device_count(),), ('data',))
+  count = jax.device_count()
+  if sharded and width % count:
+    raise ValueError(f'width={width} must be a multiple of the device count '
+                     f'({count}) to shard the state over all devices.')
+  sharding = jax.sharding.NamedSharding(mesh,
+                                        jax.P('data') if sharded else jax.P())
+
+  def placed(a: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+
+  rng = np.random.default_rng(6)
+  state = recovery.TransitionState(
+      user={'weights': placed(rng.standard_normal(width, np.float32)),
+            'momentum': placed(rng.standard_normal(width, np.float32))},
+      key=jax.random.key(7), order=np.arange(64, dtype=np.int32), cursor=8,
+      epoch=1, step=1)
+  target = state.replace(
+      user=jax.tree.map(lambda x: placed(np.zeros(x.shape, x.dtype)),
+                        state.user), step=0)
+  tree = state.to_tree()
+  abstract = jax.tree.map(_abstract, tree)
+  nbytes = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+               for x in jax.tree.leaves(tree))
+  leaves = len(jax.tree.leaves(tree))
+
+  root = None
+  if jax.process_index() == 0:
+    root = tempfile.mkdtemp(prefix='multihost-bench-',
+                            dir=parent or None)
+  root = multihost.broadcast_object(root, timeout=settings.timeout)
+
+  def ours(folder: str) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    checkpoints = recovery.Checkpoints(folder, save_every=1, keep=1,
+                                       async_save=True)
+    checkpoints.save(state, force=True)
+    checkpoints.wait()
+    t1 = time.perf_counter()
+    restored = checkpoints.restore(target, step=state.step)
+    jax.block_until_ready(restored.user)
+    t2 = time.perf_counter()
+    checkpoints.close()
+    return t1 - t0, t2 - t1
+
+  def plain(folder: str) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(folder, 'state'), tree)
+    checkpointer.wait_until_finished()
+    t1 = time.perf_counter()
+    restored = checkpointer.restore(os.path.join(folder, 'state'), abstract)
+    jax.block_until_ready(restored)
+    t2 = time.perf_counter()
+    checkpointer.close()
+    return t1 - t0, t2 - t1
+
+  results: dict[str, list[tuple[float, float]]] = {'ours': [], 'plain': []}
+  firsts = {}
+  try:
+    for r in range(repeats + 1):
+      for name, fn in (('ours', ours), ('plain', plain)):
+        folder = os.path.join(root, f'{name}-{r}')
+        barrier(settings)
+        timing = fn(folder)
+        barrier(settings)
+        if jax.process_index() == 0:
+          shutil.rmtree(folder, ignore_errors=True)
+        if r == 0:
+          firsts[name] = timing  # Untimed round: first call of each.
+        else:
+          results[name].append(timing)
+  finally:
+    barrier(settings)
+    if jax.process_index() == 0:
+      shutil.rmtree(root, ignore_errors=True)
+
+  def summary(name: str, phase: int | None) -> tuple[float, float]:
+    per_iter = [t[phase] if phase is not None else t[0] + t[1]
+                for t in results[name]]
+    first = (firsts[name][phase] if phase is not None
+             else sum(firsts[name]))
+    return (ms(statistics.median(slowest(per_iter, settings))),
+            ms(slowest_one(first, settings)))
+
+  rows = []
+  label = (f'{nbytes / 2**20:.4g} MiB, {leaves} leaves, '
+           f'{"sharded" if sharded else "replicated"}')
+  for phase, what in ((0, 'save (async, until committed)'),
+                      (1, 'restore (+ digest and agreement checks)'),
+                      (None, 'save + restore + verification')):
+    ours_ms, ours_first = summary('ours', phase)
+    plain_ms, plain_first = summary('plain', phase)
+    rows.append(Row(f'recovery: {what}', nbytes, leaves, kind='recovery',
+                    ours_ms=ours_ms, jax_ms=plain_ms, ours_first_ms=ours_first,
+                    jax_first_ms=plain_first, payload=label,
+                    note='jax_ms: plain orbax StandardCheckpointer'))
+  return rows
+
+
+def _abstract(x):
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return np.asarray(x)
