@@ -216,7 +216,7 @@ def _free_port() -> int:
   return 20000 + os.getpid() % 20000
 
 
-def _start_controllers(net, n, code, tmp_path, extra_env=None):
+def _start_controllers(net, n, code, tmp_path, extra_env=None, args=()):
   script = tmp_path / 'controller.py'
   script.write_text(code)
   port = _free_port()
@@ -228,7 +228,7 @@ def _start_controllers(net, n, code, tmp_path, extra_env=None):
     env.update(extra_env or {})
     log = open(tmp_path / f'controller{i}.log', 'w')
     procs.append(subprocess.Popen(net.command(i, [sys.executable,
-                                                  str(script)]),
+                                                  str(script), *args]),
                                   env=env, stdout=log,
                                   stderr=subprocess.STDOUT))
   return procs, port
@@ -272,3 +272,77 @@ def test_jax_controllers_across_simulated_hosts(tmp_path, n):
     assert on_port == [want], listening
     print({r['me']: round(r['allgather_64MiB_s'], 3) for r in reports})
   assert _ours() == ([], [])
+
+
+# --- Link cuts during a barrier loop (heartbeat timeout 5 s). ---------------
+
+_LOOP = textwrap.dedent('''
+    import sys, time
+    import numpy as np
+    import jax
+    import multihost
+    multihost.initialize()
+    multihost.sync_global_devices('start')
+    print('LOOP', flush=True)
+    t0 = last = time.monotonic()
+    gap = 0.0
+    k = 0
+    try:
+      while True:
+        multihost.sync_global_devices(f's{k}', timeout=60)
+        stop = multihost.broadcast_one_to_all(
+            np.array(time.monotonic() - t0 > float(sys.argv[1])))
+        gap, last, k = max(gap, time.monotonic() - last), time.monotonic(), k + 1
+        if bool(stop):
+          break
+        time.sleep(0.05)
+    except Exception as e:
+      print(f'ERROR {type(e).__name__}: {e}', flush=True)
+      sys.exit(3)
+    print(f'DONE iterations={k} max_gap={gap:.2f}', flush=True)
+''')
+
+
+def _cut_during_loop(tmp_path, n, victim, cut_s, loop_s):
+  """Runs the loop on n hosts, cuts `victim` for cut_s; (codes, logs, exits)."""
+  with hosts.SimulatedHosts(n) as net:
+    procs, _ = _start_controllers(net, n, _LOOP, tmp_path,
+                                  {mh_env.HEARTBEAT: '5'}, [str(loop_s)])
+    deadline = time.monotonic() + 120
+    while not all('LOOP' in l for l in _logs(tmp_path, n)):
+      assert time.monotonic() < deadline and all(
+          p.poll() is None for p in procs), _logs(tmp_path, n)
+      time.sleep(0.1)
+    time.sleep(1)
+    net.cut(victim)
+    cut_at = time.monotonic()
+    exits = {}
+    while time.monotonic() - cut_at < cut_s:
+      for i, p in enumerate(procs):
+        if i not in exits and p.poll() is not None:
+          exits[i] = time.monotonic() - cut_at
+      time.sleep(0.05)
+    net.restore(victim)
+    codes = _wait_all(procs, loop_s + 60)
+    return codes, _logs(tmp_path, n), exits
+
+
+def test_a_1s_cut_fails_nothing(tmp_path):
+  codes, logs, exits = _cut_during_loop(tmp_path, 2, 1, 1, 8)
+  assert codes == [0, 0], '\n\n'.join(l[-3000:] for l in logs)
+  assert not exits
+  for log in logs:
+    assert 'DONE' in log
+
+
+def test_an_8s_cut_aborts_the_cut_off_side_and_names_it_on_the_other(tmp_path):
+  codes, logs, exits = _cut_during_loop(tmp_path, 2, 1, 8, 30)
+  # The coordinator's side raises in Python, naming the lost process.
+  assert codes[0] == 3, logs[0][-3000:]
+  assert 'ERROR ProcessFailureError: [process=0]' in logs[0]
+  assert 'process(es) [1] failed' in logs[0]
+  # The side cut off from the coordinator is aborted by JAX's client, with
+  # no Python code run, within the heartbeat timeout.
+  assert codes[1] == -signal.SIGABRT, logs[1][-3000:]
+  assert 'Terminating process because the JAX distributed service' in logs[1]
+  assert 1 in exits and exits[1] < 8, exits
