@@ -169,7 +169,9 @@ class SimulatedHosts:
 
   Entering creates them (and first deletes leftovers of crashed runs);
   leaving deletes them, on every exit path (also at interpreter exit), and
-  kills any process still running inside them.
+  kills any process still running inside them. A process killed by a
+  signal runs neither: the next `SimulatedHosts` (or `cleanup_stale()`)
+  deletes what it left, since its pid is in the names.
 
   Args:
     n: number of hosts (1..250).
@@ -189,6 +191,7 @@ class SimulatedHosts:
     self.hosts = [f'{self.name}-h{i}' for i in range(n)]
     self._created: list[str] = []
     self._up = False
+    self._owner = os.getpid()  # A forked child must not tear them down.
 
   # --- lifecycle ----------------------------------------------------------
 
@@ -246,7 +249,7 @@ class SimulatedHosts:
 
   def close(self) -> None:
     """Deletes the hosts, the switch and their links; kills what runs inside."""
-    if not self._up:
+    if not self._up or os.getpid() != self._owner:
       return
     self._up = False
     _delete(self._created)
