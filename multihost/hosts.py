@@ -45,7 +45,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 PREFIX = 'mhh-'
 """Every namespace this module creates is named `mhh-<pid>-<n>-...`."""
@@ -145,7 +144,7 @@ def cleanup_stale() -> list[str]:
   return stale
 
 
-def _pick_subnet(hosts: int) -> ipaddress.IPv4Network:
+def _pick_subnet() -> ipaddress.IPv4Network:
   """A /24 in 10.0.0.0/8 that no route or address on the machine overlaps."""
   used = []
   out = _run(['ip', '-o', '-4', 'route', 'show', 'table', 'all'],
@@ -213,7 +212,7 @@ class SimulatedHosts:
     if self._subnet_arg is not None:
       self.subnet = ipaddress.ip_network(self._subnet_arg)
     else:
-      self.subnet = _pick_subnet(self.n)
+      self.subnet = _pick_subnet()
     if self.subnet.num_addresses < self.n + 2:
       raise ValueError(f'subnet {self.subnet} is too small for {self.n} '
                        'hosts.')
