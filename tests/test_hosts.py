@@ -65,6 +65,18 @@ def _probe(net: hosts.SimulatedHosts, src: int, dst: int) -> str:
   return done.stdout.strip()
 
 
+def _eventually_ok(net: hosts.SimulatedHosts, src: int, dst: int) -> bool:
+  """Whether a probe succeeds within 10 s (a link coming up may take a moment)."""
+  deadline = time.monotonic() + 10
+  while True:
+    out = _probe(net, src, dst)
+    if out.startswith('ok'):
+      return True
+    if time.monotonic() > deadline:
+      print('last probe:', out)
+      return False
+
+
 def _server(net: hosts.SimulatedHosts, i: int) -> subprocess.Popen:
   proc = subprocess.Popen(
       net.command(i, [sys.executable, '-c', _SERVER, net.address(i)]),
@@ -84,11 +96,12 @@ def test_hosts_reach_each_other_and_a_cut_link_does_not():
     assert net.address(0) != net.address(1)
     server = _server(net, 0)
     try:
-      assert _probe(net, 1, 0).startswith('ok')
+      assert _eventually_ok(net, 1, 0)
       net.cut(1)
-      assert _probe(net, 1, 0).startswith('fail')
+      out = _probe(net, 1, 0)
+      assert out.startswith('fail'), out
       net.restore(1)
-      assert _probe(net, 1, 0).startswith('ok')
+      assert _eventually_ok(net, 1, 0)
     finally:
       _stop(server)
   assert _ours() == ([], [])
