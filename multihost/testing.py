@@ -1,4 +1,4 @@
-"""Pytest plugin: run a test's body in N real JAX controllers on this machine.
+"""Pytest plugin: runs a marked test's body in N real JAX controllers on this machine and reports it once.
 
 Installing the package enables the plugin (`pytest11` entry point
 `multihost`). Only with plugin autoloading disabled
@@ -24,7 +24,10 @@ over gloo on localhost), each with `devices_per_process` CPU devices:
 How it runs:
 - The test passes only if it passes on every process. When it fails on some,
   the report names them and shows each process's traceback and captured
-  output, labelled `[p0]`, `[p1]`, ...
+  output, labelled `[p0]`, `[p1]`, ... Workers send their reports with
+  pytest's own serialization hooks (`pytest_report_to_serializable`, as
+  pytest-xdist does), so tracebacks keep pytest's style; the parent's
+  `--tb` and `--showlocals` apply in the workers.
 - Every process enters each test through a barrier (which also checks that
   they all run the same test) and leaves it through an exchange of pass/fail,
   so processes stay in step and fail together: a process whose own run passed
@@ -64,6 +67,7 @@ controllers with `multihost.launch.Controllers` instead and send signals to
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import os
@@ -173,17 +177,9 @@ def marker_spec(item: pytest.Item) -> GroupSpec | None:
 
 # The parent: groups marked tests, launches workers, reports their results.
 
-
-@dataclasses.dataclass
-class _Record:
-  """One phase report of one test on one process, as a worker wrote it."""
-  outcome: str
-  longrepr: str
-  sections: list[tuple[str, str]]
-  duration: float
-  skip_location: tuple[str, int, str] | None
-  wasxfail: str | None
-  peer_failure: bool
+# Set by a worker on its serialized teardown report: the test passed on this
+# process, which only reports that a peer failed.
+_PEER_FAILURE = 'multihost_peer_failure'
 
 
 class _Parent:
@@ -192,8 +188,9 @@ class _Parent:
   def __init__(self, config: pytest.Config):
     self._config = config
     self._groups: dict[GroupSpec, list[pytest.Item]] = {}
-    # nodeid -> per process -> when -> record; filled as groups run.
-    self._records: dict[str, list[dict[str, _Record]]] = {}
+    # nodeid -> per process -> when -> the worker's report; filled as groups
+    # run.
+    self._records: dict[str, list[dict[str, pytest.TestReport]]] = {}
     self._launch_info: dict[GroupSpec, Any] = {}
     # Seconds of a group's launch not spent in its tests (process start,
     # jax.distributed, collection), charged to its first test's setup.
@@ -245,7 +242,11 @@ class _Parent:
     # which the parent shows when a worker crashes or hangs mid-test.
     command = [sys.executable, '-m', 'pytest', '-q', '--no-header',
                '--capture=tee-sys', '-p', 'no:cacheprovider',
-               f'--rootdir={config.rootpath}']
+               f'--rootdir={config.rootpath}',
+               # The workers render tracebacks; in the parent's style.
+               f'--tb={config.getoption("tbstyle", "auto")}']
+    if config.getoption('showlocals', False):
+      command.append('--showlocals')
     if config.inipath is not None:
       command.append(f'--config-file={config.inipath}')
     if config.pluginmanager.get_plugin('multihost') is not sys.modules[
@@ -276,12 +277,12 @@ class _Parent:
       self._launch_info[spec] = result
       for i in range(spec.num_processes):
         path = os.path.join(results_dir, f'p{i}.jsonl')
-        for record in _read_records(path):
+        for data in _read_records(path):
+          report = config.hook.pytest_report_from_serializable(
+              config=config, data=data)
           per_process = self._records.setdefault(
-              record.pop('nodeid'),
-              [{} for _ in range(spec.num_processes)])
-          when = record.pop('when')
-          per_process[i][when] = _Record(**record)
+              report.nodeid, [{} for _ in range(spec.num_processes)])
+          per_process[i][report.when] = report
       in_tests = sum(
           max((sum(r.duration for r in p.values())
                for p in self._records.get(item.nodeid, [])), default=0.0)
@@ -313,7 +314,8 @@ class _Parent:
     return reports
 
   def _incomplete(self, item: pytest.Item, spec: GroupSpec,
-                  per_process: list[dict[str, _Record]], result: Any,
+                  per_process: list[dict[str, pytest.TestReport]],
+                  result: Any,
                   when: str = 'call') -> pytest.TestReport:
     """A failure report for a test that did not complete on every process."""
     n = spec.num_processes
@@ -379,36 +381,82 @@ def _report(item: pytest.Item, when: str, outcome: str, longrepr: Any, *,
       user_properties=list(item.user_properties), **extra)
 
 
+class _ProcessesRepr:
+  """A failure's `longrepr` that shows each failing process's own pytest longrepr, `[pN]`-prefixed.
+
+  `reprcrash` (the one-line summary, `-rf`, `--tb=line`, JUnit XML) is the
+  first failing process's.
+  """
+
+  def __init__(self, header: str,
+               failures: collections.abc.Sequence[tuple[int, Any]]):
+    self._header = header
+    self._failures = [(i, str(longrepr)) for i, longrepr in failures]
+    self.reprcrash = None
+    for i, longrepr in failures:
+      crash = getattr(longrepr, 'reprcrash', None)
+      if crash is not None:
+        try:
+          self.reprcrash = dataclasses.replace(
+              crash, message=f'[p{i}] {crash.message}')
+        except TypeError:  # Not a dataclass: keep it as it is.
+          self.reprcrash = crash
+        break
+
+  def _lines(self) -> list[str]:
+    lines = [self._header]
+    for i, text in self._failures:
+      lines += ['', f'{"=" * 20} process {i} {"=" * 20}']
+      lines += [f'[p{i}] {line}' for line in text.splitlines()]
+    return lines
+
+  def toterminal(self, tw) -> None:
+    for line in self._lines():
+      tw.line(line, red=line.split('] ', 1)[-1].startswith('E '))
+
+  def __str__(self) -> str:
+    return '\n'.join(self._lines())
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+  longrepr = report.longrepr
+  if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3:
+    return str(longrepr[2])
+  return str(longrepr)
+
+
 def _combine(item: pytest.Item, spec: GroupSpec, when: str,
-             records: list[_Record]) -> pytest.TestReport:
+             records: list[pytest.TestReport]) -> pytest.TestReport:
   """One report from every process's report of the same phase."""
   n = spec.num_processes
   # A process that passed but was told a peer failed does not count twice.
-  outcomes = ['passed' if r.peer_failure else r.outcome for r in records]
+  outcomes = ['passed' if getattr(r, _PEER_FAILURE, False) else r.outcome
+              for r in records]
   duration = max(r.duration for r in records)
   sections = [(f'{title} [p{i}]', _prefix(i, text) + '\n')
               for i, r in enumerate(records) for title, text in r.sections]
   if 'failed' in outcomes:
     failing = [i for i, o in enumerate(outcomes) if o == 'failed']
-    parts = [f'multihost: {when} failed on process(es) {failing} of {n} '
-             f'(devices_per_process={spec.devices_per_process}).']
-    for i in failing:
-      parts += ['', f'{"=" * 20} process {i} {"=" * 20}',
-                _prefix(i, records[i].longrepr)]
-    return _report(item, when, 'failed', '\n'.join(parts), sections=sections,
-                   duration=duration)
+    return _report(
+        item, when, 'failed', _ProcessesRepr(
+            f'multihost: {when} failed on process(es) {failing} of {n} '
+            f'(devices_per_process={spec.devices_per_process}).',
+            [(i, records[i].longrepr) for i in failing]),
+        sections=sections, duration=duration)
   if all(o == 'skipped' for o in outcomes):
     first = records[0]
-    longrepr = (tuple(first.skip_location) if first.skip_location
-                else first.longrepr)
+    longrepr = first.longrepr
+    if isinstance(longrepr, list):  # (path, lineno, reason), through JSON.
+      longrepr = tuple(longrepr)
     return _report(item, when, 'skipped', longrepr, sections=sections,
-                   duration=duration, wasxfail=first.wasxfail)
+                   duration=duration,
+                   wasxfail=getattr(first, 'wasxfail', None))
   if all(o == 'passed' for o in outcomes):
     return _report(item, when, 'passed', None, sections=sections,
                    duration=duration)
   skipped = [i for i, o in enumerate(outcomes) if o == 'skipped']
   passed = [i for i, o in enumerate(outcomes) if o == 'passed']
-  reasons = '; '.join(f'p{i}: {records[i].longrepr}' for i in skipped)
+  reasons = '; '.join(f'p{i}: {_skip_reason(records[i])}' for i in skipped)
   return _report(
       item, when, 'failed',
       f'multihost: {when} was skipped on process(es) {skipped} ({reasons}) '
@@ -559,23 +607,13 @@ class _Worker:
     return report
 
   def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-    skip_location = None
-    longrepr = ''
-    if report.longrepr is not None:
-      if isinstance(report.longrepr, tuple):
-        skip_location = [str(x) for x in report.longrepr]
-        skip_location[1] = int(report.longrepr[1])
-        longrepr = str(report.longrepr[2])
-      else:
-        longrepr = str(report.longrepr)
-    record = dict(
-        nodeid=report.nodeid, when=report.when, outcome=report.outcome,
-        longrepr=longrepr, sections=[list(s) for s in report.sections],
-        duration=report.duration, skip_location=skip_location,
-        wasxfail=getattr(report, 'wasxfail', None),
-        peer_failure=(report.when == 'teardown' and
-                      report.nodeid in self._peer_failed))
-    self._out.write(json.dumps(record) + '\n')
+    """Sends the report to the parent, serialized by pytest itself (as pytest-xdist does)."""
+    data = self._config.hook.pytest_report_to_serializable(
+        config=self._config, report=report)
+    data[_PEER_FAILURE] = (report.when == 'teardown' and
+                           report.nodeid in self._peer_failed)
+    # One line per report, flushed: a worker killed mid-test loses only it.
+    self._out.write(json.dumps(data, default=repr) + '\n')
     self._out.flush()
 
   @pytest.hookimpl(trylast=True)

@@ -232,3 +232,29 @@ def test_killing_the_parent_pytest_leaves_no_worker(pytester, tmp_path, sig):
     if parent.poll() is None:
       parent.kill()
       parent.wait()
+
+
+TB_STYLE_TEST = '''
+import jax
+import pytest
+
+
+@pytest.mark.multihost(num_processes=2)
+def test_fails():
+  assert jax.process_index() == 0, 'only process 1 fails'
+'''
+
+
+def test_failures_keep_pytest_traceback_style_and_crash_line(pytester):
+  """Reports travel with pytest's serialization hooks; the parent's --tb applies in workers."""
+  pytester.makepyfile(test_tb=TB_STYLE_TEST)
+  result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rf',
+                                         '--tb=short', timeout=120)
+  result.assert_outcomes(failed=1)
+  result.stdout.fnmatch_lines([
+      'multihost: call failed on process(es) [[]1[]] of 2 *',
+      '[[]p1[]] test_tb.py:*: in test_fails',
+      '[[]p1[]] E   AssertionError: only process 1 fails',
+      'FAILED test_tb.py::test_fails - [[]p1[]] AssertionError: only process 1 '
+      'fails',
+  ])

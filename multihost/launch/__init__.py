@@ -1,0 +1,66 @@
+"""Runs N JAX controllers on this machine: `python -m multihost.launch`.
+
+Usage:
+
+  python -m multihost.launch --num_processes=2 --devices_per_process=2 \\
+      [--timeout=SECONDS] [--grace_period=SECONDS] [--host_service] \\
+      -- python train.py --flag
+
+Each controller gets an environment in which both `multihost.initialize()`
+and a bare `jax.distributed.initialize()` work unchanged (see `child_env`):
+a free loopback coordinator port, `JAX_NUM_CPU_DEVICES=K` CPU devices, and an
+Open MPI-like environment that JAX auto-detects. Every output line is
+streamed with its process index (`[p1] ...`). The first failure stops the
+run: after a grace period the launcher stops the others (SIGTERM, then
+SIGKILL) and exits with the first failing process's status (128+signal for a
+signal); a summary says who failed first and how. When process 0, which
+hosts JAX's coordination service, dies first, the summary says so and does
+not blame the survivors that the JAX runtime then aborted. `--timeout`
+bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
+launcher are forwarded to the controllers, which are then killed; nothing is
+left running.
+
+The same machinery is a library, for tests and the pytest plugin:
+
+  result = launch.launch(['python', 'script.py'], num_processes=2,
+                         devices_per_process=2, timeout=60)
+  assert result.ok, result.summary
+
+  with launch.Controllers(cmd, num_processes=3) as cluster:
+    cluster.wait_for_output(1, 'ready', timeout=30)
+    cluster.kill(0, signal.SIGKILL)
+    result = cluster.wait(timeout=30)
+
+Modules (one job each):
+  _processes.py    spawn N processes in their own sessions, reap, signal, stop
+  _output.py       capture their output; stream it live with `[pN] ` prefixes
+  _signals.py      SIGINT/SIGTERM/SIGHUP to the launcher -> a stop request
+  _policy.py       the run policy: first failure + grace period, timeout,
+                   SIGTERM then SIGKILL (`next_step` is pure)
+  _report.py       pure: who failed first (process-0 blame), exit status,
+                   summary -> `LaunchResult`
+  _controllers.py  `Controllers` (context manager) and `launch()`: composes
+                   the above, the controllers' env and service hosting
+  _cli.py          the one command line (`main`), also behind bin/launch.py
+"""
+
+from __future__ import annotations
+
+from multihost.launch._cli import main as main
+from multihost.launch._cli import parser as parser
+from multihost.launch._cli import run_cli as run_cli
+from multihost.launch._cli import split_command as split_command
+from multihost.launch._controllers import child_env as child_env
+from multihost.launch._controllers import Controllers as Controllers
+from multihost.launch._controllers import DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S
+from multihost.launch._controllers import find_free_port as find_free_port
+from multihost.launch._controllers import launch as launch
+from multihost.launch._policy import DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S
+from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
+from multihost.launch._report import describe as describe
+from multihost.launch._report import LaunchResult as LaunchResult
+from multihost.launch._report import Observed as Observed
+from multihost.launch._report import report as report
+from multihost.launch._report import signal_name as signal_name
+from multihost.launch._report import status_of as status_of
+from multihost.launch._report import TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS

@@ -1,0 +1,10 @@
+"""`python -m multihost.launch`: runs the launcher's command line (see `multihost.launch`)."""
+
+from __future__ import annotations
+
+import sys
+
+from multihost.launch import _cli
+
+if __name__ == '__main__':
+  sys.exit(_cli.main())

@@ -1,0 +1,88 @@
+"""The launcher's one command line: its flags, and `main()` for `python -m multihost.launch` and `bin/launch.py`."""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import sys
+
+from multihost.launch import _controllers
+from multihost.launch import _policy
+
+PROG = 'python -m multihost.launch'
+
+
+def split_command(argv: collections.abc.Sequence[str]
+                  ) -> tuple[list[str], list[str]]:
+  """Splits `[options..., '--', command...]` into options and command."""
+  argv = list(argv)
+  if '--' in argv:
+    at = argv.index('--')
+    return argv[:at], argv[at + 1:]
+  return argv, []
+
+
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+  """The launcher's flags (the command follows `--`)."""
+  p = argparse.ArgumentParser(
+      prog=prog,
+      description='Run N JAX controllers of a command on this machine.',
+      usage='%(prog)s --num_processes=N [--devices_per_process=K] '
+            '[--timeout=S] [--grace_period=S] [--host_service] -- COMMAND '
+            '[ARGS...]')
+  p.add_argument('--num_processes', type=int, required=True,
+                 help='number of controllers to start')
+  p.add_argument('--devices_per_process', type=int, default=1,
+                 help='CPU devices per controller')
+  p.add_argument('--timeout', type=float, default=None,
+                 help='seconds for the whole run; on expiry every process is '
+                 'stopped and the exit status is 124')
+  p.add_argument('--grace_period', type=float,
+                 default=_policy.DEFAULT_GRACE_PERIOD_S,
+                 help='seconds the others get after the first failure')
+  p.add_argument('--host_service', action='store_true',
+                 help='host the coordination service in the launcher, '
+                 'so that a death of process 0 is reported like any '
+                 'other (the command must use multihost.initialize())')
+  return p
+
+
+def main(argv: collections.abc.Sequence[str] | None = None, *,
+         prog: str = PROG) -> int:
+  """Command-line entry point: parses `argv` (default sys.argv[1:]), runs the command, returns the exit status."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  options, command = split_command(argv)
+  p = parser(prog)
+  args = p.parse_args(options)
+  if not command:
+    p.error('give the command after --, e.g. -- python bin/train.py')
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    p.error(f'--num_processes and --devices_per_process must be at '
+            f'least 1; got {args.num_processes} and '
+            f'{args.devices_per_process}.')
+  if (args.timeout is not None and args.timeout < 0) or args.grace_period < 0:
+    p.error(f'--timeout and --grace_period must be >= 0 seconds; got '
+            f'{args.timeout} and {args.grace_period}.')
+  return run_cli(command, num_processes=args.num_processes,
+                 devices_per_process=args.devices_per_process,
+                 timeout=args.timeout, grace_period=args.grace_period,
+                 host_service=args.host_service)
+
+
+def run_cli(command: list[str], *, num_processes: int,
+            devices_per_process: int, timeout: float | None,
+            grace_period: float, host_service: bool = False) -> int:
+  """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
+  try:
+    result = _controllers.launch(
+        command, num_processes=num_processes,
+        devices_per_process=devices_per_process, timeout=timeout,
+        grace_period=grace_period, stream=sys.stdout,
+        summary_stream=sys.stderr, forward_signals=True,
+        host_service=host_service)
+  except OSError as e:  # The command itself could not start (as a shell).
+    sys.stderr.write(
+        f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '
+        'the command after --; give a path or a program on $PATH.\n')
+    return 127 if isinstance(e, FileNotFoundError) else 126
+  return result.exit_code

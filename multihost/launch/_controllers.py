@@ -1,0 +1,312 @@
+"""`Controllers`: N controllers of one command as a context manager, and `launch()`, which runs them to the end.
+
+Composes the parts: the controllers' environment (`multihost.env`), the
+processes (`_processes`), the run policy (`_policy`), signal forwarding
+(`_signals`) and the report (`_report`); optionally hosts the coordination
+service (`multihost.lowlevel.start_service`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections.abc
+import os
+import signal
+import socket
+import time
+from typing import TextIO
+import weakref
+
+from multihost import env as env_lib
+from multihost.launch import _policy
+from multihost.launch import _processes
+from multihost.launch import _report
+from multihost.launch import _signals
+
+DEFAULT_HEARTBEAT_S = float(env_lib.DEFAULT_HEARTBEAT_S)
+
+
+def find_free_port(host: str = '127.0.0.1') -> int:
+  """A TCP port on `host` that was free a moment ago (binds port 0)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
+              port: int, base: collections.abc.Mapping[str, str] | None = None,
+              host: str = '127.0.0.1') -> dict[str, str]:
+  """The environment of controller `process_id` of a local run (see `multihost.env.controller_env`)."""
+  return env_lib.controller_env(process_id, num_processes=num_processes,
+                                devices_per_process=devices_per_process,
+                                port=port, base=base, host=host)
+
+
+# Live clusters, killed at interpreter exit if their owner did not stop them.
+_LIVE: weakref.WeakSet[Controllers] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_live() -> None:
+  for cluster in list(_LIVE):
+    cluster.stop()
+
+
+class Controllers:
+  """N controllers of one command on this machine, supervised together.
+
+  Use as a context manager: on exit every process still running is stopped
+  (SIGTERM, then SIGKILL), whatever happened. `wait()` applies the run's
+  policy (first failure stops the others after a grace period; timeout);
+  tests that inject failures use `pids`, `kill()` and `wait_for_output()`.
+
+  Each process runs in its own session (process group), so a Ctrl-C on the
+  terminal reaches only the launcher, which forwards it; stopping a process
+  signals its group, which holds only that process and its descendants.
+
+  Args:
+    command: the program and its arguments, run by every process.
+    num_processes: number of controllers.
+    devices_per_process: CPU devices per controller.
+    env: extra environment variables for every process (over os.environ).
+    cwd: working directory of the processes.
+    grace_period: seconds the others get to finish after the first failure
+      (math.inf: never stop them).
+    stream: where to write the prefixed output lines live (None: only
+      capture them).
+    kill_wait: seconds between SIGTERM and SIGKILL when stopping.
+    port: the coordinator port (default: a free one).
+    host_service: host JAX's coordination service in this (launcher)
+      process instead of in process 0, so that the death of process 0 is an
+      ordinary failure the others raise `ProcessFailureError` for, rather
+      than one that makes JAX abort them. The controllers must call
+      `multihost.initialize()` (not a bare `jax.distributed.initialize()`).
+    heartbeat_timeout: with host_service, seconds without heartbeats before
+      the service declares a controller dead.
+  """
+
+  def __init__(self, command: collections.abc.Sequence[str], *,
+               num_processes: int, devices_per_process: int = 1,
+               env: collections.abc.Mapping[str, str] | None = None,
+               cwd: str | os.PathLike[str] | None = None,
+               grace_period: float = _policy.DEFAULT_GRACE_PERIOD_S,
+               stream: TextIO | None = None,
+               kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
+               port: int | None = None,
+               host_service: bool = False,
+               heartbeat_timeout: float = DEFAULT_HEARTBEAT_S):
+    if isinstance(command, str) or not command:
+      raise ValueError(
+          f'command must be a non-empty list of arguments, e.g. '
+          f"['python', 'train.py']; got {command!r}.")
+    if num_processes < 1 or devices_per_process < 1:
+      raise ValueError(
+          'num_processes and devices_per_process must be at least 1; got '
+          f'num_processes={num_processes}, '
+          f'devices_per_process={devices_per_process}.')
+    if grace_period < 0 or kill_wait < 0:
+      raise ValueError(
+          f'grace_period and kill_wait must be >= 0 seconds; got '
+          f'grace_period={grace_period}, kill_wait={kill_wait}.')
+    self.command = [os.fspath(c) for c in command]
+    self.num_processes = num_processes
+    self.devices_per_process = devices_per_process
+    self.grace_period = grace_period
+    self.kill_wait = kill_wait
+    self.port = port
+    self.host_service = host_service
+    self.heartbeat_timeout = heartbeat_timeout
+    self._service = None
+    self._extra_env = dict(env or {})
+    self._cwd = cwd
+    self._procs = _processes.Processes(num_processes, stream=stream)
+    self._started = False
+    self._interrupts = _signals.Interrupts()
+    self._result: _report.LaunchResult | None = None
+
+  # Starting and observing.
+
+  def start(self) -> Controllers:
+    """Starts every process; returns self."""
+    if self._started:
+      raise RuntimeError('These controllers were already started.')
+    self._started = True
+    if self.port is None:
+      self.port = find_free_port()
+    self._procs.start_time = time.monotonic()
+    _LIVE.add(self)
+    try:
+      service_env = {}
+      if self.host_service:
+        from multihost import lowlevel  # pylint: disable=g-import-not-at-top
+        self._service = lowlevel.start_service(
+            f'127.0.0.1:{self.port}', self.num_processes,
+            heartbeat_timeout=int(self.heartbeat_timeout))
+        service_env = env_lib.external_service_env(self.heartbeat_timeout)
+      for i in range(self.num_processes):
+        env = child_env(i, num_processes=self.num_processes,
+                        devices_per_process=self.devices_per_process,
+                        port=self.port)
+        env.update(service_env)
+        env.update(self._extra_env)
+        self._procs.spawn(self.command, env=env, cwd=self._cwd)
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  @property
+  def pids(self) -> list[int]:
+    return self._procs.pids
+
+  @property
+  def returncodes(self) -> list[int | None]:
+    """Per process: None while running, else as `subprocess` reports it."""
+    return self._procs.returncodes()
+
+  @property
+  def outputs(self) -> list[str]:
+    """Per process: its merged stdout/stderr so far, without prefixes."""
+    return [self.output(i) for i in range(self.num_processes)]
+
+  def output(self, index: int) -> str:
+    return self._procs.output.text(index)
+
+  def running(self) -> list[int]:
+    """Indices of the processes that have not exited."""
+    return self._procs.running()
+
+  def elapsed(self) -> float:
+    return time.monotonic() - self._procs.start_time
+
+  def wait_for_output(self, index: int, text: str, *,
+                      timeout: float) -> bool:
+    """Waits until process `index` prints `text`; False on timeout or exit."""
+    return self._procs.wait_for_output(index, text, timeout=timeout)
+
+  def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to process `index` (its pid only) if it is running."""
+    self._procs.kill(index, sig)
+
+  # Waiting, with the run's policy.
+
+  def wait(self, timeout: float | None = None) -> _report.LaunchResult:
+    """Waits for the run to end, enforcing its policy, and stops the rest.
+
+    The first process to fail (non-zero status or a signal) starts the grace
+    period; at its end the others are stopped. At `timeout` seconds from the
+    start, every process still running is stopped. Nothing is running when
+    this returns.
+
+    Args:
+      timeout: seconds for the whole run, counted from `start()`; None waits
+        without limit.
+
+    Returns:
+      The `LaunchResult`.
+    """
+    if not self._started:
+      self.start()
+    step = _policy.Step(_policy.ALL_EXITED)
+    try:
+      step = _policy.supervise(self._procs, timeout=timeout,
+                               grace_period=self.grace_period,
+                               interrupt=lambda: self._interrupts.first)
+      if step.action == _policy.INTERRUPTED:
+        _policy.forward(self._procs, self._interrupts.first,
+                        wait=max(self.kill_wait, self.grace_period),
+                        again=self._interrupts.again)
+    finally:
+      self.stop()
+    timed_out = step.action == _policy.TIMED_OUT
+    with self._procs.changed:
+      observed = _report.Observed(
+          returncodes=tuple(self._procs.returncodes_locked()),
+          end_times=tuple(self._procs.end_times_locked()),
+          stopped=self._procs.stopped_locked(),
+          pids=tuple(self._procs.pids),
+          outputs=tuple(self._procs.output.text_locked(i)
+                        for i in range(self.num_processes)),
+          devices_per_process=self.devices_per_process,
+          elapsed=self.elapsed(), grace_period=self.grace_period,
+          host_service=self.host_service, timed_out=timed_out,
+          still_running_at_timeout=step.running if timed_out else (),
+          interrupted_by=self._interrupts.first)
+    self._result = _report.report(observed)
+    return self._result
+
+  def stop(self) -> None:
+    """Stops every running process: SIGTERM, then SIGKILL after kill_wait."""
+    _policy.stop(self._procs, kill_wait=self.kill_wait)
+    if self._service is not None:
+      self._service.shutdown()
+      self._service = None
+    _LIVE.discard(self)
+
+  # Context manager.
+
+  def __enter__(self) -> Controllers:
+    if not self._started:
+      self.start()
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.stop()
+
+  def forward_signals(self) -> collections.abc.Callable[[], None]:
+    """Makes SIGINT/SIGTERM/SIGHUP stop the run (main thread only); returns the undo function.
+
+    The signal is forwarded to the running processes, which get the grace
+    period to stop and are then killed; a second signal kills them at once.
+    (Only a SIGKILL of the launcher itself can leave them running.)
+    """
+    return self._interrupts.install()
+
+
+def launch(command: collections.abc.Sequence[str], *, num_processes: int,
+           devices_per_process: int = 1, timeout: float | None = None,
+           grace_period: float = _policy.DEFAULT_GRACE_PERIOD_S,
+           env: collections.abc.Mapping[str, str] | None = None,
+           cwd: str | os.PathLike[str] | None = None,
+           stream: TextIO | None = None,
+           summary_stream: TextIO | None = None,
+           forward_signals: bool = False,
+           kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
+           host_service: bool = False) -> _report.LaunchResult:
+  """Runs `command` as N local controllers and returns how they ended.
+
+  Args:
+    command: the program and its arguments, run by every process.
+    num_processes: number of controllers.
+    devices_per_process: CPU devices per controller.
+    timeout: seconds for the whole run; None for no limit.
+    grace_period: seconds the others get after the first failure.
+    env: extra environment variables for every process.
+    cwd: working directory of the processes.
+    stream: where to stream the `[pN] `-prefixed output (None: capture only).
+    summary_stream: where to print the summary at the end (None: don't).
+    forward_signals: stop the run on SIGINT/SIGTERM/SIGHUP to this process
+      (main thread only; used by the command-line launcher).
+    kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
+      (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
+    host_service: host the coordination service in this process (see
+      `Controllers`).
+
+  Returns:
+    A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
+  """
+  cluster = Controllers(command, num_processes=num_processes,
+                        devices_per_process=devices_per_process, env=env,
+                        cwd=cwd, grace_period=grace_period, stream=stream,
+                        kill_wait=kill_wait, host_service=host_service)
+  restore = cluster.forward_signals() if forward_signals else None
+  try:
+    with cluster:
+      result = cluster.wait(timeout)
+  finally:
+    if restore is not None:
+      restore()
+  if summary_stream is not None:
+    summary_stream.write(result.summary + '\n')
+    summary_stream.flush()
+  return result

@@ -1,0 +1,111 @@
+"""The run policy: the first failure stops the run after a grace period, a timeout stops it all, stopping is SIGTERM then SIGKILL.
+
+`next_step()` is the policy as a pure function of what has been observed;
+`supervise()` applies it to running `Processes` until the run must end, and
+`stop()` / `forward()` end it.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import signal
+import time
+
+from multihost.launch import _processes
+
+# Longer than the default failure-detection time (10 s heartbeat timeout, see
+# multihost.initialize), so survivors can raise ProcessFailureError and exit
+# on their own before they are stopped.
+DEFAULT_GRACE_PERIOD_S = 15.0
+# How long stopped processes get between SIGTERM (or a forwarded signal) and
+# SIGKILL.
+DEFAULT_KILL_WAIT_S = 2.0
+# Longest sleep between two looks at the processes (exits wake it sooner).
+_MAX_PAUSE_S = 0.2
+
+WAIT = 'wait'
+ALL_EXITED = 'all exited'
+INTERRUPTED = 'interrupted'
+TIMED_OUT = 'timed out'
+GRACE_OVER = 'grace period over'
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """What the launcher does next: `action`, and for WAIT, how long; `running` at that moment."""
+  action: str
+  pause: float = 0.0
+  running: tuple[int, ...] = ()
+
+
+def next_step(*, elapsed: float, returncodes: collections.abc.Sequence[int | None],
+              end_times: collections.abc.Sequence[float | None],
+              timeout: float | None, grace_period: float,
+              interrupted: bool) -> Step:
+  """The policy's decision, `elapsed` seconds into a run (times are seconds from its start).
+
+  In order: every process exited -> ALL_EXITED; the launcher got a signal ->
+  INTERRUPTED; past `timeout` -> TIMED_OUT; `grace_period` after the first
+  failure (non-zero exit) -> GRACE_OVER; else WAIT until the next deadline
+  (at most 0.2 s).
+  """
+  running = tuple(i for i, rc in enumerate(returncodes) if rc is None)
+  if not running:
+    return Step(ALL_EXITED)
+  if interrupted:
+    return Step(INTERRUPTED, running=running)
+  if timeout is not None and elapsed >= timeout:
+    return Step(TIMED_OUT, running=running)
+  failed_at = [t for rc, t in zip(returncodes, end_times, strict=True)
+               if rc not in (None, 0) and t is not None]
+  grace_end = min(failed_at) + grace_period if failed_at else None
+  if grace_end is not None and elapsed >= grace_end:
+    return Step(GRACE_OVER, running=running)
+  wake = [t for t in (timeout, grace_end) if t is not None]
+  pause = _MAX_PAUSE_S if not wake else max(
+      0.0, min(_MAX_PAUSE_S, min(wake) - elapsed))
+  return Step(WAIT, pause=pause, running=running)
+
+
+def supervise(procs: _processes.Processes, *, timeout: float | None,
+              grace_period: float,
+              interrupt: collections.abc.Callable[[], int | None]) -> Step:
+  """Waits, applying `next_step`, until the run must end; returns that step (it stops nothing).
+
+  Args:
+    procs: the running processes.
+    timeout: seconds for the whole run, from `procs.start_time`; None: no
+      limit.
+    grace_period: seconds the others get after the first failure.
+    interrupt: returns the signal the launcher got, or None (polled; a
+      signal handler sets it without taking locks).
+  """
+  while True:
+    with procs.changed:
+      step = next_step(
+          elapsed=time.monotonic() - procs.start_time,
+          returncodes=procs.returncodes_locked(),
+          end_times=procs.end_times_locked(), timeout=timeout,
+          grace_period=grace_period, interrupted=interrupt() is not None)
+      if step.action != WAIT:
+        return step
+      procs.changed.wait(step.pause)
+
+
+def stop(procs: _processes.Processes, *, kill_wait: float) -> None:
+  """Stops every running process: SIGTERM to its group, SIGKILL `kill_wait` seconds later; reaps all."""
+  procs.signal_running(signal.SIGTERM)
+  procs.stop(wait=kill_wait)
+
+
+def forward(procs: _processes.Processes, sig: int, *, wait: float,
+            again: collections.abc.Callable[[], bool]) -> None:
+  """Forwards the launcher's signal `sig`; the processes get `wait` seconds (or until `again()`) before SIGKILL.
+
+  (A program may turn the signal into a clean, collective stop, e.g.
+  `recovery` saves an agreed step on Ctrl-C.) A second signal to the
+  launcher (`again()`) stops them at once.
+  """
+  procs.signal_running(sig)
+  procs.stop(wait=wait, until=again)
