@@ -3,14 +3,37 @@
 A drop-in replacement for `jax.experimental.multihost_utils` built on public
 JAX APIs, plus timeouts that name missing processes, agreement checks instead
 of aborts, digest comparisons and object collectives.
+
+Layers (a call goes down only, never back up; modules _*.py are private):
+
+  public collectives  _broadcast, _gather, _sync (sync_global_devices),
+                      _equal, _digest, _arrays, _preemption, _watched;
+                      _leaves: pytree leaves <-> host bytes (pure)
+  control plane       _control_agree: agreement on what every process is
+                        about to do (Header; agree, agree_and_read_one,
+                        agree_and_gather, full_exchange)
+                      -> _control_rendezvous: barriers and key-value
+                        messages through the coordination service
+                        (_calls numbers the calls)
+                      -> _coordination: the one module that touches JAX's
+                        coordination-service client
+  data plane          _data_plane: the $MULTIHOST_TRANSPORT switch
+                      -> _data_tcp (TCP between hosts) | _data_device
+                        (device collectives)
+  failure, diagnostics  _watchdog: sees a peer die, runs blocking steps
+                        watched; _diagnostics: the `[process=N]` prefix,
+                        the advice, low-level failures as named errors;
+                        _errors: the exception classes
+  runtime facts       _process: index, count, default timeout;
+                      _initialize: `initialize()` apart from them
+  environment         env: every environment variable name, the
+                        launcher<->controller contract
+  semi-public         lowlevel: seams for tools and tests
 """
 
 from multihost._arrays import (
     global_array_to_host_local_array as global_array_to_host_local_array,
     host_local_array_to_global_array as host_local_array_to_global_array,
-)
-from multihost._barrier import (
-    sync_global_devices as sync_global_devices,
 )
 from multihost._broadcast import (
     broadcast_object as broadcast_object,
@@ -37,10 +60,15 @@ from multihost._gather import (
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
 )
-from multihost._runtime import (
-    default_timeout as default_timeout,
+from multihost._initialize import (
     initialize as initialize,
+)
+from multihost._process import (
+    default_timeout as default_timeout,
     set_default_timeout as set_default_timeout,
+)
+from multihost._sync import (
+    sync_global_devices as sync_global_devices,
 )
 from multihost._watched import (
     call_watched as call_watched,

@@ -1,4 +1,4 @@
-"""Leaves of a pytree as host bytes: normalization, description, packing.
+"""Public-collective helpers: leaves of a pytree as host bytes (normalization, description, packing); pure.
 
 A leaf of a collective is a numpy array, a `jax.Array` (including typed PRNG
 key arrays) or a Python scalar. Host-side it becomes a C-contiguous numpy array
@@ -16,8 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from multihost import _runtime
 
 PyTree = Any
 
@@ -44,6 +42,14 @@ class LeafSpec:
     return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
+def require_not_tracer(x, op: str) -> None:
+  """Raises TypeError for a tracer: the collectives are host-side, eager."""
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f'{op} is a host-side collective and cannot run inside jax.jit, '
+        'vmap or grad (it got a tracer). Call it outside transformed code.')
+
+
 def is_key(x) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
       x.dtype, jax.dtypes.prng_key)
@@ -60,7 +66,7 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   if isinstance(x, np.ndarray):  # The common case, kept cheap.
     value = x
   else:
-    _runtime.require_not_tracer(x, op)
+    require_not_tracer(x, op)
     if is_key(x):
       key_impl = str(jax.random.key_impl(x))
       data = jax.random.key_data(x)
@@ -169,7 +175,7 @@ def flatten(tree: PyTree, op: str):
   """
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   for _, leaf in with_path:
-    _runtime.require_not_tracer(leaf, op)
+    require_not_tracer(leaf, op)
   paths = [jax.tree_util.keystr(p) or '<root>' for p, _ in with_path]
   leaves = [leaf for _, leaf in with_path]
   return leaves, paths, treedef
