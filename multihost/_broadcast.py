@@ -50,16 +50,14 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   if default_source:
     is_source = _process.process_index() == 0
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  if any(_leaves.is_global(x) for x in leaves):
-    bad = [p for p, x in zip(paths, leaves, strict=True) if _leaves.is_global(x)]
+  bad = _leaves.global_paths(leaves, paths)
+  if bad:
     raise ValueError(
         f'{op}: leaves {bad} are global jax.Arrays that are not fully '
         'addressable; they are already shared by all processes. Broadcast '
         'host-local values, or use process_allgather(..., tiled=True) to get '
         'the full value of a global array.')
-  hosted = [_leaves.to_host(x, op) for x in leaves]
-  values = [v for v, _ in hosted]
-  specs = tuple(s for _, s in hosted)
+  values, specs = _leaves.to_host_all(leaves, op)
   if _process.process_count() == 1:
     if not is_source:
       raise _errors.ConsistencyError(
@@ -97,9 +95,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     packed = _leaves.pack(values) if is_source else None
     buffer = _data_plane.broadcast(packed, size, source, op=op,
                                    timeout=timeout)
-  out = _leaves.unpack(buffer, list(specs))
-  return treedef.unflatten(
-      [_leaves.finish(v, s) for v, s in zip(out, specs, strict=True)])
+  return _leaves.rebuild(buffer, specs, treedef)
 
 
 def broadcast_object(obj: Any, is_source: bool | None = None, *,

@@ -44,6 +44,7 @@ class _Plane:
 
   def __init__(self):
     self.me = _process.process_index()
+    self.count = _process.process_count()
     self.seq = 0  # Transfers so far: every process counts the same ones.
     self.broken: str | None = None
     self.lock = threading.Condition()
@@ -228,10 +229,9 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   Collective: every process must call this, in the same order, with the
   same `length` and `source`.
   """
-  count = _process.process_count()
-  me = _process.process_index()
   deadline = time.monotonic() + timeout
   plane = _get_plane(op)
+  me, count = plane.me, plane.count
   call = plane.seq
   rank = (me - source) % count
   prev = (me - 1) % count
@@ -273,10 +273,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   Collective: every process must call this, in the same order, with the
   same `sizes`.
   """
-  count = _process.process_count()
-  me = _process.process_index()
   deadline = time.monotonic() + timeout
   plane = _get_plane(op)
+  me, count = plane.me, plane.count
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
   rows = np.empty((count, max(sizes)), np.uint8)

@@ -84,6 +84,22 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   return value, LeafSpec(value.shape, dtype_name(dtype), key_impl, key_dims)
 
 
+def to_host_all(leaves: list, op: str
+                ) -> tuple[list[np.ndarray], tuple[LeafSpec, ...]]:
+  """`to_host` of every leaf: (values, specs)."""
+  values, specs = [], []
+  for x in leaves:
+    value, spec = to_host(x, op)
+    values.append(value)
+    specs.append(spec)
+  return values, tuple(specs)
+
+
+def global_paths(leaves: list, paths: list[str]) -> list[str]:
+  """The paths of the leaves that are global (not fully addressable) arrays."""
+  return [p for p, x in zip(paths, leaves, strict=True) if is_global(x)]
+
+
 @functools.cache
 def _canonical(dtype: np.dtype) -> np.dtype:
   """The dtype a JAX device would give `dtype` (e.g. float64 -> float32)."""
@@ -165,6 +181,14 @@ def unpack(buffer: np.ndarray, specs: list[LeafSpec],
     offset += n
     leaves.append(value)
   return leaves
+
+
+def rebuild(buffer: np.ndarray, specs: tuple[LeafSpec, ...],
+            treedef) -> PyTree:
+  """The tree of the leaves packed in `buffer` (views of it; keys re-wrapped)."""
+  leaves = unpack(buffer, list(specs))
+  return treedef.unflatten([finish(v, s)
+                            for v, s in zip(leaves, specs, strict=True)])
 
 
 def flatten(tree: PyTree, op: str):
