@@ -4,31 +4,30 @@ A drop-in replacement for `jax.experimental.multihost_utils` built on public
 JAX APIs, plus timeouts that name missing processes, agreement checks instead
 of aborts, digest comparisons and object collectives.
 
-Layers (a call goes down only, never back up; modules _*.py are private):
+Layers, top to bottom. A call goes down only, never back up: no module
+imports one above it (public modules may use one another), and there is no
+import cycle (tests/test_layers.py checks both). Modules _*.py are private.
 
-  public collectives  _broadcast, _gather, _sync (sync_global_devices),
-                      _equal, _digest, _arrays, _preemption, _watched;
-                      _leaves: pytree leaves <-> host bytes (pure)
-  control plane       _control_agree: agreement on what every process is
-                        about to do (Header; agree, agree_and_read_one,
+  public              _broadcast, _gather, _sync (sync_global_devices), _equal,
+                      _digest, _arrays, _preemption, _watched; _initialize
+  control plane       _control_agree: agreement on what every process is about
+                        to do (Header; agree, agree_and_read_one,
                         agree_and_gather, full_exchange)
-                      -> _control_rendezvous: barriers and key-value
-                        messages through the coordination service
-                        (_calls numbers the calls)
-                      -> _coordination: the one module that touches JAX's
-                        coordination-service client
+                      -> _control_rendezvous: barriers and key-value messages
+                        through the coordination service; _calls numbers them
   data plane          _data_plane: the $MULTIHOST_TRANSPORT switch
-                      -> _data_tcp (TCP between hosts) | _data_device
-                        (device collectives)
-  failure, diagnostics  _watchdog: sees a peer die, runs blocking steps
-                        watched; _diagnostics: the `[process=N]` prefix,
-                        the advice, low-level failures as named errors;
-                        _errors: the exception classes
-  runtime facts       _process: index, count, default timeout;
-                      _initialize: `initialize()` apart from them
-  environment         env: every environment variable name, the
-                        launcher<->controller contract
-  semi-public         lowlevel: seams for tools and tests
+                      -> _data_tcp (TCP between hosts) | _data_device (device
+                        collectives)
+  failure             _watchdog: sees a peer die; runs blocking steps watched
+  diagnostics         _diagnostics: the `[process=N]` prefix, shortening, the
+                        advice, and low-level failures as named errors
+  coordination        _coordination: the one module that touches JAX's
+                        coordination-service client (used by the rendezvous,
+                        the TCP plane's address book and the watchdog)
+  runtime facts       _process: process index and count, default timeout
+  pure                _leaves (pytree leaves <-> host bytes), _errors, env
+                        (every environment variable name)
+  semi-public         lowlevel: the seams tools and tests use
 """
 
 from multihost._arrays import (
