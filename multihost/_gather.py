@@ -55,37 +55,20 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   op = 'process_allgather'
   timeout = _process.resolve_timeout(timeout)
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  parts: list[np.ndarray] = []   # what this process sends, in order
-  specs: list[_leaves.LeafSpec] = []
-  shards: list[list | None] = []  # per leaf: this process's shard bounds
-  layouts: list[list | None] = []  # per leaf: every process's shard bounds
-  for path, x in zip(paths, leaves, strict=True):
-    if _leaves.is_global(x):
-      if not tiled:
-        raise ValueError(
-            f'{op}: leaf {path} is a global jax.Array that is not fully '
-            f'addressable (shape {x.shape}, sharding {x.sharding}). Its '
-            'processes hold parts of one value, not one value each, so it '
-            'cannot be stacked: pass tiled=True to get its full global '
-            'value.')
-      spec, bounds, datas, layout = _global_parts(x, op)
-      specs.append(spec)
-      shards.append(bounds)
-      layouts.append(layout)
-      parts.extend(datas)
-    else:
-      value, spec = _leaves.to_host(x, op)
-      specs.append(spec)
-      shards.append(None)
-      layouts.append(None)
-      parts.append(value)
+  has_global = bool(_leaves.global_paths(leaves, paths))
+  if not has_global:  # The common case: one call converts every leaf.
+    parts, specs = _leaves.to_host_all(leaves, op)
+    shards: list[list | None] = [None] * len(leaves)  # this process's bounds
+    layouts: list[list | None] = [None] * len(leaves)  # every process's
+  else:
+    parts, specs, shards, layouts = _with_global_leaves(leaves, paths, op,
+                                                        tiled)
   count = _process.process_count()
   if count == 1:
     out = [_assemble(parts_of_leaf, spec, tiled, bounds)
            for parts_of_leaf, spec, bounds in _by_leaf([parts], specs, [shards])]
     return treedef.unflatten(out)
   size = sum(p.nbytes for p in parts)
-  has_global = any(b is not None for b in shards)
   # What every process sends follows from the specs and the global leaves'
   # layouts, which the agreement covers, so every process knows every size.
   sizes = [_size_of(specs, layouts, p) for p in range(count)]
@@ -107,8 +90,8 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                                    op=op, timeout=timeout)
       received = [rows[p, :n] for p, n in enumerate(sizes)]
     if not has_global:
-      return treedef.unflatten(_stacked_views(np.stack(received) if inline
-                                              else rows, specs, tiled))
+      return treedef.unflatten(_leaves.stacked_views(
+          np.stack(received) if inline else rows, specs, tiled=tiled))
     all_shards = [[None if layout is None else layout[p]
                    for layout in layouts] for p in range(count)]
   else:
@@ -134,25 +117,33 @@ def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
   return [rows[p, :n] for p, n in enumerate(sizes)]
 
 
-def _stacked_views(rows: np.ndarray, specs, tiled: bool) -> list:
-  """Leaves gathered from equal-layout rows, as views of `rows` (no copy).
-
-  Row p holds process p's packed leaves, all at the same offsets, so a
-  leaf's stacked value is a column band of `rows` viewed as its dtype. With
-  a single leaf whose size is the row's, it is contiguous.
-  """
-  count = rows.shape[0]
-  out, offset = [], 0
-  for spec in specs:
-    n = spec.nbytes
-    band = rows[:, offset:offset + n]
-    offset += n
-    value = band.view(_leaves.np_dtype(spec.dtype)).reshape(
-        (count,) + spec.shape)
-    if tiled and spec.ndim > 0:
-      value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
-    out.append(_leaves.finish(value, spec))
-  return out
+def _with_global_leaves(leaves, paths, op: str, tiled: bool):
+  """(parts, specs, shards, layouts) of a tree with global leaves (see above)."""
+  parts: list[np.ndarray] = []   # what this process sends, in order
+  specs: list[_leaves.LeafSpec] = []
+  shards: list[list | None] = []  # per leaf: this process's shard bounds
+  layouts: list[list | None] = []  # per leaf: every process's shard bounds
+  for path, x in zip(paths, leaves, strict=True):
+    if _leaves.is_global(x):
+      if not tiled:
+        raise ValueError(
+            f'{op}: leaf {path} is a global jax.Array that is not fully '
+            f'addressable (shape {x.shape}, sharding {x.sharding}). Its '
+            'processes hold parts of one value, not one value each, so it '
+            'cannot be stacked: pass tiled=True to get its full global '
+            'value.')
+      spec, bounds, datas, layout = _global_parts(x, op)
+      specs.append(spec)
+      shards.append(bounds)
+      layouts.append(layout)
+      parts.extend(datas)
+    else:
+      value, spec = _leaves.to_host(x, op)
+      specs.append(spec)
+      shards.append(None)
+      layouts.append(None)
+      parts.append(value)
+  return parts, tuple(specs), shards, layouts
 
 
 def _global_parts(x: jax.Array, op: str):

@@ -191,6 +191,27 @@ def rebuild(buffer: np.ndarray, specs: tuple[LeafSpec, ...],
                             for v, s in zip(leaves, specs, strict=True)])
 
 
+def stacked_views(rows: np.ndarray, specs, *, tiled: bool) -> list:
+  """Leaves gathered from equal-layout rows, as views of `rows` (no copy).
+
+  Row p holds process p's packed leaves, all at the same offsets, so a
+  leaf's stacked value is a column band of `rows` viewed as its dtype. With
+  a single leaf whose size is the row's, it is contiguous.
+  """
+  count = rows.shape[0]
+  out, offset = [], 0
+  for spec in specs:
+    n = spec.nbytes
+    band = rows[:, offset:offset + n]
+    offset += n
+    value = band.view(np_dtype(spec.dtype)).reshape(
+        (count,) + spec.shape)
+    if tiled and spec.ndim > 0:
+      value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
+    out.append(finish(value, spec))
+  return out
+
+
 def flatten(tree: PyTree, op: str):
   """Leaves with their key paths (as strings) and the treedef.
 
