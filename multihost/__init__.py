@@ -3,14 +3,36 @@
 A drop-in replacement for `jax.experimental.multihost_utils` built on public
 JAX APIs, plus timeouts that name missing processes, agreement checks instead
 of aborts, digest comparisons and object collectives.
+
+Layers, top to bottom. A call goes down only, never back up: no module
+imports one above it (public modules may use one another), and there is no
+import cycle (tests/test_layers.py checks both). Modules _*.py are private.
+
+  public              _broadcast, _gather, _sync (sync_global_devices), _equal,
+                      _digest, _arrays, _preemption, _watched; _initialize
+  control plane       _control_agree: agreement on what every process is about
+                        to do (Header; agree, agree_and_read_one,
+                        agree_and_gather, full_exchange)
+                      -> _control_rendezvous: barriers and key-value messages
+                        through the coordination service; _calls numbers them
+  data plane          _data_plane: the $MULTIHOST_TRANSPORT switch
+                      -> _data_tcp (TCP between hosts) | _data_device (device
+                        collectives)
+  failure             _watchdog: sees a peer die; runs blocking steps watched
+  diagnostics         _diagnostics: the `[process=N]` prefix, shortening, the
+                        advice, and low-level failures as named errors
+  coordination        _coordination: the one module that touches JAX's
+                        coordination-service client (used by the rendezvous,
+                        the TCP plane's address book and the watchdog)
+  runtime facts       _process: process index and count, default timeout
+  pure                _leaves (pytree leaves <-> host bytes), _errors, env
+                        (every environment variable name)
+  semi-public         lowlevel: the seams tools and tests use
 """
 
 from multihost._arrays import (
     global_array_to_host_local_array as global_array_to_host_local_array,
     host_local_array_to_global_array as host_local_array_to_global_array,
-)
-from multihost._barrier import (
-    sync_global_devices as sync_global_devices,
 )
 from multihost._broadcast import (
     broadcast_object as broadcast_object,
@@ -37,10 +59,15 @@ from multihost._gather import (
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
 )
-from multihost._runtime import (
-    default_timeout as default_timeout,
+from multihost._initialize import (
     initialize as initialize,
+)
+from multihost._process import (
+    default_timeout as default_timeout,
     set_default_timeout as set_default_timeout,
+)
+from multihost._sync import (
+    sync_global_devices as sync_global_devices,
 )
 from multihost._watched import (
     call_watched as call_watched,

@@ -1,4 +1,4 @@
-"""Host-local <-> global jax.Array conversion, for any device order."""
+"""Public functions: host-local <-> global jax.Array conversion, for any device order (no communication)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from multihost import _runtime
+from multihost import _diagnostics
+from multihost import _leaves
 
 PyTree = Any
 _NONE_SPEC = ('`None` is not a valid partition spec for {what}. Use '
@@ -107,7 +108,8 @@ def _local_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   is_local = np.vectorize(lambda d: d.process_index == me)(mesh.devices)
   if not is_local.any():
     raise ValueError(
-        f'[process={me}] the mesh has no device of this process: {mesh}.')
+        f'{_diagnostics.prefix(me)} the mesh has no device of this process: '
+        f'{mesh}.')
   coords = [np.flatnonzero(is_local.any(axis=tuple(
       a for a in range(mesh.devices.ndim) if a != axis)))
             for axis in range(mesh.devices.ndim)]
@@ -115,7 +117,7 @@ def _local_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   if not np.vectorize(lambda d: d.process_index == me)(sub).all() or (
       sub.size != is_local.sum()):
     raise ValueError(
-        f'[process={me}] this process\'s devices do not form a sub-grid of '
+        f'{_diagnostics.prefix(me)} this process\'s devices do not form a sub-grid of '
         f'the mesh (axes {mesh.axis_names}, shape {mesh.devices.shape}), so '
         'there is no host-local layout for them. Arrange the mesh so that '
         'each process\'s devices sit at the crossings of some rows/columns, '
@@ -143,7 +145,7 @@ def _scale(spec, ndim, big: jax.sharding.Mesh, small: jax.sharding.Mesh):
 def _to_global(x, mesh, local_mesh, spec):
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return x
-  _runtime.require_not_tracer(x, 'host_local_array_to_global_array')
+  _leaves.require_not_tracer(x, 'host_local_array_to_global_array')
   global_sharding = jax.sharding.NamedSharding(mesh, spec)
   local_sharding = jax.sharding.NamedSharding(local_mesh, spec)
   if not isinstance(x, jax.Array):
@@ -156,7 +158,7 @@ def _to_global(x, mesh, local_mesh, spec):
                        strict=True):
     if n % s:
       raise ValueError(
-          f'[process={jax.process_index()}] host_local_array_to_global_array:'
+          f'{_diagnostics.prefix()} host_local_array_to_global_array:'
           f' a local dimension of size {n} cannot be split over {s} local '
           f'devices (spec {spec}, local shape {x.shape}).')
     shape.append(n // s * b)

@@ -1,4 +1,4 @@
-"""broadcast_one_to_all and broadcast_object."""
+"""Public collectives: broadcast_one_to_all and broadcast_object."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from multihost import _bulk
+from multihost import _control_agree
+from multihost import _data_plane
+from multihost import _diagnostics
 from multihost import _errors
 from multihost import _leaves
-from multihost import _protocol
-from multihost import _runtime
+from multihost import _process
 
 PyTree = Any
 
@@ -44,22 +45,20 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'broadcast_one_to_all'
-  timeout = _runtime.resolve_timeout(timeout)
+  timeout = _process.resolve_timeout(timeout)
   default_source = is_source is None
   if default_source:
-    is_source = _runtime.process_index() == 0
+    is_source = _process.process_index() == 0
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  if any(_leaves.is_global(x) for x in leaves):
-    bad = [p for p, x in zip(paths, leaves, strict=True) if _leaves.is_global(x)]
+  bad = _leaves.global_paths(leaves, paths)
+  if bad:
     raise ValueError(
         f'{op}: leaves {bad} are global jax.Arrays that are not fully '
         'addressable; they are already shared by all processes. Broadcast '
         'host-local values, or use process_allgather(..., tiled=True) to get '
         'the full value of a global array.')
-  hosted = [_leaves.to_host(x, op) for x in leaves]
-  values = [v for v, _ in hosted]
-  specs = tuple(s for _, s in hosted)
-  if _runtime.process_count() == 1:
+  values, specs = _leaves.to_host_all(leaves, op)
+  if _process.process_count() == 1:
     if not is_source:
       raise _errors.ConsistencyError(
           f'{op}: no process is the source (the only process passed '
@@ -68,33 +67,35 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
         [_leaves.finish(v.copy(), s) for v, s in zip(values, specs, strict=True)])
   size = sum(v.nbytes for v in values)
   # The size follows from the specs, which every process checks are equal.
-  inline = size <= _protocol.INLINE_BYTES
-  header = _protocol.Header(
-      op, str(treedef), tuple(paths), specs, {'source': bool(is_source)},
-      size, _leaves.pack(values).tobytes() if is_source and inline else None,
-      agreed='source: process 0' if default_source else None)
-  # With the default source every process knows who it is, so the fast path
+  inline = size <= _control_agree.INLINE_BYTES
+  header = _control_agree.Header(
+      op, str(treedef), tuple(paths), specs, size=size,
+      payload=_leaves.pack(values).tobytes() if is_source and inline else None,
+      default_source=default_source, is_source=bool(is_source))
+  # With the default source every process knows who it is, so one barrier
   # can prove agreement; with explicit is_source, the full exchange counts
   # the sources.
-  headers, agreed = _protocol.exchange(
-      header, timeout=timeout, fast=default_source,
-      publish=is_source and inline, read=0 if inline and not is_source
-      else False)
-  if agreed:  # Process 0 is the source; others read its header if inline.
+  payload = None
+  if not default_source:
+    headers = _control_agree.full_exchange(header, timeout=timeout)
+  elif inline:
+    payload, headers = _control_agree.agree_and_read_one(header, 0,
+                                                         timeout=timeout)
+  else:
+    headers = _control_agree.agree(header, timeout=timeout)
+  if headers is None:  # Agreed: process 0 is the source.
     source = 0
-    source_header = headers[0] if inline and not is_source else header
   else:
     source = _one_source(headers, op)
-    source_header = headers[source]
-    _protocol.check_same_leaves(headers)
-  if source_header.payload is not None:
-    buffer = np.frombuffer(source_header.payload, np.uint8)
+    _control_agree.check_same_leaves(headers)
+    payload = headers[source].payload
+  if payload is not None:
+    buffer = np.frombuffer(payload, np.uint8)
   else:
     packed = _leaves.pack(values) if is_source else None
-    buffer = _bulk.broadcast(packed, size, source, op=op, timeout=timeout)
-  out = _leaves.unpack(buffer, list(specs))
-  return treedef.unflatten(
-      [_leaves.finish(v, s) for v, s in zip(out, specs, strict=True)])
+    buffer = _data_plane.broadcast(packed, size, source, op=op,
+                                   timeout=timeout)
+  return _leaves.rebuild(buffer, specs, treedef)
 
 
 def broadcast_object(obj: Any, is_source: bool | None = None, *,
@@ -117,37 +118,38 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'broadcast_object'
-  timeout = _runtime.resolve_timeout(timeout)
+  timeout = _process.resolve_timeout(timeout)
   if is_source is None:
-    is_source = _runtime.process_index() == 0
-  if _runtime.process_count() == 1:
+    is_source = _process.process_index() == 0
+  if _process.process_count() == 1:
     if not is_source:
       raise _errors.ConsistencyError(
           f'{op}: no process is the source (the only process passed '
           'is_source=False). Pass is_source=True on exactly one process.')
     return obj
   data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_source else b''
-  inline = is_source and len(data) <= _protocol.INLINE_BYTES
-  header = _protocol.Header(op, extra={'source': bool(is_source)},
-                            size=len(data), payload=data if inline else None)
-  headers, _ = _protocol.exchange(header, timeout=timeout)
+  inline = is_source and len(data) <= _control_agree.INLINE_BYTES
+  header = _control_agree.Header(op, size=len(data),
+                                 payload=data if inline else None,
+                                 is_source=bool(is_source))
+  headers = _control_agree.full_exchange(header, timeout=timeout)
   source = _one_source(headers, op)
   payload = headers[source].payload
   if payload is None:
     size = headers[source].size
-    received = _bulk.broadcast(
+    received = _data_plane.broadcast(
         np.frombuffer(data, np.uint8) if is_source else None, size, source,
         op=op, timeout=timeout)
     payload = b'' if is_source else received.tobytes()
   return obj if is_source else pickle.loads(payload)
 
 
-def _one_source(headers: list[_protocol.Header], op: str) -> int:
-  sources = [p for p, h in enumerate(headers) if h.extra.get('source')]
+def _one_source(headers: list[_control_agree.Header], op: str) -> int:
+  sources = [p for p, h in enumerate(headers) if h.is_source]
   if len(sources) == 1:
     return sources[0]
   what = 'no process is' if not sources else f'processes {sources} are all'
   raise _errors.ConsistencyError(
-      f'{_runtime.log_prefix()} {op}: {what} the source; exactly one process '
+      f'{_diagnostics.prefix()} {op}: {what} the source; exactly one process '
       'must pass is_source=True (by default process 0 is the source). '
-      f'is_source by process: {[bool(h.extra.get("source")) for h in headers]}.')
+      f'is_source by process: {[h.is_source for h in headers]}.')

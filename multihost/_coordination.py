@@ -1,4 +1,4 @@
-"""The one module that touches JAX's coordination-service client.
+"""Control plane: the one module that touches JAX's coordination-service client (the one jax._src access).
 
 Why this module exists: JAX 0.10.2 has no public API for the coordination
 service's timed barrier or its key-value store, which are what let a collective
@@ -50,7 +50,7 @@ def wait_at_barrier(barrier_id: str, timeout_s: float,
   """Blocks until every process (or `process_ids`) reaches `barrier_id`.
 
   Raises the client's own exception (usually `jax.errors.JaxRuntimeError`)
-  on a timeout or a failed peer; callers translate it, see `_exchange`.
+  on a timeout or a failed peer; callers name it, see `_control_rendezvous` and `_diagnostics`.
   """
   ms = max(1, int(timeout_s * 1000))
   if process_ids is None:
@@ -83,7 +83,7 @@ def live_processes(process_ids: list[int]) -> list[int]:
 
   A rendezvous: the service answers only once every process it considers
   alive has asked too, so every process must poll it (the failure watchdog
-  in `_failure` does).
+  in `_watchdog` does).
   """
   return sorted(require_client().get_live_nodes(list(process_ids)))
 

@@ -1,8 +1,27 @@
-"""Failure and diagnostics: the `[process=N]` prefix and message shortening every error uses."""
+"""Failure and diagnostics: every message's prefix, its advice, and the named errors of low-level failures.
+
+The one place that turns what went wrong below the collectives (a
+coordination-service error, a broken TCP connection, a stuck device
+collective, a peer the watchdog saw die) into a `MultihostError` naming the
+process, the operation, what happened and what to do now. It makes no
+blocking call and holds no state: callers pass the facts (what the watchdog
+knows, which processes published) in.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import jax
+
+from multihost import _errors
+
+# What to do now, as every message of the same kind says it.
+RESTART = 'save what you can and restart the job.'
+SAME_ORDER = ('Check that every process calls the same collectives in the '
+              'same order')
+LARGER_TIMEOUT = ('pass a larger timeout= (or multihost.set_default_timeout())')
+BUG = 'This is a bug in multihost; please report it.'
 
 
 def prefix(index: int | None = None) -> str:
@@ -14,3 +33,180 @@ def shorten(message: object, limit: int = 400) -> str:
   """`message` (a string or an exception) on one line, cut to `limit` characters."""
   text = ' '.join(str(message).split())
   return text if len(text) <= limit else text[:limit] + '...'
+
+
+def groups(values: list, render: Callable[[object], str] = repr) -> str:
+  """'processes [0, 2]: 'a'; process [1]: 'b'' for per-process values."""
+  by_value: dict = {}
+  for p, v in enumerate(values):
+    by_value.setdefault(v, []).append(p)
+  parts = []
+  for v, ps in by_value.items():
+    noun = 'process' if len(ps) == 1 else 'processes'
+    parts.append(f'{noun} {ps}: {render(v)}')
+  return '; '.join(parts)
+
+
+def minority(values: list) -> list[int]:
+  """Processes whose value is not the most common one (ties: not process 0's)."""
+  counts: dict = {}
+  for v in values:
+    counts[v] = counts.get(v, 0) + 1
+  majority = max(counts, key=lambda v: (counts[v], v == values[0]))
+  return [p for p, v in enumerate(values) if v != majority]
+
+
+# --- The coordination service (control plane) ------------------------------
+
+
+def coordination_failure(
+    error: BaseException, op: str, *, me: int, count: int, waited: float,
+    timeout: float, known: _errors.ProcessFailureError | None,
+    tasks: list[int], published: Callable[[], Iterable[int]] | None = None,
+) -> _errors.MultihostError:
+  """Names a coordination-service error of collective `op`.
+
+  Args:
+    error: what the client raised.
+    op: the collective.
+    me: this process's index.
+    count: the number of processes.
+    waited: seconds waited in the collective so far.
+    timeout: the collective's timeout.
+    known: the watchdog's error when it already knows a peer is gone.
+    tasks: the processes the service's message names (`task:N`).
+    published: the processes that published their message (asked only when
+      the service's message names nobody).
+  """
+  if isinstance(error, _errors.MultihostError):  # Already named (watchdog).
+    return error
+  message = str(error)
+  if known is not None:
+    return known
+  if 'UNAVAILABLE' in message and ('coordination service' in message or
+                                   'failed to connect' in message):
+    return _errors.ProcessFailureError(
+        f'{prefix(me)} {op}: the coordination service (hosted by process '
+        f'0) is unreachable after {waited:.1f} s; process 0 has probably '
+        f'failed. Underlying error: {shorten(message)}',
+        operation=op, failed=[0])
+  if 'heartbeat' in message or 'unhealthy' in message:
+    dead = [t for t in tasks if t != me]
+    return _errors.ProcessFailureError(
+        f'{prefix(me)} {op}: process(es) {dead} failed (the coordination '
+        f'service reports missed heartbeats) after {waited:.1f} s. The '
+        f'collective cannot complete; {RESTART}',
+        operation=op, failed=dead)
+  missing = [t for t in tasks if t != me]
+  if not missing and published is not None:
+    present = set(published())
+    missing = [p for p in range(count) if p not in present]
+  if 'DEADLINE_EXCEEDED' in message or waited >= timeout * 0.99:
+    if not missing:
+      return _errors.CollectiveTimeoutError(
+          f'{prefix(me)} {op}: this process arrived late: the other '
+          f'processes had already given up waiting (timeout={timeout:g} s) '
+          f'when it got there after {waited:.1f} s more. Find what delayed '
+          f'process {me}, or pass a larger timeout=.',
+          operation=op, missing=[me], waited=waited)
+    return _errors.CollectiveTimeoutError(
+        f'{prefix(me)} {op}: timed out after {waited:.1f} s (timeout='
+        f'{timeout:g} s) waiting for process(es) {missing} to arrive. '
+        f'{SAME_ORDER}, or {LARGER_TIMEOUT}.',
+        operation=op, missing=missing, waited=waited)
+  return _errors.MultihostError(
+      f'{prefix(me)} {op}: the coordination-service barrier failed after '
+      f'{waited:.1f} s: {shorten(message)}')
+
+
+def messages_missing(op: str, missing: list[int]) -> _errors.MultihostError:
+  """A completed barrier whose messages are not all in the key-value store."""
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the barrier completed but the messages of processes '
+      f'{missing} are missing from the coordination service. {BUG}')
+
+
+def different_collectives(ops: list[str]) -> _errors.ConsistencyError:
+  return _errors.ConsistencyError(
+      f'{prefix()} processes called different collectives at the same point: '
+      f'{groups(ops)}. Every process must call the same multihost '
+      'collectives in the same order.')
+
+
+# --- Peers gone (the watchdog's findings) ----------------------------------
+
+
+def process_failure(op: str, *, me: int, failed: list[int],
+                    exited: list[int], service_lost: bool,
+                    waited: float | None, bound: float,
+                    cause: BaseException | None = None
+                    ) -> _errors.ProcessFailureError:
+  """A `ProcessFailureError` for `op` naming the processes known gone."""
+  where = f' {op}:' if op else ''
+  parts = []
+  if failed:
+    parts.append(f'process(es) {failed} failed (the coordination service '
+                 'stopped receiving their heartbeats)')
+  if exited:
+    parts.append(f'process(es) {exited} exited before this collective')
+  if service_lost and not failed:
+    parts.append('the coordination service is unreachable, so process 0 '
+                 '(or the launcher) that hosts it has probably failed')
+    failed = [0]
+  if not parts:
+    parts.append('a peer closed its connection during a device collective, '
+                 'but the coordination service still sees every process '
+                 f'alive after {bound:.0f} s')
+  after = '' if waited is None else f' (after waiting {waited:.1f} s)'
+  detail = '' if cause is None else f' Underlying error: {shorten(cause, 300)}'
+  return _errors.ProcessFailureError(
+      f'{prefix(me)}{where} {"; ".join(parts)}{after}. The collective '
+      'cannot complete, and this process can no longer run collectives: '
+      'save what you can locally, exit with a non-zero status, and restart '
+      f'the job (e.g. from the last checkpoint).{detail}',
+      operation=op, failed=failed + exited)
+
+
+def step_timeout(op: str, *, me: int, waited: float,
+                 timeout: float) -> _errors.CollectiveTimeoutError:
+  """A watched blocking step (a device collective) that did not complete."""
+  return _errors.CollectiveTimeoutError(
+      f'{prefix(me)} {op}: the device collective did not complete in '
+      f'{waited:.1f} s (timeout={timeout:g} s), and the coordination '
+      'service still sees every process alive. A process may be stuck or '
+      'very slow; pass a larger timeout= if the transfer is legitimately '
+      'this slow.', operation=op, waited=waited)
+
+
+# --- The TCP data plane ----------------------------------------------------
+
+
+def transfer_timeout(op: str, peer: int,
+                     what: str) -> _errors.CollectiveTimeoutError:
+  return _errors.CollectiveTimeoutError(
+      f'{prefix()} {op}: timed out waiting for process {peer} {what}. It may '
+      'be stuck or slow; pass a larger timeout= if the transfer is '
+      'legitimately this slow.', operation=op, missing=[peer])
+
+
+def connection_failure(op: str, peer: int, error: BaseException,
+                       dead: list[int]) -> _errors.ProcessFailureError:
+  return _errors.ProcessFailureError(
+      f'{prefix()} {op}: the connection to process {peer} failed ({error}); '
+      f'process(es) {dead} failed. The collective cannot complete; {RESTART}',
+      operation=op, failed=dead)
+
+
+def plane_broken(op: str, why: str) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the TCP data plane stopped after an earlier failure '
+      f'({why}); later bulk transfers cannot stay in step. Restart the job.')
+
+
+def out_of_step(op: str, peer: int, got: tuple[int, int],
+                want: tuple[int, int]) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: process {peer} sent call {got[0]} ({got[1]} bytes) '
+      f'where call {want[0]} ({want[1]} bytes) was expected: the processes '
+      'are out of step. This is a bug in multihost (or a collective was '
+      'abandoned after an error); restart the job.')

@@ -1,4 +1,4 @@
-"""Fixed-size digests of arrays and pytrees."""
+"""Public functions: fixed-size digests of arrays and pytrees (local, unless a sharded leaf must be gathered)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from multihost import _gather
 from multihost import _leaves
 
 PyTree = Any
@@ -53,7 +54,6 @@ def array_digest(value: np.ndarray, spec: _leaves.LeafSpec) -> bytes:
 def leaf_digest(x, op: str = 'tree_digest') -> bytes:
   """The digest of one leaf's full value (gathers sharded global arrays)."""
   if _leaves.is_global(x) and not x.is_fully_replicated:
-    from multihost import _gather  # pylint: disable=g-import-not-at-top
     x = _gather.process_allgather(x, tiled=True)
   elif _leaves.is_global(x):
     x = x.addressable_data(0)

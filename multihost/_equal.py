@@ -1,4 +1,4 @@
-"""assert_equal: every process holds the same tree, compared by digests."""
+"""Public collective: assert_equal, every process holds the same tree, compared by digests."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ from typing import Any
 
 import numpy as np
 
+from multihost import _control_agree
+from multihost import _diagnostics
 from multihost import _digest
 from multihost import _errors
+from multihost import _gather
 from multihost import _leaves
-from multihost import _protocol
-from multihost import _runtime
+from multihost import _process
 
 PyTree = Any
 
@@ -46,11 +48,9 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'assert_equal'
-  timeout = _runtime.resolve_timeout(timeout)
+  timeout = _process.resolve_timeout(timeout)
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  if _runtime.process_count() == 1:
-    for x in leaves:
-      _runtime.require_not_tracer(x, op)
+  if _process.process_count() == 1:
     return
   specs, digests = [], []
   for x in leaves:
@@ -62,29 +62,29 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
       digests.append(_digest.array_digest(value, spec))
       specs.append(spec)
   has_global = any(isinstance(d, list) for d in digests)
-  header = _protocol.Header(op, str(treedef), tuple(paths), tuple(specs),
-                            {'digests': digests},
-                            agreed=None if has_global else digests)
+  header = _control_agree.Header(op, str(treedef), tuple(paths),
+                                 tuple(specs), digests=tuple(digests))
   # Equal trees prove themselves with one barrier (the fast path). Global
   # leaves' shards differ by process by design: the full exchange compares
   # them shard by shard.
-  headers, agreed = _protocol.exchange(header, timeout=timeout,
-                                       fast=not has_global, publish=False,
-                                       read=False)
-  if agreed:
-    return
+  if has_global:
+    headers = _control_agree.full_exchange(header, timeout=timeout)
+  else:
+    headers = _control_agree.agree(header, timeout=timeout)
+    if headers is None:
+      return
   prefix = f'{fail_message} ' if fail_message else ''
   try:
-    _protocol.check_same_leaves(headers)
+    _control_agree.check_same_leaves(headers)
   except _errors.ConsistencyError as e:
     raise _errors.ConsistencyError(prefix + str(e)) from None
-  all_digests = [h.extra['digests'] for h in headers]
+  all_digests = [h.digests for h in headers]
   differing = []  # (leaf index, description)
   for i, path in enumerate(paths):
     per_process = [d[i] for d in all_digests]
     if isinstance(per_process[0], bytes):
       if len(set(per_process)) > 1:
-        differing.append((i, f'{path}: ' + _protocol.groups(
+        differing.append((i, f'{path}: ' + _diagnostics.groups(
             per_process, render=lambda d: f'digest {d.hex()[:12]}')))
     else:
       described = _shard_disagreements(per_process)
@@ -94,7 +94,7 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
     return
   lines = [d for _, d in differing[:_MAX_REPORTED]]
   more = len(differing) - len(lines)
-  message = (f'{prefix}{_runtime.log_prefix()} {op}: {len(differing)} of '
+  message = (f'{prefix}{_diagnostics.prefix()} {op}: {len(differing)} of '
              f'{len(paths)} leaves differ across processes:\n  ' +
              '\n  '.join(lines) + (f'\n  ... and {more} more' if more else ''))
   if show_diff:
@@ -125,7 +125,6 @@ def _shard_disagreements(per_process) -> str:
 
 def _describe_values(leaves, paths, indices, all_digests, timeout) -> str:
   """Gathers only the differing host-local leaves and describes them."""
-  from multihost import _gather  # pylint: disable=g-import-not-at-top
   local = [i for i in indices if not _leaves.is_global(leaves[i])]
   if not local:
     return ''

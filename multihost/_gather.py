@@ -1,4 +1,4 @@
-"""process_allgather and allgather_object."""
+"""Public collectives: process_allgather and allgather_object."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from multihost import _bulk
+from multihost import _control_agree
+from multihost import _data_plane
 from multihost import _leaves
-from multihost import _protocol
-from multihost import _runtime
+from multihost import _process
 
 PyTree = Any
 
 # All-gathers whose total (per-process payload x processes) is at most this
 # travel through the coordination service; larger ones through the devices.
-_INLINE_TOTAL = 4 * _protocol.INLINE_BYTES
+_INLINE_TOTAL = 4 * _control_agree.INLINE_BYTES
 
 
 def process_allgather(in_tree: PyTree, tiled: bool = False, *,
@@ -53,8 +53,72 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'process_allgather'
-  timeout = _runtime.resolve_timeout(timeout)
+  timeout = _process.resolve_timeout(timeout)
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
+  has_global = bool(_leaves.global_paths(leaves, paths))
+  if not has_global:  # The common case: one call converts every leaf.
+    parts, specs = _leaves.to_host_all(leaves, op)
+    shards: list[list | None] = [None] * len(leaves)  # this process's bounds
+    layouts: list[list | None] = [None] * len(leaves)  # every process's
+  else:
+    parts, specs, shards, layouts = _with_global_leaves(leaves, paths, op,
+                                                        tiled)
+  count = _process.process_count()
+  if count == 1:
+    out = [_assemble(parts_of_leaf, spec, tiled, bounds)
+           for parts_of_leaf, spec, bounds in _by_leaf([parts], specs, [shards])]
+    return treedef.unflatten(out)
+  size = sum(p.nbytes for p in parts)
+  # What every process sends follows from the specs and the global leaves'
+  # layouts, which the agreement covers, so every process knows every size.
+  sizes = [_size_of(specs, layouts, p) for p in range(count)]
+  inline = max(sizes) * count <= _INLINE_TOTAL
+  header = _control_agree.Header(
+      op, str(treedef), tuple(paths), tuple(specs), size=size,
+      payload=_leaves.pack(parts).tobytes() if inline else None,
+      tiled=bool(tiled), layouts=tuple(layouts), shards=tuple(shards))
+  if inline:
+    payloads, headers = _control_agree.agree_and_gather(header,
+                                                        timeout=timeout)
+  else:
+    payloads, headers = None, _control_agree.agree(header, timeout=timeout)
+  if headers is None:
+    if inline:
+      received = [np.frombuffer(p, np.uint8) for p in payloads]
+    else:
+      rows = _data_plane.allgather(_leaves.pack(parts, copy=False), sizes,
+                                   op=op, timeout=timeout)
+      received = [rows[p, :n] for p, n in enumerate(sizes)]
+    if not has_global:
+      return treedef.unflatten(_leaves.stacked_views(
+          np.stack(received) if inline else rows, specs, tiled=tiled))
+    all_shards = [[None if layout is None else layout[p]
+                   for layout in layouts] for p in range(count)]
+  else:
+    _control_agree.check_same_leaves(headers)
+    all_shards = [list(h.shards) for h in headers]
+    received = _receive(headers, parts, op, timeout)
+  per_process = [
+      _leaves.unpack(buf, *_part_specs(specs, s))
+      for buf, s in zip(received, all_shards, strict=True)]
+  out = [_assemble(parts_of_leaf, spec, tiled, bounds)
+         for parts_of_leaf, spec, bounds in _by_leaf(per_process, specs,
+                                                     all_shards)]
+  return treedef.unflatten(out)
+
+
+def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
+  """Every process's packed bytes, from the headers or one device gather."""
+  if all(h.payload is not None for h in headers):
+    return [np.frombuffer(h.payload, np.uint8) for h in headers]
+  sizes = [h.size for h in headers]
+  rows = _data_plane.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
+                               timeout=timeout)
+  return [rows[p, :n] for p, n in enumerate(sizes)]
+
+
+def _with_global_leaves(leaves, paths, op: str, tiled: bool):
+  """(parts, specs, shards, layouts) of a tree with global leaves (see above)."""
   parts: list[np.ndarray] = []   # what this process sends, in order
   specs: list[_leaves.LeafSpec] = []
   shards: list[list | None] = []  # per leaf: this process's shard bounds
@@ -79,78 +143,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
       shards.append(None)
       layouts.append(None)
       parts.append(value)
-  count = _runtime.process_count()
-  if count == 1:
-    out = [_assemble(parts_of_leaf, spec, tiled, bounds)
-           for parts_of_leaf, spec, bounds in _by_leaf([parts], specs, [shards])]
-    return treedef.unflatten(out)
-  size = sum(p.nbytes for p in parts)
-  has_global = any(b is not None for b in shards)
-  # What every process sends follows from the specs and the global leaves'
-  # layouts, which the agreement covers, so every process knows every size.
-  sizes = [_size_of(specs, layouts, p) for p in range(count)]
-  inline = max(sizes) * count <= _INLINE_TOTAL
-  header = _protocol.Header(
-      op, str(treedef), tuple(paths), tuple(specs),
-      {'shards': shards}, size,
-      _leaves.pack(parts).tobytes() if inline else None,
-      agreed=(bool(tiled), layouts))
-  headers, agreed = _protocol.exchange(
-      header, timeout=timeout, fast=True, publish=inline, read=inline)
-  if agreed:
-    if inline:
-      received = [np.frombuffer(h.payload, np.uint8) for h in headers]
-    else:
-      rows = _bulk.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
-                             timeout=timeout)
-      received = [rows[p, :n] for p, n in enumerate(sizes)]
-    if not has_global:
-      return treedef.unflatten(_stacked_views(np.stack(received) if inline
-                                              else rows, specs, tiled))
-    all_shards = [[None if layout is None else layout[p]
-                   for layout in layouts] for p in range(count)]
-  else:
-    _protocol.check_same_leaves(headers)
-    all_shards = [h.extra['shards'] for h in headers]
-    received = _receive(headers, parts, op, timeout)
-  per_process = [
-      _leaves.unpack(buf, *_part_specs(specs, s))
-      for buf, s in zip(received, all_shards, strict=True)]
-  out = [_assemble(parts_of_leaf, spec, tiled, bounds)
-         for parts_of_leaf, spec, bounds in _by_leaf(per_process, specs,
-                                                     all_shards)]
-  return treedef.unflatten(out)
-
-
-def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
-  """Every process's packed bytes, from the headers or one device gather."""
-  if all(h.payload is not None for h in headers):
-    return [np.frombuffer(h.payload, np.uint8) for h in headers]
-  sizes = [h.size for h in headers]
-  rows = _bulk.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
-                         timeout=timeout)
-  return [rows[p, :n] for p, n in enumerate(sizes)]
-
-
-def _stacked_views(rows: np.ndarray, specs, tiled: bool) -> list:
-  """Leaves gathered from equal-layout rows, as views of `rows` (no copy).
-
-  Row p holds process p's packed leaves, all at the same offsets, so a
-  leaf's stacked value is a column band of `rows` viewed as its dtype. With
-  a single leaf whose size is the row's, it is contiguous.
-  """
-  count = rows.shape[0]
-  out, offset = [], 0
-  for spec in specs:
-    n = spec.nbytes
-    band = rows[:, offset:offset + n]
-    offset += n
-    value = band.view(_leaves.np_dtype(spec.dtype)).reshape(
-        (count,) + spec.shape)
-    if tiled and spec.ndim > 0:
-      value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
-    out.append(_leaves.finish(value, spec))
-  return out
+  return parts, tuple(specs), shards, layouts
 
 
 def _global_parts(x: jax.Array, op: str):
@@ -168,7 +161,7 @@ def _global_parts(x: jax.Array, op: str):
   bounds = [b for b, _, _ in shards]
   datas = [value for _, value, _ in shards]
   # Every process's distinct shards, from the sharding alone.
-  layout = [set() for _ in range(_runtime.process_count())]
+  layout = [set() for _ in range(_process.process_count())]
   for device, index in x.sharding.devices_indices_map(x.shape).items():
     layout[device.process_index].add(
         tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)))
@@ -247,21 +240,21 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'allgather_object'
-  timeout = _runtime.resolve_timeout(timeout)
-  count = _runtime.process_count()
+  timeout = _process.resolve_timeout(timeout)
+  count = _process.process_count()
   if count == 1:
     return [obj]
   data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-  inline = len(data) <= _protocol.INLINE_BYTES
-  header = _protocol.Header(op, size=len(data),
-                            payload=data if inline else None)
-  headers, _ = _protocol.exchange(header, timeout=timeout)
-  me = _runtime.process_index()
+  inline = len(data) <= _control_agree.INLINE_BYTES
+  header = _control_agree.Header(op, size=len(data),
+                                 payload=data if inline else None)
+  headers = _control_agree.full_exchange(header, timeout=timeout)
+  me = _process.process_index()
   if all(h.payload is not None for h in headers):
     payloads = [h.payload for h in headers]
   else:
     sizes = [h.size for h in headers]
-    rows = _bulk.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
-                           timeout=timeout)
+    rows = _data_plane.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
+                                 timeout=timeout)
     payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
   return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]

@@ -1,4 +1,4 @@
-"""Leaves of a pytree as host bytes: normalization, description, packing.
+"""Public-collective helpers: leaves of a pytree as host bytes (normalization, description, packing); pure.
 
 A leaf of a collective is a numpy array, a `jax.Array` (including typed PRNG
 key arrays) or a Python scalar. Host-side it becomes a C-contiguous numpy array
@@ -16,8 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from multihost import _runtime
 
 PyTree = Any
 
@@ -44,6 +42,14 @@ class LeafSpec:
     return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
+def require_not_tracer(x, op: str) -> None:
+  """Raises TypeError for a tracer: the collectives are host-side, eager."""
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f'{op} is a host-side collective and cannot run inside jax.jit, '
+        'vmap or grad (it got a tracer). Call it outside transformed code.')
+
+
 def is_key(x) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
       x.dtype, jax.dtypes.prng_key)
@@ -60,7 +66,7 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   if isinstance(x, np.ndarray):  # The common case, kept cheap.
     value = x
   else:
-    _runtime.require_not_tracer(x, op)
+    require_not_tracer(x, op)
     if is_key(x):
       key_impl = str(jax.random.key_impl(x))
       data = jax.random.key_data(x)
@@ -76,6 +82,22 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
     value = value.copy(order='C')
   return value, LeafSpec(value.shape, dtype_name(dtype), key_impl, key_dims)
+
+
+def to_host_all(leaves: list, op: str
+                ) -> tuple[list[np.ndarray], tuple[LeafSpec, ...]]:
+  """`to_host` of every leaf: (values, specs)."""
+  values, specs = [], []
+  for x in leaves:
+    value, spec = to_host(x, op)
+    values.append(value)
+    specs.append(spec)
+  return values, tuple(specs)
+
+
+def global_paths(leaves: list, paths: list[str]) -> list[str]:
+  """The paths of the leaves that are global (not fully addressable) arrays."""
+  return [p for p, x in zip(paths, leaves, strict=True) if is_global(x)]
 
 
 @functools.cache
@@ -161,6 +183,35 @@ def unpack(buffer: np.ndarray, specs: list[LeafSpec],
   return leaves
 
 
+def rebuild(buffer: np.ndarray, specs: tuple[LeafSpec, ...],
+            treedef) -> PyTree:
+  """The tree of the leaves packed in `buffer` (views of it; keys re-wrapped)."""
+  leaves = unpack(buffer, list(specs))
+  return treedef.unflatten([finish(v, s)
+                            for v, s in zip(leaves, specs, strict=True)])
+
+
+def stacked_views(rows: np.ndarray, specs, *, tiled: bool) -> list:
+  """Leaves gathered from equal-layout rows, as views of `rows` (no copy).
+
+  Row p holds process p's packed leaves, all at the same offsets, so a
+  leaf's stacked value is a column band of `rows` viewed as its dtype. With
+  a single leaf whose size is the row's, it is contiguous.
+  """
+  count = rows.shape[0]
+  out, offset = [], 0
+  for spec in specs:
+    n = spec.nbytes
+    band = rows[:, offset:offset + n]
+    offset += n
+    value = band.view(np_dtype(spec.dtype)).reshape(
+        (count,) + spec.shape)
+    if tiled and spec.ndim > 0:
+      value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
+    out.append(finish(value, spec))
+  return out
+
+
 def flatten(tree: PyTree, op: str):
   """Leaves with their key paths (as strings) and the treedef.
 
@@ -169,7 +220,7 @@ def flatten(tree: PyTree, op: str):
   """
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   for _, leaf in with_path:
-    _runtime.require_not_tracer(leaf, op)
+    require_not_tracer(leaf, op)
   paths = [jax.tree_util.keystr(p) or '<root>' for p, _ in with_path]
   leaves = [leaf for _, leaf in with_path]
   return leaves, paths, treedef

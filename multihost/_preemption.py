@@ -1,4 +1,4 @@
-"""Preemption sync points."""
+"""Public collective: preemption sync points (JAX's preemption sync manager)."""
 
 from __future__ import annotations
 

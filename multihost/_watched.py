@@ -1,11 +1,11 @@
-"""Blocking calls outside multihost that every process takes part in."""
+"""Public function: call_watched, for blocking calls outside multihost that every process takes part in."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from multihost import _failure
+from multihost import _watchdog
 
 T = TypeVar('T')
 
@@ -38,4 +38,4 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
     ProcessFailureError: a peer failed before `fn` returned.
     CollectiveTimeoutError: `fn` did not return within `timeout`.
   """
-  return _failure.call(op, fn, *args, timeout=timeout)
+  return _watchdog.call(op, fn, *args, timeout=timeout)

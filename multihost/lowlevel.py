@@ -10,9 +10,9 @@ it goes through here.
 from __future__ import annotations
 
 from multihost import _coordination
+from multihost import _data_plane
 from multihost import _diagnostics
-from multihost import _failure
-from multihost import _transport
+from multihost import _watchdog
 
 
 def wait_at_barrier(barrier_id: str, timeout_s: float) -> None:
@@ -37,12 +37,12 @@ def start_service(address: str, num_processes: int, *,
 
 def failure_detection_bound() -> float:
   """Seconds within which the watchdog reports a peer that was killed."""
-  return _failure.detection_bound()
+  return _watchdog.detection_bound()
 
 
 def tcp_transport_enabled() -> bool:
   """Whether large payloads travel over TCP (else a device collective); validates $MULTIHOST_TRANSPORT."""
-  return _transport.enabled()
+  return _data_plane.tcp_enabled()
 
 
 def process_prefix(index: int | None = None) -> str:

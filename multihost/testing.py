@@ -528,14 +528,15 @@ class _Worker:
     counter, so a test that left collectives unmatched on some process cannot
     pair them with these exchanges.
     """
-    from multihost import _coordination, _exchange, _runtime
+    from multihost import _control_rendezvous, _coordination, _process
 
-    count = _runtime.process_count()
+    count = _process.process_count()
     if count == 1:
       return [payload]
     prefix = f'{_KV_ROOT}/{self._seq}/{phase}/'
     _coordination.kv_set(prefix + str(self._index), pickle.dumps(payload))
-    _exchange.barrier(prefix, f'pytest {phase} barrier', timeout=self._timeout)
+    _control_rendezvous.barrier(prefix, f'pytest {phase} barrier',
+                                timeout=self._timeout)
     messages: list[Any] = [None] * count
     for key, value in _coordination.kv_dir(prefix):
       messages[int(key.rsplit('/', 1)[1])] = pickle.loads(value)
@@ -545,7 +546,7 @@ class _Worker:
   def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> None:
     """Enters the test through a barrier that checks all run the same test."""
     del nextitem
-    from multihost import _runtime
+    from multihost import _calls
 
     self._seq += 1
     # Marks the test in the process's output, for crash and hang reports.
@@ -556,7 +557,7 @@ class _Worker:
     try:
       # Each process's next collective number: all restart from the largest,
       # so collectives stay matched even after a test left some unmatched.
-      mine = (item.nodeid, _runtime.next_call_id())
+      mine = (item.nodeid, _calls.next_call_id())
       everyone = self._exchange('start', mine)
       ids = [m[0] for m in everyone]
       if len(set(ids)) != 1:
@@ -564,11 +565,7 @@ class _Worker:
             f'[process={self._index}] the worker processes are not running '
             f'the same test: {dict(enumerate(ids))}. This is a bug in '
             'multihost.testing; please report it.')
-      counter = getattr(_runtime, '_call_counter', None)
-      if counter is not None:
-        import itertools
-        _runtime._call_counter = itertools.count(
-            max(m[1] for m in everyone) + 1)
+      _calls.reset(max(m[1] for m in everyone) + 1)
     except BaseException as e:  # noqa: BLE001  Reported as the test's error.
       self._start_error = e
     return None

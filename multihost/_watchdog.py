@@ -1,4 +1,4 @@
-"""Process-failure detection: a watchdog on the coordination service's liveness.
+"""Failure and diagnostics: the watchdog that sees a peer die, and `call()`, which runs blocking steps under it.
 
 When a peer is killed, JAX does not tell the survivors in a way Python can
 catch: with `jax_enable_recoverability` off, every survivor is aborted
@@ -51,6 +51,7 @@ from absl import logging
 import jax
 
 from multihost import _coordination
+from multihost import _diagnostics
 from multihost import _errors
 
 POLL_INTERVAL_S = 0.5
@@ -134,9 +135,9 @@ def start(*, heartbeat_timeout: float, shutdown_timeout: float = 300.0) -> bool:
   # Registered after `import jax`, so it runs before JAX's own atexit
   # shutdown of the distributed client.
   atexit.register(_at_exit)
-  logging.info('[process=%d] multihost failure watchdog started: a killed '
-               'peer is reported within about %.1f s.', st.me,
-               detection_bound())
+  logging.info('%s multihost failure watchdog started: a killed '
+               'peer is reported within about %.1f s.',
+               _diagnostics.prefix(st.me), detection_bound())
   return True
 
 
@@ -210,12 +211,8 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
   if not job.done:
     if st.failed or st.exited or st.service_lost:
       raise failure_error(op, waited=waited)
-    raise _errors.CollectiveTimeoutError(
-        f'[process={st.me}] {op}: the device collective did not complete in '
-        f'{waited:.1f} s (timeout={timeout:g} s), and the coordination '
-        'service still sees every process alive. A process may be stuck or '
-        'very slow; pass a larger timeout= if the transfer is legitimately '
-        'this slow.', operation=op, waited=waited)
+    raise _diagnostics.step_timeout(op, me=st.me, waited=waited,
+                                    timeout=timeout)
   if job.error is not None:
     if _is_peer_loss(job.error):
       _wait_for_named_failure()
@@ -291,34 +288,30 @@ def failure_error(op: str, *, waited: float | None,
     failed = sorted(st.failed)
     exited = sorted(st.exited - set(st.failed))
     service_lost = st.service_lost
-  where = f' {op}:' if op else ''
-  parts = []
-  if failed:
-    parts.append(f'process(es) {failed} failed (the coordination service '
-                 'stopped receiving their heartbeats)')
-  if exited:
-    parts.append(f'process(es) {exited} exited before this collective')
-  if service_lost and not failed:
-    parts.append('the coordination service is unreachable, so process 0 '
-                 '(or the launcher) that hosts it has probably failed')
-    failed = [0]
-  if not parts:
-    parts.append('a peer closed its connection during a device collective, '
-                 'but the coordination service still sees every process '
-                 f'alive after {detection_bound():.0f} s')
-  after = '' if waited is None else f' (after waiting {waited:.1f} s)'
-  detail = '' if cause is None else f' Underlying error: {_short(cause)}'
-  return _errors.ProcessFailureError(
-      f'[process={st.me}]{where} {"; ".join(parts)}{after}. The collective '
-      'cannot complete, and this process can no longer run collectives: '
-      'save what you can locally, exit with a non-zero status, and restart '
-      f'the job (e.g. from the last checkpoint).{detail}',
-      operation=op, failed=failed + exited)
+  return _diagnostics.process_failure(
+      op, me=st.me, failed=failed, exited=exited, service_lost=service_lost,
+      waited=waited, bound=detection_bound(), cause=cause)
 
 
-def _short(error: BaseException, limit: int = 300) -> str:
-  message = ' '.join(str(error).split())
-  return message if len(message) <= limit else message[:limit] + '...'
+def known_failure(op: str, *, waited: float,
+                  cause: BaseException | None = None
+                  ) -> _errors.ProcessFailureError | None:
+  """`failure_error(...)` if the watchdog has seen a peer fail or exit, else None."""
+  if not (_state.failed or _state.exited):
+    return None
+  return failure_error(op, waited=waited, cause=cause)
+
+
+def failed_within_bound() -> tuple[int, ...]:
+  """After a broken connection: the processes gone, once the watchdog names them.
+
+  Waits up to `detection_bound()` (not at all without a running watchdog);
+  may return () if nobody is named by then.
+  """
+  deadline = time.monotonic() + (detection_bound() if _state.running else 0.0)
+  while not failed_processes() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return failed_processes()
 
 
 def _wake_waiters() -> None:
@@ -340,8 +333,9 @@ def _watch() -> None:
       with st.cond:
         st.service_lost = True
         _wake_waiters()
-      logging.error('[process=%d] multihost watchdog: the coordination '
-                    'service is unreachable (%s).', st.me, _short(e))
+      logging.error('%s multihost watchdog: the coordination '
+                    'service is unreachable (%s).', _diagnostics.prefix(st.me),
+                    _diagnostics.shorten(e, 300))
       return
     gone = [p for p in everyone if p not in alive and p not in st.failed
             and p not in st.exited]
@@ -357,9 +351,10 @@ def _watch() -> None:
         _wake_waiters()
       dead = [p for p in gone if p not in exited]
       if dead:
-        logging.error('[process=%d] multihost watchdog: process(es) %s '
+        logging.error('%s multihost watchdog: process(es) %s '
                       'failed (no heartbeat for %.0f s). Every collective '
-                      'now raises ProcessFailureError.', st.me, dead,
+                      'now raises ProcessFailureError.',
+                      _diagnostics.prefix(st.me), dead,
                       st.heartbeat_timeout)
     time.sleep(POLL_INTERVAL_S)
 
@@ -405,8 +400,8 @@ def _at_exit() -> None:
       # flight. (Otherwise JAX's own atexit does it.)
       jax.distributed.shutdown()
   except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
-    logging.warning('[process=%d] multihost: exit handshake failed: %s',
-                    st.me, _short(e))
+    logging.warning('%s multihost: exit handshake failed: %s',
+                    _diagnostics.prefix(st.me), _diagnostics.shorten(e, 300))
   st.stopping = True
   st.running = False
   deadline = time.monotonic() + _EXIT_GRACE_S
@@ -415,10 +410,10 @@ def _at_exit() -> None:
     while not job.done and time.monotonic() < deadline:
       time.sleep(0.01)
   if st.thread.is_alive() or not all(j.done for j in st.abandoned_jobs):
-    logging.error('[process=%d] multihost: leaving with os._exit(1): a '
+    logging.error('%s multihost: leaving with os._exit(1): a '
                   'collective abandoned after a peer failed is still running '
                   'in C++, and a normal exit would abort or hang on it.',
-                  st.me)
+                  _diagnostics.prefix(st.me))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -445,7 +440,8 @@ def _wait_for_others_to_leave() -> None:
       if remaining <= 0:
         break
       st.cond.wait(min(remaining, POLL_INTERVAL_S))
-  logging.warning('[process=%d] multihost: exiting after %.0f s although '
+  logging.warning('%s multihost: exiting after %.0f s although '
                   'process(es) %s have not exited; the JAX runtime will abort '
                   'them when the coordination service stops with this '
-                  'process.', st.me, st.shutdown_timeout, sorted(others - left))
+                  'process.', _diagnostics.prefix(st.me), st.shutdown_timeout,
+                  sorted(others - left))

@@ -1,4 +1,4 @@
-"""Device collectives over bytes: one packed transfer per call.
+"""Data plane: device collectives over bytes, one packed transfer per call (MULTIHOST_TRANSPORT=device).
 
 Payloads too large for the coordination service move here, as one uint8
 buffer per process, over a 1-D mesh with one device per process (the
@@ -13,7 +13,7 @@ import functools
 import jax
 import numpy as np
 
-from multihost import _failure
+from multihost import _watchdog
 
 _AXIS = 'processes'
 
@@ -85,7 +85,7 @@ def allgather(buffer: np.ndarray, length: int, *, op: str,
   same `length` (>= every buffer's size).
   """
   row = _row(buffer, bucket(length))
-  return _failure.call(op, _run, _gather_fn(), row, timeout=timeout)
+  return _watchdog.call(op, _run, _gather_fn(), row, timeout=timeout)
 
 
 def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
@@ -99,5 +99,5 @@ def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
   """
   source = np.zeros(0, np.uint8) if buffer is None else buffer
   row = _row(source, bucket(length))
-  out = _failure.call(op, _run, _sum_fn(), row, timeout=timeout)
+  out = _watchdog.call(op, _run, _sum_fn(), row, timeout=timeout)
   return out.reshape(-1)[:length]

@@ -1,4 +1,4 @@
-"""Bulk bytes between processes over TCP: the data plane of large payloads.
+"""Data plane: bulk bytes between processes over TCP (the default transport of large payloads).
 
 Why not a device collective: on CPU, JAX's gloo collectives move about
 0.5 GB/s per process here (a 64 MiB broadcast takes ~135 ms), while plain
@@ -18,7 +18,6 @@ timeout; a peer that dies closes its sockets, which raises here at once.
 
 from __future__ import annotations
 
-import os
 import queue
 import socket
 import struct
@@ -28,10 +27,10 @@ import time
 import numpy as np
 
 from multihost import _coordination
-from multihost import env as _env
+from multihost import _diagnostics
 from multihost import _errors
-from multihost import _failure
-from multihost import _runtime
+from multihost import _process
+from multihost import _watchdog
 
 _CHUNK = 4 << 20
 _ADDRESS_KEY = 'multihost_transport/{}'
@@ -40,21 +39,12 @@ _FRAME = struct.Struct('<QQ')   # call id, byte count
 _MAGIC = b'MHT1'
 
 
-def enabled() -> bool:
-  """Whether large payloads travel over TCP (else over a device collective)."""
-  value = os.environ.get(_env.TRANSPORT, 'tcp').lower()
-  if value not in ('tcp', 'device'):
-    raise ValueError(
-        f'${_env.TRANSPORT}={value!r} is not a transport; use tcp (the '
-        'default) or device.')
-  return value == 'tcp'
-
-
 class _Plane:
   """This process's listener and its connections to peers."""
 
   def __init__(self):
-    self.me = _runtime.process_index()
+    self.me = _process.process_index()
+    self.count = _process.process_count()
     self.seq = 0  # Transfers so far: every process counts the same ones.
     self.broken: str | None = None
     self.lock = threading.Condition()
@@ -107,9 +97,9 @@ class _Plane:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-          raise _timeout(op, peer, 'to connect')
+          raise _diagnostics.transfer_timeout(op, peer, 'to connect')
         self.lock.wait(min(remaining, 0.5))
-        _failure.check(op)
+        _watchdog.check(op)
       return self.conns[peer]
 
 
@@ -124,10 +114,7 @@ def _get_plane(op: str) -> _Plane:
     if _plane is None:
       _plane = _Plane()
   if _plane.broken:
-    raise _errors.MultihostError(
-        f'{_runtime.log_prefix()} {op}: the TCP data plane stopped after an '
-        f'earlier failure ({_plane.broken}); later bulk transfers cannot '
-        'stay in step. Restart the job.')
+    raise _diagnostics.plane_broken(op, _plane.broken)
   _plane.seq += 1
   return _plane
 
@@ -242,10 +229,9 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   Collective: every process must call this, in the same order, with the
   same `length` and `source`.
   """
-  count = _runtime.process_count()
-  me = _runtime.process_index()
   deadline = time.monotonic() + timeout
   plane = _get_plane(op)
+  me, count = plane.me, plane.count
   call = plane.seq
   rank = (me - source) % count
   prev = (me - 1) % count
@@ -287,10 +273,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   Collective: every process must call this, in the same order, with the
   same `sizes`.
   """
-  count = _runtime.process_count()
-  me = _runtime.process_index()
   deadline = time.monotonic() + timeout
   plane = _get_plane(op)
+  me, count = plane.me, plane.count
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
   rows = np.empty((count, max(sizes)), np.uint8)
@@ -323,20 +308,8 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
 
 def _check_frame(got: bytes, want: bytes, op: str, peer: int) -> None:
   if got != want:
-    g_call, g_n = _FRAME.unpack(got)
-    w_call, w_n = _FRAME.unpack(want)
-    raise _errors.MultihostError(
-        f'{_runtime.log_prefix()} {op}: process {peer} sent call {g_call} '
-        f'({g_n} bytes) where call {w_call} ({w_n} bytes) was expected: the '
-        'processes are out of step. This is a bug in multihost (or a '
-        'collective was abandoned after an error); restart the job.')
-
-
-def _timeout(op: str, peer: int, what: str) -> _errors.CollectiveTimeoutError:
-  return _errors.CollectiveTimeoutError(
-      f'{_runtime.log_prefix()} {op}: timed out waiting for process {peer} '
-      f'{what}. It may be stuck or slow; pass a larger timeout= if the '
-      'transfer is legitimately this slow.', operation=op, missing=[peer])
+    raise _diagnostics.out_of_step(op, peer, _FRAME.unpack(got),
+                                   _FRAME.unpack(want))
 
 
 def _peer_error(op: str, peer: int, error: BaseException,
@@ -345,15 +318,8 @@ def _peer_error(op: str, peer: int, error: BaseException,
   if isinstance(error, _errors.MultihostError):
     return error
   if isinstance(error, (socket.timeout, TimeoutError)) or waiting:
-    return _timeout(op, peer, 'to send or receive its part')
+    return _diagnostics.transfer_timeout(op, peer,
+                                         'to send or receive its part')
   # The watchdog names the dead process within its bound; wait for it.
-  deadline = time.monotonic() + (
-      _failure.detection_bound() if _failure.is_running() else 0.0)
-  while not _failure.failed_processes() and time.monotonic() < deadline:
-    time.sleep(0.05)
-  dead = list(_failure.failed_processes()) or [peer]
-  return _errors.ProcessFailureError(
-      f'{_runtime.log_prefix()} {op}: the connection to process {peer} '
-      f'failed ({error}); process(es) {dead} failed. The collective cannot '
-      'complete; save what you can and restart the job.',
-      operation=op, failed=dead)
+  dead = list(_watchdog.failed_within_bound()) or [peer]
+  return _diagnostics.connection_failure(op, peer, error, dead)

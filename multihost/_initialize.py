@@ -1,90 +1,16 @@
-"""Process facts, `initialize()`, and the process-wide default timeout."""
+"""Runtime: `initialize()`, which brings up `jax.distributed` and the failure watchdog."""
 
 from __future__ import annotations
 
-import itertools
 import os
 
 from absl import logging
 import jax
 
 from multihost import _coordination
+from multihost import _diagnostics
+from multihost import _watchdog
 from multihost import env as _env
-from multihost import _failure
-
-
-_DEFAULT_TIMEOUT_S = 300.0
-_default_timeout: float | None = None  # None: read _env.TIMEOUT, then the constant.
-
-
-def set_default_timeout(seconds: float | None) -> None:
-  """Sets the process-wide default timeout of every blocking collective.
-
-  Args:
-    seconds: a positive number of seconds, or None to go back to the
-      `MULTIHOST_TIMEOUT` environment variable (or 300 s when it is unset).
-  """
-  global _default_timeout
-  if seconds is not None and not seconds > 0:
-    raise ValueError(
-        f'The default timeout must be a positive number of seconds; got '
-        f'{seconds!r}. Pass None to fall back to ${_env.TIMEOUT} or '
-        f'{_DEFAULT_TIMEOUT_S:g} s.')
-  _default_timeout = None if seconds is None else float(seconds)
-
-
-def default_timeout() -> float:
-  """The timeout, in seconds, used when a collective gets `timeout=None`."""
-  if _default_timeout is not None:
-    return _default_timeout
-  env = os.environ.get(_env.TIMEOUT)
-  if env:
-    try:
-      value = float(env)
-    except ValueError:
-      value = -1.0
-    if not value > 0:
-      raise ValueError(
-          f'${_env.TIMEOUT}={env!r} is not a positive number of seconds. '
-          'Set it to e.g. 60, or unset it.')
-    return value
-  return _DEFAULT_TIMEOUT_S
-
-
-def resolve_timeout(timeout: float | None) -> float:
-  if timeout is None:
-    return default_timeout()
-  if not timeout > 0:
-    raise ValueError(
-        f'timeout must be a positive number of seconds; got {timeout!r}.')
-  return float(timeout)
-
-
-def process_index() -> int:
-  return jax.process_index()
-
-
-def process_count() -> int:
-  return jax.process_count()
-
-
-def is_multiprocess() -> bool:
-  """True when more than one controller takes part (jax.distributed is up)."""
-  return jax.process_count() > 1
-
-
-def log_prefix() -> str:
-  return f'[process={jax.process_index()}]'
-
-
-# Collective calls are numbered in call order. Every process must call the
-# collectives in the same order, so the same number names the same call on
-# every process; it keys the coordination-service barriers and KV entries.
-_call_counter = itertools.count()
-
-
-def next_call_id() -> int:
-  return next(_call_counter)
 
 
 def initialize(coordinator_address: str | None = None,
@@ -130,8 +56,8 @@ def initialize(coordinator_address: str | None = None,
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
-                 'is.', log_prefix())
-    _failure.ensure_started()
+                 'is.', _diagnostics.prefix())
+    _watchdog.ensure_started()
     return
   env = os.environ
   coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
@@ -185,10 +111,10 @@ def initialize(coordinator_address: str | None = None,
   else:
     jax.distributed.initialize(**kwargs)
   if detect:
-    _failure.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+    _watchdog.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
                    shutdown_timeout=shutdown_timeout)
   logging.info('%s jax.distributed initialized: %d processes, %d local '
-               'devices.', log_prefix(), jax.process_count(),
+               'devices.', _diagnostics.prefix(), jax.process_count(),
                jax.local_device_count())
 
 
@@ -198,12 +124,3 @@ def _detect_failures(detect_failures: bool | None) -> bool:
     return bool(detect_failures)
   return not (_env.is_off(_env.DETECT_FAILURES) or
               _env.is_off(_env.ENABLE_RECOVERABILITY))
-
-
-def require_not_tracer(x, op: str):
-  if isinstance(x, jax.core.Tracer):
-    raise TypeError(
-        f'{op} is a host-side collective and cannot run inside jax.jit, '
-        'vmap or grad (it got a tracer). Call it outside transformed code.')
-
-

@@ -1,10 +1,11 @@
-"""sync_global_devices: a named barrier with a timeout."""
+"""Public collective: sync_global_devices, a named barrier with a timeout."""
 
 from __future__ import annotations
 
+from multihost import _control_agree
+from multihost import _diagnostics
 from multihost import _errors
-from multihost import _protocol
-from multihost import _runtime
+from multihost import _process
 
 
 def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
@@ -29,17 +30,16 @@ def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
   """
   if not isinstance(name, str):
     raise TypeError(f'sync_global_devices: name must be a str; got {name!r}.')
-  timeout = _runtime.resolve_timeout(timeout)
-  if _runtime.process_count() == 1:
+  timeout = _process.resolve_timeout(timeout)
+  if _process.process_count() == 1:
     return
-  headers, agreed = _protocol.exchange(
-      _protocol.Header('sync_global_devices', agreed=name), timeout=timeout,
-      fast=True, publish=False, read=False)
-  if agreed:
+  headers = _control_agree.agree(
+      _control_agree.Header('sync_global_devices', name=name), timeout=timeout)
+  if headers is None:
     return
-  names = [h.agreed for h in headers]
+  names = [h.name for h in headers]
   if len(set(names)) > 1:
     raise _errors.ConsistencyError(
-        f'{_runtime.log_prefix()} sync_global_devices name mismatch: '
-        f'{_protocol.groups(names)}. Every process must pass the same name '
+        f'{_diagnostics.prefix()} sync_global_devices name mismatch: '
+        f'{_diagnostics.groups(names)}. Every process must pass the same name '
         'at the same point of the program.')

@@ -1,0 +1,26 @@
+"""Control plane: the numbering of collective calls, which keys their barriers and key-value entries.
+
+Every process must call the collectives in the same order, so the same
+number names the same call on every process.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+_counter = itertools.count()
+
+
+def next_call_id() -> int:
+  """The number of the collective call about to start (0, 1, 2, ...)."""
+  return next(_counter)
+
+
+def reset(start: int) -> None:
+  """Makes `start` the next call's number (every process must pass the same).
+
+  For harnesses that realign processes after some of them left collectives
+  unmatched (the pytest plugin does, between tests).
+  """
+  global _counter
+  _counter = itertools.count(start)

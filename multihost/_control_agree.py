@@ -1,0 +1,151 @@
+"""Control plane: the agreement every collective starts with (what each process is about to do).
+
+Each process describes its call in a `Header` (the operation, the tree
+structure, the leaf shapes and dtypes, the options every process must share,
+and small payloads inline). The calls below are named for what they do:
+
+* `agree`: one barrier proves every header equal (the fast path); when it
+  does not, a full exchange returns every process's header to explain why.
+* `agree_and_read_one`: the same, and the source's inline payload is read.
+* `agree_and_gather`: the same, and every process's inline payload is read.
+* `full_exchange`: every process's header, always (for calls whose headers
+  differ by design, such as who is the source).
+
+Every process reaches the same verdict from the same headers, so a mismatch
+raises the same `ConsistencyError` everywhere before any data moves, and a
+missing process raises a timeout naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+
+from multihost import _control_rendezvous
+from multihost import _diagnostics
+from multihost import _errors
+from multihost import _leaves
+
+# Payloads up to this many bytes per process travel inside the header, through
+# the coordination service's key-value store (about 45 MB/s, ~0.2 ms per RPC):
+# for small payloads that beats compiling and running a device collective.
+INLINE_BYTES = 64 * 1024
+
+# A shard's (start, stop) per dimension of its global array.
+Bounds = tuple[tuple[int, int], ...]
+# assert_equal's per-leaf digest: one for a host-local leaf, (bounds, digest)
+# per distinct shard for a global one.
+LeafDigest = bytes | list[tuple[Bounds, bytes]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """One process's description of the collective call it is making."""
+  op: str
+  tree: str = ''
+  paths: tuple[str, ...] = ()
+  specs: tuple[_leaves.LeafSpec, ...] = ()
+  size: int = 0  # bytes this process contributes to the data phase
+  payload: bytes | None = None  # the data itself, when small
+  # Compared by `agreement` (the fast path), so equal on every process:
+  name: str = ''  # sync_global_devices' barrier name
+  default_source: bool = False  # broadcast_one_to_all: process 0 is source
+  tiled: bool = False  # process_allgather's option
+  layouts: tuple[list[Bounds] | None, ...] = ()  # per leaf, every process's
+  digests: tuple[LeafDigest, ...] = ()  # assert_equal: per leaf
+  # Differ by process by design; only a full exchange compares them:
+  is_source: bool = False  # broadcasts
+  shards: tuple[list[Bounds] | None, ...] = ()  # per leaf, this process's
+
+  def agreement(self) -> bytes:
+    """A digest of everything every process must agree on."""
+    what = (self.op, self.tree, self.paths, self.specs, self.name,
+            self.default_source, self.tiled, self.layouts, self.digests)
+    return hashlib.sha256(
+        pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)).digest()[:16]
+
+
+def agree(header: Header, *, timeout: float) -> list[Header] | None:
+  """None if every process passed an equal header; else every process's header.
+
+  Collective: every process must call this, in the same order.
+  """
+  meeting = _control_rendezvous.Rendezvous(header.op)
+  if meeting.try_agreement(header.agreement(), timeout=timeout):
+    return None
+  return _exchange_headers(meeting, header, timeout)
+
+
+def agree_and_read_one(header: Header, source: int, *, timeout: float
+                       ) -> tuple[bytes | None, list[Header] | None]:
+  """`agree`, and on agreement the `source`'s inline payload.
+
+  Collective: every process must call this, in the same order.
+
+  Returns:
+    (the source's payload, None) when every header agreed (the source gets
+    its own); else (None, every process's header).
+  """
+  meeting = _control_rendezvous.Rendezvous(header.op)
+  mine = meeting.me == source
+  if meeting.try_agreement(header.agreement(), timeout=timeout,
+                           publish=(header.payload or b'') if mine else None):
+    return (header.payload if mine else meeting.read_one(source)), None
+  return None, _exchange_headers(meeting, header, timeout)
+
+
+def agree_and_gather(header: Header, *, timeout: float
+                     ) -> tuple[list[bytes] | None, list[Header] | None]:
+  """`agree`, and on agreement every process's inline payload.
+
+  Collective: every process must call this, in the same order.
+
+  Returns:
+    (every process's payload, None) when every header agreed; else (None,
+    every process's header).
+  """
+  meeting = _control_rendezvous.Rendezvous(header.op)
+  if meeting.try_agreement(header.agreement(), timeout=timeout,
+                           publish=header.payload or b''):
+    return [m or b'' for m in meeting.read_all()], None
+  return None, _exchange_headers(meeting, header, timeout)
+
+
+def full_exchange(header: Header, *, timeout: float) -> list[Header]:
+  """Every process's header, checked to name the same operation.
+
+  Collective: every process must call this, in the same order.
+  """
+  meeting = _control_rendezvous.Rendezvous(header.op)
+  return _exchange_headers(meeting, header, timeout)
+
+
+def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
+                      timeout: float) -> list[Header]:
+  messages = meeting.exchange(
+      pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL), timeout=timeout)
+  headers = [pickle.loads(m) for m in messages]
+  ops = [h.op for h in headers]
+  if len(set(ops)) > 1:
+    raise _diagnostics.different_collectives(ops)
+  return headers
+
+
+def check_same_leaves(headers: list[Header], what: str = '') -> None:
+  """Raises ConsistencyError unless all headers have the same tree and specs."""
+  first = (headers[0].tree, headers[0].paths, headers[0].specs)
+  if all((h.tree, h.paths, h.specs) == first for h in headers[1:]):
+    return
+  by_process = {p: (h.tree, h.paths, h.specs) for p, h in enumerate(headers)}
+  signature = [hash((h.tree, h.paths, h.specs)) for h in headers]
+  differing = _diagnostics.minority(signature)
+  op = headers[0].op
+  message = (f'{_diagnostics.prefix()} {op}: the inputs differ across '
+             f'processes (processes {differing} differ from the rest): '
+             f'{_leaves.first_difference(by_process)}.')
+  if what:
+    message += ' ' + what
+  raise _errors.ConsistencyError(
+      message + ' Every process must pass a tree of the same structure, '
+      'shapes and dtypes.')

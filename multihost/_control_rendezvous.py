@@ -1,0 +1,197 @@
+"""Control plane: the rendezvous of every process through the coordination service (timed barriers, key-value store).
+
+A `Rendezvous` is one numbered meeting; its steps are named for what they do:
+`try_agreement` is the fast path, one timed barrier whose id carries a digest
+of what every process must agree on (small payloads published in the
+key-value store beside it, then `read_all` or `read_one`); `exchange` is the
+full exchange (when the fast path does not complete within a second, or is
+not tried): each process publishes its message, waits at a timed barrier and
+reads everyone's. A process that does not arrive in time is named in the
+exception raised on every process that did; processes never start moving
+data that a peer will not receive with the same shapes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from multihost import _calls
+from multihost import _coordination
+from multihost import _diagnostics
+from multihost import _errors
+from multihost import _process
+from multihost import _watchdog
+
+_ROOT = 'multihost'
+# Calls are grouped in blocks of this many; process 0 deletes a whole block's
+# keys once every process is two blocks further, so the store stays small.
+_BLOCK = 64
+# The fast path waits this long at its barrier before falling back to the
+# full exchange. The service checks barrier deadlines about once a second,
+# so a shorter window would not fail faster.
+FAST_WINDOW_S = 1.0
+# After a fallback, this many calls take the full exchange directly: a peer
+# that runs more than the window behind then costs one window, not one per
+# call. Every process counts the same calls, so they all agree on the path.
+_BACKOFF_CALLS = 8
+_backoff = 0
+
+_FELL_BACK = b'F'
+_DIRECT = b'D'
+
+
+class Rendezvous:
+  """One numbered meeting of every process, keyed by its call number.
+
+  Collective: every process must start one, in the same order, and take the
+  same steps: `try_agreement` (optional), then `read_all`/`read_one` if it
+  returned True, else `exchange`.
+  """
+
+  __slots__ = ('op', 'me', 'count', 'call', 'prefix', 'start', '_may_agree',
+               '_fell_back', '_window')
+
+  def __init__(self, op: str):
+    global _backoff
+    _watchdog.check(op)  # A peer known to be gone: raise at once.
+    self.op = op
+    self.me = _process.process_index()
+    self.count = _process.process_count()
+    self.call = _calls.next_call_id()
+    self.prefix = f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
+    self.start = time.monotonic()
+    self._may_agree = _backoff == 0
+    _backoff = max(0, _backoff - 1)
+    self._fell_back = False
+    self._window = FAST_WINDOW_S
+
+  def try_agreement(self, agreement: bytes, *, timeout: float,
+                    publish: bytes | None = None) -> bool:
+    """Whether every process passed the same `agreement` bytes (one barrier).
+
+    `publish` (if given) is put in the key-value store first, for
+    `read_all`/`read_one`. Returns False at once while backing off after a
+    recent fallback, or after FAST_WINDOW_S when a peer is slow or disagrees;
+    then call `exchange`.
+
+    Raises:
+      ProcessFailureError: a peer is gone.
+    """
+    if not self._may_agree:
+      return False
+    if publish is not None:
+      _coordination.kv_set(self.prefix + str(self.me), _DIRECT + publish)
+    window = self._window = min(FAST_WINDOW_S, timeout)
+    try:
+      # Directly, not under the failure watchdog: the window bounds it,
+      # and a failed peer is then caught by the full exchange.
+      _coordination.wait_at_barrier(f'{self.prefix}a{agreement.hex()}', window)
+    except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+      failure = _named(e, self.op, self.prefix,
+                       waited=time.monotonic() - self.start, timeout=timeout)
+      if isinstance(failure, _errors.ProcessFailureError):
+        raise failure from e
+      self._fell_back = True
+      return False
+    _cleanup(self.call, self.me)
+    return True
+
+  def read_all(self) -> list[bytes | None]:
+    """After agreement: what each process published (None: nothing)."""
+    return _read(self.prefix, self.count)
+
+  def read_one(self, process: int) -> bytes:
+    """After agreement: what `process` published."""
+    return _coordination.kv_get(self.prefix + str(process),
+                                self._window)[1:]
+
+  def exchange(self, message: bytes, *, timeout: float) -> list[bytes]:
+    """The full exchange: publishes `message`, meets everyone, reads all messages.
+
+    Raises:
+      CollectiveTimeoutError: a process did not arrive in time (named).
+      ProcessFailureError: a peer is gone.
+    """
+    global _backoff
+    flag = _FELL_BACK if self._fell_back else _DIRECT
+    _coordination.kv_set(self.prefix + str(self.me), flag + message)
+    waited = time.monotonic() - self.start
+    barrier(self.prefix + 's', self.op, timeout=max(timeout - waited, 0.001),
+            waited_before=waited, total_timeout=timeout, published=self.prefix)
+    messages = _read(self.prefix, self.count, flags=True)
+    missing = [p for p, m in enumerate(messages) if m is None]
+    if missing:  # Cannot happen after a completed barrier; never hide it.
+      raise _diagnostics.messages_missing(self.op, missing)
+    if any(m[:1] == _FELL_BACK for m in messages):
+      _backoff = _BACKOFF_CALLS
+    _cleanup(self.call, self.me)
+    return [m[1:] for m in messages]
+
+
+def _read(prefix: str, count: int, flags: bool = False) -> list[bytes | None]:
+  messages: list[bytes | None] = [None] * count
+  for key, value in _coordination.kv_dir(prefix):
+    name = key.rsplit('/', 1)[1]
+    if name.isdigit():
+      messages[int(name)] = value if flags else value[1:]
+  return messages
+
+
+def _cleanup(call: int, me: int) -> None:
+  if me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
+    _coordination.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
+
+
+def barrier(barrier_id: str, op: str, *, timeout: float,
+            waited_before: float = 0.0, total_timeout: float | None = None,
+            published: str | None = None) -> None:
+  """Waits at a coordination-service barrier, watched, with its failures named.
+
+  Collective: every process must call this, in the same order.
+
+  Args:
+    barrier_id: the barrier; when it ends with '/', also the key directory
+      in which the processes published (to name those that did not).
+    op: the collective, for messages.
+    timeout: seconds to wait here.
+    waited_before: seconds the collective already waited.
+    total_timeout: the collective's whole timeout (default: `timeout`).
+    published: the key directory in which the processes published.
+
+  Raises:
+    CollectiveTimeoutError: naming the processes that did not arrive.
+    ProcessFailureError: naming processes the service reports as gone.
+  """
+  start = time.monotonic()
+  try:
+    # In a worker thread, so that a peer's death raises here within the
+    # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
+    _watchdog.call(op, _coordination.wait_at_barrier, barrier_id, timeout)
+  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+    raise _named(
+        e, op, published or barrier_id,
+        waited=time.monotonic() - start + waited_before,
+        timeout=timeout if total_timeout is None else total_timeout) from e
+
+
+def _named(error: BaseException, op: str, where: str, *, waited: float,
+           timeout: float) -> _errors.MultihostError:
+  """The named error for a coordination-service failure (see `_diagnostics`)."""
+  published = None
+  if where.endswith('/'):
+    published = lambda: _published(where)  # noqa: E731
+  return _diagnostics.coordination_failure(
+      error, op, me=_process.process_index(),
+      count=_process.process_count(), waited=waited, timeout=timeout,
+      known=_watchdog.known_failure(op, waited=waited, cause=error),
+      tasks=_coordination.tasks_in(str(error)), published=published)
+
+
+def _published(prefix: str) -> list[int]:
+  """The processes with a message under `prefix` (none if the store is gone)."""
+  try:
+    return [int(key.rsplit('/', 1)[1])
+            for key, _ in _coordination.kv_dir(prefix)
+            if key.rsplit('/', 1)[1].isdigit()]
+  except Exception:  # noqa: BLE001
+    return []

@@ -1,0 +1,45 @@
+"""Data plane: the `MULTIHOST_TRANSPORT` switch that sends large payloads over TCP (default) or a device collective."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from multihost import _data_device
+from multihost import _data_tcp
+from multihost import env as _env
+
+
+def tcp_enabled() -> bool:
+  """Whether large payloads travel over TCP (else over a device collective)."""
+  value = os.environ.get(_env.TRANSPORT, 'tcp').lower()
+  if value not in ('tcp', 'device'):
+    raise ValueError(
+        f'${_env.TRANSPORT}={value!r} is not a transport; use tcp (the '
+        'default) or device.')
+  return value == 'tcp'
+
+
+def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
+              op: str, timeout: float) -> np.ndarray:
+  """The source's `length` bytes, on every process.
+
+  Collective: every process must call this, in the same order, with the
+  same `length` and `source`; only the source passes a buffer.
+  """
+  if tcp_enabled():
+    return _data_tcp.broadcast(buffer, length, source, op=op, timeout=timeout)
+  return _data_device.broadcast(buffer, length, op=op, timeout=timeout)
+
+
+def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
+              timeout: float) -> np.ndarray:
+  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]].
+
+  Collective: every process must call this, in the same order, with the
+  same `sizes`.
+  """
+  if tcp_enabled():
+    return _data_tcp.allgather(buffer, sizes, op=op, timeout=timeout)
+  return _data_device.allgather(buffer, max(sizes), op=op, timeout=timeout)
