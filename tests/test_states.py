@@ -161,3 +161,58 @@ def test_multihost_digests_accept_the_same_trees():
     multihost.assert_equal(initial.user, kind)
     assert len(multihost.tree_digest(initial.user)) == 32
     assert multihost.leaf_digests(initial.user)
+
+
+# -- several controllers: 2x2, resumed at 2x2, 1x4 and 4x1 ---------------------
+
+
+def _launch(mode: str, out: pathlib.Path, directory: pathlib.Path, *,
+            num_processes: int, devices_per_process: int) -> dict:
+  result = launch.launch(
+      [PY, SCRIPT, mode, str(out), str(directory)],
+      num_processes=num_processes, devices_per_process=devices_per_process,
+      timeout=LAUNCH_TIMEOUT_S, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + '\n'.join(
+      o[-4000:] for o in result.outputs)
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope='module')
+def two_by_two(tmp_path_factory):
+  """Every kind at 2 processes x 2 devices: an uninterrupted run to step 8;
+  a run stopped at step 4 (its checkpoint copied to `saved`), resumed."""
+  tmp = tmp_path_factory.mktemp('states2x2')
+  out = _launch('fresh', tmp / 'out.json', tmp / 'ckpt', num_processes=2,
+                devices_per_process=2)
+  return dict(saved=tmp / 'ckpt' / 'saved', losses=out)
+
+
+@pytest.mark.parametrize('kind', workload.KINDS)
+def test_two_by_two_resume_is_bitwise_the_uninterrupted_run(two_by_two, kind):
+  losses = two_by_two['losses'][kind]
+  ref = _by_step(losses['ref'])
+  assert _by_step(losses['first']) == {
+      s: v for s, v in ref.items() if s <= workload.STOP_AT}
+  assert _by_step(losses['resumed']) == _after_stop(losses['ref'])
+
+
+def test_two_by_two_checkpoint_resumes_at_one_by_four_and_four_by_one(
+    two_by_two, tmp_path):
+  for layout in ('1x4', '4x1'):
+    shutil.copytree(two_by_two['saved'], tmp_path / layout)
+  # 1x4: this process (one controller, 4 devices).
+  resumed = {'1x4': {
+      kind: workload.train(kind, str(tmp_path / '1x4' / kind),
+                           until=workload.UNTIL, resume=True)
+      for kind in workload.KINDS}}
+  out = _launch('resume', tmp_path / 'out4x1.json', tmp_path / '4x1',
+                num_processes=4, devices_per_process=1)
+  resumed['4x1'] = {kind: _by_step(out[kind]['resumed']) for kind in out}
+  for layout, by_kind in resumed.items():
+    assert sorted(by_kind) == sorted(workload.KINDS), layout
+    for kind, losses in by_kind.items():
+      want = _after_stop(two_by_two['losses'][kind]['ref'])
+      assert sorted(losses) == sorted(want), (layout, kind)
+      np.testing.assert_allclose(
+          [losses[s] for s in sorted(want)], [want[s] for s in sorted(want)],
+          rtol=recovery.RTOL, atol=recovery.ATOL, err_msg=f'{layout} {kind}')
