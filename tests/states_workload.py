@@ -231,6 +231,22 @@ def train(kind: str, directory: str, *, until: int, resume: bool,
   return losses
 
 
+def raw_tree_checks(user) -> dict[str, bool]:
+  """Whether multihost's own digest and check take the raw state as equal.
+
+  Collective: every process must call this, in the same order.
+  """
+  digest = np.frombuffer(bytes.fromhex(multihost.tree_digest(user)), np.uint8)
+  everyone = multihost.process_allgather(digest)
+  try:
+    multihost.assert_equal(user, 'raw state')
+    equal = True
+  except multihost.ConsistencyError:
+    equal = False
+  return {'tree_digest': bool((everyone == everyone[0]).all()),
+          'assert_equal': equal}
+
+
 def main(argv: list[str]) -> None:
   mode, out, directory = argv[1:4]
   kinds = argv[4].split(',') if len(argv) > 4 else KINDS
@@ -248,7 +264,8 @@ def main(argv: list[str]) -> None:
         shutil.copytree(run, f'{directory}/saved/{kind}')
       multihost.sync_global_devices(f'copied {kind}')
       resumed = train(kind, run, until=UNTIL, resume=True, built=build(kind))
-      result[kind] = {'ref': ref, 'first': first, 'resumed': resumed}
+      result[kind] = {'ref': ref, 'first': first, 'resumed': resumed,
+                      'raw': raw_tree_checks(built[1].user)}
     else:
       result[kind] = {'resumed': train(kind, f'{directory}/{kind}',
                                        until=UNTIL, resume=True, built=built)}
