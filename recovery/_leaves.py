@@ -146,8 +146,9 @@ def _unsupported(name: str, x: Any) -> TypeError:
 def storable_leaf(name: str, x: Any) -> jax.Array | np.ndarray:
   """One leaf as Orbax stores it: a stored jax.Array or a NumPy array.
 
-  Local: a fully addressable array is read to the host; a global array is
-  kept as it is.
+  Local, never a collective: an uncommitted array, or one on this process's
+  devices while several processes run, is read to the host; other arrays
+  are kept as they are.
 
   Raises:
     TypeError: the leaf's type cannot be checkpointed (named with `name`).
@@ -180,8 +181,8 @@ def storable_leaf(name: str, x: Any) -> jax.Array | np.ndarray:
 def storable(tree: PyTree) -> dict[str, Any]:
   """The tree as Orbax stores it: nested dicts of jax.Arrays and NumPy arrays.
 
-  Idempotent (a storable tree is its own storable form). Local: host values
-  of arrays on this process's devices are read, global arrays kept.
+  Idempotent (a storable tree is its own storable form). Local, never a
+  collective (see `storable_leaf`).
 
   Raises:
     TypeError: a leaf cannot be checkpointed, naming its path and type.
