@@ -9,6 +9,8 @@ Modules, each importing only those above it (no cycle):
 
   _errors.py       every error recovery raises, and the advice its messages end with
   _state.py        the transition state and the epoch sampler
+  _leaves.py       any state's leaves as Orbax stores them, and back into the
+                   kinds of a target (Python scalars, uncommitted arrays, ...)
   _digest.py       host-side global values and digests of a state, by leaf path
   _consistency.py  the check that every controller holds an identical state
   _checkpoint.py   Orbax save/restore of states onto the current mesh

@@ -18,6 +18,7 @@ from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
 from recovery import _digest
+from recovery import _leaves
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
 from recovery._errors import fallback_advice
@@ -27,7 +28,10 @@ PyTree = Any
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
-FORMAT = 'recovery-checkpoint-v1'
+FORMAT = 'recovery-checkpoint-v2'
+# Earlier formats this version restores: v1 stored the same leaves (global
+# jax.Arrays and NumPy arrays, in nested dicts) and did not list their kinds.
+READABLE_FORMATS = (FORMAT, 'recovery-checkpoint-v1')
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'
 
 
@@ -112,10 +116,11 @@ class Checkpoints:
           f'or partial: its `{META_ITEM}` item cannot be read '
           f'({type(e).__name__}: {_short(e)}). {self._fallback_hint(step)}'
       ) from e
-    if meta.get('format') != FORMAT or 'digest' not in meta:
+    if meta.get('format') not in READABLE_FORMATS or 'digest' not in meta:
       raise CheckpointError(
           f'{_prefix()} Checkpoint step {step} in {self.directory} is not a '
-          f'{FORMAT} checkpoint (metadata keys: {sorted(meta)}). '
+          f'{" or ".join(READABLE_FORMATS)} checkpoint (format '
+          f'{meta.get("format")!r}, metadata keys: {sorted(meta)}). '
           f'{self._fallback_hint(step)}')
     return meta
 
@@ -162,7 +167,12 @@ class Checkpoints:
       return False
     if step in self._manager.all_steps():
       return False
-    tree = state.to_tree()
+    raw = state.to_tree()
+    try:
+      tree = _leaves.storable(raw)
+    except TypeError as e:
+      raise CheckpointError(
+          f'{_prefix()} Cannot save step {step}: {e}') from None
     digests = _consistency.check_consistent(
         tree, what=f'Before saving step {step}')
     meta = {
@@ -175,6 +185,7 @@ class Checkpoints:
         'digest_algorithm': _digest.DIGEST_ALGORITHM,
         'key_impl': str(jax.random.key_impl(state.key)),
         'leaves': _leaf_specs(tree),
+        'kinds': _leaf_kinds(raw),
         'process_count': jax.process_count(),
         'device_count': jax.device_count(),
         'reason': reason,
@@ -248,8 +259,13 @@ class Checkpoints:
           f'{step}; committed steps: {self.steps()}.')
     meta = self.read_meta(step)
     target_tree = target.to_tree()
-    self._check_fits(step, meta, target_tree)
-    abstract = jax.tree.map(_abstract, target_tree)
+    try:
+      abstract = _leaves.restore_target(target_tree, meta.get('leaves'))
+    except TypeError as e:
+      raise CheckpointError(
+          f'{_prefix()} Cannot restore step {step} onto this target: {e}'
+      ) from None
+    self._check_fits(step, meta, abstract)
     restored = _watched(
         f'restore checkpoint step {step}',
         functools.partial(self._manager.restore, step,
@@ -280,7 +296,8 @@ class Checkpoints:
           f'{self._fallback_hint(step)}')
     _consistency.check_consistent(
         restored, what=f'After restoring step {step}', digests=digests)
-    state = TransitionState.from_tree(restored, key_like=target.key)
+    state = TransitionState.from_tree(
+        _leaves.rebuild(target_tree, restored), key_like=target.key)
     if state.step != step:
       raise CheckpointCorruptError(
           f'{_prefix()} Checkpoint folder {step} holds a state at step '
@@ -349,18 +366,16 @@ class Checkpoints:
     return initial
 
 
-def _abstract(x):
-  if isinstance(x, jax.Array):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-  return np.asarray(x)
+def _leaf_specs(stored) -> dict[str, list]:
+  """{path: [shape, dtype]} of a storable (or abstract storable) tree."""
+  return {_digest.path_name(path): _leaves.spec(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
 
 
-def _leaf_specs(tree) -> dict[str, list]:
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out[_digest.path_name(path)] = [list(np.shape(leaf)),
-                                    np.dtype(leaf.dtype).name]
-  return out
+def _leaf_kinds(tree) -> dict[str, str]:
+  """{path: how the saving run held the leaf}, for people reading metadata."""
+  flat, _ = _leaves.leaves(tree)
+  return {leaf.name: _leaves.kind(leaf.value) for leaf in flat}
 
 
 def _partial_steps(directory: str) -> list[int]:

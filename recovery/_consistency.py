@@ -9,6 +9,7 @@ import numpy as np
 
 import multihost
 from recovery import _digest
+from recovery import _leaves
 from recovery._state import TransitionState
 
 PyTree = Any
@@ -39,6 +40,7 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
     multihost.ConsistencyError: the controllers hold different states.
   """
   tree = state.to_tree() if isinstance(state, TransitionState) else state
+  tree = _leaves.storable(tree)
   if digests is None:
     digests = _digest.checkpoint_leaf_digests(tree)
   if jax.process_count() > 1:

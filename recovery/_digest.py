@@ -9,6 +9,8 @@ import jax
 import numpy as np
 
 import multihost
+from recovery import _leaves
+from recovery._leaves import path_name as path_name
 from recovery._state import TransitionState
 
 PyTree = Any
@@ -21,14 +23,15 @@ DIGEST_ALGORITHM = 'multihost-leaf-digests-v1'
 def host_value(x: Any) -> np.ndarray:
   """Returns the global value of one leaf as a NumPy array on this host.
 
-  Typed PRNG keys become their key data. A replicated `jax.Array` is read
+  Typed PRNG keys become their key data; Python scalars 0-d arrays. A
+  replicated `jax.Array` is read
   from a local shard; an array sharded across processes is gathered.
 
   Collective (only for leaves sharded across processes): every process must
   call this, in the same order.
   """
   if isinstance(x, jax.Array):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if _leaves.is_key(x):
       x = jax.random.key_data(x)
     if x.is_fully_addressable:
       return np.asarray(x)
@@ -50,17 +53,20 @@ def host_tree(tree: PyTree) -> PyTree:
 def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
   """Maps each leaf's path ('user/weights') to a digest of its global value.
 
-  The digests are `multihost.leaf_digests`'s (dtype, shape and bytes, so the
-  same for the same global content on any mesh or number of processes); only
-  the keys differ: '/'-joined paths, as stored in a checkpoint's metadata,
-  instead of `jax.tree_util.keystr` paths.
+  Digests are of the tree's checkpointed form (`recovery._leaves.storable`:
+  Python scalars as 0-d NumPy arrays, keys as their key data, None and empty
+  subtrees absent), by `multihost.leaf_digests` (dtype, shape and bytes, so
+  the same for the same global content on any mesh or number of processes);
+  keys are '/'-joined paths, as stored in a checkpoint's metadata.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order.
   """
+  stored = _leaves.storable(tree)
   names = [path_name(path)
-           for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  return dict(zip(names, multihost.leaf_digests(tree).values(), strict=True))
+           for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
+  return dict(zip(names, multihost.leaf_digests(stored).values(),
+                  strict=True))
 
 
 def state_digest(tree: TransitionState | PyTree) -> str:
@@ -80,16 +86,3 @@ def combine(digests: dict[str, str]) -> str:
   for name, digest in sorted(digests.items()):
     h.update(f'{name}={digest};'.encode())
   return h.hexdigest()
-
-
-def path_name(path) -> str:
-  """'user/weights' for a key path such as (DictKey('user'), ...)."""
-  parts = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return '/'.join(parts)
