@@ -56,7 +56,8 @@ def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
   instead of `jax.tree_util.keystr` paths.
 
   Collective (when some leaf is sharded across processes): every process
-  must call this, in the same order.
+  must call this, in the same order. Such a leaf is not gathered: each
+  process digests its own shards (see `multihost.leaf_digests`).
   """
   names = [path_name(path)
            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
