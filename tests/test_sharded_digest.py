@@ -98,6 +98,7 @@ def test_sharded_key_array_digest(topology):
       keys.shape, jax.sharding.NamedSharding(mesh, jax.P('x')),
       lambda i: jax.random.wrap_key_data(data[i]))
   assert multihost.tree_digest(sharded) == multihost.tree_digest(keys)
+  multihost.assert_equal(sharded)  # Shard by shard, with key data axes.
 
 
 def _status(field: str) -> int:
