@@ -132,6 +132,31 @@ class _Chunks:
         self._open(chunk)[pos - first:stop - first] = piece
       pos = stop
 
+  def add_rows(self, start: int, stride: int, rows: np.ndarray) -> None:
+    """Items rows[j] at global positions start + j * stride + (0, 1, ...).
+
+    Rows are shorter than `stride`; those inside one chunk are copied into
+    its buffer with one strided assignment.
+    """
+    count, run = rows.shape
+    j = 0
+    while j < count:
+      pos = start + j * stride
+      chunk = pos // self.per
+      first = chunk * self.per
+      last = first + self._items(chunk)
+      end = min(count, (last - run - start) // stride + 1)
+      if end > j:  # Rows j..end-1 lie inside this chunk.
+        buffer = self._open(chunk)
+        size = buffer.itemsize
+        np.lib.stride_tricks.as_strided(
+            buffer[pos - first:], shape=(end - j, run),
+            strides=(stride * size, size))[...] = rows[j:end]
+        j = end
+      else:  # Row j runs into the next chunk.
+        self.add_run(pos, rows[j])
+        j += 1
+
   def add_scattered(self, positions: np.ndarray, values: np.ndarray) -> None:
     """Items `values` at increasing global `positions`."""
     chunks = positions // self.per
@@ -161,8 +186,10 @@ def _crc32(values: np.ndarray) -> int:
   return zlib.crc32(values.view(np.uint8))
 
 
-# Runs of at least this many items are added one by one; shorter ones in
-# batches of about _BATCH items with their positions computed by numpy.
+# Runs of at least this many items are added one by one; shorter ones at
+# equal spacing by strided copies when there are enough of them (a 2-D array
+# split along axis 1), else in batches of about _BATCH items with their
+# positions computed by numpy.
 _LONG_RUN = 1024
 _BATCH = 1 << 20
 
@@ -183,8 +210,8 @@ def _add_shard(chunks: _Chunks, shape: tuple[int, ...],
   outer = [bounds[d][1] - bounds[d][0] for d in range(k)]
   runs = values.reshape(math.prod(outer), run)
 
-  def starts(first: int, stop: int) -> np.ndarray:
-    rest = np.arange(first, stop, dtype=np.int64)
+  def starts(first: int, stop: int, step: int = 1) -> np.ndarray:
+    rest = np.arange(first, stop, step, dtype=np.int64)
     out = np.full(len(rest), base, np.int64)
     for d in reversed(range(k)):
       out += (rest % outer[d]) * strides[d]
@@ -194,6 +221,12 @@ def _add_shard(chunks: _Chunks, shape: tuple[int, ...],
   if run >= _LONG_RUN:
     for r, start in enumerate(starts(0, len(runs)).tolist()):
       chunks.add_run(start, runs[r])
+    return
+  group = outer[-1] if outer else 1  # Runs at equal spacing strides[k - 1].
+  if k and group * run >= _LONG_RUN:
+    for g, start in enumerate(starts(0, len(runs), group).tolist()):
+      chunks.add_rows(start, strides[k - 1],
+                      runs[g * group:(g + 1) * group])
     return
   per_batch = max(1, _BATCH // run)
   offsets = np.arange(run, dtype=np.int64)

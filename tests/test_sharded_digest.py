@@ -49,9 +49,10 @@ def _cases():
   square = jax.make_mesh((2, 2), ('a', 'b'))
   P = jax.P  # pylint: disable=invalid-name
   rows = _content((24, 40_000), np.float32, 1)  # 3.7 MiB: shards cut chunks
-  narrow = _content((300_000, 8), np.int32, 2)  # runs of 2 or 4 items
+  narrow = _content((300_000, 8), np.int32, 2)  # strided runs of 2 or 4
   cube = _content((8, 12, 6_000), jnp.bfloat16, 3)
   small = _content((64, 8), np.float32, 4)
+  scattered = _content((40_000, 2, 8), np.int32, 5)  # few short runs a row
   return [
       ('rows', rows, flat, P('x')),
       ('columns', rows, flat, P(None, 'x')),
@@ -61,6 +62,8 @@ def _cases():
       ('narrow columns', narrow, flat, P(None, 'x')),
       ('narrow box', narrow, square, P('b', 'a')),
       ('cube', cube, square, P(None, 'a', 'b')),
+      ('scattered', scattered, square, P('b', None, 'a')),
+      ('scattered, replicated over b', scattered, square, P(None, None, 'a')),
       ('small', small, flat, P('x')),
       ('fully replicated', rows, flat, P()),
   ]
