@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import multihost
 import recovery
 
+from bench import harness
 from bench.harness import barrier
 from bench.harness import ms
 from bench.harness import Row
@@ -148,3 +149,94 @@ def _abstract(x):
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   return np.asarray(x)
+
+
+def sharded_state_row(width: int, repeats: int, parent: str,
+                      settings: Settings) -> Row:
+  """One row: save + restore of a state sharded 4 ways, against plain Orbax.
+
+  Collective: every process calls it. Needs a device count that is a
+  multiple of 4: the leaves are sharded over a mesh axis of 4 (and
+  replicated over the rest of the devices). Times as in `recovery_rows`;
+  peak memory is the largest per-process increase of one more round of each
+  (`harness.peak_increase`), which for ours includes computing the digests
+  from each process's own shards.
+
+  Args:
+    width: float32 weights per leaf (two leaves); a multiple of 4.
+    repeats: timed rounds of each (after one untimed round of each).
+    parent: parent folder of the checkpoint folders, shared by all
+      processes ('' for the temp folder).
+    settings: the harness settings (timeout of the collectives).
+  """
+  count = jax.device_count()
+  if count % 4 or width % 4:
+    raise ValueError(f'A state sharded 4 ways needs a device count ({count}) '
+                     f'and a width ({width}) that are multiples of 4.')
+  mesh = jax.make_mesh((4, count // 4), ('shards', 'replicas'))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P('shards'))
+
+  def placed(a: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+
+  rng = np.random.default_rng(6)
+  state = recovery.TransitionState(
+      user={'weights': placed(rng.standard_normal(width, np.float32)),
+            'momentum': placed(rng.standard_normal(width, np.float32))},
+      key=jax.random.key(7), order=np.arange(64, dtype=np.int32), cursor=8,
+      epoch=1, step=1)
+  target = state.replace(
+      user=jax.tree.map(lambda x: placed(np.zeros(x.shape, x.dtype)),
+                        state.user), step=0)
+  tree = state.to_tree()
+  abstract = jax.tree.map(_abstract, tree)
+  nbytes = 2 * 4 * width
+  root = None
+  if jax.process_index() == 0:
+    root = tempfile.mkdtemp(prefix='multihost-bench-', dir=parent or None)
+  root = multihost.broadcast_object(root, timeout=settings.timeout)
+  rounds = iter(range(1 << 30))
+
+  def ours():
+    folder = os.path.join(root, f'ours-{next(rounds)}')
+    with recovery.Checkpoints(folder, save_every=1, keep=1,
+                              async_save=False) as checkpoints:
+      checkpoints.save(state, force=True)
+      jax.block_until_ready(checkpoints.restore(target, step=state.step).user)
+
+  def plain():
+    folder = os.path.join(root, f'plain-{next(rounds)}', 'state')
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder, tree)
+    checkpointer.wait_until_finished()
+    jax.block_until_ready(checkpointer.restore(folder, abstract))
+    checkpointer.close()
+
+  times: dict[str, list[float]] = {'ours': [], 'plain': []}
+  firsts, peaks = {}, {}
+  try:
+    for r in range(repeats + 1):
+      for name, fn in (('ours', ours), ('plain', plain)):
+        elapsed = harness.timed(fn, settings)
+        if r:
+          times[name].append(elapsed)
+        else:
+          firsts[name] = elapsed
+    for name, fn in (('ours', ours), ('plain', plain)):
+      peaks[name] = (slowest_one(harness.peak_increase(fn, settings),
+                                 settings) if settings.memory else None)
+  finally:
+    barrier(settings)
+    if jax.process_index() == 0:
+      shutil.rmtree(root, ignore_errors=True)
+  return Row('recovery: save + restore, state sharded 4 ways', nbytes, 2,
+             kind='recovery',
+             ours_ms=ms(statistics.median(slowest(times['ours'], settings))),
+             jax_ms=ms(statistics.median(slowest(times['plain'], settings))),
+             ours_first_ms=ms(slowest_one(firsts['ours'], settings)),
+             jax_first_ms=ms(slowest_one(firsts['plain'], settings)),
+             ours_peak_bytes=peaks['ours'], jax_peak_bytes=peaks['plain'],
+             payload=f'{nbytes / 2**20:.4g} MiB, 2 leaves over 4 shards, '
+             f'{jax.process_count()} processes',
+             note='jax_ms: plain orbax StandardCheckpointer; peak: max '
+             'per-process increase')

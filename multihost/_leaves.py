@@ -114,8 +114,9 @@ def distinct_shards(x: jax.Array, op: str):
   """
   seen = set()
   for shard in x.addressable_shards:
+    # (A key array's shard index may also cover its key data's axes.)
     bounds = tuple(s.indices(n)[:2]
-                   for s, n in zip(shard.index, x.shape, strict=True))
+                   for s, n in zip(shard.index[:x.ndim], x.shape, strict=True))
     if bounds not in seen:
       seen.add(bounds)
       yield (bounds, *to_host(shard.data, op))

@@ -45,9 +45,10 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
     digests = _digest.checkpoint_leaf_digests(tree)
   if jax.process_count() > 1:
     # Comparing each leaf's digest is comparing the leaf, at 16 bytes a leaf.
-    # A leaf sharded across processes has one digest of its gathered value,
-    # which would hide replicas that differ: then compare the tree itself
-    # (shard by shard).
+    # A leaf sharded across processes has one digest combined from every
+    # process's shards, which would hide replicas that differ: then compare
+    # the tree itself, shard by shard (digests of each process's own shards;
+    # nothing is gathered).
     sharded = any(isinstance(x, jax.Array) and not x.is_fully_addressable
                   and not x.is_fully_replicated for x in jax.tree.leaves(tree))
     compared = tree if sharded else {

@@ -60,7 +60,8 @@ def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
   keys are '/'-joined paths, as stored in a checkpoint's metadata.
 
   Collective (when some leaf is sharded across processes): every process
-  must call this, in the same order.
+  must call this, in the same order. Such a leaf is not gathered: each
+  process digests its own shards (see `multihost.leaf_digests`).
   """
   stored = _leaves.storable(tree)
   names = [path_name(path)
