@@ -1,9 +1,9 @@
 r"""Peak memory and time of `multihost.tree_digest` on a 256 MiB array sharded over all processes.
 
   python -m multihost.launch --num_processes=2 --devices_per_process=1 -- \
-      python bin/sharded_digest.py [MiB] [axis names of the PartitionSpec]
+      python bench/sharded_digest.py [MiB] [axis names of the PartitionSpec]
 
-e.g. `... bin/sharded_digest.py 256 x` (rows) or `256 None x` (columns).
+e.g. `... bench/sharded_digest.py 256 x` (rows) or `256 None x` (columns).
 Prints per process: the digest, the peak RSS increase of one call
 (VmHWM after, after resetting it through /proc/self/clear_refs, minus VmRSS
 before) and the median of 3 timed calls.
