@@ -6,7 +6,6 @@ import dataclasses
 
 from multihost import _flight
 from multihost import _gather
-from multihost import _process
 
 # A process is consistently last when it came last in at least this share of
 # at least _MIN_CALLS compared collectives.
@@ -37,6 +36,36 @@ class StragglerReport:
   mean_skew: float
   max_skew: float
   consistently_last: int | None
+
+  @classmethod
+  def from_waits(cls, everyone: list[dict[int, float]]) -> StragglerReport:
+    """The report from every process's {call number: seconds it waited}, in process order."""
+    count = len(everyone)
+    common = set(everyone[0])
+    for waits in everyone[1:]:
+      common &= set(waits)
+    last_counts = [0] * count
+    skew_sums = [0.0] * count
+    skews = []
+    for call in sorted(common):
+      row = [w[call] for w in everyone]
+      last = min(range(count), key=row.__getitem__)
+      skew = max(row) - row[last]
+      last_counts[last] += 1
+      skew_sums[last] += skew
+      skews.append(skew)
+    calls = len(skews)
+    consistent = None
+    if calls >= _MIN_CALLS and count > 1:
+      top = max(range(count), key=last_counts.__getitem__)
+      if last_counts[top] >= _SHARE * calls:
+        consistent = top
+    return cls(
+        calls=calls, last_counts=tuple(last_counts),
+        skew_when_last=tuple(s / n if n else 0.0
+                             for s, n in zip(skew_sums, last_counts)),
+        mean_skew=sum(skews) / calls if calls else 0.0,
+        max_skew=max(skews, default=0.0), consistently_last=consistent)
 
   def summary(self) -> str:
     """One line: the consistent straggler and by how much, or that there is none."""
@@ -69,33 +98,4 @@ def straggler_report(*, timeout: float | None = None) -> StragglerReport:
   """
   waits = _flight.waits()
   everyone = _gather.allgather_object(waits, timeout=timeout)
-  return compare(everyone, _process.process_count())
-
-
-def compare(everyone: list[dict[int, float]], count: int) -> StragglerReport:
-  """The report from every process's {call: seconds waited}."""
-  common = set(everyone[0])
-  for waits in everyone[1:]:
-    common &= set(waits)
-  last_counts = [0] * count
-  skew_sums = [0.0] * count
-  skews = []
-  for call in sorted(common):
-    row = [w[call] for w in everyone]
-    last = min(range(count), key=row.__getitem__)
-    skew = max(row) - row[last]
-    last_counts[last] += 1
-    skew_sums[last] += skew
-    skews.append(skew)
-  calls = len(skews)
-  consistent = None
-  if calls >= _MIN_CALLS and count > 1:
-    top = max(range(count), key=last_counts.__getitem__)
-    if last_counts[top] >= _SHARE * calls:
-      consistent = top
-  return StragglerReport(
-      calls=calls, last_counts=tuple(last_counts),
-      skew_when_last=tuple(s / n if n else 0.0
-                           for s, n in zip(skew_sums, last_counts)),
-      mean_skew=sum(skews) / calls if calls else 0.0,
-      max_skew=max(skews, default=0.0), consistently_last=consistent)
+  return StragglerReport.from_waits(everyone)

@@ -402,8 +402,10 @@ def _report_stalls() -> None:
       me = _process_index()
       others = [p for p in missing() if p != me]
       reports = ask(others) if others else {}
+      current = _flight.in_progress()  # The call waiting (named).
+      label = current.label() if current and current.op == op else op
       logging.warning('%s', _diagnostics.stall_line(
-          op, waited=after, reports=reports, timeout=ANSWER_WITHIN_S))
+          label, waited=after, reports=reports, timeout=ANSWER_WITHIN_S))
     except Exception as e:  # noqa: BLE001
       logging.warning('%s multihost: stall report failed: %s',
                       _diagnostics.prefix(), _diagnostics.shorten(e, 200))
