@@ -47,6 +47,9 @@ from multihost import env as _env
 ANSWER_WITHIN_S = 1.5
 # The responder's key-value get timeout (bounds how long exit waits for it).
 _POLL_S = 1.0
+# After this many empty polls on one request number, check whether its
+# requester died between numbering and writing it (then skip it).
+_SKIP_AFTER_POLLS = 10
 _DIR = 'multihost_where/'
 # Frames kept per thread in a report (innermost).
 _FRAMES = 12
@@ -251,6 +254,7 @@ def stop() -> None:
 def _serve(n: int) -> None:
   st = _state
   me = _process_index()
+  idle = 0
   while not st.stopping:
     try:
       value = _coordination.kv_get(f'{_DIR}req/{n}', _POLL_S)
@@ -258,9 +262,13 @@ def _serve(n: int) -> None:
       if st.stopping or _coordination.client() is None:
         return
       if 'DEADLINE_EXCEEDED' in str(e) or 'NOT_FOUND' in str(e):
+        idle += 1
+        if idle % _SKIP_AFTER_POLLS == 0 and _skip_gap(n):
+          n += 1  # A requester took number n and never wrote it.
         continue
       time.sleep(_POLL_S)  # The service is unreachable; keep trying slowly.
       continue
+    idle = 0
     try:
       request = json.loads(value)
       if me in request.get('to', ()):
@@ -270,6 +278,14 @@ def _serve(n: int) -> None:
       logging.warning('%s multihost: could not answer where-request %d: %s',
                       _diagnostics.prefix(me), n, _diagnostics.shorten(e, 200))
     n += 1
+
+
+def _skip_gap(n: int) -> bool:
+  """Whether request n was numbered but never written while later ones exist."""
+  try:
+    return _coordination.kv_increment(_DIR + 'count', 0) > n + 1
+  except Exception:  # noqa: BLE001
+    return False
 
 
 def _install_sigusr1() -> None:
