@@ -79,6 +79,11 @@ _ASYNC_SAVE = flags.DEFINE_boolean('async_save', True,
 _PROGRESS_EVERY = flags.DEFINE_float(
     'progress_every', 5.0, 'Seconds between progress lines (step, loss, '
     'steps/s).')
+_STRAGGLER_EVERY = flags.DEFINE_integer(
+    'straggler_every', 100, 'Every this many steps, compare when the '
+    'processes arrived at their recent collectives '
+    '(multihost.straggler_report) and log one line when one process is '
+    'consistently last (0: never).', lower_bound=0)
 
 _ORBAX_INFO = flags.DEFINE_boolean(
     'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
@@ -225,6 +230,12 @@ def main(argv):
   metrics = None
 
   def on_step(state, record):
+    every = _STRAGGLER_EVERY.value
+    if every and jax.process_count() > 1 and record.step % every == 0:
+      report = multihost.straggler_report()  # Every process, same step.
+      if pid == 0 and report.consistently_last is not None:
+        logging.warning('%s step %d: %s', prefix, record.step,
+                        report.summary())
     if not _METRICS_OUT.value:
       return
     digest = recovery.state_digest(state)  # Every process: may be collective.

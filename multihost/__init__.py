@@ -9,12 +9,17 @@ imports one above it (public modules may use one another), and there is no
 import cycle (tests/test_layers.py checks both). Modules _*.py are private.
 
   public              _broadcast, _gather, _sync (sync_global_devices), _equal,
-                      _digest, _arrays, _preemption, _watched; _initialize
+                      _digest, _arrays, _preemption, _watched, _stragglers;
+                      _initialize
   control plane       _control_agree: agreement on what every process is about
                         to do (Header; agree, agree_and_read_one,
                         agree_and_gather, full_exchange)
                       -> _control_rendezvous: barriers and key-value messages
                         through the coordination service; _calls numbers them
+  where               _where: each process's daemon thread that reports its
+                        stacks and last collectives (on request, on SIGUSR1,
+                        in timeouts and stall reports)
+                      -> _flight: the ring of this process's last collectives
   data plane          _data_plane: the $MULTIHOST_TRANSPORT switch
                       -> _data_tcp (TCP between hosts) | _data_device (device
                         collectives)
@@ -71,6 +76,15 @@ from multihost._sync import (
 )
 from multihost._watched import (
     call_watched as call_watched,
+)
+from multihost._stragglers import (
+    StragglerReport as StragglerReport,
+    straggler_report as straggler_report,
+)
+from multihost._where import (
+    set_stall_report_after as set_stall_report_after,
+    stall_report_after as stall_report_after,
+    where as where,
 )
 
 from multihost import env as env

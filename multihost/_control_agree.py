@@ -71,7 +71,7 @@ def agree(header: Header, *, timeout: float) -> list[Header] | None:
 
   Collective: every process must call this, in the same order.
   """
-  meeting = _control_rendezvous.Rendezvous(header.op)
+  meeting = _control_rendezvous.Rendezvous(header.op, header.name)
   if meeting.try_agreement(header.agreement(), timeout=timeout):
     return None
   return _exchange_headers(meeting, header, timeout)

@@ -19,8 +19,10 @@ from multihost import _calls
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
+from multihost import _flight
 from multihost import _process
 from multihost import _watchdog
+from multihost import _where
 
 _ROOT = 'multihost'
 # Calls are grouped in blocks of this many; process 0 deletes a whole block's
@@ -49,9 +51,9 @@ class Rendezvous:
   """
 
   __slots__ = ('op', 'me', 'count', 'call', 'prefix', 'start', '_may_agree',
-               '_fell_back', '_window')
+               '_fell_back', '_window', 'record')
 
-  def __init__(self, op: str):
+  def __init__(self, op: str, name: str = ''):
     global _backoff
     _watchdog.check(op)  # A peer known to be gone: raise at once.
     self.op = op
@@ -60,6 +62,8 @@ class Rendezvous:
     self.call = _calls.next_call_id()
     self.prefix = f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
     self.start = time.monotonic()
+    self.record = _flight.begin(op, self.call, self.start, name)
+    _where.ensure_started()
     self._may_agree = _backoff == 0
     _backoff = max(0, _backoff - 1)
     self._fell_back = False
@@ -93,6 +97,7 @@ class Rendezvous:
         raise failure from e
       self._fell_back = True
       return False
+    _flight.end(self.record)
     _cleanup(self.call, self.me)
     return True
 
@@ -118,6 +123,7 @@ class Rendezvous:
     waited = time.monotonic() - self.start
     barrier(self.prefix + 's', self.op, timeout=max(timeout - waited, 0.001),
             waited_before=waited, total_timeout=timeout, published=self.prefix)
+    _flight.end(self.record)
     messages = _read(self.prefix, self.count, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]
     if missing:  # Cannot happen after a completed barrier; never hide it.
@@ -163,15 +169,21 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
     ProcessFailureError: naming processes the service reports as gone.
   """
   start = time.monotonic()
+  where = published or barrier_id
+  stall = _where.watch_stall(  # The slow path: a lock, no RPC.
+      op, started=start - waited_before, until=start + timeout,
+      missing=lambda: _absent(where))
   try:
     # In a worker thread, so that a peer's death raises here within the
     # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
     _watchdog.call(op, _coordination.wait_at_barrier, barrier_id, timeout)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    raise _named(
-        e, op, published or barrier_id,
+    _where.stall_done(stall)
+    raise _where.with_whereabouts(_named(
+        e, op, where,
         waited=time.monotonic() - start + waited_before,
-        timeout=timeout if total_timeout is None else total_timeout) from e
+        timeout=timeout if total_timeout is None else total_timeout)) from e
+  _where.stall_done(stall)
 
 
 def _named(error: BaseException, op: str, where: str, *, waited: float,
@@ -185,6 +197,14 @@ def _named(error: BaseException, op: str, where: str, *, waited: float,
       count=_process.process_count(), waited=waited, timeout=timeout,
       known=_watchdog.known_failure(op, waited=waited, cause=error),
       tasks=_coordination.tasks_in(str(error)), published=published)
+
+
+def _absent(where: str) -> list[int]:
+  """The processes without a message under `where` (none known if it is no directory)."""
+  if not where.endswith('/'):
+    return []
+  present = set(_published(where))
+  return [p for p in range(_process.process_count()) if p not in present]
 
 
 def _published(prefix: str) -> list[int]:

@@ -68,6 +68,11 @@ def kv_get(key: str, timeout_s: float) -> bytes:
       key, max(1, int(timeout_s * 1000)))
 
 
+def kv_increment(key: str, by: int) -> int:
+  """Atomically adds `by` to the counter at `key` (created at 0); returns the new value."""
+  return require_client().key_value_increment(key, by)
+
+
 def kv_dir(prefix: str) -> list[tuple[str, bytes]]:
   """All (key, value) pairs under `prefix` (which should end with '/')."""
   return require_client().key_value_dir_get_bytes(prefix)

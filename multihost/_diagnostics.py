@@ -210,3 +210,94 @@ def out_of_step(op: str, peer: int, got: tuple[int, int],
       f'where call {want[0]} ({want[1]} bytes) was expected: the processes '
       'are out of step. This is a bug in multihost (or a collective was '
       'abandoned after an error); restart the job.')
+
+
+# --- Where the processes are (see `_where`) --------------------------------
+
+
+def retell(error: _errors.MultihostError,
+           message: str) -> _errors.MultihostError:
+  """A copy of `error` (same type and attributes) with `message`."""
+  if isinstance(error, _errors.CollectiveTimeoutError):
+    return type(error)(message, operation=error.operation,
+                       missing=error.missing, waited=error.waited)
+  if isinstance(error, _errors.ProcessFailureError):
+    return type(error)(message, operation=error.operation,
+                       failed=error.failed)
+  return type(error)(message)
+
+
+def name_barrier(message: str, name: str) -> str:
+  """`message` of a sync_global_devices error, with the barrier's name after the op."""
+  op = 'sync_global_devices'
+  if f'{op}:' in message:
+    return message.replace(f'{op}:', f'{op}({name!r}):', 1)
+  return f'{message} (barrier {name!r})'
+
+
+def _frames(report: dict, limit: int) -> str:
+  """The main thread's innermost `limit` frames, innermost first: 'f (file:line) <- g (file:line)'."""
+  main = next((t for t in report['threads'] if t['main']), None)
+  if main is None or not main['frames']:
+    return 'main thread: no Python frames'
+  frames = main['frames'][::-1][:limit]
+  return 'main thread in ' + ' <- '.join(
+      f'{func} ({path}:{line})' for path, line, func in frames)
+
+
+def _collectives(report: dict) -> str:
+  last = report.get('last')
+  parts = ['last completed collective: ' + (
+      'none' if last is None else
+      f'{last["label"]}, finished {last["ago"]:.1f} s ago')]
+  now_in = report.get('now_in')
+  if now_in is not None:
+    parts.append(f'now waiting in {now_in["label"]} for '
+                 f'{now_in["for"]:.1f} s')
+  else:
+    parts.append('not in a collective')
+  return '; '.join(parts)
+
+
+def whereabouts(reports: dict[int, dict | None], timeout: float) -> str:
+  """One sentence per process of `reports`: its main thread's innermost frames and its last collective."""
+  parts = []
+  for p, report in sorted(reports.items()):
+    if report is None:
+      parts.append(f'process {p}: not answering within {timeout:g} s '
+                   '(likely dead, or wedged in C++)')
+    else:
+      parts.append(f'process {p}: {_frames(report, 4)}; '
+                   f'{_collectives(report)}')
+  return 'Where they are: ' + '. '.join(parts) + '.'
+
+
+def stall_line(op: str, *, waited: float, reports: dict[int, dict | None],
+               timeout: float) -> str:
+  """The one line a collective still waiting after the stall threshold logs."""
+  if not reports:
+    return (f'{prefix()} {op}: still waiting after {waited:g} s (every '
+            'process has arrived; a device transfer or the service is '
+            'slow).')
+  return (f'{prefix()} {op}: still waiting after {waited:g} s for '
+          f'process(es) {sorted(reports)}. {whereabouts(reports, timeout)}')
+
+
+def where_text(reports: dict[int, dict | None], *, timeout: float,
+               title: str = '') -> str:
+  """The full report of `reports`: per process, its collectives and every thread's innermost frames."""
+  lines = []
+  for p, report in sorted(reports.items()):
+    head = f'{prefix(p)} where{" (" + title + ")" if title else ""}:'
+    if report is None:
+      lines.append(f'{head} not answering within {timeout:g} s (likely dead, '
+                   'or wedged in C++)')
+      continue
+    lines.append(f'{head} pid {report["pid"]} on {report["host"]}; '
+                 f'{_collectives(report)}')
+    for thread in report['threads']:
+      lines.append(f'{prefix(p)}   thread {thread["name"]!r}'
+                   f'{" (main)" if thread["main"] else ""}, innermost first:')
+      for path, line, func in thread['frames'][::-1]:
+        lines.append(f'{prefix(p)}     {path}:{line} {func}')
+  return '\n'.join(lines)

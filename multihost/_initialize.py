@@ -10,6 +10,7 @@ import jax
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _watchdog
+from multihost import _where
 from multihost import env as _env
 
 
@@ -58,6 +59,7 @@ def initialize(coordinator_address: str | None = None,
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', _diagnostics.prefix())
     _watchdog.ensure_started()
+    _where.ensure_started()
     return
   env = os.environ
   coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
@@ -113,6 +115,8 @@ def initialize(coordinator_address: str | None = None,
   if detect:
     _watchdog.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
                    shutdown_timeout=shutdown_timeout)
+  # After the watchdog: its exit handler then runs after the reporter's.
+  _where.ensure_started()
   logging.info('%s jax.distributed initialized: %d processes, %d local '
                'devices.', _diagnostics.prefix(), jax.process_count(),
                jax.local_device_count())

@@ -33,8 +33,12 @@ def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
   timeout = _process.resolve_timeout(timeout)
   if _process.process_count() == 1:
     return
-  headers = _control_agree.agree(
-      _control_agree.Header('sync_global_devices', name=name), timeout=timeout)
+  try:
+    headers = _control_agree.agree(
+        _control_agree.Header('sync_global_devices', name=name),
+        timeout=timeout)
+  except _errors.MultihostError as e:  # Name the barrier.
+    raise _diagnostics.retell(e, _diagnostics.name_barrier(str(e), name)) from e
   if headers is None:
     return
   names = [h.name for h in headers]

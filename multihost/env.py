@@ -27,6 +27,9 @@ TIMEOUT = 'MULTIHOST_TIMEOUT'
 HEARTBEAT = 'MULTIHOST_HEARTBEAT_TIMEOUT'
 DETECT_FAILURES = 'MULTIHOST_DETECT_FAILURES'
 TRANSPORT = 'MULTIHOST_TRANSPORT'
+# Seconds a collective waits before logging where the missing processes are
+# (0: never); see `multihost.set_stall_report_after`.
+STALL_REPORT_AFTER = 'MULTIHOST_STALL_REPORT_AFTER'
 # Set to 1 by a launcher that hosts the coordination service itself: process
 # 0 then starts no service of its own.
 EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'

@@ -12,10 +12,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 _LAYERS = [
     ['__init__', 'lowlevel', 'testing', 'launch', 'hosts'],
     ['_broadcast', '_gather', '_sync', '_equal', '_digest', '_arrays',
-     '_preemption', '_watched', '_initialize'],
+     '_preemption', '_watched', '_initialize', '_stragglers'],
     ['_control_agree'],
     ['_control_rendezvous'],
-    ['_calls'],
+    ['_where'],
+    ['_calls', '_flight'],
     ['_data_plane'],
     ['_data_tcp', '_data_device'],
     ['_watchdog'],

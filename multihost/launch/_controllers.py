@@ -13,6 +13,7 @@ import collections.abc
 import os
 import signal
 import socket
+import sys
 import time
 from typing import TextIO
 import weakref
@@ -211,7 +212,7 @@ class Controllers:
     try:
       step = _policy.supervise(self._procs, timeout=timeout,
                                grace_period=self.grace_period,
-                               interrupt=lambda: self._interrupts.first)
+                               interrupt=self._poll_signals)
       if step.action == _policy.INTERRUPTED:
         _policy.forward(self._procs, self._interrupts.first,
                         wait=max(self.kill_wait, self.grace_period),
@@ -234,6 +235,29 @@ class Controllers:
           interrupted_by=self._interrupts.first)
     self._result = _report.report(observed)
     return self._result
+
+  def _poll_signals(self) -> int | None:
+    """The stop signal the launcher got (or None); forwards where-report requests first."""
+    if self._interrupts.take_reports():
+      self.request_report()
+    return self._interrupts.first
+
+  def request_report(self) -> None:
+    """Asks every running controller to print where it is (SIGUSR1 to its pid), without stopping it.
+
+    A controller handles it once `multihost.initialize()` has run; one that
+    does not handle SIGUSR1 (which would kill it) is skipped, and said so.
+    """
+    for i, pid in enumerate(self.pids):
+      if self._procs.returncodes_locked()[i] is not None:
+        continue
+      if _signals.catches(pid, _signals.REPORT_SIGNAL):
+        self._procs.kill(i, _signals.REPORT_SIGNAL)
+      else:
+        sys.stderr.write(f'[launcher] process {i} does not handle SIGUSR1 '
+                         '(it has not called multihost.initialize()); not '
+                         'asked where it is.\n')
+        sys.stderr.flush()
 
   def stop(self) -> None:
     """Stops every running process: SIGTERM, then SIGKILL after kill_wait."""

@@ -1,0 +1,76 @@
+"""Control plane: the flight recorder, each process's ring of its last collective calls and how long each waited.
+
+Every rendezvous (see `_control_rendezvous`) appends one `Record` when it
+starts and stamps its `end` when every process has met. That costs two
+clock reads and one small object per call; nothing here blocks or talks to
+another process. `_where` reads the ring to say what a process last did;
+`straggler_report()` compares the waits across processes: everyone leaves a
+meeting at about the same moment, so the process that waited least came
+last, and the largest wait minus the smallest is by how much.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+# Calls kept per process.
+RING = 64
+
+
+class Record:
+  """One collective call: op, barrier name, call number, start and end (time.monotonic())."""
+
+  __slots__ = ('op', 'name', 'call', 'start', 'end')
+
+  def __init__(self, op: str, name: str, call: int, start: float):
+    self.op = op
+    self.name = name
+    self.call = call
+    self.start = start
+    self.end: float | None = None
+
+  def label(self) -> str:
+    """'sync_global_devices('step 3') (call 12)', or 'process_allgather (call 13)'."""
+    name = f'({self.name!r})' if self.name else ''
+    return f'{self.op}{name} (call {self.call})'
+
+
+_ring: collections.deque[Record] = collections.deque(maxlen=RING)
+
+
+def begin(op: str, call: int, start: float, name: str = '') -> Record:
+  """Records the start of call `call` of collective `op` (at `start`)."""
+  record = Record(op, name, call, start)
+  _ring.append(record)
+  return record
+
+
+def end(record: Record) -> None:
+  """Records that every process met in `record`'s call."""
+  record.end = time.monotonic()
+
+
+def records() -> list[Record]:
+  """The last RING calls, oldest first (a copy)."""
+  return list(_ring)
+
+
+def last_completed() -> Record | None:
+  """The most recent call that completed, or None."""
+  for record in reversed(_ring):
+    if record.end is not None:
+      return record
+  return None
+
+
+def in_progress() -> Record | None:
+  """The call this process is waiting in (the newest, if it has not completed)."""
+  if _ring and _ring[-1].end is None:
+    return _ring[-1]
+  return None
+
+
+def waits() -> dict[int, float]:
+  """Call number -> seconds this process waited in it, for the completed calls in the ring."""
+  return {r.call: r.end - r.start for r in _ring if r.end is not None}

@@ -1,0 +1,245 @@
+"""Where is everyone: a process stuck in user code is named, with its stack and last collective.
+
+Real controllers (`python -m multihost.launch`), one stuck in a named Python
+function (`stuck_in_data_loader`, in time.sleep) while the others wait at a
+barrier and then at an all-gather. Each waiting process logs a stall line
+before its timeout and then raises a `CollectiveTimeoutError` that names the
+stuck process, its function and its last collective. The P=2 run also sends
+SIGUSR1 to the launcher while process 1 is stuck (every controller prints
+where it is and keeps running); the P=4 run (stuck process 2) also calls
+`multihost.where()` from process 0. Both runs end cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import multihost
+from multihost import env as env_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 4.0  # of the collectives that time out
+STALL_S = 2.0  # stall report threshold (the fast path takes the first 1 s)
+
+_SCRIPT = textwrap.dedent('''
+    import sys
+    import time
+
+    import numpy as np
+
+    import multihost
+    from multihost import lowlevel
+
+    STUCK, TIMEOUT, STALL = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+    WHERE = sys.argv[4] == 'where'
+    multihost.initialize()
+    import jax  # noqa: E402
+
+    me = jax.process_index()
+    multihost.set_stall_report_after(STALL)
+
+
+    def stuck_in_data_loader(seconds):
+      print('STUCK', flush=True)
+      time.sleep(seconds)
+
+
+    def phase(tag, call):
+      if me == STUCK:
+        stuck_in_data_loader(TIMEOUT + 4)
+        try:  # Arrives late; consumes the same call number as the others.
+          call(0.5)
+        except multihost.MultihostError:
+          pass
+      else:
+        if me == 0 and WHERE and tag == 'BARRIER':
+          time.sleep(0.5)
+          print('WHERE-REPORT\\n' + multihost.where(), flush=True)
+        try:
+          call(TIMEOUT)
+          print(f'{tag}-NO-ERROR', flush=True)
+        except multihost.CollectiveTimeoutError as e:
+          print(f'{tag}-ERROR ' + ' '.join(str(e).split()), flush=True)
+      lowlevel.wait_at_barrier(f'realign-{tag}', 60)
+
+
+    multihost.sync_global_devices('warm up')
+    phase('BARRIER',
+          lambda t: multihost.sync_global_devices('before step 1', timeout=t))
+    x = np.arange(3.0)
+    multihost.process_allgather(x)
+    phase('GATHER', lambda t: multihost.process_allgather(x, timeout=t))
+    for i in range(12):  # The stuck process now comes last, 30 ms late.
+      if me == STUCK:
+        time.sleep(0.03)
+      multihost.sync_global_devices(f'step {i}')
+    report = multihost.straggler_report()
+    print(f'STRAGGLER {report.consistently_last} {report.summary()}',
+          flush=True)
+    multihost.sync_global_devices('done')
+    print('DONE', flush=True)
+''')
+
+
+def _run(tmp_path, num_processes: int, stuck: int, mode: str,
+         on_stuck=None) -> tuple[int, str]:
+  """Runs the script under the launcher; calls on_stuck(launcher) at the first STUCK line."""
+  script = tmp_path / 'stuck.py'
+  script.write_text(_SCRIPT)
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop(env_lib.STALL_REPORT_AFTER, None)
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'multihost.launch',
+       f'--num_processes={num_processes}', '--devices_per_process=1',
+       '--timeout=100', '--', sys.executable, str(script), str(stuck),
+       str(TIMEOUT_S), str(STALL_S), mode],
+      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, start_new_session=True)
+  lines = []
+
+  def pump():
+    fired = False
+    for line in proc.stdout:
+      lines.append(line)
+      if not fired and on_stuck is not None and 'STUCK' in line:
+        fired = True
+        threading.Timer(0.7, on_stuck, args=(proc,)).start()
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
+  try:
+    code = proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  reader.join(10)
+  return code, ''.join(lines)
+
+
+def _lines(output: str, index: int, marker: str) -> list[str]:
+  return [l for l in output.splitlines()
+          if l.startswith(f'[p{index}]') and marker in l]
+
+
+def _check_waiters(output: str, num_processes: int, stuck: int) -> None:
+  for p in range(num_processes):
+    if p == stuck:
+      continue
+    barrier = _lines(output, p, 'BARRIER-ERROR')
+    assert len(barrier) == 1, output
+    # The barrier is named; the stuck process is named with its function
+    # (file:line) and its last collective.
+    assert "sync_global_devices('before step 1')" in barrier[0], barrier[0]
+    assert f'process {stuck}: main thread in stuck_in_data_loader (' in (
+        barrier[0]), barrier[0]
+    assert re.search(r'stuck\.py:\d+\)', barrier[0]), barrier[0]
+    assert ("last completed collective: sync_global_devices('warm up')"
+            in barrier[0]), barrier[0]
+    gather = _lines(output, p, 'GATHER-ERROR')
+    assert len(gather) == 1, output
+    assert f'process {stuck}: main thread in stuck_in_data_loader (' in (
+        gather[0]), gather[0]
+    assert 'last completed collective: process_allgather (call' in (
+        gather[0]), gather[0]
+    # One stall line per collective, before the timeout.
+    stalls = _lines(output, p, 'still waiting after')
+    assert len(stalls) == 2, output
+    assert 'stuck_in_data_loader' in stalls[0] and 'stuck_in_data_loader' in (
+        stalls[1]), stalls
+    assert "sync_global_devices('before step 1')" in stalls[0], stalls[0]
+    lines = [l for l in output.splitlines() if l.startswith(f'[p{p}]')]
+    order = [i for i, l in enumerate(lines)
+             if 'still waiting after' in l or '-ERROR ' in l]
+    kinds = ['stall' if 'still waiting' in lines[i] else 'error'
+             for i in order]
+    assert kinds == ['stall', 'error', 'stall', 'error'], kinds
+  for p in range(num_processes):
+    assert _lines(output, p, 'DONE'), output
+    straggler = _lines(output, p, 'STRAGGLER')
+    assert len(straggler) == 1, output
+    assert f'STRAGGLER {stuck} straggler: process {stuck} came last' in (
+        straggler[0]), straggler[0]
+
+
+def test_stuck_process_at_two_processes_and_sigusr1(tmp_path):
+  sent = []
+
+  def on_stuck(launcher):
+    sent.append(time.monotonic())
+    os.kill(launcher.pid, signal.SIGUSR1)
+
+  code, output = _run(tmp_path, 2, 1, 'plain', on_stuck=on_stuck)
+  assert code == 0, output
+  assert sent, output
+  _check_waiters(output, 2, 1)
+  # SIGUSR1: every controller printed where it is, and went on (DONE, 0).
+  stuck = _lines(output, 1, '[process=1] where (on SIGUSR1)')
+  waiting = _lines(output, 0, '[process=0] where (on SIGUSR1)')
+  assert len(stuck) == 1 and len(waiting) == 1, output
+  assert 'now waiting in' not in stuck[0], stuck[0]
+  assert "now waiting in sync_global_devices('before step 1')" in (
+      waiting[0]), waiting[0]
+  frames = _lines(output, 1, 'stuck_in_data_loader')
+  assert any(re.search(r'stuck\.py:\d+ stuck_in_data_loader', l)
+             for l in frames), output
+
+
+def test_stuck_process_at_four_processes_and_where(tmp_path):
+  code, output = _run(tmp_path, 4, 2, 'where')
+  assert code == 0, output
+  _check_waiters(output, 4, 2)
+  report = output.split('WHERE-REPORT', 1)[1]
+  for p in range(4):
+    assert f'[process={p}] where: pid' in report, report
+  assert re.search(r'\[process=2\]\s+\S*stuck\.py:\d+ stuck_in_data_loader',
+                   report), report
+  head = [l for l in report.splitlines() if '[process=1] where: pid' in l]
+  assert "now waiting in sync_global_devices('before step 1')" in head[0]
+
+
+def test_straggler_statistics_name_the_process_that_waited_least():
+  # Process 2 waits least (it arrives last) in 9 of 10 calls.
+  waits = [{c: 0.010 for c in range(10)}, {c: 0.008 for c in range(10)},
+           {c: 0.001 for c in range(10)}]
+  waits[2][4] = 0.009
+  waits[1][4] = 0.0
+  report = multihost.StragglerReport.from_waits(waits)
+  assert report.calls == 10
+  assert report.last_counts == (0, 1, 9)
+  assert report.consistently_last == 2
+  assert report.skew_when_last[2] == pytest.approx(0.009)
+  assert report.max_skew == pytest.approx(0.010)
+  assert 'process 2 came last to 9 of the last 10' in report.summary()
+  even = multihost.StragglerReport.from_waits(
+      [{c: 0.0 + (c % 2) for c in range(10)},
+       {c: 1.0 - (c % 2) for c in range(10)}])
+  assert even.consistently_last is None
+  assert 'no consistent straggler' in even.summary()
+
+
+def test_single_process_where_and_stall_threshold(monkeypatch):
+  report = multihost.where()
+  assert '[process=0] where: pid' in report
+  assert 'test_single_process_where_and_stall_threshold' in report
+  monkeypatch.setenv(env_lib.STALL_REPORT_AFTER, '7')
+  assert multihost.stall_report_after() == 7.0
+  multihost.set_stall_report_after(0)
+  assert multihost.stall_report_after() == 0.0
+  multihost.set_stall_report_after(None)
+  assert multihost.stall_report_after() == 7.0
+  with pytest.raises(ValueError, match='>= 0'):
+    multihost.set_stall_report_after(-1)
+  monkeypatch.setenv(env_lib.STALL_REPORT_AFTER, 'soon')
+  with pytest.raises(ValueError, match='MULTIHOST_STALL_REPORT_AFTER'):
+    multihost.stall_report_after()
