@@ -203,6 +203,16 @@ def plane_broken(op: str, why: str) -> _errors.MultihostError:
       f'({why}); later bulk transfers cannot stay in step. Restart the job.')
 
 
+def forged_frame(op: str, peer: int, what: str) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: a frame header on the authenticated connection from '
+      f'process {peer} {what}. Someone on the network path injected, replayed '
+      f'or altered bytes; process {peer} itself is not known to have failed, '
+      'and nothing from this transfer was delivered. Restart the job, and '
+      'firewall the data-plane ports (see the README\'s "Trust model").',
+      operation=op)
+
+
 def out_of_step(op: str, peer: int, got: tuple[int, int],
                 want: tuple[int, int]) -> _errors.MultihostError:
   return _errors.MultihostError(

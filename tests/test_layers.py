@@ -18,6 +18,7 @@ _LAYERS = [
     ['_calls'],
     ['_data_plane'],
     ['_data_tcp', '_data_device'],
+    ['_secret'],
     ['_watchdog'],
     ['_diagnostics'],
     ['_coordination'],
