@@ -209,8 +209,7 @@ def forged_frame(op: str, peer: int, what: str) -> _errors.MultihostError:
       f'process {peer} {what}. Someone on the network path injected, replayed '
       f'or altered bytes; process {peer} itself is not known to have failed, '
       'and nothing from this transfer was delivered. Restart the job, and '
-      'firewall the data-plane ports (see the README\'s "Trust model").',
-      operation=op)
+      'firewall the data-plane ports (see the README\'s "Trust model").')
 
 
 def out_of_step(op: str, peer: int, got: tuple[int, int],

@@ -1,0 +1,162 @@
+"""Attacks and faults, tried for real: port scans, impersonation, forged frames."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+from multihost import launch
+
+# Three processes: the first broadcast connects 0->1 and 1->2; the link 0<->2
+# opens at the all-gather, after the attacks on process 2's listener.
+_ATTACKS = textwrap.dedent('''
+    import hashlib, hmac, os, socket, struct, sys, threading, time
+    import numpy as np
+    import multihost
+    from multihost import lowlevel
+    multihost.initialize()
+    import jax
+    me = jax.process_index()
+    mode = sys.argv[1]
+    big = np.arange(1 << 20, dtype=np.float32) + 1000 * me  # 4 MiB
+    multihost.broadcast_one_to_all(big)
+
+    def address(p):
+      host, port = lowlevel.key_value_get(f'multihost_transport/{p}', 10).decode().rsplit('|', 1)
+      return host, int(port)
+
+    def recv_all(s):
+      s.settimeout(10)
+      out = b''
+      while True:
+        try:
+          k = s.recv(4096)
+        except OSError:
+          return out
+        if not k:
+          return out
+        out += k
+
+    if me == 1 and mode == 'attack':
+      target = address(2)
+      for _ in range(300):  # a port scan: connect and close
+        socket.create_connection(target).close()
+      http = socket.create_connection(target)
+      http.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')
+      silent = socket.create_connection(target)  # never speaks
+      # Out of range, wrong direction, and a peer with a wrong secret.
+      for claim in (7, 2, 0):
+        s = socket.create_connection(target)
+        nonce = os.urandom(16)
+        s.sendall(struct.pack('<4sII16s', b'MHT2', claim, 2, nonce))
+        reply = s.recv(48)
+        if claim != 0:
+          assert reply == b'', (claim, reply)
+          continue
+        assert len(reply) == 48, reply
+        proof = hmac.digest(b'wrong secret', b'connect', hashlib.sha256)
+        s.sendall(proof)
+        assert recv_all(s) == b'', 'a wrong secret was accepted'
+      print('ATTACKS REFUSED', flush=True)
+
+    # Process 2 republishes its address as a proxy that records and can
+    # tamper with the bytes of the 0<->2 link.
+    proxy = None
+    if me == 2:
+      class Proxy:
+        def __init__(self, real):
+          self.real = real
+          self.sock = socket.socket()
+          self.sock.bind(('127.0.0.1', 0))
+          self.sock.listen(1)
+          self.to_client = b''   # recorded bytes 2 -> 0
+          self.to_server = b''   # recorded bytes 0 -> 2
+          self.action = None
+          threading.Thread(target=self.run, daemon=True).start()
+        def run(self):
+          client, _ = self.sock.accept()
+          server = socket.create_connection(self.real)
+          threading.Thread(target=self.pump, args=(client, server, 'to_server'), daemon=True).start()
+          self.pump(server, client, 'to_client')
+        def pump(self, src, dst, name):
+          while True:
+            data = src.recv(1 << 20)
+            if not data:
+              dst.close(); return
+            if name == 'to_client' and self.action == 'flip':
+              self.action = None
+              data = bytes([data[0] ^ 1]) + data[1:]
+            elif name == 'to_client' and self.action == 'replay':
+              self.action = None
+              data = self.first_frame + data
+            setattr(self, name, getattr(self, name) + data)
+            dst.sendall(data)
+      proxy = Proxy(address(2))
+      lowlevel.key_value_set('multihost_transport/2',
+                             f'127.0.0.1|{proxy.sock.getsockname()[1]}'.encode())
+    multihost.sync_global_devices('attacked')
+
+    start = time.monotonic()
+    rows = multihost.process_allgather(big)
+    took = time.monotonic() - start
+    for p in range(3):
+      np.testing.assert_array_equal(rows[p], np.arange(1 << 20, dtype=np.float32) + 1000 * p)
+    print(f'GATHER OK in {took:.2f} s', flush=True)
+    assert took < 5, took
+
+    if me == 2:
+      block = 4 << 20
+      proxy.first_frame = proxy.to_client[49:49 + 40 + block]  # after the handshake
+      # Replay the recorded handshake of process 0 to the real listener.
+      s = socket.create_connection(address_real := proxy.real)
+      s.sendall(proxy.to_server[:28])
+      reply = s.recv(48)
+      if reply:
+        s.sendall(proxy.to_server[28:60])
+      assert recv_all(s) == b'', 'a replayed handshake was accepted'
+      print('REPLAY REFUSED', flush=True)
+      proxy.action = mode
+    multihost.sync_global_devices('armed')
+    if mode in ('flip', 'replay'):
+      try:
+        rows = multihost.process_allgather(big)
+      except multihost.MultihostError as e:
+        print('REFUSED:', e, flush=True)
+      else:
+        for p in range(3):
+          np.testing.assert_array_equal(rows[p], np.arange(1 << 20, dtype=np.float32) + 1000 * p)
+        print('DELIVERED CORRECT', flush=True)
+''')
+
+
+def _run(tmp_path, mode):
+  script = tmp_path / 'attacks.py'
+  script.write_text(_ATTACKS)
+  result = launch.launch([sys.executable, str(script), mode], num_processes=3,
+                         devices_per_process=1, timeout=120,
+                         env={'MULTIHOST_TIMEOUT': '30'})
+  return result, result.outputs
+
+
+def test_port_scan_and_impostors_are_refused_and_collectives_stay_prompt(
+    tmp_path):
+  result, outs = _run(tmp_path, 'attack')
+  assert result.ok, result.summary + '\n'.join(outs)
+  assert 'ATTACKS REFUSED' in outs[1], outs[1]
+  assert 'REPLAY REFUSED' in outs[2], outs[2]
+  assert all('GATHER OK' in out for out in outs), outs
+
+
+def test_a_flipped_frame_header_raises_and_delivers_nothing(tmp_path):
+  result, outs = _run(tmp_path, 'flip')
+  assert result.ok, result.summary + '\n'.join(outs)
+  assert 'DELIVERED CORRECT' not in outs[0], outs[0]
+  assert 'failed authentication' in outs[0], outs[0]
+  assert 'process 2 itself is not known to have failed' in outs[0], outs[0]
+
+
+def test_a_replayed_frame_raises_and_delivers_nothing(tmp_path):
+  result, outs = _run(tmp_path, 'replay')
+  assert result.ok, result.summary + '\n'.join(outs)
+  assert 'DELIVERED CORRECT' not in outs[0], outs[0]
+  assert 'a replayed or reordered frame' in outs[0], outs[0]
