@@ -119,6 +119,18 @@ def coordination_failure(
       f'{waited:.1f} s: {shorten(message)}')
 
 
+def forged_message(op: str, key: str, *,
+                   planted: bool = False) -> _errors.MultihostError:
+  what = ('is not the key of any process of this call' if planted else
+          'failed authentication with the job secret')
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the control message under key {key!r} of the '
+      f'coordination service {what}: someone who reached the coordination '
+      'service planted or altered it. Nothing in it was decoded. Restart the '
+      'job, and firewall the coordination service (see the README\'s "Trust '
+      'model").')
+
+
 def messages_missing(op: str, missing: list[int]) -> _errors.MultihostError:
   """A completed barrier whose messages are not all in the key-value store."""
   return _errors.MultihostError(

@@ -37,6 +37,9 @@ EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
 # makes one and shares it through the coordination service.
 JOB_SECRET = 'MULTIHOST_JOB_SECRET'
 JOB_SECRET_FILE = 'MULTIHOST_JOB_SECRET_FILE'
+# The largest pickled object (bytes) `broadcast_object`/`allgather_object`
+# accept from a peer (default 1 GiB).
+MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
 
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
