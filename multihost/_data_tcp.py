@@ -460,5 +460,7 @@ def _peer_error(op: str, peer: int, error: BaseException,
     return _diagnostics.transfer_timeout(op, peer,
                                          'to send or receive its part')
   # The watchdog names the dead process within its bound; wait for it.
-  dead = list(_watchdog.failed_within_bound()) or [peer]
-  return _diagnostics.connection_failure(op, peer, error, dead)
+  dead = list(_watchdog.failed_within_bound())
+  if not dead and _watchdog.is_running():  # every process is alive
+    return _diagnostics.connection_cut(op, peer, error)
+  return _diagnostics.connection_failure(op, peer, error, dead or [peer])

@@ -209,6 +209,15 @@ def connection_failure(op: str, peer: int, error: BaseException,
       operation=op, failed=dead)
 
 
+def connection_cut(op: str, peer: int,
+                   error: BaseException) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the connection to process {peer} broke ({error}), '
+      'but no process is known to have failed: the network (or someone on '
+      'it) cut or truncated the connection. Nothing from this transfer was '
+      'delivered. Restart the job, and check the network path.')
+
+
 def plane_broken(op: str, why: str) -> _errors.MultihostError:
   return _errors.MultihostError(
       f'{prefix()} {op}: the TCP data plane stopped after an earlier failure '

@@ -63,3 +63,8 @@ def key_value_set(key: str, value: bytes) -> None:
 def key_value_get(key: str, timeout_s: float) -> bytes:
   """The value of `key` in the coordination service's store, waiting up to `timeout_s`."""
   return _coordination.kv_get(key, timeout_s)
+
+
+def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:
+  """Every (key, value) under `prefix` (ending with '/') in the coordination service's store."""
+  return _coordination.kv_dir(prefix)

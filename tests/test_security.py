@@ -86,6 +86,16 @@ _ATTACKS = textwrap.dedent('''
             if name == 'to_client' and self.action == 'flip':
               self.action = None
               data = bytes([data[0] ^ 1]) + data[1:]
+            elif (name == 'to_client' and self.action == 'flip-payload'
+                  and len(data) > 141):
+              self.action = None  # a byte inside the pickled bytes' content
+              data = data[:140] + bytes([data[140] ^ 1]) + data[141:]
+            elif name == 'to_client' and self.action == 'truncate':
+              self.action = None  # half a frame, then the connection ends
+              dst.sendall(data[:len(data) // 2])
+              for s in (dst, src):
+                s.shutdown(socket.SHUT_RDWR)
+              return
             elif name == 'to_client' and self.action == 'replay':
               self.action = None
               data = self.first_frame + data
@@ -117,7 +127,15 @@ _ATTACKS = textwrap.dedent('''
       print('REPLAY REFUSED', flush=True)
       proxy.action = mode
     multihost.sync_global_devices('armed')
-    if mode in ('flip', 'replay'):
+    if mode == 'flip-payload':
+      try:
+        got = multihost.allgather_object(bytes([me]) * 300_000)
+      except multihost.MultihostError as e:
+        print('REFUSED:', e, flush=True)
+      else:
+        assert got == [bytes([p]) * 300_000 for p in range(3)], 'wrong bytes'
+        print('DELIVERED CORRECT', flush=True)
+    if mode in ('flip', 'replay', 'truncate'):
       try:
         rows = multihost.process_allgather(big)
       except multihost.MultihostError as e:
@@ -126,6 +144,8 @@ _ATTACKS = textwrap.dedent('''
         for p in range(3):
           np.testing.assert_array_equal(rows[p], np.arange(1 << 20, dtype=np.float32) + 1000 * p)
         print('DELIVERED CORRECT', flush=True)
+      if mode == 'truncate':  # stay alive while the others look for failures
+        time.sleep(lowlevel.failure_detection_bound() + 3)
 ''')
 
 
@@ -155,8 +175,92 @@ def test_a_flipped_frame_header_raises_and_delivers_nothing(tmp_path):
   assert 'process 2 itself is not known to have failed' in outs[0], outs[0]
 
 
+def test_an_altered_object_payload_is_never_unpickled(tmp_path):
+  result, outs = _run(tmp_path, 'flip-payload')
+  assert result.ok, result.summary + '\n'.join(outs)
+  assert 'DELIVERED CORRECT' not in outs[0], outs[0]
+  assert 'do not match the seal' in outs[0], outs[0]
+
+
+def test_a_truncated_frame_raises_without_blaming_the_peer(tmp_path):
+  result, outs = _run(tmp_path, 'truncate')
+  assert result.ok, result.summary + '\n'.join(outs)
+  assert 'DELIVERED CORRECT' not in outs[0], outs[0]
+  assert 'no process is known to have failed' in outs[0], outs[0]
+  assert 'process(es) [2] failed' not in outs[0], outs[0]
+
+
 def test_a_replayed_frame_raises_and_delivers_nothing(tmp_path):
   result, outs = _run(tmp_path, 'replay')
   assert result.ok, result.summary + '\n'.join(outs)
   assert 'DELIVERED CORRECT' not in outs[0], outs[0]
   assert 'a replayed or reordered frame' in outs[0], outs[0]
+
+
+# Someone who reaches the coordination service plants (or overwrites) a
+# message that would run code if unpickled: it creates a file.
+_TAMPER = textwrap.dedent('''
+    import pickle, sys, threading, time
+    import multihost
+    from multihost import lowlevel
+    multihost.initialize()
+    import jax
+    me = jax.process_index()
+    mode, planted_file = sys.argv[1], sys.argv[2]
+
+    class Evil:
+      def __reduce__(self):
+        return (open, (planted_file, 'w'))
+
+    evil = b'D' + pickle.dumps(Evil())
+    multihost.sync_global_devices('start')
+    if me == 1 and mode == 'planted':
+      for call in range(64):  # a key beside every process's own
+        lowlevel.key_value_set(f'multihost/0/{call}/00', evil)
+    if me == 1 and mode == 'altered':
+      before = {k for k, _ in lowlevel.key_value_dir('multihost/')}
+      def tamper():
+        while True:
+          for key, _ in lowlevel.key_value_dir('multihost/'):
+            if key not in before and key.endswith('/0'):
+              lowlevel.key_value_set(key, b'x' * 16 + evil)
+              return
+          time.sleep(0.005)
+      thread = threading.Thread(target=tamper, daemon=True)
+      thread.start()
+      thread.join(20)
+    if me == 0 and mode == 'altered':
+      time.sleep(1)  # process 1's tamperer is watching when we publish
+    if mode == 'planted':
+      multihost.sync_global_devices('planted')
+    try:
+      got = multihost.allgather_object({'me': me})
+    except multihost.MultihostError as e:
+      print('REFUSED:', e, flush=True)
+    else:
+      print('GOT', got, flush=True)
+''')
+
+
+def _tamper(tmp_path, mode):
+  script = tmp_path / 'tamper.py'
+  script.write_text(_TAMPER)
+  planted = tmp_path / 'code-ran'
+  result = launch.launch([sys.executable, str(script), mode, str(planted)],
+                         num_processes=2, devices_per_process=1, timeout=120,
+                         env={'MULTIHOST_TIMEOUT': '30'})
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert not planted.exists(), 'the planted pickle ran'
+  return result.outputs
+
+
+def test_a_planted_key_is_refused_and_never_unpickled(tmp_path):
+  outs = _tamper(tmp_path, 'planted')
+  for out in outs:
+    assert 'REFUSED' in out and 'is not the key of any process' in out, out
+
+
+def test_an_altered_message_is_refused_and_never_unpickled(tmp_path):
+  outs = _tamper(tmp_path, 'altered')
+  for out in outs:
+    assert 'REFUSED' in out and 'failed authentication' in out, out
