@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 from multihost import launch
 
@@ -264,3 +268,72 @@ def test_an_altered_message_is_refused_and_never_unpickled(tmp_path):
   outs = _tamper(tmp_path, 'altered')
   for out in outs:
     assert 'REFUSED' in out and 'failed authentication' in out, out
+
+
+def _alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie counts as gone)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except OSError:
+    return False
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+  deadline = time.monotonic() + timeout
+  while _alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def test_a_controllers_orphaned_child_ends_with_the_run(tmp_path):
+  script = tmp_path / 'orphan.py'
+  script.write_text(textwrap.dedent('''
+      import subprocess
+      child = subprocess.Popen(['sleep', '1000'])
+      print('CHILD', child.pid, flush=True)
+  '''))
+  result = launch.launch([sys.executable, str(script)], num_processes=1,
+                         devices_per_process=1, timeout=60)
+  pid = int(result.outputs[0].split('CHILD', 1)[1].split()[0])
+  try:
+    assert result.ok, result.summary
+    assert _wait_gone(pid, 5), f'the orphan {pid} still runs'
+  finally:
+    if _alive(pid):
+      os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_launcher_leaves_no_controller_running(tmp_path):
+  script = tmp_path / 'forever.py'
+  script.write_text(textwrap.dedent('''
+      import os, time
+      print('PID', os.getpid(), flush=True)
+      time.sleep(1000)
+  '''))
+  launcher = subprocess.Popen(
+      [sys.executable, '-m', 'multihost.launch', '--num_processes=2',
+       '--devices_per_process=1', '--', sys.executable, str(script)],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = []
+  try:
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+      line = launcher.stdout.readline()
+      if not line:
+        break
+      if 'PID' in line:
+        pids.append(int(line.split('PID', 1)[1].split()[0]))
+    assert len(pids) == 2, pids
+    launcher.kill()
+    launcher.wait(10)
+    for pid in pids:
+      assert _wait_gone(pid, 5), f'controller {pid} outlived its launcher'
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+    for pid in pids:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
