@@ -132,7 +132,7 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   header = _control_agree.Header(op, size=len(data),
                                  payload=data if inline else None,
                                  is_source=bool(is_source),
-                                 seal=_objects.seal(data, timeout)
+                                 seal=_objects.seal(op, data, timeout)
                                  if is_source else b'')
   headers = _control_agree.full_exchange(header, timeout=timeout)
   source = _one_source(headers, op)

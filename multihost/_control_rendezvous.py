@@ -134,7 +134,7 @@ class Rendezvous:
 
 def _secret_for(op: str, timeout: float) -> bytes:
   try:
-    return _secret.job_keys(timeout)[1]
+    return _secret.job_keys(timeout, op)[1]
   except _errors.MultihostError:
     raise
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001

@@ -100,10 +100,10 @@ class _Link:
 class _Plane:
   """This process's listener and its connections to peers."""
 
-  def __init__(self, timeout: float):
+  def __init__(self, timeout: float, op: str):
     self.me = _process.process_index()
     self.count = _process.process_count()
-    self.job, self.secret = _secret.job_keys(timeout)
+    self.job, self.secret = _secret.job_keys(timeout, op)
     self.seq = 0  # Transfers so far: every process counts the same ones.
     self.broken: str | None = None
     self.lock = threading.Condition()
@@ -258,7 +258,7 @@ def _get_plane(op: str, deadline: float) -> _Plane:
   with _plane_lock:
     if _plane is None:
       try:
-        _plane = _Plane(max(deadline - time.monotonic(), 0.001))
+        _plane = _Plane(max(deadline - time.monotonic(), 0.001), op)
       except _errors.MultihostError:
         raise
       except Exception as e:  # noqa: BLE001

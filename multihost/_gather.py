@@ -248,7 +248,7 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   inline = len(data) <= _control_agree.INLINE_BYTES
   header = _control_agree.Header(op, size=len(data),
                                  payload=data if inline else None,
-                                 seal=_objects.seal(data, timeout))
+                                 seal=_objects.seal(op, data, timeout))
   headers = _control_agree.full_exchange(header, timeout=timeout)
   me = _process.process_index()
   for p, h in enumerate(headers):

@@ -25,6 +25,7 @@ import threading
 from multihost import _coordination
 from multihost import _errors
 from multihost import _process
+from multihost import _watchdog
 from multihost import env
 
 _KEY = 'multihost_secret/job'
@@ -60,21 +61,24 @@ def configured() -> bytes | None:
   return value
 
 
-
 def _fingerprint(secret: bytes) -> bytes:
   return hmac.digest(secret, b'multihost fingerprint', hashlib.sha256)[:8]
 
 
-def job_keys(timeout: float) -> tuple[bytes, bytes]:
-  """(job id, secret), the same on every process (agreed once, then cached)."""
+def job_keys(timeout: float, op: str = 'job secret') -> tuple[bytes, bytes]:
+  """(job id, secret), the same on every process (agreed once, then cached).
+
+  Raises:
+    ProcessFailureError: process 0 is gone (while waiting for its job id).
+  """
   global _cached
   with _lock:
     if _cached is None:
-      _cached = _agree(timeout)
+      _cached = _agree(timeout, op)
     return _cached
 
 
-def _agree(timeout: float) -> tuple[bytes, bytes]:
+def _agree(timeout: float, op: str) -> tuple[bytes, bytes]:
   mine = configured()
   me = _process.process_index()
   if me == 0:
@@ -87,7 +91,7 @@ def _agree(timeout: float) -> tuple[bytes, bytes]:
       value = job + b'F' + _fingerprint(secret)
     _coordination.kv_set(_KEY, value)
     return job, secret
-  value = _coordination.kv_get(_KEY, timeout)
+  value = _watchdog.call(op, _coordination.kv_get, _KEY, timeout)
   job, mode, rest = value[:16], value[16:17], value[17:]
   if mode == b'K':
     if mine is not None:
