@@ -337,3 +337,36 @@ def test_a_killed_launcher_leaves_no_controller_running(tmp_path):
     for pid in pids:
       if _alive(pid):
         os.kill(pid, signal.SIGKILL)
+
+
+_BIND = textwrap.dedent('''
+    import socket, sys
+    import multihost
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    multihost.initialize(f'127.0.0.1:{port}', 1, 0)
+    listening = []
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+      for line in open(table).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == '0A' and int(local.rsplit(':', 1)[1], 16) == port:
+          listening.append(local.rsplit(':', 1)[0])
+    print('LISTENING', listening, flush=True)
+''')
+
+
+def test_initialize_binds_the_coordinator_to_its_own_host_only(tmp_path):
+  script = tmp_path / 'bind.py'
+  script.write_text(_BIND)
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(('JAX_', 'MULTIHOST_', 'SLURM_', 'OMPI_'))}
+  out = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = [l for l in out.stdout.splitlines() if l.startswith('LISTENING')][0]
+  # 127.0.0.1 (or ::ffff:127.0.0.1) as /proc/net/tcp* write it; never
+  # 0.0.0.0 or [::].
+  listening = eval(line.split(' ', 1)[1])  # noqa: S307 (our own list repr)
+  loopback = {'0100007F', '0000000000000000FFFF00000100007F'}
+  assert listening and set(listening) <= loopback, line
