@@ -370,3 +370,31 @@ def test_initialize_binds_the_coordinator_to_its_own_host_only(tmp_path):
   listening = eval(line.split(' ', 1)[1])  # noqa: S307 (our own list repr)
   loopback = {'0100007F', '0000000000000000FFFF00000100007F'}
   assert listening and set(listening) <= loopback, line
+
+
+def test_a_readable_secret_file_is_refused(tmp_path):
+  secret = tmp_path / 'secret'
+  secret.write_text('0123456789abcdef')
+  secret.chmod(0o644)
+  script = tmp_path / 'bulk.py'
+  script.write_text(textwrap.dedent('''
+      import numpy as np
+      import multihost
+      multihost.initialize()
+      try:
+        multihost.broadcast_one_to_all(np.zeros(1 << 20, np.float32))
+      except multihost.MultihostError as e:
+        print('REFUSED:', e, flush=True)
+  '''))
+  result = launch.launch([sys.executable, str(script)], num_processes=2,
+                         devices_per_process=1, timeout=120,
+                         env={'MULTIHOST_JOB_SECRET_FILE': str(secret),
+                              'MULTIHOST_TIMEOUT': '20'})
+  assert 'REFUSED:' in result.outputs[0], result.outputs[0][-3000:]
+  assert f'chmod 600 {secret}' in result.outputs[0], result.outputs[0]
+  secret.chmod(0o600)
+  result = launch.launch([sys.executable, str(script)], num_processes=2,
+                         devices_per_process=1, timeout=120,
+                         env={'MULTIHOST_JOB_SECRET_FILE': str(secret)})
+  assert result.ok and not any('REFUSED' in o for o in result.outputs), (
+      result.summary + '\n'.join(result.outputs))
