@@ -105,7 +105,8 @@ def initialize(coordinator_address: str | None = None,
   if heartbeat_timeout is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
   if (coordinator_bind_address is None and process_id == 0 and
-      coordinator_address and not env.get(_env.COORDINATOR_BIND)):
+      coordinator_address and not env.get(_env.COORDINATOR_BIND) and
+      env.get(_env.EXTERNAL_SERVICE, '') != '1'):
     coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
