@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TextIO
 
+from multihost import env as env_lib
 from multihost.launch import _output
 from multihost.launch import _reaper
 
@@ -72,7 +73,11 @@ class Processes:
     proc = subprocess.Popen(
         list(command), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=_reaper.die_with_launcher())
+        start_new_session=True,
+        # The pytest plugin's workers watch their parent themselves (and
+        # clean up their results folder); every other child dies with us.
+        preexec_fn=(None if env.get(env_lib.PYTEST_WORKER)
+                    else _reaper.die_with_launcher()))
     self._procs.append(proc)
     assert proc.stdout is not None
     pump = threading.Thread(target=self.output.pump, args=(index, proc.stdout),
