@@ -30,7 +30,7 @@ from multihost import env
 
 _KEY = 'multihost_secret/job'
 _lock = threading.Lock()
-_cached: tuple[bytes, bytes] | None = None
+_cached: tuple[str | None, tuple[bytes, bytes]] | None = None
 
 
 def configured() -> bytes | None:
@@ -72,10 +72,11 @@ def job_keys(timeout: float, op: str = 'job secret') -> tuple[bytes, bytes]:
     ProcessFailureError: process 0 is gone (while waiting for its job id).
   """
   global _cached
+  service = _coordination.coordinator_address()
   with _lock:
-    if _cached is None:
-      _cached = _agree(timeout, op)
-    return _cached
+    if _cached is None or _cached[0] != service:  # a new jax.distributed
+      _cached = (service, _agree(timeout, op))
+    return _cached[1]
 
 
 def _agree(timeout: float, op: str) -> tuple[bytes, bytes]:
