@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import numpy as np
@@ -12,6 +11,7 @@ from multihost import _data_plane
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _leaves
+from multihost import _objects
 from multihost import _process
 
 PyTree = Any
@@ -127,13 +127,16 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
           f'{op}: no process is the source (the only process passed '
           'is_source=False). Pass is_source=True on exactly one process.')
     return obj
-  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_source else b''
+  data = _objects.dumps(obj) if is_source else b''
   inline = is_source and len(data) <= _control_agree.INLINE_BYTES
   header = _control_agree.Header(op, size=len(data),
                                  payload=data if inline else None,
-                                 is_source=bool(is_source))
+                                 is_source=bool(is_source),
+                                 seal=_objects.seal(op, data, timeout)
+                                 if is_source else b'')
   headers = _control_agree.full_exchange(header, timeout=timeout)
   source = _one_source(headers, op)
+  _objects.check_size(op, source, headers[source].size)
   payload = headers[source].payload
   if payload is None:
     size = headers[source].size
@@ -141,7 +144,9 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
         np.frombuffer(data, np.uint8) if is_source else None, size, source,
         op=op, timeout=timeout)
     payload = b'' if is_source else received.tobytes()
-  return obj if is_source else pickle.loads(payload)
+  if is_source:
+    return obj
+  return _objects.loads(op, source, payload, headers[source].seal, timeout)
 
 
 def _one_source(headers: list[_control_agree.Header], op: str) -> int:

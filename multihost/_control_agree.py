@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import pickle
 
+from multihost import _control_codec
 from multihost import _control_rendezvous
 from multihost import _diagnostics
 from multihost import _errors
@@ -57,13 +57,13 @@ class Header:
   # Differ by process by design; only a full exchange compares them:
   is_source: bool = False  # broadcasts
   shards: tuple[list[Bounds] | None, ...] = ()  # per leaf, this process's
+  seal: bytes = b''  # object collectives: nonce + MAC of the pickled bytes
 
   def agreement(self) -> bytes:
     """A digest of everything every process must agree on."""
     what = (self.op, self.tree, self.paths, self.specs, self.name,
             self.default_source, self.tiled, self.layouts, self.digests)
-    return hashlib.sha256(
-        pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)).digest()[:16]
+    return hashlib.sha256(_control_codec.canonical(what)).digest()[:16]
 
 
 def agree(header: Header, *, timeout: float) -> list[Header] | None:
@@ -123,9 +123,10 @@ def full_exchange(header: Header, *, timeout: float) -> list[Header]:
 
 def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
                       timeout: float) -> list[Header]:
-  messages = meeting.exchange(
-      pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL), timeout=timeout)
-  headers = [pickle.loads(m) for m in messages]
+  messages = meeting.exchange(_control_codec.encode(header), timeout=timeout)
+  headers = [_control_codec.decode(Header, m, where=(
+      f'{_diagnostics.prefix()} {header.op}: process {p}')) for p, m in
+             enumerate(messages)]
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:
     raise _diagnostics.different_collectives(ops)

@@ -13,6 +13,8 @@ data that a peer will not receive with the same shapes.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 
 from multihost import _calls
@@ -21,6 +23,7 @@ from multihost import _diagnostics
 from multihost import _errors
 from multihost import _flight
 from multihost import _process
+from multihost import _secret
 from multihost import _watchdog
 from multihost import _where
 
@@ -40,6 +43,7 @@ _backoff = 0
 
 _FELL_BACK = b'F'
 _DIRECT = b'D'
+_MAC = 16  # bytes of HMAC-SHA256(job secret, key + flag + message)
 
 
 class Rendezvous:
@@ -84,7 +88,7 @@ class Rendezvous:
     if not self._may_agree:
       return False
     if publish is not None:
-      _coordination.kv_set(self.prefix + str(self.me), _DIRECT + publish)
+      _publish(self.prefix, self.me, _DIRECT + publish, self.op, timeout)
     window = self._window = min(FAST_WINDOW_S, timeout)
     try:
       # Directly, not under the failure watchdog: the window bounds it,
@@ -103,12 +107,12 @@ class Rendezvous:
 
   def read_all(self) -> list[bytes | None]:
     """After agreement: what each process published (None: nothing)."""
-    return _read(self.prefix, self.count)
+    return _read(self.prefix, self.count, self.op)
 
   def read_one(self, process: int) -> bytes:
     """After agreement: what `process` published."""
-    return _coordination.kv_get(self.prefix + str(process),
-                                self._window)[1:]
+    key = self.prefix + str(process)
+    return _open(key, _coordination.kv_get(key, self._window), self.op)[1:]
 
   def exchange(self, message: bytes, *, timeout: float) -> list[bytes]:
     """The full exchange: publishes `message`, meets everyone, reads all messages.
@@ -119,12 +123,12 @@ class Rendezvous:
     """
     global _backoff
     flag = _FELL_BACK if self._fell_back else _DIRECT
-    _coordination.kv_set(self.prefix + str(self.me), flag + message)
+    _publish(self.prefix, self.me, flag + message, self.op, timeout)
     waited = time.monotonic() - self.start
     barrier(self.prefix + 's', self.op, timeout=max(timeout - waited, 0.001),
             waited_before=waited, total_timeout=timeout, published=self.prefix)
     _flight.end(self.record)
-    messages = _read(self.prefix, self.count, flags=True)
+    messages = _read(self.prefix, self.count, self.op, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]
     if missing:  # Cannot happen after a completed barrier; never hide it.
       raise _diagnostics.messages_missing(self.op, missing)
@@ -134,12 +138,51 @@ class Rendezvous:
     return [m[1:] for m in messages]
 
 
-def _read(prefix: str, count: int, flags: bool = False) -> list[bytes | None]:
+def _secret_for(op: str, timeout: float) -> bytes:
+  try:
+    return _secret.job_keys(timeout, op)[1]
+  except _errors.MultihostError:
+    raise
+  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
+
+
+def _mac(secret: bytes, key: str, value: bytes) -> bytes:
+  return hmac.digest(secret, key.encode() + b'\0' + value,
+                     hashlib.sha256)[:_MAC]
+
+
+def _publish(prefix: str, me: int, value: bytes, op: str,
+             timeout: float) -> None:
+  """Puts `value` under this process's key, authenticated with the job secret."""
+  key = prefix + str(me)
+  _coordination.kv_set(key, _mac(_secret_for(op, timeout), key, value) + value)
+
+
+def _open(key: str, stored: bytes, op: str) -> bytes:
+  """The value under `key`, if a process of this job wrote it there; else raises."""
+  secret = _secret_for(op, 1.0)
+  value = stored[_MAC:]
+  if len(stored) < _MAC + 1 or not hmac.compare_digest(
+      stored[:_MAC], _mac(secret, key, value)):
+    raise _diagnostics.forged_message(op, key)
+  return value
+
+
+def _read(prefix: str, count: int, op: str,
+          flags: bool = False) -> list[bytes | None]:
+  """Each process's authenticated message under `prefix` (None: none yet).
+
+  Only the keys `prefix + str(p)` of processes 0..count-1 are read; any
+  other key under `prefix` was planted there, and raises.
+  """
   messages: list[bytes | None] = [None] * count
-  for key, value in _coordination.kv_dir(prefix):
-    name = key.rsplit('/', 1)[1]
-    if name.isdigit():
-      messages[int(name)] = value if flags else value[1:]
+  expected = {prefix + str(p): p for p in range(count)}
+  for key, stored in _coordination.kv_dir(prefix):
+    if key not in expected:
+      raise _diagnostics.forged_message(op, key, planted=True)
+    value = _open(key, stored, op)
+    messages[expected[key]] = value if flags else value[1:]
   return messages
 
 
@@ -210,8 +253,8 @@ def _absent(where: str) -> list[int]:
 def _published(prefix: str) -> list[int]:
   """The processes with a message under `prefix` (none if the store is gone)."""
   try:
-    return [int(key.rsplit('/', 1)[1])
-            for key, _ in _coordination.kv_dir(prefix)
-            if key.rsplit('/', 1)[1].isdigit()]
+    expected = {prefix + str(p): p for p in range(_process.process_count())}
+    return [expected[key] for key, _ in _coordination.kv_dir(prefix)
+            if key in expected]
   except Exception:  # noqa: BLE001
     return []

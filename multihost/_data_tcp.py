@@ -18,7 +18,11 @@ timeout; a peer that dies closes its sockets, which raises here at once.
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import queue
+import secrets
 import socket
 import struct
 import threading
@@ -30,25 +34,81 @@ from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _process
+from multihost import _secret
 from multihost import _watchdog
 
 _CHUNK = 4 << 20
 _ADDRESS_KEY = 'multihost_transport/{}'
-_HELLO = struct.Struct('<4sI')  # magic, sender's process index
-_FRAME = struct.Struct('<QQ')   # call id, byte count
-_MAGIC = b'MHT1'
+# Handshake (the lower index connects): hello = magic, connector, acceptor,
+# connector's nonce; the acceptor answers its nonce and its proof; the
+# connector answers its proof; the acceptor answers one byte (accepted).
+_HELLO = struct.Struct('<4sII16s')
+_MAGIC = b'MHT2'
+_NONCE = 16
+_MAC = 16
+_ACCEPTED = b'\x01'
+_HANDSHAKE_S = 5.0  # an accepted connection must authenticate within this
+_MAX_HANDSHAKES = 32  # concurrent; more pending connections are closed
+# A frame header: call id, byte count, frame number on this link and
+# direction, then a MAC of those under the link's key for that direction.
+_FRAME = struct.Struct('<QQQ')
+_FRAME_SIZE = _FRAME.size + _MAC
+
+
+def _proof(secret: bytes, label: bytes, job: bytes, low: int, high: int,
+           nonces: bytes) -> bytes:
+  message = label + job + struct.pack('<II', low, high) + nonces
+  return hmac.digest(secret, message, hashlib.sha256)
+
+
+class _Link:
+  """An authenticated connection: its socket and a MAC key per direction."""
+
+  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received')
+
+  def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+    self.sock = sock
+    self.send_key = send_key
+    self.recv_key = recv_key
+    self.sent = 0
+    self.received = 0
+
+  def frame(self, call: int, length: int) -> bytes:
+    """The next frame header to send (the caller sends frames in this order)."""
+    head = _FRAME.pack(call, length, self.sent)
+    self.sent += 1
+    return head + hmac.digest(self.send_key, head, hashlib.sha256)[:_MAC]
+
+  def read_frame(self, call: int, length: int, op: str, peer: int) -> None:
+    """Reads the next frame header; raises unless it is authentic and expected."""
+    got = _recv_exact(self.sock, _FRAME_SIZE)
+    head, mac = got[:_FRAME.size], got[_FRAME.size:]
+    want_mac = hmac.digest(self.recv_key, head, hashlib.sha256)[:_MAC]
+    if not hmac.compare_digest(mac, want_mac):
+      raise _diagnostics.forged_frame(op, peer, 'failed authentication')
+    got_call, got_length, number = _FRAME.unpack(head)
+    if number != self.received:
+      raise _diagnostics.forged_frame(
+          op, peer, f'is frame {number} where frame {self.received} was due '
+          '(a replayed or reordered frame)')
+    self.received += 1
+    if (got_call, got_length) != (call, length):
+      raise _diagnostics.out_of_step(op, peer, (got_call, got_length),
+                                     (call, length))
 
 
 class _Plane:
   """This process's listener and its connections to peers."""
 
-  def __init__(self):
+  def __init__(self, timeout: float, op: str):
     self.me = _process.process_index()
     self.count = _process.process_count()
+    self.job, self.secret = _secret.job_keys(timeout, op)
     self.seq = 0  # Transfers so far: every process counts the same ones.
     self.broken: str | None = None
     self.lock = threading.Condition()
-    self.conns: dict[int, socket.socket] = {}
+    self.conns: dict[int, _Link] = {}
+    self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
     host = _local_host()
     self.listener = socket.socket(_family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,38 +121,108 @@ class _Plane:
                          f'{host}|{port}'.encode())
 
   def _accept(self) -> None:
+    """Accepts connections for ever; each handshake runs on its own thread."""
     while True:
       try:
         conn, _ = self.listener.accept()
-        conn.settimeout(30)
-        magic, peer = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-        if magic != _MAGIC:
-          conn.close()
-          continue
-        _tune(conn)
-        with self.lock:
-          self.conns[peer] = conn
-          self.lock.notify_all()
-      except OSError:
-        return
+      except OSError as e:
+        if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+          return  # the listener was closed
+        # Out of file descriptors or memory, or a connection aborted before
+        # it was accepted: back off and keep listening.
+        time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
+                                       errno.ENOBUFS, errno.ENOMEM) else 0.001)
+        continue
+      if not self.handshakes.acquire(blocking=False):
+        _close(conn)
+        continue
+      try:
+        threading.Thread(target=self._handshake, args=(conn,), daemon=True,
+                         name='multihost-transport-handshake').start()
+      except RuntimeError:
+        self.handshakes.release()
+        _close(conn)
 
-  def conn(self, peer: int, deadline: float, op: str) -> socket.socket:
+  def _handshake(self, conn: socket.socket) -> None:
+    """Authenticates a connecting peer; keeps the connection only if it proves itself."""
+    keep = False
+    try:
+      conn.settimeout(_HANDSHAKE_S)
+      magic, peer, target, nonce = _HELLO.unpack(
+          _recv_exact(conn, _HELLO.size))
+      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me or
+          peer in self.conns):
+        return
+      mine = secrets.token_bytes(_NONCE)
+      nonces = nonce + mine
+      conn.sendall(mine + _proof(self.secret, b'accept', self.job, peer,
+                                 self.me, nonces))
+      theirs = _recv_exact(conn, hashlib.sha256().digest_size)
+      if not hmac.compare_digest(theirs, _proof(
+          self.secret, b'connect', self.job, peer, self.me, nonces)):
+        return
+      with self.lock:
+        if peer in self.conns:
+          return  # the first valid connection wins
+        conn.sendall(_ACCEPTED)
+        _tune(conn)
+        self.conns[peer] = _Link(
+            conn, *_link_keys(self.secret, self.job, peer, self.me, nonces,
+                              connector=False))
+        keep = True
+        self.lock.notify_all()
+    except (OSError, struct.error, ValueError):
+      pass
+    finally:
+      self.handshakes.release()
+      if not keep:
+        _close(conn)
+
+  def _connect(self, peer: int, remaining: float) -> _Link:
+    """Opens and authenticates a connection to the higher-numbered `peer`."""
+    value = _coordination.kv_get(_ADDRESS_KEY.format(peer), remaining)
+    host, port = value.decode().rsplit('|', 1)
+    conn = socket.create_connection((host, int(port)), timeout=remaining)
+    try:
+      nonce = secrets.token_bytes(_NONCE)
+      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
+      reply = _recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
+      nonces = nonce + reply[:_NONCE]
+      if not hmac.compare_digest(reply[_NONCE:], _proof(
+          self.secret, b'accept', self.job, self.me, peer, nonces)):
+        raise _errors.MultihostError(
+            f'{_diagnostics.prefix()} the listener at {host}:{port} (published '
+            f'as process {peer}\'s) did not prove the job secret: it is not '
+            f'process {peer} of this job. Check that every process has the '
+            'same job secret and that nothing else took the address.')
+      conn.sendall(_proof(self.secret, b'connect', self.job, self.me, peer,
+                          nonces))
+      if _recv_exact(conn, 1) != _ACCEPTED:
+        raise ConnectionResetError('the peer refused the handshake')
+    except BaseException:
+      _close(conn)
+      raise
+    _tune(conn)
+    return _Link(conn, *_link_keys(self.secret, self.job, self.me, peer,
+                                   nonces, connector=True))
+
+  def conn(self, peer: int, deadline: float, op: str) -> _Link:
     with self.lock:
       if peer in self.conns:
         return self.conns[peer]
     if self.me < peer:
       remaining = max(deadline - time.monotonic(), 0.001)
       try:
-        value = _coordination.kv_get(_ADDRESS_KEY.format(peer), remaining)
+        link = self._connect(peer, remaining)
+      except _errors.MultihostError:
+        raise
+      except (OSError, TimeoutError) as e:
+        raise _peer_error(op, peer, e) from e
       except Exception as e:  # noqa: BLE001
         raise _peer_error(op, peer, e, waiting=True) from e
-      host, port = value.decode().rsplit('|', 1)
-      conn = socket.create_connection((host, int(port)), timeout=remaining)
-      _tune(conn)
-      conn.sendall(_HELLO.pack(_MAGIC, self.me))
       with self.lock:
-        self.conns[peer] = conn
-      return conn
+        self.conns[peer] = link
+      return link
     with self.lock:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()
@@ -103,16 +233,36 @@ class _Plane:
       return self.conns[peer]
 
 
+def _link_keys(secret: bytes, job: bytes, low: int, high: int, nonces: bytes,
+               *, connector: bool) -> tuple[bytes, bytes]:
+  """(send key, receive key) of a link, one key per direction."""
+  up = _proof(secret, b'frames low->high', job, low, high, nonces)
+  down = _proof(secret, b'frames high->low', job, low, high, nonces)
+  return (up, down) if connector else (down, up)
+
+
+def _close(conn: socket.socket) -> None:
+  try:
+    conn.close()
+  except OSError:
+    pass
+
+
 _plane: _Plane | None = None
 _plane_lock = threading.Lock()
 
 
-def _get_plane(op: str) -> _Plane:
+def _get_plane(op: str, deadline: float) -> _Plane:
   """The plane, with the sequence number of this transfer advanced."""
   global _plane
   with _plane_lock:
     if _plane is None:
-      _plane = _Plane()
+      try:
+        _plane = _Plane(max(deadline - time.monotonic(), 0.001), op)
+      except _errors.MultihostError:
+        raise
+      except Exception as e:  # noqa: BLE001
+        raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
   if _plane.broken:
     raise _diagnostics.plane_broken(op, _plane.broken)
   _plane.seq += 1
@@ -123,11 +273,8 @@ def _break(plane: _Plane, error: BaseException) -> None:
   """Closes every connection: bytes of a failed transfer may be in flight."""
   plane.broken = f'{type(error).__name__}: {error}'
   with plane.lock:
-    for conn in plane.conns.values():
-      try:
-        conn.close()
-      except OSError:
-        pass
+    for link in plane.conns.values():
+      _close(link.sock)
 
 
 def _local_host() -> str:
@@ -218,8 +365,8 @@ def _failed(plane: _Plane, sender: _Sender | None, op: str, peer: int,
   return _peer_error(op, peer, error)
 
 
-def _start(op: str, peer: int, conn: socket.socket, deadline: float) -> None:
-  conn.settimeout(max(deadline - time.monotonic(), 0.001))
+def _start(op: str, peer: int, link: _Link, deadline: float) -> None:
+  link.sock.settimeout(max(deadline - time.monotonic(), 0.001))
 
 
 def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
@@ -230,7 +377,7 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   same `length` and `source`.
   """
   deadline = time.monotonic() + timeout
-  plane = _get_plane(op)
+  plane = _get_plane(op, deadline)
   me, count = plane.me, plane.count
   call = plane.seq
   rank = (me - source) % count
@@ -238,25 +385,24 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   nxt = (me + 1) % count if rank < count - 1 else None
   out = buffer if rank == 0 else np.empty(length, np.uint8)
   view = memoryview(out.reshape(-1)[:length])
-  frame = _FRAME.pack(call, length)
   sender = _Sender() if nxt is not None else None
   peer = prev
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
     if down is not None:
       _start(op, nxt, down, deadline)
-      sender.send(down, frame)
+      sender.send(down.sock, down.frame(call, length))
     if rank == 0:
-      sender.send(down, view)
+      sender.send(down.sock, view)
     else:
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
-      _check_frame(_recv_exact(up, _FRAME.size), frame, op, prev)
+      up.read_frame(call, length, op, prev)
       for start in range(0, length, _CHUNK):
         chunk = view[start:start + _CHUNK]
-        _recv_into(up, chunk)
+        _recv_into(up.sock, chunk)
         if sender is not None:
-          sender.send(down, chunk)
+          sender.send(down.sock, chunk)
     if sender is not None:
       peer = nxt
       sender, done = None, sender
@@ -274,7 +420,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   same `sizes`.
   """
   deadline = time.monotonic() + timeout
-  plane = _get_plane(op)
+  plane = _get_plane(op, deadline)
   me, count = plane.me, plane.count
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
@@ -291,11 +437,10 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
     for step in range(count - 1):
       out_block = (me - step) % count
       in_block = (me - step - 1) % count
-      sender.send(down, _FRAME.pack(call, sizes[out_block]))
-      sender.send(down, memoryview(blocks[out_block]))
-      _check_frame(_recv_exact(up, _FRAME.size),
-                   _FRAME.pack(call, sizes[in_block]), op, prev)
-      _recv_into(up, memoryview(blocks[in_block]))
+      sender.send(down.sock, down.frame(call, sizes[out_block]))
+      sender.send(down.sock, memoryview(blocks[out_block]))
+      up.read_frame(call, sizes[in_block], op, prev)
+      _recv_into(up.sock, memoryview(blocks[in_block]))
       if sender.error is not None:
         raise sender.error
     peer = nxt
@@ -304,12 +449,6 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   except (OSError, TimeoutError, _errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
   return rows
-
-
-def _check_frame(got: bytes, want: bytes, op: str, peer: int) -> None:
-  if got != want:
-    raise _diagnostics.out_of_step(op, peer, _FRAME.unpack(got),
-                                   _FRAME.unpack(want))
 
 
 def _peer_error(op: str, peer: int, error: BaseException,
@@ -321,5 +460,7 @@ def _peer_error(op: str, peer: int, error: BaseException,
     return _diagnostics.transfer_timeout(op, peer,
                                          'to send or receive its part')
   # The watchdog names the dead process within its bound; wait for it.
-  dead = list(_watchdog.failed_within_bound()) or [peer]
-  return _diagnostics.connection_failure(op, peer, error, dead)
+  dead = list(_watchdog.failed_within_bound())
+  if not dead and _watchdog.is_running():  # every process is alive
+    return _diagnostics.connection_cut(op, peer, error)
+  return _diagnostics.connection_failure(op, peer, error, dead or [peer])

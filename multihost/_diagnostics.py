@@ -119,6 +119,18 @@ def coordination_failure(
       f'{waited:.1f} s: {shorten(message)}')
 
 
+def forged_message(op: str, key: str, *,
+                   planted: bool = False) -> _errors.MultihostError:
+  what = ('is not the key of any process of this call' if planted else
+          'failed authentication with the job secret')
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the control message under key {key!r} of the '
+      f'coordination service {what}: someone who reached the coordination '
+      'service planted or altered it. Nothing in it was decoded. Restart the '
+      'job, and firewall the coordination service (see the README\'s "Trust '
+      'model").')
+
+
 def messages_missing(op: str, missing: list[int]) -> _errors.MultihostError:
   """A completed barrier whose messages are not all in the key-value store."""
   return _errors.MultihostError(
@@ -197,10 +209,28 @@ def connection_failure(op: str, peer: int, error: BaseException,
       operation=op, failed=dead)
 
 
+def connection_cut(op: str, peer: int,
+                   error: BaseException) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: the connection to process {peer} broke ({error}), '
+      'but no process is known to have failed: the network (or someone on '
+      'it) cut or truncated the connection. Nothing from this transfer was '
+      'delivered. Restart the job, and check the network path.')
+
+
 def plane_broken(op: str, why: str) -> _errors.MultihostError:
   return _errors.MultihostError(
       f'{prefix()} {op}: the TCP data plane stopped after an earlier failure '
       f'({why}); later bulk transfers cannot stay in step. Restart the job.')
+
+
+def forged_frame(op: str, peer: int, what: str) -> _errors.MultihostError:
+  return _errors.MultihostError(
+      f'{prefix()} {op}: a frame header on the authenticated connection from '
+      f'process {peer} {what}. Someone on the network path injected, replayed '
+      f'or altered bytes; process {peer} itself is not known to have failed, '
+      'and nothing from this transfer was delivered. Restart the job, and '
+      'firewall the data-plane ports (see the README\'s "Trust model").')
 
 
 def out_of_step(op: str, peer: int, got: tuple[int, int],

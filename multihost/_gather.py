@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import pickle
 from typing import Any
 
 import jax
@@ -12,6 +11,7 @@ import numpy as np
 from multihost import _control_agree
 from multihost import _data_plane
 from multihost import _leaves
+from multihost import _objects
 from multihost import _process
 
 PyTree = Any
@@ -244,12 +244,15 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   count = _process.process_count()
   if count == 1:
     return [obj]
-  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  data = _objects.dumps(obj)
   inline = len(data) <= _control_agree.INLINE_BYTES
   header = _control_agree.Header(op, size=len(data),
-                                 payload=data if inline else None)
+                                 payload=data if inline else None,
+                                 seal=_objects.seal(op, data, timeout))
   headers = _control_agree.full_exchange(header, timeout=timeout)
   me = _process.process_index()
+  for p, h in enumerate(headers):
+    _objects.check_size(op, p, h.size)
   if all(h.payload is not None for h in headers):
     payloads = [h.payload for h in headers]
   else:
@@ -257,4 +260,6 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
     rows = _data_plane.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
                                  timeout=timeout)
     payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
-  return [obj if p == me else pickle.loads(b) for p, b in enumerate(payloads)]
+  return [obj if p == me else
+          _objects.loads(op, p, b, headers[p].seal, timeout)
+          for p, b in enumerate(payloads)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 from absl import logging
 import jax
@@ -39,7 +40,8 @@ def initialize(coordinator_address: str | None = None,
     process_id: this controller's index.
     local_device_ids: restricts this process to these local devices.
     cluster_detection_method: passed to `jax.distributed.initialize`.
-    coordinator_bind_address: where process 0's service listens.
+    coordinator_bind_address: where process 0's service listens. Default:
+      the host of coordinator_address (never all interfaces).
     initialization_timeout: seconds to wait for every process to connect.
     heartbeat_timeout: seconds without a heartbeat before the coordination
       service declares a process dead. Default: $MULTIHOST_HEARTBEAT_TIMEOUT,
@@ -104,6 +106,10 @@ def initialize(coordinator_address: str | None = None,
       heartbeat_timeout = _env.DEFAULT_HEARTBEAT_S
   if heartbeat_timeout is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
+  if (coordinator_bind_address is None and process_id == 0 and
+      coordinator_address and not env.get(_env.COORDINATOR_BIND) and
+      env.get(_env.EXTERNAL_SERVICE, '') != '1'):
+    coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
   if env.get(_env.EXTERNAL_SERVICE, '') == '1':
@@ -120,6 +126,29 @@ def initialize(coordinator_address: str | None = None,
   logging.info('%s jax.distributed initialized: %d processes, %d local '
                'devices.', _diagnostics.prefix(), jax.process_count(),
                jax.local_device_count())
+
+
+def _bind_address(coordinator_address: str) -> str:
+  """Where process 0's service listens: the coordinator address's own host, never all interfaces.
+
+  Raises:
+    ValueError: that host is not an address of this machine.
+  """
+  host, _, port = coordinator_address.rpartition(':')
+  host = host.strip('[]')
+  try:
+    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.bind((address[0], 0))
+  except (OSError, ValueError, IndexError) as e:
+    raise ValueError(
+        f'process 0 cannot bind the coordination service to the host of '
+        f'coordinator_address={coordinator_address!r} ({e}). Pass '
+        'coordinator_bind_address= (e.g. "10.0.0.5:1234"; "[::]:1234" for '
+        'all interfaces, which must then be firewalled).') from e
+  ip = address[0]
+  return f'[{ip}]:{port}' if ':' in ip else f'{ip}:{port}'
 
 
 def _detect_failures(detect_failures: bool | None) -> bool:

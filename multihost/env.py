@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import os
+import secrets
 
 # --- Read by `multihost.initialize()`; set by `multihost.launch`. -----------
 COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
@@ -33,6 +34,15 @@ STALL_REPORT_AFTER = 'MULTIHOST_STALL_REPORT_AFTER'
 # Set to 1 by a launcher that hosts the coordination service itself: process
 # 0 then starts no service of its own.
 EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
+# The job secret that authenticates the data plane and the control plane's
+# messages: the secret itself, or the path of a file only its owner can read.
+# The launcher sets JOB_SECRET for its controllers; without either, process 0
+# makes one and shares it through the coordination service.
+JOB_SECRET = 'MULTIHOST_JOB_SECRET'
+JOB_SECRET_FILE = 'MULTIHOST_JOB_SECRET_FILE'
+# The largest pickled object (bytes) `broadcast_object`/`allgather_object`
+# accept from a peer (default 1 GiB).
+MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
 
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
@@ -120,6 +130,14 @@ def controller_env(process_id: int, *, num_processes: int,
       PYTHON_UNBUFFERED: '1',
   })
   return env
+
+
+def job_secret_env(extra: Mapping[str, str]) -> dict[str, str]:
+  """A fresh job secret for a launcher's controllers, unless the user gives one."""
+  if any(k in extra or os.environ.get(k) for k in (JOB_SECRET,
+                                                    JOB_SECRET_FILE)):
+    return {}
+  return {JOB_SECRET: secrets.token_hex(32)}
 
 
 def external_service_env(heartbeat_timeout_s: float) -> dict[str, str]:

@@ -53,3 +53,18 @@ def process_prefix(index: int | None = None) -> str:
 def shorten(message: object, limit: int = 400) -> str:
   """`message` (a string or an exception) on one line, cut to `limit` characters."""
   return _diagnostics.shorten(message, limit)
+
+
+def key_value_set(key: str, value: bytes) -> None:
+  """Sets (or replaces) `key` in the coordination service's key-value store."""
+  _coordination.kv_set(key, value)
+
+
+def key_value_get(key: str, timeout_s: float) -> bytes:
+  """The value of `key` in the coordination service's store, waiting up to `timeout_s`."""
+  return _coordination.kv_get(key, timeout_s)
+
+
+def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:
+  """Every (key, value) under `prefix` (ending with '/') in the coordination service's store."""
+  return _coordination.kv_dir(prefix)

@@ -17,6 +17,8 @@ import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
+from recovery import _folder
+from recovery import _lock
 from recovery import _digest
 from recovery import _leaves
 from recovery._errors import CheckpointCorruptError
@@ -68,6 +70,7 @@ class Checkpoints:
             f'{_prefix()} Checkpoint folder {self.directory} does not exist.')
     else:
       _ensure_writable(self.directory)
+    self._lock = None if read_only else _lock.FolderLock.acquire(self.directory)
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
       logging.warning(
@@ -75,8 +78,9 @@ class Checkpoints:
           'save that was interrupted; they are ignored (a new save of the '
           'same step replaces one).',
           _prefix(), self.directory, self.partial_steps)
+    _folder.prepare(self.directory, FORMAT, writable=not read_only)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=None if read_only else self.keep,
+        max_to_keep=None,  # keep-N is `_prune`'s: it deletes only our steps
         # Saves are scheduled by `save()`; Orbax's own interval is unused.
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=async_save,
@@ -98,7 +102,8 @@ class Checkpoints:
 
   def steps(self) -> list[int]:
     """Committed checkpoint steps, oldest first."""
-    return sorted(self._manager.all_steps())
+    return [s for s in sorted(self._manager.all_steps())
+            if _folder.is_ours(self.directory, s, FORMAT)]
 
   def latest_step(self) -> int | None:
     steps = self.steps()
@@ -167,6 +172,12 @@ class Checkpoints:
       return False
     if step in self._manager.all_steps():
       return False
+    if os.path.lexists(os.path.join(self.directory, str(step))):
+      logging.warning('%s Not saving step %d: %s already exists and this '
+                      'run did not write it.', _prefix(), step,
+                      os.path.join(self.directory, str(step)))
+      return False
+    self.wait()  # Orbax's save waits for the previous one too; then prunes
     raw = state.to_tree()
     try:
       tree = _leaves.storable(raw)
@@ -199,7 +210,7 @@ class Checkpoints:
                           })),
         lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
-                   f'checkpoint (step {self.latest_step()}) is untouched.'))
+                   f'checkpoint (step {self._on_disk()}) is untouched.'))
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -210,11 +221,31 @@ class Checkpoints:
         'commit checkpoint', self._manager.wait_until_finished,
         lambda e: (f'{_prefix()} An asynchronous save to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The last '
-                   f'committed checkpoint is step {self.latest_step()}.'))
+                   f'committed checkpoint is step {self._on_disk()}.'))
+    self._prune()
+
+  def _on_disk(self) -> int | None:
+    """The latest committed step of this format, read from disk (not Orbax's cache)."""
+    ours = _folder.scan(self.directory, FORMAT)[0]
+    return ours[-1] if ours else None
+
+  def _prune(self) -> None:
+    """Keeps the newest `keep` committed steps; deletes only this format's steps."""
+    if self.read_only:
+      return
+    doomed = self.steps()[:-self.keep] if jax.process_index() == 0 else None
+    if jax.process_count() > 1:  # one decision: deleting is collective
+      doomed = multihost.broadcast_object(doomed)
+    for step in doomed:
+      self._manager.delete(step)
 
   def close(self) -> None:
-    self.wait()
-    self._manager.close()
+    try:
+      self.wait()
+      self._manager.close()
+    finally:
+      if self._lock is not None:
+        self._lock.release()
 
   def __enter__(self) -> Checkpoints:
     return self

@@ -144,6 +144,7 @@ class Controllers:
             f'127.0.0.1:{self.port}', self.num_processes,
             heartbeat_timeout=int(self.heartbeat_timeout))
         service_env = env_lib.external_service_env(self.heartbeat_timeout)
+      service_env.update(env_lib.job_secret_env(self._extra_env))
       for i in range(self.num_processes):
         env = child_env(i, num_processes=self.num_processes,
                         devices_per_process=self.devices_per_process,

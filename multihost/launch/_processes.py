@@ -16,12 +16,19 @@ import threading
 import time
 from typing import TextIO
 
+from multihost import env as env_lib
 from multihost.launch import _output
+from multihost.launch import _reaper
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-  """Signals the process group the launcher created for `proc` (its pid if the group is gone)."""
+  """Signals the process group the launcher created for `proc` (its pid if the group is gone).
+
+  The group is signalled even after its leader exited: its other members
+  (the controller's children) may still run.
+  """
   if proc.returncode is not None:
+    _reaper.kill_group(proc.pid, sig)
     return
   try:
     os.killpg(proc.pid, sig)  # pgid == pid: start_new_session=True.
@@ -56,6 +63,7 @@ class Processes:
     self._returncodes: list[int | None] = [None] * num_processes
     self._ended: list[float | None] = [None] * num_processes
     self._stopped: set[int] = set()
+    _reaper.become_subreaper()
 
   def spawn(self, command: collections.abc.Sequence[str], *,
             env: collections.abc.Mapping[str, str],
@@ -65,7 +73,11 @@ class Processes:
     proc = subprocess.Popen(
         list(command), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        start_new_session=True,
+        # The pytest plugin's workers watch their parent themselves (and
+        # clean up their results folder); every other child dies with us.
+        preexec_fn=(None if env.get(env_lib.PYTEST_WORKER)
+                    else _reaper.die_with_launcher()))
     self._procs.append(proc)
     assert proc.stdout is not None
     pump = threading.Thread(target=self.output.pump, args=(index, proc.stdout),
@@ -166,6 +178,7 @@ class Processes:
         proc.wait(timeout=10)
       except subprocess.TimeoutExpired:  # Unkillable (D state); report it.
         pass
+    _reaper.collect([proc.pid for proc in self._procs])
     for t in self._threads:
       t.join(timeout=5)
 

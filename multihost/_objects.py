@@ -1,0 +1,88 @@
+"""Object collectives' payloads: pickled, sealed with the job secret, size-limited.
+
+The object collectives pickle, as torch's do. A payload is unpickled only
+after its seal checks: a fresh nonce and HMAC-SHA256(job secret, nonce +
+payload), carried in the sender's (authenticated) call header. Bytes that
+were altered, replayed from another call or planted are refused before
+`pickle.loads` sees them, and a payload larger than the limit
+(MULTIHOST_MAX_OBJECT_BYTES, default 1 GiB) is refused on every process
+before it moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+import secrets
+from typing import Any
+
+from multihost import _diagnostics
+from multihost import _errors
+from multihost import _secret
+from multihost import env
+
+DEFAULT_MAX_BYTES = 1 << 30
+_NONCE = 16
+
+
+def max_bytes() -> int:
+  """The largest pickled object accepted from a peer (MULTIHOST_MAX_OBJECT_BYTES)."""
+  text = env.get(env.MAX_OBJECT_BYTES)
+  if not text:
+    return DEFAULT_MAX_BYTES
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value <= 0:
+    raise ValueError(f'{env.MAX_OBJECT_BYTES}={text!r} is not a positive '
+                     'number of bytes; set it to e.g. 1073741824.')
+  return value
+
+
+def dumps(obj: Any) -> bytes:
+  return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _secret_for(op: str, timeout: float) -> bytes:
+  try:
+    return _secret.job_keys(timeout, op)[1]
+  except _errors.MultihostError:
+    raise
+  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
+
+
+def seal(op: str, data: bytes, timeout: float) -> bytes:
+  """A fresh nonce and the MAC of `data` under the job secret."""
+  nonce = secrets.token_bytes(_NONCE)
+  secret = _secret_for(op, timeout)
+  return nonce + hmac.digest(secret, nonce + data, hashlib.sha256)
+
+
+def check_size(op: str, process: int, size: int) -> None:
+  """Raises (on every process alike) if `process`'s object is over the limit."""
+  limit = max_bytes()
+  if size > limit:
+    raise _errors.MultihostError(
+        f'{_diagnostics.prefix()} {op}: process {process}\'s pickled object '
+        f'is {size} bytes, over the limit of {limit} bytes. Send less, or '
+        f'raise {env.MAX_OBJECT_BYTES} on every process.')
+
+
+def loads(op: str, process: int, data: bytes, sealed: bytes | None,
+          timeout: float) -> Any:
+  """Unpickles `process`'s `data` if its seal checks; raises otherwise."""
+  secret = _secret_for(op, timeout)
+  ok = sealed is not None and len(sealed) > _NONCE and hmac.compare_digest(
+      sealed[_NONCE:], hmac.digest(secret, sealed[:_NONCE] + data,
+                                   hashlib.sha256))
+  if not ok:
+    raise _errors.MultihostError(
+        f'{_diagnostics.prefix()} {op}: the object bytes received from '
+        f'process {process} do not match the seal in its authenticated call '
+        'header (altered or replayed on the way); they were not unpickled. '
+        'Restart the job, and firewall the data-plane ports (see the '
+        'README\'s "Trust model").')
+  return pickle.loads(data)

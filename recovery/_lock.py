@@ -1,0 +1,154 @@
+"""An exclusive lock on a checkpoint folder, held by process 0 for a whole run.
+
+The lock is a file, `.recovery-lock`, created with O_EXCL (atomic on local
+and NFSv3+ folders) that names its holder (host, pid, the pid's start time,
+the time taken) and stays flock'ed while held. A second run on the same
+folder is refused with the holder's name. A lock left by a run that died is
+stale when its holder ran on this host and that process is gone (or its pid
+now belongs to another process); it is then taken over, with a warning. A
+lock from another host is never taken over: remove it by hand once that run
+is known to be gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+
+from absl import logging
+import jax
+import multihost
+
+from recovery._errors import CheckpointError
+
+LOCK_NAME = '.recovery-lock'
+
+
+def _proc_start(pid: int) -> str | None:
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+def _alive(holder: dict) -> bool:
+  pid = int(holder.get('pid', -1))
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  start = holder.get('proc_start')
+  now = _proc_start(pid)
+  return start is None or now is None or start == now
+
+
+def _describe(holder: dict) -> str:
+  when = time.strftime('%Y-%m-%d %H:%M:%S',
+                       time.localtime(float(holder.get('time', 0))))
+  return (f'host {holder.get("host")!r}, pid {holder.get("pid")}, since '
+          f'{when}')
+
+
+class FolderLock:
+  """Process 0's lock on a checkpoint folder (other processes hold nothing)."""
+
+  def __init__(self, path: str, fd: int | None, info: dict | None):
+    self.path = path
+    self._fd = fd
+    self._info = info
+
+  @classmethod
+  def acquire(cls, directory: str) -> FolderLock:
+    """Takes the folder's lock for this run.
+
+    Collective: every process must call this, in the same order.
+
+    Raises:
+      CheckpointError: another live run holds the folder (named).
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    lock, refusal = cls(path, None, None), None
+    if jax.process_index() == 0:
+      try:
+        lock = cls._take(path)
+      except CheckpointError as e:
+        refusal = str(e)
+    if jax.process_count() > 1:
+      refusal = multihost.broadcast_object(refusal)
+    if refusal:
+      raise CheckpointError(refusal)
+    return lock
+
+  @classmethod
+  def _take(cls, path: str) -> FolderLock:
+    info = {'host': socket.gethostname(), 'pid': os.getpid(),
+            'proc_start': _proc_start(os.getpid()), 'time': time.time()}
+    for _ in range(2):
+      try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+      except FileExistsError:
+        holder = cls._holder(path)
+        if (holder.get('host') == info['host'] and not _alive(holder)
+            and cls._unlocked(path)):
+          logging.warning('Checkpoint folder lock %s was left by %s, which is '
+                          'gone; taking it over.', path, _describe(holder))
+          try:
+            os.remove(path)
+          except FileNotFoundError:
+            pass
+          continue
+        raise CheckpointError(
+            f'Checkpoint folder {os.path.dirname(path)} is in use by another '
+            f'run ({_describe(holder)}; lock file {path}). Wait for it to '
+            'finish, or use another folder. If that run is gone (e.g. on '
+            'another host), remove the lock file by hand.') from None
+      os.write(fd, json.dumps(info).encode())
+      os.fsync(fd)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError:
+        pass  # e.g. a file system without flock; the O_EXCL file suffices
+      return cls(path, fd, info)
+    raise CheckpointError(f'Could not take the checkpoint folder lock {path}.')
+
+  @staticmethod
+  def _holder(path: str) -> dict:
+    try:
+      with open(path) as f:
+        return json.loads(f.read() or '{}')
+    except (OSError, ValueError):
+      return {}
+
+  @staticmethod
+  def _unlocked(path: str) -> bool:
+    """Whether nobody on this host holds the lock file flock'ed."""
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except OSError:
+      return True
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return True
+    except OSError:
+      return False
+    finally:
+      os.close(fd)
+
+  def release(self) -> None:
+    """Removes the lock file if this run still holds it."""
+    if self._fd is None:
+      return
+    try:
+      if self._holder(self.path) == self._info:
+        os.remove(self.path)
+    except OSError:
+      pass
+    finally:
+      os.close(self._fd)
+      self._fd = None
