@@ -37,6 +37,10 @@ _ADDRESS_KEY = 'multihost_transport/{}'
 _HELLO = struct.Struct('<4sI')  # magic, sender's process index
 _FRAME = struct.Struct('<QQ')   # call id, byte count
 _MAGIC = b'MHT1'
+# Socket waits of a transfer are sliced: between slices the failure watchdog
+# is checked, so a peer cut off or frozen (its socket silent, not closed)
+# raises ProcessFailureError once the watchdog names it.
+_SLICE_S = 0.25
 
 
 class _Plane:
@@ -155,25 +159,56 @@ def _tune(conn: socket.socket) -> None:
       pass
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _recv_exact(conn: socket.socket, n: int,
+                watch: tuple[str, float] | None = None) -> bytes:
   buf = bytearray(n)
-  _recv_into(conn, memoryview(buf))
+  _recv_into(conn, memoryview(buf), watch)
   return bytes(buf)
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
+def _recv_into(conn: socket.socket, view: memoryview,
+               watch: tuple[str, float] | None = None) -> None:
+  """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""
   got = 0
   while got < len(view):
-    k = conn.recv_into(view[got:])
+    k = _watched(conn.recv_into, view[got:], watch)
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
 
 
+def _send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+  view = memoryview(view).cast('B')
+  sent = 0
+  while sent < len(view):
+    sent += _watched(conn.send, view[sent:], watch)
+
+
+def _watched(io, view, watch: tuple[str, float] | None) -> int:
+  """`io(view)`, retried after each socket-timeout slice until `watch`'s deadline.
+
+  Between slices, raises `ProcessFailureError` once the watchdog knows a
+  peer is gone, and `socket.timeout` at the deadline. (A timed-out send or
+  recv moved no bytes, so retrying it is safe.)
+  """
+  if watch is None:
+    return io(view)
+  op, deadline = watch
+  while True:
+    try:
+      return io(view)
+    except socket.timeout:
+      _watchdog.check(op)
+      if time.monotonic() >= deadline:
+        raise
+
+
 class _Sender:
   """Sends (socket, frame, view) jobs in order on a background thread."""
 
-  def __init__(self):
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
     self.jobs: queue.SimpleQueue = queue.SimpleQueue()
     self.error: BaseException | None = None
     self.thread = threading.Thread(target=self._run, daemon=True,
@@ -188,7 +223,7 @@ class _Sender:
       conn, view = job
       if self.error is None:
         try:
-          conn.sendall(view)
+          _send_all(conn, view, self.watch)
         except BaseException as e:  # noqa: BLE001
           self.error = e
 
@@ -219,7 +254,7 @@ def _failed(plane: _Plane, sender: _Sender | None, op: str, peer: int,
 
 
 def _start(op: str, peer: int, conn: socket.socket, deadline: float) -> None:
-  conn.settimeout(max(deadline - time.monotonic(), 0.001))
+  conn.settimeout(max(min(deadline - time.monotonic(), _SLICE_S), 0.001))
 
 
 def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
@@ -239,7 +274,8 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   out = buffer if rank == 0 else np.empty(length, np.uint8)
   view = memoryview(out.reshape(-1)[:length])
   frame = _FRAME.pack(call, length)
-  sender = _Sender() if nxt is not None else None
+  watch = (op, deadline)
+  sender = _Sender(watch) if nxt is not None else None
   peer = prev
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
@@ -251,10 +287,10 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
     else:
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
-      _check_frame(_recv_exact(up, _FRAME.size), frame, op, prev)
+      _check_frame(_recv_exact(up, _FRAME.size, watch), frame, op, prev)
       for start in range(0, length, _CHUNK):
         chunk = view[start:start + _CHUNK]
-        _recv_into(up, chunk)
+        _recv_into(up, chunk, watch)
         if sender is not None:
           sender.send(down, chunk)
     if sender is not None:
@@ -282,7 +318,8 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   rows[me, :sizes[me]] = buffer.reshape(-1)[:sizes[me]]
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   peer = prev
-  sender = _Sender()
+  watch = (op, deadline)
+  sender = _Sender(watch)
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)
@@ -293,9 +330,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       in_block = (me - step - 1) % count
       sender.send(down, _FRAME.pack(call, sizes[out_block]))
       sender.send(down, memoryview(blocks[out_block]))
-      _check_frame(_recv_exact(up, _FRAME.size),
+      _check_frame(_recv_exact(up, _FRAME.size, watch),
                    _FRAME.pack(call, sizes[in_block]), op, prev)
-      _recv_into(up, memoryview(blocks[in_block]))
+      _recv_into(up, memoryview(blocks[in_block]), watch)
       if sender.error is not None:
         raise sender.error
     peer = nxt

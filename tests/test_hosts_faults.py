@@ -1,0 +1,125 @@
+"""Partitions and frozen hosts across simulated hosts: named errors within the heartbeat bound, blips fail nothing.
+
+Each drill runs 2 controllers on simulated hosts (`hosts='netns'`, heartbeat
+timeout 5 s, the default collective timeout), loops one collective, and then
+cuts host 1's link or freezes its process (SIGSTOP). Process 0, which can
+still reach the coordinator, must raise `ProcessFailureError` naming process
+1 within heartbeat timeout + 10 s; the cut-off side is aborted by JAX, and
+the launcher's summary says it lost the coordination service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+import sys
+
+import pytest
+
+from multihost import env as mh_env
+from multihost import hosts
+from multihost import launch
+
+_OK, _WHY = hosts.available()
+pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HEARTBEAT_S = 5
+_BOUND_S = _HEARTBEAT_S + 10
+
+_LOOP = textwrap.dedent('''
+    import sys, time
+    import numpy as np
+    import jax
+    import multihost
+    multihost.initialize()
+    mode, limit = sys.argv[1], float(sys.argv[2])
+    big = np.full(64 << 20, jax.process_index() + 1, np.uint8)
+    t0 = time.monotonic()
+    k = 0
+    try:
+      while True:
+        if mode == 'barrier':
+          multihost.sync_global_devices(f's{k}')
+        elif mode == 'allgather':
+          out = multihost.process_allgather(big)
+          assert out.shape == (2, 64 << 20) and out[1, -1] == 2, out.shape
+        else:
+          out = multihost.broadcast_one_to_all(big)
+          assert out[-1] == 1
+        k += 1
+        if k == 2:
+          print('LOOP', flush=True)
+        stop = multihost.broadcast_one_to_all(
+            np.array(time.monotonic() - t0 > limit))
+        if bool(stop):
+          break
+    except Exception as e:
+      print(f'ERROR at {time.time():.3f} {type(e).__name__}: {e}', flush=True)
+      sys.exit(3)
+    print(f'DONE iterations={k}', flush=True)
+''')
+
+
+def _cluster(tmp_path, mode, limit):
+  script = tmp_path / 'loop.py'
+  script.write_text(_LOOP)
+  return launch.Controllers(
+      [sys.executable, str(script), mode, str(limit)], num_processes=2,
+      env={'PYTHONPATH': _ROOT, mh_env.HEARTBEAT: str(_HEARTBEAT_S)},
+      hosts='netns', grace_period=30, kill_wait=1)
+
+
+def _until_looping(cluster):
+  for i in range(2):
+    assert cluster.wait_for_output(i, 'LOOP', timeout=120), cluster.outputs
+
+
+def _error_time(output: str) -> float:
+  return float(output.split('ERROR at ', 1)[1].split()[0])
+
+
+@pytest.mark.parametrize('mode,fault', [
+    ('barrier', 'cut'), ('allgather', 'cut'), ('broadcast', 'cut'),
+    ('allgather', 'freeze')])
+def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
+                                                          fault):
+  with _cluster(tmp_path, mode, 600) as cluster:
+    _until_looping(cluster)
+    time.sleep(0.5)
+    at = time.time()
+    if fault == 'cut':
+      cluster.hosts.cut(1)
+    else:
+      cluster.kill(1, signal.SIGSTOP)
+    named = cluster.wait_for_output(0, 'ERROR at', timeout=_BOUND_S + 5)
+    out0 = cluster.output(0)
+    assert named, out0[-3000:]
+    took = _error_time(out0) - at
+    assert 'ProcessFailureError' in out0, out0[-3000:]
+    assert 'process(es) [1] failed' in out0, out0[-3000:]
+    assert took < _BOUND_S, (took, out0[-3000:])
+    if fault == 'cut':
+      assert cluster.wait_for_output(1, launch.LOST_SERVICE_MARKER,
+                                     timeout=30), cluster.output(1)[-3000:]
+      cluster.hosts.restore(1)  # Lets process 0 leave.
+    result = cluster.wait(60)
+  print(mode, fault, f'named after {took:.1f} s')
+  if fault == 'cut':
+    assert result.returncodes[1] == -signal.SIGABRT
+    assert ('Process 1 lost the coordination service (network partition '
+            'or coordinator gone)') in result.summary, result.summary
+
+
+def test_a_1s_cut_during_64mib_allgathers_fails_nothing(tmp_path):
+  with _cluster(tmp_path, 'allgather', 10) as cluster:
+    _until_looping(cluster)
+    cluster.hosts.cut(1)
+    time.sleep(1)
+    cluster.hosts.restore(1)
+    result = cluster.wait(120)
+  assert result.exit_code == 0, result.summary + '\n'.join(
+      o[-2000:] for o in result.outputs)
+  assert all('DONE' in o for o in result.outputs)
