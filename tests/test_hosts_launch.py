@@ -134,3 +134,20 @@ def test_marked_tests_run_on_hosts_of_their_own():
   names = [bytes(n).decode().strip() for n in np.asarray(names)]
   assert len(set(names)) == 2
   assert all(socket.inet_aton(n) and not n.startswith('127.') for n in names)
+
+
+def test_the_summary_says_which_process_lost_the_coordination_service():
+  lost = ('F1130 client.cc:1] ' + launch.LOST_SERVICE_MARKER +
+          ': Heartbeat timeout\n')
+  run = launch.Observed(
+      returncodes=(3, -signal.SIGABRT, -signal.SIGABRT), end_times=(9.0, 4.0, 4.5),
+      stopped=frozenset(), pids=(10, 11, 12),
+      outputs=('ProcessFailureError\n', lost, 'aborted without the line\n'),
+      devices_per_process=1, elapsed=10.0, grace_period=30.0,
+      host_service=False, timed_out=False, still_running_at_timeout=(),
+      interrupted_by=None)
+  assert launch.lost_coordinator(run.returncodes, run.outputs) == [1]
+  summary = launch.report(run).summary
+  assert ('Process 1 lost the coordination service (network partition or '
+          'coordinator gone)') in summary, summary
+  assert 'Process 2 lost' not in summary and 'Process 0 lost' not in summary
