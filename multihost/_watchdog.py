@@ -50,6 +50,7 @@ from typing import Any
 from absl import logging
 import jax
 
+from multihost import _companion
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
@@ -396,7 +397,7 @@ def _at_exit() -> None:
   if not st.running or _coordination.client() is None:
     return
   try:
-    hosting = _coordination.hosts_service()
+    hosting = _coordination.hosts_service() or _companion.is_host()
     if hosting:
       _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
       _wait_for_others_to_leave()

@@ -30,6 +30,10 @@ TRANSPORT = 'MULTIHOST_TRANSPORT'
 # Set to 1 by a launcher that hosts the coordination service itself: process
 # 0 then starts no service of its own.
 EXTERNAL_SERVICE = 'MULTIHOST_EXTERNAL_SERVICE'
+# Set to 1 to host the coordination service in a companion process of
+# process 0 (`multihost._companion`): a crash of process 0's trainer is then
+# an ordinary failure, also outside the launcher.
+COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import textwrap
 import time
 import sys
@@ -123,3 +124,45 @@ def test_a_1s_cut_during_64mib_allgathers_fails_nothing(tmp_path):
   assert result.exit_code == 0, result.summary + '\n'.join(
       o[-2000:] for o in result.outputs)
   assert all('DONE' in o for o in result.outputs)
+
+
+def _companion_cluster(tmp_path, limit):
+  script = tmp_path / 'loop.py'
+  script.write_text(_LOOP)
+  return launch.Controllers(
+      [sys.executable, str(script), 'barrier', str(limit)], num_processes=2,
+      env={'PYTHONPATH': _ROOT, mh_env.HEARTBEAT: str(_HEARTBEAT_S),
+           mh_env.COMPANION_SERVICE: '1'},
+      hosts='netns', grace_period=30, kill_wait=1)
+
+
+def test_with_a_companion_service_a_crash_of_process_0_is_an_ordinary_failure(
+    tmp_path):
+  with _companion_cluster(tmp_path, 600) as cluster:
+    _until_looping(cluster)
+    at = time.time()
+    cluster.kill(0, signal.SIGKILL)
+    named = cluster.wait_for_output(1, 'ERROR at', timeout=_BOUND_S + 5)
+    out1 = cluster.output(1)
+    assert named, out1[-3000:]
+    assert 'ProcessFailureError' in out1 and 'process(es) [0] failed' in out1, (
+        out1[-3000:])
+    assert _error_time(out1) - at < _BOUND_S
+    result = cluster.wait(30)
+  assert result.returncodes[1] == 3, result.summary  # Not aborted (SIGABRT).
+  assert launch.LOST_SERVICE_MARKER not in result.outputs[1]
+
+
+def test_with_a_companion_service_a_normal_run_ends_at_once(tmp_path):
+  with _companion_cluster(tmp_path, 3) as cluster:
+    deadline = time.monotonic() + 120
+    while cluster.running() and time.monotonic() < deadline:
+      time.sleep(0.1)
+    # The companion left with process 0: nothing runs inside host 0.
+    left = subprocess.run(
+        ['ip', 'netns', 'pids', cluster.hosts.namespace(0)],
+        capture_output=True, text=True, timeout=30).stdout.split()
+    result = cluster.wait(10)
+  assert result.exit_code == 0, result.summary + '\n'.join(
+      o[-2000:] for o in result.outputs)
+  assert left == []

@@ -19,7 +19,7 @@ _LAYERS = [
     ['_data_plane'],
     ['_data_tcp', '_data_device'],
     ['_watchdog'],
-    ['_diagnostics'],
+    ['_diagnostics', '_companion'],
     ['_coordination'],
     ['_process'],
     ['_leaves', '_errors', 'env'],
