@@ -18,6 +18,7 @@ from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
 from recovery import _digest
+from recovery import _shared_folder
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
 from recovery._errors import fallback_advice
@@ -64,6 +65,7 @@ class Checkpoints:
             f'{_prefix()} Checkpoint folder {self.directory} does not exist.')
     else:
       _ensure_writable(self.directory)
+      _shared_folder.check(self.directory)
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
       logging.warning(

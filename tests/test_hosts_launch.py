@@ -151,3 +151,17 @@ def test_the_summary_says_which_process_lost_the_coordination_service():
   assert ('Process 1 lost the coordination service (network partition or '
           'coordinator gone)') in summary, summary
   assert 'Process 2 lost' not in summary and 'Process 0 lost' not in summary
+
+
+@pytest.mark.multihost(num_processes=2, hosts='netns', timeout=120)
+def test_checkpoints_in_a_folder_the_hosts_do_not_share_say_so(
+    tmp_path, multihost_tmp_path):
+  import recovery  # pylint: disable=g-import-not-at-top
+  # tmp_path is a different folder on each process: like a local disk.
+  with pytest.raises(recovery.CheckpointError,
+                     match=r'is not shared: process\(es\) \[1\] do not see'):
+    recovery.Checkpoints(tmp_path / 'ckpt')
+  with recovery.Checkpoints(multihost_tmp_path / 'ckpt'):
+    pass
+  assert not [n for n in os.listdir(multihost_tmp_path / 'ckpt')
+              if n.startswith('.shared-folder-probe')]
