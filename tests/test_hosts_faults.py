@@ -84,7 +84,7 @@ def _error_time(output: str) -> float:
 
 @pytest.mark.parametrize('mode,fault', [
     ('barrier', 'cut'), ('allgather', 'cut'), ('broadcast', 'cut'),
-    ('allgather', 'freeze')])
+    ('allgather', 'freeze'), ('broadcast', 'kill')])
 def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
                                                           fault):
   with _cluster(tmp_path, mode, 600) as cluster:
@@ -94,7 +94,7 @@ def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
     if fault == 'cut':
       cluster.hosts.cut(1)
     else:
-      cluster.kill(1, signal.SIGSTOP)
+      cluster.kill(1, signal.SIGSTOP if fault == 'freeze' else signal.SIGKILL)
     named = cluster.wait_for_output(0, 'ERROR at', timeout=_BOUND_S + 5)
     out0 = cluster.output(0)
     assert named, out0[-3000:]
@@ -166,3 +166,37 @@ def test_with_a_companion_service_a_normal_run_ends_at_once(tmp_path):
   assert result.exit_code == 0, result.summary + '\n'.join(
       o[-2000:] for o in result.outputs)
   assert left == []
+
+
+_TRAIN = os.path.join(_ROOT, 'bin', 'train.py')
+_STEPS = 400
+
+
+def test_recovery_drill_across_hosts_sigterm_then_resume_on_4_hosts(tmp_path):
+  """bin/train.py on 2 hosts x 2 devices: SIGTERM to process 1, all save the same step and exit 0; `--resume` on 4 hosts (the CLI, --hosts=netns) finishes."""
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  args = [sys.executable, _TRAIN, f'--checkpoint_dir={ckpt}',
+          f'--metrics_out={metrics}', f'--steps={_STEPS}', '--save_every=50',
+          '--keep=2']
+  with launch.Controllers(args, num_processes=2, devices_per_process=2,
+                          env={'PYTHONPATH': _ROOT}, cwd=_ROOT,
+                          hosts='netns') as cluster:
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and
+               metrics.read_text().count('\n') >= 30):
+      assert time.monotonic() < deadline and len(cluster.running()) == 2, (
+          cluster.outputs)
+      time.sleep(0.05)
+    cluster.kill(1, signal.SIGTERM)
+    result = cluster.wait(120)
+  assert result.returncodes == (0, 0), result.summary + result.outputs[0][-3000:]
+  step = int(result.outputs[0].split('Preempted: saved step ')[1].split()[0])
+  assert 30 <= step < _STEPS
+  done = subprocess.run(
+      [sys.executable, '-m', 'multihost.launch', '--num_processes=4',
+       '--hosts=netns', '--timeout=180', '--', *args, '--resume'],
+      env={**os.environ, 'PYTHONPATH': _ROOT}, cwd=_ROOT, capture_output=True,
+      text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+  assert f'Resumed from step {step} (epoch' in done.stdout
+  assert f'Finished step {_STEPS}' in done.stdout, done.stdout[-3000:]
