@@ -86,7 +86,12 @@ def test_initialize_picks_up_the_schedulers_variables_across_hosts(
           p.kill()
           p.wait(timeout=30)
     codes = [p.returncode for p in procs]
+    # Nothing is left inside host 0 (with companion: it left with process 0).
+    left = subprocess.run(['ip', 'netns', 'pids', net.namespace(0)],
+                          capture_output=True, text=True,
+                          timeout=30).stdout.split()
     assert codes == [0] * n, '\n\n'.join(o[-3000:] for o in outs)
+    assert left == []
     want = [net.address(k) for k in range(n)]
     for i, out in enumerate(outs):
       line = out.split('RESULT ', 1)[1].splitlines()[0]

@@ -38,12 +38,24 @@ _LOOP = textwrap.dedent('''
     multihost.initialize()
     mode, limit = sys.argv[1], float(sys.argv[2])
     big = np.full(64 << 20, jax.process_index() + 1, np.uint8)
+    if mode == 'save':
+      import recovery
+      sampler = recovery.EpochSampler(8, 4)
+      key, order = sampler.start(jax.random.key(0))
+      state = recovery.TransitionState(
+          user={'w': np.ones(16 << 20, np.float32)}, key=key, order=order,
+          cursor=0, epoch=0, step=0)
+      ckpt = recovery.Checkpoints(sys.argv[3], keep=1)
     t0 = time.monotonic()
     k = 0
     try:
       while True:
         if mode == 'barrier':
           multihost.sync_global_devices(f's{k}')
+        elif mode == 'save':
+          state = state.replace(step=k + 1)
+          ckpt.save(state, force=True)
+          ckpt.wait()
         elif mode == 'allgather':
           out = multihost.process_allgather(big)
           assert out.shape == (2, 64 << 20) and out[1, -1] == 2, out.shape
@@ -68,7 +80,8 @@ def _cluster(tmp_path, mode, limit):
   script = tmp_path / 'loop.py'
   script.write_text(_LOOP)
   return launch.Controllers(
-      [sys.executable, str(script), mode, str(limit)], num_processes=2,
+      [sys.executable, str(script), mode, str(limit), str(tmp_path / 'ckpt')],
+      num_processes=2,
       env={'PYTHONPATH': _ROOT, mh_env.HEARTBEAT: str(_HEARTBEAT_S)},
       hosts='netns', grace_period=30, kill_wait=1)
 
@@ -83,7 +96,7 @@ def _error_time(output: str) -> float:
 
 
 @pytest.mark.parametrize('mode,fault', [
-    ('barrier', 'cut'), ('allgather', 'cut'), ('broadcast', 'cut'),
+    ('allgather', 'cut'), ('broadcast', 'cut'), ('save', 'cut'),
     ('allgather', 'freeze'), ('broadcast', 'kill')])
 def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
                                                           fault):
@@ -106,8 +119,10 @@ def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
       assert cluster.wait_for_output(1, launch.LOST_SERVICE_MARKER,
                                      timeout=30), cluster.output(1)[-3000:]
       cluster.hosts.restore(1)  # Lets process 0 leave.
+    elif fault == 'freeze':
+      cluster.kill(1, signal.SIGKILL)  # Else it waits out the grace period.
     result = cluster.wait(60)
-  print(mode, fault, f'named after {took:.1f} s')
+  print(mode, fault, f'named after {took:.1f} s:', out0.split('ERROR at ', 1)[1][:300])
   if fault == 'cut':
     assert result.returncodes[1] == -signal.SIGABRT
     assert ('Process 1 lost the coordination service (network partition '
@@ -115,7 +130,7 @@ def test_a_lost_host_is_named_within_the_heartbeat_bound(tmp_path, mode,
 
 
 def test_a_1s_cut_during_64mib_allgathers_fails_nothing(tmp_path):
-  with _cluster(tmp_path, 'allgather', 10) as cluster:
+  with _cluster(tmp_path, 'allgather', 6) as cluster:
     _until_looping(cluster)
     cluster.hosts.cut(1)
     time.sleep(1)
@@ -151,21 +166,6 @@ def test_with_a_companion_service_a_crash_of_process_0_is_an_ordinary_failure(
     result = cluster.wait(30)
   assert result.returncodes[1] == 3, result.summary  # Not aborted (SIGABRT).
   assert launch.LOST_SERVICE_MARKER not in result.outputs[1]
-
-
-def test_with_a_companion_service_a_normal_run_ends_at_once(tmp_path):
-  with _companion_cluster(tmp_path, 3) as cluster:
-    deadline = time.monotonic() + 120
-    while cluster.running() and time.monotonic() < deadline:
-      time.sleep(0.1)
-    # The companion left with process 0: nothing runs inside host 0.
-    left = subprocess.run(
-        ['ip', 'netns', 'pids', cluster.hosts.namespace(0)],
-        capture_output=True, text=True, timeout=30).stdout.split()
-    result = cluster.wait(10)
-  assert result.exit_code == 0, result.summary + '\n'.join(
-      o[-2000:] for o in result.outputs)
-  assert left == []
 
 
 _TRAIN = os.path.join(_ROOT, 'bin', 'train.py')

@@ -78,7 +78,7 @@ def test_hosts_are_deleted_when_the_body_raises_and_on_timeout(tmp_path):
   assert _namespaces_of(os.getpid()) == []
   cluster = launch.Controllers(_script(tmp_path) + ['600'], num_processes=2,
                                env=_env(), hosts='netns', kill_wait=1)
-  result = cluster.wait(30)
+  result = cluster.wait(10)
   assert result.timed_out
   assert _namespaces_of(os.getpid()) == []
 
