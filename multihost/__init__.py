@@ -26,6 +26,8 @@ import cycle (tests/test_layers.py checks both). Modules _*.py are private.
   failure             _watchdog: sees a peer die; runs blocking steps watched
   diagnostics         _diagnostics: the `[process=N]` prefix, shortening, the
                         advice, and low-level failures as named errors
+                      _companion: the coordination service in a companion
+                        process of process 0 (opt-in)
   coordination        _coordination: the one module that touches JAX's
                         coordination-service client (used by the rendezvous,
                         the TCP plane's address book and the watchdog)

@@ -119,6 +119,19 @@ def start_service(address: str, num_processes: int, *,
       shutdown_timeout=int(shutdown_timeout), recoverable=True)
 
 
+def detect_cluster(coordinator_address: str | None, num_processes: int | None,
+                   process_id: int | None,
+                   cluster_detection_method: str | None
+                   ) -> tuple[str | None, int | None, int | None]:
+  """(coordinator address, process count, process index) as `jax.distributed.initialize` would derive them (Slurm, Open MPI, ...)."""
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  address, count, index, _ = (
+      clusters.ClusterEnv.auto_detect_unset_distributed_params(
+          coordinator_address, num_processes, process_id, None,
+          cluster_detection_method, None))
+  return address, count, index
+
+
 class _NoServiceLib:
   """jaxlib's module as seen by `jax.distributed`, minus the service."""
 

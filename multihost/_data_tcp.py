@@ -79,9 +79,10 @@ class _Link:
     self.sent += 1
     return head + hmac.digest(self.send_key, head, hashlib.sha256)[:_MAC]
 
-  def read_frame(self, call: int, length: int, op: str, peer: int) -> None:
+  def read_frame(self, call: int, length: int, op: str, peer: int,
+                 watch: tuple[str, float] | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = _recv_exact(self.sock, _FRAME_SIZE)
+    got = _recv_exact(self.sock, _FRAME_SIZE, watch)
     head, mac = got[:_FRAME.size], got[_FRAME.size:]
     want_mac = hmac.digest(self.recv_key, head, hashlib.sha256)[:_MAC]
     if not hmac.compare_digest(mac, want_mac):
@@ -95,6 +96,12 @@ class _Link:
     if (got_call, got_length) != (call, length):
       raise _diagnostics.out_of_step(op, peer, (got_call, got_length),
                                      (call, length))
+
+
+# Socket waits of a transfer are sliced: between slices the failure watchdog
+# is checked, so a peer cut off or frozen (its socket silent, not closed)
+# raises ProcessFailureError once the watchdog names it.
+_SLICE_S = 0.25
 
 
 class _Plane:
@@ -302,25 +309,56 @@ def _tune(conn: socket.socket) -> None:
       pass
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _recv_exact(conn: socket.socket, n: int,
+                watch: tuple[str, float] | None = None) -> bytes:
   buf = bytearray(n)
-  _recv_into(conn, memoryview(buf))
+  _recv_into(conn, memoryview(buf), watch)
   return bytes(buf)
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
+def _recv_into(conn: socket.socket, view: memoryview,
+               watch: tuple[str, float] | None = None) -> None:
+  """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""
   got = 0
   while got < len(view):
-    k = conn.recv_into(view[got:])
+    k = _watched(conn.recv_into, view[got:], watch)
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
 
 
+def _send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+  view = memoryview(view).cast('B')
+  sent = 0
+  while sent < len(view):
+    sent += _watched(conn.send, view[sent:], watch)
+
+
+def _watched(io, view, watch: tuple[str, float] | None) -> int:
+  """`io(view)`, retried after each socket-timeout slice until `watch`'s deadline.
+
+  Between slices, raises `ProcessFailureError` once the watchdog knows a
+  peer is gone, and `socket.timeout` at the deadline. (A timed-out send or
+  recv moved no bytes, so retrying it is safe.)
+  """
+  if watch is None:
+    return io(view)
+  op, deadline = watch
+  while True:
+    try:
+      return io(view)
+    except socket.timeout:
+      _watchdog.check(op)
+      if time.monotonic() >= deadline:
+        raise
+
+
 class _Sender:
   """Sends (socket, frame, view) jobs in order on a background thread."""
 
-  def __init__(self):
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
     self.jobs: queue.SimpleQueue = queue.SimpleQueue()
     self.error: BaseException | None = None
     self.thread = threading.Thread(target=self._run, daemon=True,
@@ -335,7 +373,7 @@ class _Sender:
       conn, view = job
       if self.error is None:
         try:
-          conn.sendall(view)
+          _send_all(conn, view, self.watch)
         except BaseException as e:  # noqa: BLE001
           self.error = e
 
@@ -366,7 +404,7 @@ def _failed(plane: _Plane, sender: _Sender | None, op: str, peer: int,
 
 
 def _start(op: str, peer: int, link: _Link, deadline: float) -> None:
-  link.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+  link.sock.settimeout(max(min(deadline - time.monotonic(), _SLICE_S), 0.001))
 
 
 def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
@@ -385,7 +423,8 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   nxt = (me + 1) % count if rank < count - 1 else None
   out = buffer if rank == 0 else np.empty(length, np.uint8)
   view = memoryview(out.reshape(-1)[:length])
-  sender = _Sender() if nxt is not None else None
+  watch = (op, deadline)
+  sender = _Sender(watch) if nxt is not None else None
   peer = prev
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
@@ -397,10 +436,10 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
     else:
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
-      up.read_frame(call, length, op, prev)
+      up.read_frame(call, length, op, prev, watch)
       for start in range(0, length, _CHUNK):
         chunk = view[start:start + _CHUNK]
-        _recv_into(up.sock, chunk)
+        _recv_into(up.sock, chunk, watch)
         if sender is not None:
           sender.send(down.sock, chunk)
     if sender is not None:
@@ -428,7 +467,8 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   rows[me, :sizes[me]] = buffer.reshape(-1)[:sizes[me]]
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   peer = prev
-  sender = _Sender()
+  watch = (op, deadline)
+  sender = _Sender(watch)
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)
@@ -439,8 +479,8 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       in_block = (me - step - 1) % count
       sender.send(down.sock, down.frame(call, sizes[out_block]))
       sender.send(down.sock, memoryview(blocks[out_block]))
-      up.read_frame(call, sizes[in_block], op, prev)
-      _recv_into(up.sock, memoryview(blocks[in_block]))
+      up.read_frame(call, sizes[in_block], op, prev, watch)
+      _recv_into(up.sock, memoryview(blocks[in_block]), watch)
       if sender.error is not None:
         raise sender.error
     peer = nxt

@@ -8,6 +8,7 @@ import socket
 from absl import logging
 import jax
 
+from multihost import _companion
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _watchdog
@@ -112,7 +113,11 @@ def initialize(coordinator_address: str | None = None,
     coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
-  if env.get(_env.EXTERNAL_SERVICE, '') == '1':
+  if (detect and env.get(_env.COMPANION_SERVICE, '') == '1' and
+      env.get(_env.EXTERNAL_SERVICE, '') != '1'):
+    _companion.host_service(kwargs, env)  # Process 0: starts it.
+    _coordination.initialize_without_service(**kwargs)
+  elif env.get(_env.EXTERNAL_SERVICE, '') == '1':
     # A launcher hosts the coordination service (see
     # `_coordination.start_service`): process 0 must not start another.
     _coordination.initialize_without_service(**kwargs)

@@ -50,6 +50,7 @@ from typing import Any
 from absl import logging
 import jax
 
+from multihost import _companion
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
@@ -324,12 +325,21 @@ def _wake_waiters() -> None:
 def _watch() -> None:
   st = _state
   everyone = list(range(st.count))
+  unreachable_since = None  # First failed liveness query of a streak.
   while not st.stopping:
     try:
       alive = set(_coordination.live_processes(everyone))
-    except Exception as e:  # The service is gone.  # noqa: BLE001
+      unreachable_since = None
+    except Exception as e:  # The service is unreachable.  # noqa: BLE001
       if st.stopping or _coordination.client() is None:
         return  # Exiting, or the program shut jax.distributed down itself.
+      # A blip (a link down for less than the heartbeat timeout) is no
+      # failure: retry up to the heartbeat bound before giving up for good.
+      now = time.monotonic()
+      unreachable_since = unreachable_since or now
+      if now - unreachable_since < st.heartbeat_timeout:
+        time.sleep(POLL_INTERVAL_S)
+        continue
       with st.cond:
         st.service_lost = True
         _wake_waiters()
@@ -387,7 +397,7 @@ def _at_exit() -> None:
   if not st.running or _coordination.client() is None:
     return
   try:
-    hosting = _coordination.hosts_service()
+    hosting = _coordination.hosts_service() or _companion.is_host()
     if hosting:
       _coordination.kv_set(f'{_EXIT_DIR}{st.me}', b'')
       _wait_for_others_to_leave()

@@ -43,6 +43,10 @@ JOB_SECRET_FILE = 'MULTIHOST_JOB_SECRET_FILE'
 # The largest pickled object (bytes) `broadcast_object`/`allgather_object`
 # accept from a peer (default 1 GiB).
 MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
+# Set to 1 to host the coordination service in a companion process of
+# process 0 (`multihost._companion`): a crash of process 0's trainer is then
+# an ordinary failure, also outside the launcher.
+COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
@@ -58,8 +62,15 @@ OMPI_RANK = 'OMPI_COMM_WORLD_RANK'
 OMPI_LOCAL_RANK = 'OMPI_COMM_WORLD_LOCAL_RANK'
 OMPI_LOCAL_SIZE = 'OMPI_COMM_WORLD_LOCAL_SIZE'
 
+# --- Slurm's variables (JAX's SlurmCluster auto-detects them). -------------
+SLURM_JOB_ID = 'SLURM_JOB_ID'
+SLURM_STEP_NODELIST = 'SLURM_STEP_NODELIST'
+SLURM_NTASKS = 'SLURM_NTASKS'
+SLURM_PROCID = 'SLURM_PROCID'
+SLURM_LOCALID = 'SLURM_LOCALID'
+
 # Variables whose presence means a cluster JAX can auto-detect.
-CLUSTER_MARKERS = ('SLURM_JOB_ID', OMPI_HNP_URI, OMPI_SIZE,
+CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
                    'KUBERNETES_SERVICE_HOST', 'TPU_WORKER_HOSTNAMES',
                    'PMI_RANK')
 

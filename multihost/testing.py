@@ -56,6 +56,10 @@ How it runs:
 - The parent pytest process never initializes `jax.distributed` for marked
   tests; unmarked tests run in the parent as usual. Fixtures of a marked test
   are set up in the workers, once per process.
+- `hosts='netns'` runs each worker on a simulated host of its own
+  (`multihost.hosts`: a network namespace with its own address, the
+  coordinator at host 0's address); without root and `ip` such tests are
+  skipped with the reason.
 - `multihost_tmp_path` is a fresh folder per test shared by all processes of
   a marked test (a plain `tmp_path` differs between processes); in unmarked
   tests it is `tmp_path`.
@@ -112,7 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line(
       'markers',
       f'{MARKER}(num_processes=2, devices_per_process=1, timeout='
-      f'{DEFAULT_TIMEOUT_S:g}): run the test body in num_processes real JAX '
+      f'{DEFAULT_TIMEOUT_S:g}, hosts=None): run the test body in num_processes real JAX '
       'controllers (multihost.testing).')
   results_dir = os.environ.get(WORKER_ENV)
   if results_dir:
@@ -142,6 +146,7 @@ class GroupSpec:
   num_processes: int
   devices_per_process: int
   timeout: float
+  hosts: str | None = None
 
 
 def marker_spec(item: pytest.Item) -> GroupSpec | None:
@@ -155,7 +160,10 @@ def marker_spec(item: pytest.Item) -> GroupSpec | None:
     return None
 
   def spec(num_processes: int = 2, devices_per_process: int = 1,
-           timeout: float = DEFAULT_TIMEOUT_S) -> GroupSpec:
+           timeout: float = DEFAULT_TIMEOUT_S,
+           hosts: str | None = None) -> GroupSpec:
+    if hosts not in (None, 'netns'):
+      raise ValueError(f"got hosts={hosts!r}; use None or 'netns'")
     if not (isinstance(num_processes, int) and num_processes >= 1 and
             isinstance(devices_per_process, int) and devices_per_process >= 1
             and timeout > 0):
@@ -163,7 +171,7 @@ def marker_spec(item: pytest.Item) -> GroupSpec | None:
           f'got num_processes={num_processes!r}, devices_per_process='
           f'{devices_per_process!r}, timeout={timeout!r}')
     return GroupSpec(item.nodeid.split('::', 1)[0], num_processes,
-                     devices_per_process, float(timeout))
+                     devices_per_process, float(timeout), hosts)
 
   try:
     return spec(*marker.args, **marker.kwargs)
@@ -210,6 +218,12 @@ class _Parent:
     spec = marker_spec(item)
     if spec is None:
       return None
+    if spec.hosts is not None:
+      from multihost import hosts  # pylint: disable=g-import-not-at-top
+      ok, why = hosts.available()
+      if not ok:  # pytest's own runner reports the skip.
+        item.add_marker(pytest.mark.skip(reason=f'hosts={spec.hosts!r}: {why}'))
+        return None
     if spec not in self._launch_info:
       self._run_group(spec, item)
     ihook = item.ihook
@@ -266,7 +280,7 @@ class _Parent:
           command, num_processes=spec.num_processes,
           devices_per_process=spec.devices_per_process, timeout=spec.timeout,
           env=env, cwd=config.rootpath, grace_period=_GRACE_PERIOD_S,
-          kill_wait=1.0, forward_signals=(
+          kill_wait=1.0, hosts=spec.hosts, forward_signals=(
               threading.current_thread() is threading.main_thread()))
       if result.interrupted_by == signal.SIGINT:
         raise KeyboardInterrupt

@@ -21,6 +21,7 @@ from recovery import _folder
 from recovery import _lock
 from recovery import _digest
 from recovery import _leaves
+from recovery import _shared_folder
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
 from recovery._errors import fallback_advice
@@ -70,6 +71,7 @@ class Checkpoints:
             f'{_prefix()} Checkpoint folder {self.directory} does not exist.')
     else:
       _ensure_writable(self.directory)
+      _shared_folder.check(self.directory)
     self._lock = None if read_only else _lock.FolderLock.acquire(self.directory)
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:

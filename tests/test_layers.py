@@ -23,7 +23,7 @@ _LAYERS = [
     ['_data_tcp', '_data_device'],
     ['_secret'],
     ['_watchdog'],
-    ['_diagnostics'],
+    ['_diagnostics', '_companion'],
     ['_coordination'],
     ['_process'],
     ['_leaves', '_errors', 'env'],

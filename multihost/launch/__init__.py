@@ -59,6 +59,8 @@ from multihost.launch._policy import DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PER
 from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
 from multihost.launch._report import describe as describe
 from multihost.launch._report import LaunchResult as LaunchResult
+from multihost.launch._report import lost_coordinator as lost_coordinator
+from multihost.launch._report import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
 from multihost.launch._report import Observed as Observed
 from multihost.launch._report import report as report
 from multihost.launch._report import signal_name as signal_name

@@ -28,7 +28,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
       prog=prog,
       description='Run N JAX controllers of a command on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
-            '[--timeout=S] [--grace_period=S] [--host_service] -- COMMAND '
+            '[--timeout=S] [--grace_period=S] [--host_service] '
+            '[--hosts=netns] -- COMMAND '
             '[ARGS...]')
   p.add_argument('--num_processes', type=int, required=True,
                  help='number of controllers to start')
@@ -44,6 +45,10 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  help='host the coordination service in the launcher, '
                  'so that a death of process 0 is reported like any '
                  'other (the command must use multihost.initialize())')
+  p.add_argument('--hosts', choices=[_controllers.NETNS], default=None,
+                 help='netns: run each controller on a simulated host of '
+                 'its own (a network namespace with its own address; needs '
+                 'root and `ip`), the coordinator at host 0\'s address')
   return p
 
 
@@ -63,15 +68,21 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
   if (args.timeout is not None and args.timeout < 0) or args.grace_period < 0:
     p.error(f'--timeout and --grace_period must be >= 0 seconds; got '
             f'{args.timeout} and {args.grace_period}.')
+  if args.hosts is not None:
+    try:
+      _controllers.check_hosts(args.hosts, host_service=args.host_service)
+    except (ValueError, RuntimeError) as e:
+      p.error(str(e))
   return run_cli(command, num_processes=args.num_processes,
                  devices_per_process=args.devices_per_process,
                  timeout=args.timeout, grace_period=args.grace_period,
-                 host_service=args.host_service)
+                 host_service=args.host_service, hosts=args.hosts)
 
 
 def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
-            grace_period: float, host_service: bool = False) -> int:
+            grace_period: float, host_service: bool = False,
+            hosts: str | None = None) -> int:
   """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
   try:
     result = _controllers.launch(
@@ -79,7 +90,7 @@ def run_cli(command: list[str], *, num_processes: int,
         devices_per_process=devices_per_process, timeout=timeout,
         grace_period=grace_period, stream=sys.stdout,
         summary_stream=sys.stderr, forward_signals=True,
-        host_service=host_service)
+        host_service=host_service, hosts=hosts)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

@@ -43,6 +43,26 @@ def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
                                 port=port, base=base, host=host)
 
 
+NETNS = 'netns'
+HOSTS_KINDS = (None, NETNS)
+
+
+def check_hosts(hosts: str | None, *, host_service: bool) -> None:
+  """Raises if `hosts` is unknown, or 'netns' cannot work here (with the reason)."""
+  if hosts not in HOSTS_KINDS:
+    raise ValueError(f"hosts must be None or {NETNS!r}; got {hosts!r}.")
+  if hosts is None:
+    return
+  if host_service:
+    raise ValueError(
+        "host_service=True cannot be combined with hosts='netns': the "
+        'launcher is not on any simulated host; drop one of them.')
+  from multihost import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
+  ok, why = hosts_lib.available()
+  if not ok:
+    raise hosts_lib.HostsError(f"hosts='netns' cannot work here: {why}")
+
+
 # Live clusters, killed at interpreter exit if their owner did not stop them.
 _LIVE: weakref.WeakSet[Controllers] = weakref.WeakSet()
 
@@ -84,6 +104,12 @@ class Controllers:
       `multihost.initialize()` (not a bare `jax.distributed.initialize()`).
     heartbeat_timeout: with host_service, seconds without heartbeats before
       the service declares a controller dead.
+    hosts: None (every controller on this machine's loopback) or 'netns':
+      each controller on a simulated host of its own (`multihost.hosts`,
+      one network namespace each, needs root and `ip`), the coordinator at
+      host 0's address; `self.hosts` is then the running
+      `multihost.hosts.SimulatedHosts`, e.g. `cluster.hosts.cut(1)`.
+      The hosts are deleted when the controllers stop.
   """
 
   def __init__(self, command: collections.abc.Sequence[str], *,
@@ -95,7 +121,9 @@ class Controllers:
                kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
                port: int | None = None,
                host_service: bool = False,
-               heartbeat_timeout: float = DEFAULT_HEARTBEAT_S):
+               heartbeat_timeout: float = DEFAULT_HEARTBEAT_S,
+               hosts: str | None = None):
+    check_hosts(hosts, host_service=host_service)
     if isinstance(command, str) or not command:
       raise ValueError(
           f'command must be a non-empty list of arguments, e.g. '
@@ -118,6 +146,8 @@ class Controllers:
     self.host_service = host_service
     self.heartbeat_timeout = heartbeat_timeout
     self._service = None
+    self.hosts_kind = hosts
+    self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
     self._extra_env = dict(env or {})
     self._cwd = cwd
     self._procs = _processes.Processes(num_processes, stream=stream)
@@ -137,6 +167,14 @@ class Controllers:
     self._procs.start_time = time.monotonic()
     _LIVE.add(self)
     try:
+      address, command = '127.0.0.1', [self.command] * self.num_processes
+      if self.hosts_kind == NETNS:
+        from multihost import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
+        self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
+        self.hosts.start()
+        address = self.hosts.address(0)
+        command = [self.hosts.command(i, self.command)
+                   for i in range(self.num_processes)]
       service_env = {}
       if self.host_service:
         from multihost import lowlevel  # pylint: disable=g-import-not-at-top
@@ -148,10 +186,10 @@ class Controllers:
       for i in range(self.num_processes):
         env = child_env(i, num_processes=self.num_processes,
                         devices_per_process=self.devices_per_process,
-                        port=self.port)
+                        port=self.port, host=address)
         env.update(service_env)
         env.update(self._extra_env)
-        self._procs.spawn(self.command, env=env, cwd=self._cwd)
+        self._procs.spawn(command[i], env=env, cwd=self._cwd)
     except BaseException:
       self.stop()
       raise
@@ -266,6 +304,8 @@ class Controllers:
     if self._service is not None:
       self._service.shutdown()
       self._service = None
+    if self.hosts is not None:
+      self.hosts.close()  # Also kills anything left inside them.
     _LIVE.discard(self)
 
   # Context manager.
@@ -297,7 +337,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            summary_stream: TextIO | None = None,
            forward_signals: bool = False,
            kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
-           host_service: bool = False) -> _report.LaunchResult:
+           host_service: bool = False,
+           hosts: str | None = None) -> _report.LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
   Args:
@@ -316,6 +357,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
     host_service: host the coordination service in this process (see
       `Controllers`).
+    hosts: None, or 'netns' for one simulated host per controller (see
+      `Controllers`).
 
   Returns:
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
@@ -323,7 +366,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
   cluster = Controllers(command, num_processes=num_processes,
                         devices_per_process=devices_per_process, env=env,
                         cwd=cwd, grace_period=grace_period, stream=stream,
-                        kill_wait=kill_wait, host_service=host_service)
+                        kill_wait=kill_wait, host_service=host_service,
+                        hosts=hosts)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:

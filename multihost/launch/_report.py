@@ -207,10 +207,28 @@ def summary(run: Observed, *, first: int | None, code: int) -> str:
     else:
       out.append(f'First failure: process {first} ({how}). Look at its '
                  f'output ([p{first}]).')
+      for i in lost_coordinator(rcs, run.outputs):
+        out.append(f'Process {i} lost the coordination service (network '
+                   'partition or coordinator gone): JAX aborted it '
+                   f'("{LOST_SERVICE_MARKER}" in [p{i}]).')
     if stopped:
       out.append(f'Processes {sorted(stopped)} were stopped after the '
                  f'{run.grace_period:g} s grace period.')
   return '\n'.join(out)
+
+
+# What JAX's client prints before it aborts a process (SIGABRT) that lost
+# the coordination service: a missed heartbeat (partition) or a service gone.
+LOST_SERVICE_MARKER = ('Terminating process because the JAX distributed '
+                       'service detected fatal errors')
+
+
+def lost_coordinator(returncodes: tuple[int | None, ...],
+                     outputs: tuple[str, ...]) -> list[int]:
+  """The processes JAX aborted because they lost the coordination service (SIGABRT + its log line)."""
+  return [i for i, rc in enumerate(returncodes)
+          if rc == -signal.SIGABRT and i < len(outputs)
+          and LOST_SERVICE_MARKER in outputs[i]]
 
 
 def report(run: Observed) -> LaunchResult:
