@@ -80,7 +80,7 @@ class Checkpoints:
           'save that was interrupted; they are ignored (a new save of the '
           'same step replaces one).',
           _prefix(), self.directory, self.partial_steps)
-    _folder.prepare(self.directory, FORMAT, writable=not read_only)
+    _folder.prepare(self.directory, READABLE_FORMATS, writable=not read_only)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # keep-N is `_prune`'s: it deletes only our steps
         # Saves are scheduled by `save()`; Orbax's own interval is unused.
@@ -105,7 +105,7 @@ class Checkpoints:
   def steps(self) -> list[int]:
     """Committed checkpoint steps, oldest first."""
     return [s for s in sorted(self._manager.all_steps())
-            if _folder.is_ours(self.directory, s, FORMAT)]
+            if _folder.is_ours(self.directory, s, READABLE_FORMATS)]
 
   def latest_step(self) -> int | None:
     steps = self.steps()
@@ -228,7 +228,7 @@ class Checkpoints:
 
   def _on_disk(self) -> int | None:
     """The latest committed step of this format, read from disk (not Orbax's cache)."""
-    ours = _folder.scan(self.directory, FORMAT)[0]
+    ours = _folder.scan(self.directory, READABLE_FORMATS)[0]
     return ours[-1] if ours else None
 
   def _prune(self) -> None:
@@ -238,8 +238,14 @@ class Checkpoints:
     doomed = self.steps()[:-self.keep] if jax.process_index() == 0 else None
     if jax.process_count() > 1:  # one decision: deleting is collective
       doomed = multihost.broadcast_object(doomed)
-    for step in doomed:
-      self._manager.delete(step)
+    for step in doomed:  # Orbax's delete meets the other processes: watched.
+      _watched(
+          f'delete checkpoint step {step}',
+          functools.partial(self._manager.delete, step),
+          lambda e, step=step: (
+              f'{_prefix()} Deleting old checkpoint step {step} in '
+              f'{self.directory} failed: {type(e).__name__}: {_short(e)}. '
+              'Newer steps are untouched; remove it by hand if it remains.'))
 
   def close(self) -> None:
     try:

@@ -18,8 +18,8 @@ import jax
 _TMP = re.compile(r'\d+\.orbax-checkpoint-tmp.*')
 
 
-def is_ours(directory: str, step: int | str, fmt: str) -> bool:
-  """Whether `<directory>/<step>` is a committed step of format `fmt`.
+def is_ours(directory: str, step: int | str, formats: tuple[str, ...]) -> bool:
+  """Whether `<directory>/<step>` is a committed step of one of `formats`.
 
   A step whose meta item exists but cannot be parsed counts as ours (a
   damaged checkpoint, reported as such when read), not as foreign.
@@ -33,10 +33,10 @@ def is_ours(directory: str, step: int | str, fmt: str) -> bool:
     meta = json.loads(text)
   except ValueError:
     return True
-  return isinstance(meta, dict) and meta.get('format') == fmt
+  return isinstance(meta, dict) and meta.get('format') in formats
 
 
-def scan(directory: str, fmt: str) -> tuple[list[int], list[str]]:
+def scan(directory: str, formats: tuple[str, ...]) -> tuple[list[int], list[str]]:
   """(this project's committed steps, foreign step-like entries) in `directory`."""
   ours, foreign = [], []
   try:
@@ -45,19 +45,19 @@ def scan(directory: str, fmt: str) -> tuple[list[int], list[str]]:
     return [], []
   for name in names:
     if name.isdigit():
-      (ours.append(int(name)) if is_ours(directory, name, fmt)
+      (ours.append(int(name)) if is_ours(directory, name, formats)
        else foreign.append(name))
   return sorted(ours), sorted(foreign)
 
 
-def prepare(directory: str, fmt: str, *, writable: bool) -> None:
+def prepare(directory: str, formats: tuple[str, ...], *, writable: bool) -> None:
   """At start: warns about foreign entries; removes leftovers of crashed saves (process 0, with the lock held)."""
-  _, foreign = scan(directory, fmt)
+  _, foreign = scan(directory, formats)
   if foreign:
     logging.warning(
         '%s holds %s, which %s not checkpoints of this project (no %s '
         'meta item): left untouched and ignored.', directory, foreign,
-        'is' if len(foreign) == 1 else 'are', fmt)
+        'is' if len(foreign) == 1 else 'are', ' or '.join(formats))
   if not writable or jax.process_index() != 0:
     return
   for name in sorted(os.listdir(directory)):
