@@ -270,7 +270,8 @@ def _traced(x, layout: _Layout, *, to_global: bool):
   """The conversion of a traced value (inside jax.jit, grad or vmap).
 
   As JAX's: inside a trace every value is already global, so the conversion
-  is the identity (laid out as the global sharding on the way in). That is
+  is the identity (on the way in over a mesh of Auto axes, constrained to
+  the global sharding). That is
   only meaningful where the local and the global shapes are equal (one
   process, or dimensions replicated across processes).
   """
@@ -284,6 +285,8 @@ def _traced(x, layout: _Layout, *, to_global: bool):
         f'(mesh {dict(layout.mesh.shape)} spans processes along it), which '
         'a trace cannot do. Convert outside jax.jit: pass global arrays to '
         'the jitted function.')
-  if to_global:
-    return jax.lax.with_sharding_constraint(x, layout.global_sharding)
-  return x
+  if not to_global or jax.sharding.AxisType.Explicit in layout.mesh.axis_types:
+    # Explicit axes: the value's type carries its sharding; a constraint
+    # would need a mesh context that JAX's identity does not need.
+    return x
+  return jax.lax.with_sharding_constraint(x, layout.global_sharding)

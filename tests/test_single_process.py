@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from jax.experimental import multihost_utils as jax_mhu
+
 import multihost
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -144,3 +146,47 @@ def test_public_names_match_jax_multihost_utils():
     assert [p.name for p in positional] == list(theirs), name
     for p in positional:
       assert p.default == theirs[p.name].default, (name, p.name)
+
+
+def test_tree_digest_matches_the_multi_process_topologies():
+  # The same constant as tests/test_collectives.py at 2x4, 2x2 and 4x1.
+  mesh = jax.make_mesh((jax.device_count(),), ('x',))
+  full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  sharded = jax.make_array_from_callback(
+      full.shape, jax.NamedSharding(mesh, jax.P('x')), lambda i: full[i])
+  want = 'c9ddd7450c5c28ac62c6d249d1550117'
+  assert multihost.tree_digest({'a': sharded, 'b': np.int32(3)}) == want
+  assert multihost.tree_digest({'a': full, 'b': np.int32(3)}) == want
+
+
+@pytest.mark.parametrize('axis_type', ['auto', 'explicit'])
+def test_conversions_work_under_jit(axis_type):
+  kind = (jax.sharding.AxisType.Auto if axis_type == 'auto'
+          else jax.sharding.AxisType.Explicit)
+  mesh = jax.make_mesh((1, 4), ('host', 'dev'), axis_types=(kind, kind))
+  x = np.arange(32, dtype=np.float32).reshape(4, 8)
+  for spec in (jax.P('dev'), jax.P(), jax.P(None, 'dev')):
+    ours = jax.jit(lambda a, s=spec: multihost.host_local_array_to_global_array(
+        a, mesh, s) * 2)(x)
+    theirs = jax.jit(lambda a, s=spec: jax_mhu.host_local_array_to_global_array(
+        a, mesh, s) * 2)(x)
+    np.testing.assert_array_equal(ours, theirs)
+    if axis_type == 'auto':  # Laid out as the global sharding.
+      assert ours.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), 2)
+    back = jax.jit(lambda a, s=spec: multihost.global_array_to_host_local_array(
+        a, mesh, s) + 1)(x)
+    np.testing.assert_array_equal(back, x + 1)
+    grad = jax.grad(lambda a, s=spec: multihost.host_local_array_to_global_array(
+        a, mesh, s).sum())(x)
+    np.testing.assert_array_equal(grad, np.ones_like(x))
+
+
+def test_results_keep_float64_when_x64_is_turned_on_later():
+  x = np.arange(3, dtype=np.float64)
+  assert multihost.process_allgather(x).dtype == np.float32  # x64 off.
+  with jax.enable_x64(True):
+    for out in (multihost.process_allgather(x),
+                multihost.broadcast_one_to_all(x),
+                jax_mhu.process_allgather(x)):
+      assert out.dtype == np.float64, out.dtype
+    np.testing.assert_array_equal(multihost.process_allgather(x), [x])
