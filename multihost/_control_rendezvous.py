@@ -30,6 +30,8 @@ _BLOCK = 64
 # full exchange. The service checks barrier deadlines about once a second,
 # so a shorter window would not fail faster.
 FAST_WINDOW_S = 1.0
+# The service fails a barrier up to this long after its deadline.
+_SERVICE_TICK_S = 1.0
 # After a fallback, this many calls take the full exchange directly: a peer
 # that runs more than the window behind then costs one window, not one per
 # call. Every process counts the same calls, so they all agree on the path.
@@ -37,6 +39,7 @@ _BACKOFF_CALLS = 8
 _backoff = 0
 
 _FELL_BACK = b'F'
+_GAVE_UP = 'gave-up'  # A key in a call's directory: a process timed out.
 _DIRECT = b'D'
 
 
@@ -116,8 +119,26 @@ class Rendezvous:
     flag = _FELL_BACK if self._fell_back else _DIRECT
     _coordination.kv_set(self.prefix + str(self.me), flag + message)
     waited = time.monotonic() - self.start
-    barrier(self.prefix + 's', self.op, timeout=max(timeout - waited, 0.001),
-            waited_before=waited, total_timeout=timeout, published=self.prefix)
+    # A process that timed out here leaves a mark, so that a latecomer
+    # raises at once instead of waiting its whole timeout at a barrier no
+    # one else will reach: it is then in step again for the next call.
+    if any(key.endswith('/' + _GAVE_UP)
+           for key, _ in _coordination.kv_dir(self.prefix)):
+      raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
+                                      timeout=timeout)
+    remaining = timeout - waited
+    if remaining >= 5 * _SERVICE_TICK_S:  # Raise within the timeout, not
+      remaining -= _SERVICE_TICK_S        # up to a service tick after it.
+    try:
+      barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),
+              waited_before=waited, total_timeout=timeout,
+              published=self.prefix)
+    except _errors.CollectiveTimeoutError:
+      try:
+        _coordination.kv_set(self.prefix + _GAVE_UP, b'')
+      except Exception:  # noqa: BLE001  The service may be gone; best effort.
+        pass
+      raise
     messages = _read(self.prefix, self.count, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]
     if missing:  # Cannot happen after a completed barrier; never hide it.
