@@ -127,7 +127,7 @@ class Rendezvous:
       raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
                                       timeout=timeout)
     remaining = timeout - waited
-    if remaining >= 5 * _SERVICE_TICK_S:  # Raise within the timeout, not
+    if remaining >= 2 * _SERVICE_TICK_S:  # Raise within the timeout, not
       remaining -= _SERVICE_TICK_S        # up to a service tick after it.
     try:
       barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),

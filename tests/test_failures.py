@@ -176,7 +176,7 @@ def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
               extra_env={multihost.env.TRANSPORT: transport}) as cluster:
     _wait_all(cluster, 'READY', range(num_processes))
     for i in range(num_processes):
-      assert f'TRANSPORT {transport}' in cluster.outputs()[i], i
+      assert f'TRANSPORT {transport}' in cluster.outputs[i], i
     if mode == 'barrier':
       cluster.wait_for_output(victim, 'SLEEPING', timeout=60)
       time.sleep(0.3)  # The others are now waiting at the barrier.
