@@ -1,7 +1,10 @@
 """Every function works as one controller without jax.distributed (4 devices)."""
 
+import hashlib
 import pathlib
 import re
+import time
+import zlib
 
 import jax
 import numpy as np
@@ -77,6 +80,17 @@ def test_tree_digest():
       np.zeros(4))
   big = np.random.default_rng(0).normal(size=(9 << 20) // 8 * 3)  # chunked path
   assert multihost.tree_digest(big) == multihost.tree_digest(big.copy())
+  # The > 1 MiB chunked digest, computed independently from its definition:
+  # SHA-256 of the spec, a tag and the CRC-32s of 4 MiB chunks, cut to 16 B.
+  data = big.astype(np.float32).tobytes()  # float64 -> the device dtype.
+  h = hashlib.sha256(f'float32[{big.size}]'.encode())
+  h.update(b'crc32-4MiB')
+  for i in range(0, len(data), 4 << 20):
+    h.update(zlib.crc32(data[i:i + (4 << 20)]).to_bytes(4, 'little'))
+  assert multihost.leaf_digests(big) == {'<root>': h.hexdigest()[:32]}
+  flipped = big.astype(np.float32)
+  flipped.view(np.uint8)[-1] ^= 1  # One bit in the last chunk.
+  assert multihost.leaf_digests(flipped) != multihost.leaf_digests(big)
   per_leaf = multihost.leaf_digests(a)
   assert list(per_leaf) == ["['k']", "['w']"]
   assert per_leaf == multihost.leaf_digests(
@@ -119,6 +133,24 @@ def test_default_timeout(monkeypatch):
     multihost.default_timeout()
   with pytest.raises(ValueError, match='positive'):
     multihost.set_default_timeout(0)
+
+
+def test_call_watched_keeps_its_timeout_without_a_watchdog():
+  # One process: no failure watchdog runs, yet the timeout holds, and
+  # call_watched takes the default timeout when given none.
+  start = time.monotonic()
+  with pytest.raises(multihost.CollectiveTimeoutError, match='sleep'):
+    multihost.call_watched(time.sleep, 1.5, op='sleep', timeout=0.3)
+  assert time.monotonic() - start < 1.2
+  multihost.set_default_timeout(0.3)
+  try:
+    start = time.monotonic()
+    with pytest.raises(multihost.CollectiveTimeoutError):
+      multihost.call_watched(time.sleep, 1.5, op='sleep')
+    assert time.monotonic() - start < 1.2
+  finally:
+    multihost.set_default_timeout(None)
+  assert multihost.call_watched(lambda a: a + 1, 1, op='add') == 2
 
 
 def test_jax_internals_confined_to_one_module():
