@@ -28,7 +28,8 @@ from bench.harness import format_size
 
 # What --ops may name.
 OPS = ('sync_global_devices', 'broadcast_one_to_all', 'process_allgather',
-       'assert_equal', 'global', 'source', 'skew', 'mismatch', 'objects')
+       'assert_equal', 'global', 'source', 'skew', 'mismatch', 'objects',
+       'convert')
 
 _OURS = {'broadcast_one_to_all': multihost.broadcast_one_to_all,
          'process_allgather': multihost.process_allgather,
@@ -253,3 +254,35 @@ def build_extra_cases(ops: list[str], *, object_sizes: list[int],
           lambda o=mine: multihost.allgather_object(o, timeout=timeout),
           lambda o=mine: jax_allgather_object(o)))
   return cases
+
+
+def _round_trip(module, tree, mesh, spec):
+  """host_local_array_to_global_array, then back (the input path's pair)."""
+  g = module.host_local_array_to_global_array(tree, mesh, spec)
+  return module.global_array_to_host_local_array(g, mesh, spec)
+
+
+def build_convert_cases(ops: list[str], sizes: list[int],
+                        leaves: int) -> list[Case]:
+  """Host-local -> global -> host-local of a batch sharded over every device."""
+  if 'convert' not in ops:
+    return []
+  mesh = process_mesh()
+  spec = jax.P(('processes', 'local'))
+  local = jax.local_device_count()
+  pid = jax.process_index()
+  inputs = []
+  if leaves:
+    rng = np.random.default_rng(11 + pid)
+    tree = {f'leaf{i:03d}': rng.integers(0, 99, 2 * local, dtype=np.int32)
+            for i in range(leaves)}
+    inputs.append((f'{leaves} leaves × {8 * local} B', 8 * local * leaves,
+                   leaves, tree))
+  for n in sizes:
+    count = max(local, n // 4 // local * local)
+    x = np.random.default_rng(12 + pid).random(count, dtype=np.float32)
+    inputs.append((format_size(x.nbytes), x.nbytes, 1, x))
+  return [Case('host_local -> global -> host_local', label, nbytes, k,
+               lambda t=tree: _round_trip(multihost, t, mesh, spec),
+               lambda t=tree: _round_trip(multihost_utils, t, mesh, spec))
+          for label, nbytes, k, tree in inputs]

@@ -87,7 +87,10 @@ _OPS = flags.DEFINE_list(
     'ops', [*collectives.OPS, 'reference'],
     'What to run: sync_global_devices, broadcast_one_to_all, '
     'process_allgather, assert_equal, global (sharded global array cases), '
-    'reference (reference rows). Empty: none (e.g. only --recovery).')
+    'source (explicit is_source), skew (late arrivals), mismatch (time to '
+    'the error), objects (object collectives), convert (host-local <-> '
+    'global round trips), reference (reference rows). Empty: none (e.g. '
+    'only --recovery).')
 _REPEATS = flags.DEFINE_integer('repeats', 11, 'Timed calls of each '
                                 'implementation per case.', lower_bound=1)
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed calls of each '
@@ -200,6 +203,7 @@ def main(argv):
       ops, object_sizes=[parse_size(s) for s in _OBJECT_SIZES.value],
       skews=[float(s) for s in _SKEWS.value], timeout=settings.timeout,
       slow_repeats=_SLOW_REPEATS.value)
+  cases += collectives.build_convert_cases(ops, sizes, _LEAVES.value)
   if _BREAK_OURS.value:
     broken = next(c for c in cases if c.op == 'broadcast_one_to_all')
     good = broken.ours
