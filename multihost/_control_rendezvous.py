@@ -122,8 +122,11 @@ class Rendezvous:
     # A process that timed out here leaves a mark, so that a latecomer
     # raises at once instead of waiting its whole timeout at a barrier no
     # one else will reach: it is then in step again for the next call.
+    # Either way the next calls take the full exchange directly: a
+    # latecomer then meets the others without another fast-path window.
     if any(key.endswith('/' + _GAVE_UP)
            for key, _ in _coordination.kv_dir(self.prefix)):
+      _backoff = _BACKOFF_CALLS
       raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
                                       timeout=timeout)
     remaining = timeout - waited
@@ -134,6 +137,7 @@ class Rendezvous:
               waited_before=waited, total_timeout=timeout,
               published=self.prefix)
     except _errors.CollectiveTimeoutError:
+      _backoff = _BACKOFF_CALLS
       try:
         _coordination.kv_set(self.prefix + _GAVE_UP, b'')
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
