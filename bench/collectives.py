@@ -3,9 +3,19 @@
 Inputs are numpy arrays; broadcast gets process 0's data and zeros
 elsewhere, allgather different data per process, assert_equal equal data.
 The `global` cases use a float32 array sharded over every device.
+`source`: an explicit is_source (the last process). `skew`: the last process
+arrives late by 5 ms and by 2 s (timed from the common barrier, so the row
+includes the lateness). `mismatch`: processes pass different shapes; ours
+raises ConsistencyError (the row is the time to the error; JAX has no check).
+`objects`: broadcast_object/allgather_object against their JAX-based
+equivalents (pickle, then broadcast_one_to_all/process_allgather of the
+bytes, with the lengths first).
 """
 
 from __future__ import annotations
+
+import pickle
+import time
 
 import jax
 from jax.experimental import multihost_utils
@@ -18,7 +28,8 @@ from bench.harness import format_size
 
 # What --ops may name.
 OPS = ('sync_global_devices', 'broadcast_one_to_all', 'process_allgather',
-       'assert_equal', 'global')
+       'assert_equal', 'global', 'source', 'skew', 'mismatch', 'objects',
+       'convert')
 
 _OURS = {'broadcast_one_to_all': multihost.broadcast_one_to_all,
          'process_allgather': multihost.process_allgather,
@@ -138,3 +149,140 @@ def build_cases(ops: list[str], sizes: list[int], leaves: int,
           lambda g=g: multihost.assert_equal(g, timeout=timeout),
           lambda g=g: multihost_utils.assert_equal(g)))
   return cases
+
+
+def _late(fn, delay: float):
+  """`fn`, called after `delay` s on the last process (arrival skew)."""
+  last = jax.process_index() == jax.process_count() - 1
+  def call():
+    if last:
+      time.sleep(delay)
+    return fn()
+  return call
+
+
+def _error_name(fn):
+  """`fn`, returning the name of the exception it raises (None if none)."""
+  def call():
+    try:
+      fn()
+    except Exception as e:  # pylint: disable=broad-except
+      return type(e).__name__
+    return None
+  return call
+
+
+def _blob(nbytes: int, seed: int) -> bytes:
+  return np.random.default_rng(seed).integers(
+      0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def jax_broadcast_object(obj, is_source: bool):
+  """JAX-based broadcast_object: pickle, the length, then the bytes."""
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_source else b''
+  n = int(multihost_utils.broadcast_one_to_all(
+      np.int32(len(data)), is_source=is_source))
+  buf = (np.frombuffer(data, np.uint8) if is_source
+         else np.zeros(n, np.uint8))
+  out = multihost_utils.broadcast_one_to_all(buf, is_source=is_source)
+  return obj if is_source else pickle.loads(np.asarray(out).tobytes())
+
+
+def jax_allgather_object(obj):
+  """JAX-based allgather_object: pickle, the lengths, then padded bytes."""
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  sizes = multihost_utils.process_allgather(np.int32(len(data)))
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:len(data)] = np.frombuffer(data, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(buf))
+  me = jax.process_index()
+  return [obj if p == me else pickle.loads(rows[p, :int(n)].tobytes())
+          for p, n in enumerate(sizes)]
+
+
+def build_extra_cases(ops: list[str], *, object_sizes: list[int],
+                      skews: list[float], timeout: float,
+                      slow_repeats: int) -> list[Case]:
+  """The source, skew, mismatch and object cases, in run order."""
+  pid, count = jax.process_index(), jax.process_count()
+  last = pid == count - 1
+  cases = []
+  if 'source' in ops:
+    for n in (1024, 2**20):
+      x = _data(n, 7) if last else np.zeros(n // 4, np.float32)
+      cases.append(Case(
+          'broadcast_one_to_all(is_source=last)', format_size(n), n, 1,
+          lambda x=x: multihost.broadcast_one_to_all(
+              x, is_source=last, timeout=timeout),
+          lambda x=x: multihost_utils.broadcast_one_to_all(
+              x, is_source=last)))
+  if 'skew' in ops:
+    for delay in skews:
+      x = _data(1024, 8 + pid)
+      label = f'1 KiB, last process {delay * 1e3:g} ms late'
+      repeats = slow_repeats if delay >= 0.5 else None
+      cases.append(Case(
+          'broadcast_one_to_all', label, 1024, 1,
+          _late(lambda x=x: multihost.broadcast_one_to_all(
+              x, timeout=timeout), delay),
+          _late(lambda x=x: multihost_utils.broadcast_one_to_all(x), delay),
+          repeats=repeats))
+      cases.append(Case(
+          'process_allgather', label, 1024, 1,
+          _late(lambda x=x: multihost.process_allgather(
+              x, timeout=timeout), delay),
+          _late(lambda x=x: multihost_utils.process_allgather(x), delay),
+          repeats=repeats))
+  if 'mismatch' in ops:
+    x = np.zeros(256 + pid, np.float32)  # Shapes differ by process.
+    cases.append(Case(
+        'process_allgather', 'mismatched shapes (time to the error)',
+        x.nbytes, 1,
+        _error_name(lambda x=x: multihost.process_allgather(
+            x, timeout=timeout)),
+        None, expected='ConsistencyError', repeats=slow_repeats))
+  if 'objects' in ops:
+    for n in object_sizes:
+      src = _blob(n, 9) if pid == 0 else None
+      cases.append(Case(
+          'broadcast_object', f'{format_size(n)} bytes object', n, 1,
+          lambda o=src: multihost.broadcast_object(o, timeout=timeout),
+          lambda o=src: jax_broadcast_object(o, pid == 0)))
+      mine = _blob(n, 10 + pid)
+      cases.append(Case(
+          'allgather_object', f'{format_size(n)} bytes object', n, 1,
+          lambda o=mine: multihost.allgather_object(o, timeout=timeout),
+          lambda o=mine: jax_allgather_object(o)))
+  return cases
+
+
+def _round_trip(module, tree, mesh, spec):
+  """host_local_array_to_global_array, then back (the input path's pair)."""
+  g = module.host_local_array_to_global_array(tree, mesh, spec)
+  return module.global_array_to_host_local_array(g, mesh, spec)
+
+
+def build_convert_cases(ops: list[str], sizes: list[int],
+                        leaves: int) -> list[Case]:
+  """Host-local -> global -> host-local of a batch sharded over every device."""
+  if 'convert' not in ops:
+    return []
+  mesh = process_mesh()
+  spec = jax.P(('processes', 'local'))
+  local = jax.local_device_count()
+  pid = jax.process_index()
+  inputs = []
+  if leaves:
+    rng = np.random.default_rng(11 + pid)
+    tree = {f'leaf{i:03d}': rng.integers(0, 99, 2 * local, dtype=np.int32)
+            for i in range(leaves)}
+    inputs.append((f'{leaves} leaves × {8 * local} B', 8 * local * leaves,
+                   leaves, tree))
+  for n in sizes:
+    count = max(local, n // 4 // local * local)
+    x = np.random.default_rng(12 + pid).random(count, dtype=np.float32)
+    inputs.append((format_size(x.nbytes), x.nbytes, 1, x))
+  return [Case('host_local -> global -> host_local', label, nbytes, k,
+               lambda t=tree: _round_trip(multihost, t, mesh, spec),
+               lambda t=tree: _round_trip(multihost_utils, t, mesh, spec))
+          for label, nbytes, k, tree in inputs]

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 import multihost
 from multihost import lowlevel  # The raw coordination-service barrier.
@@ -85,12 +86,50 @@ def peak_increase(fn: Callable[[], Any], settings: Settings) -> int | None:
 
 def timed(fn: Callable[[], Any], settings: Settings) -> float:
   """Seconds one call of `fn` takes on this process, after a barrier."""
+  return timed_with_output(fn, settings)[0]
+
+
+def timed_with_output(fn: Callable[[], Any],
+                      settings: Settings) -> tuple[float, Any]:
+  """(seconds, output) of one call of `fn` on this process, after a barrier."""
   barrier(settings)
   t = time.perf_counter()
   out = fn()
   elapsed = time.perf_counter() - t
-  del out
-  return elapsed
+  return elapsed, out
+
+
+def _leaf_value(x):
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key):
+    return ('key', str(jax.random.key_impl(x)),
+            np.asarray(jax.random.key_data(x)))
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return np.asarray(x)
+  return x
+
+
+def difference(ours: Any, theirs: Any) -> str:
+  """'' if the two outputs are equal (structure, shapes, dtypes, values)."""
+  a_leaves, a_def = jax.tree.flatten(ours)
+  b_leaves, b_def = jax.tree.flatten(theirs)
+  if a_def != b_def:
+    return f'tree {a_def} != {b_def}'
+  for i, (a, b) in enumerate(zip(a_leaves, b_leaves, strict=True)):
+    a, b = _leaf_value(a), _leaf_value(b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+      if a[:2] != b[:2] or not np.array_equal(a[2], b[2]):
+        return f'leaf {i}: keys differ'
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+      a, b = np.asarray(a), np.asarray(b)
+      if a.shape != b.shape or a.dtype != b.dtype:
+        return (f'leaf {i}: {a.dtype}{list(a.shape)} != '
+                f'{b.dtype}{list(b.shape)}')
+      if not np.array_equal(a, b):
+        return f'leaf {i}: values differ'
+    elif type(a) is not type(b) or a != b:
+      return f'leaf {i}: {lowlevel.shorten(a, 40)} != {lowlevel.shorten(b, 40)}'
+  return ''
 
 
 def slowest(values: list[float], settings: Settings) -> list[float]:
@@ -126,6 +165,11 @@ class Row:
   ref_first_ms: float | None = None
   payload: str = ''
   note: str = ''
+  # Ours == JAX's output: True, False (the run fails), None (not compared).
+  outputs_equal: bool | None = None
+  # The slowest process's time per timed iteration (medians are of these).
+  ours_times_ms: list[float] | None = None
+  jax_times_ms: list[float] | None = None
 
   @property
   def ratio(self) -> float | None:
@@ -149,7 +193,10 @@ class Case:
   payload_bytes: int
   leaves: int
   ours: Callable[[], Any]
-  jax: Callable[[], Any]
+  jax: Callable[[], Any] | None  # None: nothing to compare with (timed alone)
+  # What ours must return when there is no `jax` (e.g. the error's name).
+  expected: Any = None
+  repeats: int | None = None  # Overrides Settings.repeats (slow cases).
 
 
 def run_case(case: Case, index: int, settings: Settings) -> Row:
@@ -164,39 +211,68 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
   row holds medians, and the peak memory increase of one more call of each.
   """
   row = Row(case.op, case.payload_bytes, case.leaves, payload=case.payload)
-  impls = {'ours': case.ours, 'jax': case.jax}
+  impls = {'ours': case.ours}
+  if case.jax is not None:
+    impls['jax'] = case.jax
   order = ['ours', 'jax'] if index % 2 == 0 else ['jax', 'ours']
-  first: dict[str, float | None] = {}
+  order = [n for n in order if n in impls]
+  first: dict[str, float | None] = {'jax': None}
+  outputs: dict[str, Any] = {}
   failed: dict[str, str] = {}
   for name in order:
     try:
-      first[name] = timed(impls[name], settings)
+      first[name], outputs[name] = timed_with_output(impls[name], settings)
     except Exception as e:  # pylint: disable=broad-except
       # E.g. JAX's assert_equal on a global array. Every process fails the
       # same way after the collective, so the run continues; the name goes
       # into the table.
       failed[name] = f'{type(e).__name__}: {lowlevel.shorten(e, 120)}'
       first[name] = None
-  live = [n for n in ('ours', 'jax') if n not in failed]
+  # Ours must give JAX's output (or the expected one); any process seeing a
+  # difference marks the row, and bin/bench.py then fails the run.
+  if 'ours' in failed:
+    mine = failed['ours']
+  elif case.jax is None:
+    mine = difference(outputs['ours'], case.expected)
+  elif 'jax' in outputs:
+    mine = difference(outputs['ours'], outputs['jax'])
+  else:
+    mine = None  # JAX failed: nothing to compare with.
+  outputs.clear()
+  verdicts = multihost.allgather_object(mine, timeout=settings.timeout)
+  if all(v is None for v in verdicts):
+    row.outputs_equal = None
+  else:
+    bad = [f'process {p}: {v}' for p, v in enumerate(verdicts) if v]
+    row.outputs_equal = not bad
+    if bad:
+      row.note = 'OUTPUT MISMATCH (' + '; '.join(bad) + ')'
+  live = [n for n in ('ours', 'jax') if n in impls and n not in failed]
   for _ in range(settings.warmup):
     for name in live:
       impls[name]()
   times: dict[str, list[float]] = {n: [] for n in live}
-  for _ in range(settings.repeats):
+  for _ in range(case.repeats or settings.repeats):
     for name in live:
       times[name].append(timed(impls[name], settings))
   for name in ('ours', 'jax'):
     first_ms = ms(slowest_one(first[name], settings))
-    median = (ms(statistics.median(slowest(times[name], settings)))
-              if name in live else None)
+    per_iteration = ([ms(t) for t in slowest(times[name], settings)]
+                     if name in live else None)
+    median = statistics.median(per_iteration) if per_iteration else None
     measure = settings.memory and name in live
     peak = peak_increase(impls[name], settings) if measure else None
     peak = slowest_one(peak, settings)
     setattr(row, f'{name}_first_ms', first_ms)
     setattr(row, f'{name}_ms', median)
+    setattr(row, f'{name}_times_ms', per_iteration)
     setattr(row, f'{name}_peak_bytes', peak)
-  if failed:
-    row.note = '; '.join(f'{n} n/a ({m})' for n, m in failed.items())
+  notes = [row.note] if row.note else []
+  notes += [f'{n} n/a ({m})' for n, m in failed.items()
+            if n != 'ours' or row.outputs_equal is not False]
+  if case.jax is None and not failed:
+    notes.append('ours alone (JAX has no equivalent)')
+  row.note = '; '.join(notes)
   return row
 
 

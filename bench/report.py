@@ -37,12 +37,15 @@ def render(rows: list[Row]) -> str:
   compare = [r for r in rows if r.kind == 'compare']
   if compare:
     lines += [
-        '| op | payload | ours ms | jax ms | ours/jax | ours first ms | '
-        'jax first ms | ours peak +MiB | jax peak +MiB | note |',
-        '|---|---|---|---|---|---|---|---|---|---|']
+        '| op | payload | ours = jax | ours ms | jax ms | ours/jax | '
+        'ours first ms | jax first ms | ours peak +MiB | jax peak +MiB | '
+        'note |',
+        '|---|---|---|---|---|---|---|---|---|---|---|']
+    checked = {True: 'yes', False: '**NO**', None: '–'}
     for r in compare:
       lines.append(
-          f'| {r.op} | {r.payload} | {fmt(r.ours_ms)} | {fmt(r.jax_ms)} | '
+          f'| {r.op} | {r.payload} | {checked[r.outputs_equal]} | '
+          f'{fmt(r.ours_ms)} | {fmt(r.jax_ms)} | '
           f'{fmt(r.ratio, 3)} | {fmt(r.ours_first_ms)} | '
           f'{fmt(r.jax_first_ms)} | {_mib(r.ours_peak_bytes)} | '
           f'{_mib(r.jax_peak_bytes)} | {r.note} |')

@@ -23,6 +23,14 @@ Method:
   together. Each process times its own calls; the times are gathered after
   the loop, and each iteration counts the slowest process. Tables show
   medians.
+* Outputs: the first call's output of ours and of JAX's are compared on
+  every process (tree, shapes, dtypes, values; for cases with no JAX
+  equivalent, ours against the expected result); any difference marks the
+  row and the run exits with status 1 after printing the tables.
+* Extra cases: an explicit is_source, arrival skew (the last process late
+  by --skews seconds; the row includes the lateness), mismatched shapes
+  (time to our ConsistencyError), and the object collectives against
+  pickle + JAX's broadcast_one_to_all/process_allgather of the bytes.
 * Peak memory: after timing, one more call of each implementation with the
   kernel's peak-RSS counter reset first (writing "5" to /proc/self/clear_refs
   resets VmHWM); the increase is VmHWM after the call minus VmRSS before it,
@@ -52,6 +60,7 @@ from absl import logging
 import jax
 
 import multihost
+from multihost import lowlevel
 
 # bench/ is not installed: import it from this checkout. The repository root
 # goes first, before bin/ (the script's own folder, where this file would
@@ -78,7 +87,10 @@ _OPS = flags.DEFINE_list(
     'ops', [*collectives.OPS, 'reference'],
     'What to run: sync_global_devices, broadcast_one_to_all, '
     'process_allgather, assert_equal, global (sharded global array cases), '
-    'reference (reference rows). Empty: none (e.g. only --recovery).')
+    'source (explicit is_source), skew (late arrivals), mismatch (time to '
+    'the error), objects (object collectives), convert (host-local <-> '
+    'global round trips), reference (reference rows). Empty: none (e.g. '
+    'only --recovery).')
 _REPEATS = flags.DEFINE_integer('repeats', 11, 'Timed calls of each '
                                 'implementation per case.', lower_bound=1)
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed calls of each '
@@ -98,13 +110,25 @@ _WIDTH = flags.DEFINE_integer(
 _RECOVERY_REPEATS = flags.DEFINE_integer(
     'recovery_repeats', 3, 'Recovery benchmark: timed rounds of each (after '
     'one untimed round of each).', lower_bound=1)
-_RECOVERY_SHARDING = flags.DEFINE_enum(
-    'recovery_sharding', 'replicated', ['replicated', 'sharded'],
-    'Recovery benchmark: the state leaves are replicated on every device (as '
-    'in bin/train.py) or sharded over all devices.')
+_RECOVERY_SHARDING = flags.DEFINE_multi_enum(
+    'recovery_sharding', ['replicated', 'sharded'], ['replicated', 'sharded'],
+    'Recovery benchmark: the state leaves replicated on every device (as in '
+    'bin/train.py) and/or sharded over all devices; one set of rows each.')
 _RECOVERY_DIR = flags.DEFINE_string(
     'recovery_dir', '', 'Recovery benchmark: parent folder of the checkpoint '
     'folders, shared by all processes (default: the temp folder).')
+_OBJECT_SIZES = flags.DEFINE_list(
+    'object_sizes', ['1KiB', '1MiB', '64MiB'],
+    'Sizes of the bytes objects of the object-collective cases.')
+_SKEWS = flags.DEFINE_list(
+    'skews', ['0.005', '2'], 'Arrival skews of the skew cases, in seconds '
+    '(the last process arrives late by this much).')
+_SLOW_REPEATS = flags.DEFINE_integer(
+    'slow_repeats', 3, 'Timed calls per implementation of the slow cases '
+    '(a skew of 0.5 s or more, the mismatch).', lower_bound=1)
+_BREAK_OURS = flags.DEFINE_boolean(
+    'break_ours', False, 'Testing aid: our broadcast of the first case '
+    'returns a wrong value, to show that an output mismatch fails the run.')
 _TCP_BYTES = flags.DEFINE_string('tcp_bytes', '64MiB',
                                  'Loopback TCP reference: bytes per transfer.')
 _QUICK = flags.DEFINE_boolean(
@@ -138,7 +162,9 @@ def main(argv):
     for name, value in (('sizes', ['8', '1KiB']), ('leaves', 10),
                         ('global_sizes', ['1MiB']), ('repeats', 3),
                         ('warmup', 1), ('tcp_bytes', '1MiB'),
-                        ('width', 4096), ('recovery_repeats', 1)):
+                        ('width', 4096), ('recovery_repeats', 1),
+                        ('object_sizes', ['1KiB']), ('skews', ['0.005']),
+                        ('slow_repeats', 1)):
       if not flags.FLAGS[name].present:
         setattr(flags.FLAGS, name, value)
   known = {*collectives.OPS, 'reference'}
@@ -147,7 +173,7 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--ops: unknown {unknown}; choose from '
                          f'{sorted(known)}.')
-  sharded = _RECOVERY_SHARDING.value == 'sharded'
+  sharded = 'sharded' in _RECOVERY_SHARDING.value
   if _RECOVERY.value and sharded and _WIDTH.value % jax.device_count():
     raise app.UsageError(
         f'--width={_WIDTH.value} must be a multiple of the device count '
@@ -173,6 +199,15 @@ def main(argv):
   start = time.perf_counter()
   cases = collectives.build_cases(ops, sizes, _LEAVES.value, global_sizes,
                                   timeout=settings.timeout)
+  cases += collectives.build_extra_cases(
+      ops, object_sizes=[parse_size(s) for s in _OBJECT_SIZES.value],
+      skews=[float(s) for s in _SKEWS.value], timeout=settings.timeout,
+      slow_repeats=_SLOW_REPEATS.value)
+  cases += collectives.build_convert_cases(ops, sizes, _LEAVES.value)
+  if _BREAK_OURS.value:
+    broken = next(c for c in cases if c.op == 'broadcast_one_to_all')
+    good = broken.ours
+    broken.ours = lambda: jax.tree.map(lambda x: x + 1, good())
   for i, case in enumerate(cases):
     row = harness.run_case(case, i, settings)
     rows.append(row)
@@ -187,9 +222,10 @@ def main(argv):
   if _RECOVERY.value:
     # pylint: disable-next=import-outside-toplevel
     from bench import recovery_suite  # Imports recovery and Orbax.
-    rows += recovery_suite.recovery_rows(
-        _WIDTH.value, _RECOVERY_REPEATS.value, sharded, _RECOVERY_DIR.value,
-        settings)
+    for layout in _RECOVERY_SHARDING.value:
+      rows += recovery_suite.recovery_rows(
+          _WIDTH.value, _RECOVERY_REPEATS.value, layout == 'sharded',
+          _RECOVERY_DIR.value, settings)
     if jax.device_count() % 4 == 0:  # A state sharded 4 ways.
       rows.append(recovery_suite.sharded_state_row(
           _WIDTH.value, _RECOVERY_REPEATS.value, _RECOVERY_DIR.value,
@@ -202,6 +238,12 @@ def main(argv):
     if _JSON.value:
       report.write_json(rows, _JSON.value)
   harness.barrier(settings)
+  wrong = [f'{r.op} {r.payload}' for r in rows if r.outputs_equal is False]
+  if wrong:
+    print(f'{lowlevel.process_prefix()} OUTPUT MISMATCH: ours '
+          f'differs from JAX\'s in {wrong}; the timings of a wrong result '
+          'mean nothing.', file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

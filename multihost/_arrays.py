@@ -8,7 +8,6 @@ import jax
 import numpy as np
 
 from multihost import _diagnostics
-from multihost import _leaves
 
 PyTree = Any
 _NONE_SPEC = ('`None` is not a valid partition spec for {what}. Use '
@@ -37,6 +36,9 @@ def host_local_array_to_global_array(local_inputs: PyTree,
     returned as is (the same object).
   * A jax.Array already laid out as the local sharding keeps its buffers
     (no copy).
+  * Inside `jax.jit` (a traced input) it is the identity laid out as the
+    global sharding, as JAX's, where the local and global shapes are equal
+    (one process, or a spec replicated across processes); else ValueError.
 
   Args:
     local_inputs: pytree of host-local arrays (numpy, jax.Array, scalars).
@@ -46,7 +48,9 @@ def host_local_array_to_global_array(local_inputs: PyTree,
   Returns:
     A pytree of global jax.Arrays.
   """
-  return _map_leaves(_to_global, local_inputs, global_mesh, pspecs)
+  leaves, treedef, layouts = _leaves_and_layouts(local_inputs, global_mesh,
+                                                 pspecs)
+  return treedef.unflatten(_to_global_all(leaves, layouts))
 
 
 def global_array_to_host_local_array(global_inputs: PyTree,
@@ -70,17 +74,60 @@ def global_array_to_host_local_array(global_inputs: PyTree,
   Returns:
     A pytree of host-local jax.Arrays.
   """
-  return _map_leaves(_to_local, global_inputs, global_mesh, pspecs)
+  leaves, treedef, layouts = _leaves_and_layouts(global_inputs, global_mesh,
+                                                 pspecs)
+  return treedef.unflatten([_to_local(x, layout) for x, layout in zip(
+      leaves, layouts, strict=True)])
 
 
-def _map_leaves(convert, tree: PyTree, mesh: jax.sharding.Mesh,
-                pspecs: Any) -> PyTree:
-  """`convert(leaf, mesh, local mesh, spec)` over the tree's leaves."""
-  specs = _broadcast_specs(pspecs, tree, 'pspecs')
-  local_mesh = _local_mesh(mesh)
+def _leaves_and_layouts(tree: PyTree, mesh: jax.sharding.Mesh, pspecs: Any):
+  """The tree's leaves, its treedef, and each leaf's `_Layout`."""
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten([convert(x, mesh, local_mesh, s)
-                            for x, s in zip(leaves, specs, strict=True)])
+  if isinstance(pspecs, jax.sharding.PartitionSpec):  # The common case.
+    layouts = [_layout(mesh, pspecs)] * len(leaves)
+  else:
+    layouts = [_layout(mesh, s)
+               for s in _broadcast_specs(pspecs, tree, 'pspecs')]
+  return leaves, treedef, layouts
+
+
+class _Layout:
+  """What a (mesh, spec) pair fixes: both shardings and the per-dim scales."""
+  __slots__ = ('mesh', 'spec', 'local_mesh', 'global_sharding',
+               'local_sharding', '_scales', 'all_local')
+
+  def __init__(self, mesh: jax.sharding.Mesh, spec):
+    self.mesh = mesh
+    self.spec = spec
+    self.local_mesh = _local_mesh(mesh)
+    self.global_sharding = jax.sharding.NamedSharding(mesh, spec)
+    self.local_sharding = jax.sharding.NamedSharding(self.local_mesh, spec)
+    self.all_local = self.local_mesh.devices.size == mesh.devices.size
+    self._scales: dict[int, list[tuple[int, int]]] = {}
+
+  def scales(self, ndim: int) -> list[tuple[int, int]]:
+    """Per dimension: (size along the mesh, size along the local mesh)."""
+    out = self._scales.get(ndim)
+    if out is None:
+      out = self._scales[ndim] = _scale(self.spec, ndim, self.mesh,
+                                        self.local_mesh)
+    return out
+
+
+# Per (mesh, spec); meshes and specs are hashable and few in a program.
+_layouts: dict[tuple[Any, Any], _Layout] = {}
+
+
+def _layout(mesh: jax.sharding.Mesh, spec) -> _Layout:
+  key = (mesh, spec)
+  try:
+    return _layouts[key]
+  except KeyError:
+    pass
+  if len(_layouts) > 256:
+    _layouts.clear()
+  layout = _layouts[key] = _Layout(mesh, spec)
+  return layout
 
 
 def _is_spec(x) -> bool:
@@ -142,52 +189,104 @@ def _scale(spec, ndim, big: jax.sharding.Mesh, small: jax.sharding.Mesh):
   return out
 
 
-def _to_global(x, mesh, local_mesh, spec):
+def _to_global_all(leaves: list, layouts: list[_Layout]) -> list:
+  """`_to_global` of every leaf, with one device_put for all that need one.
+
+  One batched device_put is the cheapest public way to place many leaves
+  (each separate put costs a dispatch).
+  """
+  out, pending = [], []
+  for i, (x, layout) in enumerate(zip(leaves, layouts, strict=True)):
+    done, x, shape = _to_global(x, layout)
+    out.append(x if done else None)
+    if not done:
+      pending.append((i, x, shape))
+  if pending:
+    placed = jax.device_put([x for _, x, _ in pending],
+                            [layouts[i].local_sharding for i, _, _ in pending])
+    for (i, _, shape), y in zip(pending, placed, strict=True):
+      layout = layouts[i]
+      if layout.all_local:  # One process: the local layout is the global one.
+        out[i] = y
+      else:
+        out[i] = jax.make_array_from_single_device_arrays(
+            shape, layout.global_sharding,
+            [s.data for s in y.addressable_shards])
+  return out
+
+
+def _to_global(x, layout: _Layout):
+  """(True, the global array, None), or (False, host value, global shape)."""
+  if isinstance(x, jax.core.Tracer):
+    return True, _traced(x, layout, to_global=True), None
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return x
-  _leaves.require_not_tracer(x, 'host_local_array_to_global_array')
-  global_sharding = jax.sharding.NamedSharding(mesh, spec)
-  local_sharding = jax.sharding.NamedSharding(local_mesh, spec)
+    return True, x, None
   if not isinstance(x, jax.Array):
     x = np.asarray(x)
     dtype = jax.dtypes.canonicalize_dtype(x.dtype)
     if x.dtype != dtype:
       x = x.astype(dtype)
   shape = []
-  for n, (b, s) in zip(x.shape, _scale(spec, x.ndim, mesh, local_mesh),
-                       strict=True):
+  for n, (b, s) in zip(x.shape, layout.scales(x.ndim), strict=True):
     if n % s:
       raise ValueError(
           f'{_diagnostics.prefix()} host_local_array_to_global_array:'
           f' a local dimension of size {n} cannot be split over {s} local '
-          f'devices (spec {spec}, local shape {x.shape}).')
+          f'devices (spec {layout.spec}, local shape {x.shape}).')
     shape.append(n // s * b)
   shape = tuple(shape)
-  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
-      local_sharding, x.ndim):
+  local_sharding = layout.local_sharding
+  if isinstance(x, jax.Array) and (
+      x.sharding == local_sharding
+      or x.sharding.is_equivalent_to(local_sharding, x.ndim)):
+    if layout.all_local:
+      return True, x, None
     arrays = [s.data for s in x.addressable_shards]  # Shares the buffers.
-  else:
-    index_map = local_sharding.addressable_devices_indices_map(x.shape)
-    devices = list(index_map)
-    arrays = jax.device_put([x[index_map[d]] for d in devices], devices)
-  return jax.make_array_from_single_device_arrays(shape, global_sharding,
-                                                  arrays)
+    return True, jax.make_array_from_single_device_arrays(
+        shape, layout.global_sharding, arrays), None
+  return False, x, shape
 
 
-def _to_local(x, mesh, local_mesh, spec):
+def _to_local(x, layout: _Layout):
+  if isinstance(x, jax.core.Tracer):
+    return _traced(x, layout, to_global=False)
   if isinstance(x, jax.Array) and x.is_fully_addressable:
     return x
-  global_sharding = jax.sharding.NamedSharding(mesh, spec)
-  local_sharding = jax.sharding.NamedSharding(local_mesh, spec)
+  global_sharding = layout.global_sharding
   if not isinstance(x, jax.Array):
     x = jax.make_array_from_callback(np.shape(x), global_sharding,
                                      lambda index: np.asarray(x)[index])
-  elif not x.sharding.is_equivalent_to(global_sharding, x.ndim):
+  elif not (x.sharding == global_sharding
+            or x.sharding.is_equivalent_to(global_sharding, x.ndim)):
     x = jax.device_put(x, global_sharding)
-  shape = []
-  for n, (b, s) in zip(x.shape, _scale(spec, x.ndim, mesh, local_mesh),
-                       strict=True):
-    shape.append(n // b * s)
+  shape = tuple(n // b * s for n, (b, s) in zip(
+      x.shape, layout.scales(x.ndim), strict=True))
   arrays = [s.data for s in x.addressable_shards]  # Shares the buffers.
-  return jax.make_array_from_single_device_arrays(tuple(shape), local_sharding,
-                                                  arrays)
+  return jax.make_array_from_single_device_arrays(
+      shape, layout.local_sharding, arrays)
+
+
+def _traced(x, layout: _Layout, *, to_global: bool):
+  """The conversion of a traced value (inside jax.jit, grad or vmap).
+
+  As JAX's: inside a trace every value is already global, so the conversion
+  is the identity (on the way in over a mesh of Auto axes, constrained to
+  the global sharding). That is
+  only meaningful where the local and the global shapes are equal (one
+  process, or dimensions replicated across processes).
+  """
+  scales = layout.scales(x.ndim)
+  if any(b != s for b, s in scales):
+    name = ('host_local_array_to_global_array' if to_global
+            else 'global_array_to_host_local_array')
+    raise ValueError(
+        f'{_diagnostics.prefix()} {name}: inside jax.jit (a traced value of '
+        f'shape {x.shape}) the spec {layout.spec} would change the shape '
+        f'(mesh {dict(layout.mesh.shape)} spans processes along it), which '
+        'a trace cannot do. Convert outside jax.jit: pass global arrays to '
+        'the jitted function.')
+  if not to_global or jax.sharding.AxisType.Explicit in layout.mesh.axis_types:
+    # Explicit axes: the value's type carries its sharding; a constraint
+    # would need a mesh context that JAX's identity does not need.
+    return x
+  return jax.lax.with_sharding_constraint(x, layout.global_sharding)

@@ -133,6 +133,29 @@ def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
   return headers
 
 
+def check_same_options(headers: list[Header],
+                       fields: tuple[str, ...] = ('tiled', 'layouts')) -> None:
+  """Raises ConsistencyError unless all headers agree on the call's options.
+
+  The options are what shapes the result besides the leaves (by default
+  `tiled` and the global leaves' layouts), so the full-exchange path checks
+  what the fast path's digest does.
+  """
+  for field in fields:
+    values = [getattr(h, field) for h in headers]
+    if all(v == values[0] for v in values[1:]):
+      continue
+    differing = _diagnostics.minority([repr(v) for v in values])
+    by_process = {p: v for p, v in enumerate(values)}
+    if field == 'layouts':
+      by_process = '(the global leaves are sharded differently)'
+    raise _errors.ConsistencyError(
+        f'{_diagnostics.prefix()} {headers[0].op}: the option {field!r} '
+        f'differs across processes (processes {differing} differ from the '
+        f'rest): {by_process}. Every process must pass the same options, or '
+        'the processes would return results of different shapes.')
+
+
 def check_same_leaves(headers: list[Header], what: str = '') -> None:
   """Raises ConsistencyError unless all headers have the same tree and specs."""
   first = (headers[0].tree, headers[0].paths, headers[0].specs)

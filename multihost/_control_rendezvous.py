@@ -35,6 +35,8 @@ _BLOCK = 64
 # full exchange. The service checks barrier deadlines about once a second,
 # so a shorter window would not fail faster.
 FAST_WINDOW_S = 1.0
+# The service fails a barrier up to this long after its deadline.
+_SERVICE_TICK_S = 1.0
 # After a fallback, this many calls take the full exchange directly: a peer
 # that runs more than the window behind then costs one window, not one per
 # call. Every process counts the same calls, so they all agree on the path.
@@ -42,6 +44,9 @@ _BACKOFF_CALLS = 8
 _backoff = 0
 
 _FELL_BACK = b'F'
+# A directory beside a call's messages: a key there says a process timed out.
+# (Not inside the call's directory, where only the processes' keys belong.)
+_GAVE_UP = '.gave-up/'
 _DIRECT = b'D'
 _MAC = 16  # bytes of HMAC-SHA256(job secret, key + flag + message)
 
@@ -125,8 +130,30 @@ class Rendezvous:
     flag = _FELL_BACK if self._fell_back else _DIRECT
     _publish(self.prefix, self.me, flag + message, self.op, timeout)
     waited = time.monotonic() - self.start
-    barrier(self.prefix + 's', self.op, timeout=max(timeout - waited, 0.001),
-            waited_before=waited, total_timeout=timeout, published=self.prefix)
+    # A process that timed out here leaves a mark, so that a latecomer
+    # raises at once instead of waiting its whole timeout at a barrier no
+    # one else will reach: it is then in step again for the next call.
+    # Either way the next calls take the full exchange directly: a
+    # latecomer then meets the others without another fast-path window.
+    gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
+    if _coordination.kv_dir(gave_up):
+      _backoff = _BACKOFF_CALLS
+      raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
+                                      timeout=timeout)
+    remaining = timeout - waited
+    if remaining >= 2 * _SERVICE_TICK_S:  # Raise within the timeout, not
+      remaining -= _SERVICE_TICK_S        # up to a service tick after it.
+    try:
+      barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),
+              waited_before=waited, total_timeout=timeout,
+              published=self.prefix)
+    except _errors.CollectiveTimeoutError:
+      _backoff = _BACKOFF_CALLS
+      try:
+        _coordination.kv_set(gave_up + str(self.me), b'')
+      except Exception:  # noqa: BLE001  The service may be gone; best effort.
+        pass
+      raise
     _flight.end(self.record)
     messages = _read(self.prefix, self.count, self.op, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]

@@ -103,12 +103,7 @@ def coordination_failure(
     missing = [p for p in range(count) if p not in present]
   if 'DEADLINE_EXCEEDED' in message or waited >= timeout * 0.99:
     if not missing:
-      return _errors.CollectiveTimeoutError(
-          f'{prefix(me)} {op}: this process arrived late: the other '
-          f'processes had already given up waiting (timeout={timeout:g} s) '
-          f'when it got there after {waited:.1f} s more. Find what delayed '
-          f'process {me}, or pass a larger timeout=.',
-          operation=op, missing=[me], waited=waited)
+      return arrived_late(op, me=me, waited=waited, timeout=timeout)
     return _errors.CollectiveTimeoutError(
         f'{prefix(me)} {op}: timed out after {waited:.1f} s (timeout='
         f'{timeout:g} s) waiting for process(es) {missing} to arrive. '
@@ -129,6 +124,17 @@ def forged_message(op: str, key: str, *,
       'service planted or altered it. Nothing in it was decoded. Restart the '
       'job, and firewall the coordination service (see the README\'s "Trust '
       'model").')
+
+
+def arrived_late(op: str, *, me: int, waited: float,
+                 timeout: float) -> _errors.CollectiveTimeoutError:
+  """This process reached a collective the others had already given up on."""
+  return _errors.CollectiveTimeoutError(
+      f'{prefix(me)} {op}: this process arrived late: the other '
+      f'processes had already given up waiting (timeout={timeout:g} s) '
+      f'when it got there after {waited:.1f} s more. Find what delayed '
+      f'process {me}, or pass a larger timeout=.',
+      operation=op, missing=[me], waited=waited)
 
 
 def messages_missing(op: str, missing: list[int]) -> _errors.MultihostError:

@@ -96,6 +96,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                    for layout in layouts] for p in range(count)]
   else:
     _control_agree.check_same_leaves(headers)
+    _control_agree.check_same_options(headers)
     all_shards = [list(h.shards) for h in headers]
     received = _receive(headers, parts, op, timeout)
   per_process = [

@@ -76,7 +76,7 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
       raise ValueError(f'{op}: internal error, a global array reached '
                        'to_host.')
     value = np.asarray(x)
-  dtype = _canonical(value.dtype)
+  dtype = _canonical(value.dtype, jax.config.jax_enable_x64)
   if value.dtype != dtype:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
@@ -101,8 +101,13 @@ def global_paths(leaves: list, paths: list[str]) -> list[str]:
 
 
 @functools.cache
-def _canonical(dtype: np.dtype) -> np.dtype:
-  """The dtype a JAX device would give `dtype` (e.g. float64 -> float32)."""
+def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
+  """The dtype a JAX device would give `dtype` (e.g. float64 -> float32).
+
+  Cached per x64 setting (`x64` is part of the key), so turning
+  `jax_enable_x64` on or off between calls takes effect.
+  """
+  del x64  # Only a cache key: canonicalize_dtype reads the setting itself.
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 

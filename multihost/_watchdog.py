@@ -165,8 +165,9 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
          timeout: float | None = None) -> Any:
   """Runs `fn(*args)`, a blocking step of collective `op`, watched for failures.
 
-  Without a running watchdog (one process, or recoverability off) this is
-  just `fn(*args)`.
+  Without a running watchdog (one process, or recoverability off) `fn`
+  still runs on the worker thread when there is a `timeout`, so the timeout
+  holds on every path; with neither it is just `fn(*args)`.
 
   Args:
     op: the collective's name, for error messages.
@@ -186,10 +187,12 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     Whatever `fn` raises, otherwise.
   """
   st = _state
-  if not st.running:
-    if not ensure_started():
+  if not st.running and not ensure_started():
+    if timeout is None:
       return fn(*args)
-  check(op)
+    st.me = jax.process_index()  # Named in the timeout error.
+  else:
+    check(op)
   job = _Job(fn, args)
   worker = st.worker
   if worker is None:

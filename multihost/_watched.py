@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from multihost import _process
 from multihost import _watchdog
 
 T = TypeVar('T')
@@ -22,14 +23,15 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
   it, and the worker is abandoned (the process can still save local state,
   log and exit; at exit it leaves with status 1 if the worker is still
   stuck). Without failure detection (one process, or
-  `detect_failures=False`) it is simply `fn(*args)`.
+  `detect_failures=False`) only the timeout is watched.
 
   Args:
     fn: the blocking call.
     *args: its arguments.
     op: a name for it, used in error messages.
     timeout: seconds after which to give up with `CollectiveTimeoutError`
-      (None: wait as long as `fn` does).
+      (default: the process-wide default, see
+      `multihost.set_default_timeout`).
 
   Returns:
     What `fn` returns.
@@ -38,4 +40,5 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
     ProcessFailureError: a peer failed before `fn` returned.
     CollectiveTimeoutError: `fn` did not return within `timeout`.
   """
-  return _watchdog.call(op, fn, *args, timeout=timeout)
+  return _watchdog.call(op, fn, *args,
+                        timeout=_process.resolve_timeout(timeout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 import sys
 
 from multihost import launch
@@ -29,7 +30,8 @@ def test_quick_run_at_two_processes_writes_every_row(tmp_path):
       num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
   assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
   # Process 0 prints the markdown table.
-  assert '| op | payload | ours ms | jax ms | ours/jax |' in result.outputs[0]
+  assert ('| op | payload | ours = jax | ours ms | jax ms | ours/jax |'
+          in result.outputs[0])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   for row in rows:
     assert set(KEYS) <= set(row), row
@@ -48,12 +50,28 @@ def test_quick_run_at_two_processes_writes_every_row(tmp_path):
     for key in ('ours_ms', 'ours_first_ms'):
       _positive(row, key)
     if row['jax_ms'] is None:
-      # Only JAX's own failures are n/a, and the table says why.
-      assert 'jax n/a' in row['note'], row
+      # Only JAX's own failures are n/a, and the table says why, or the case
+      # has no JAX equivalent (the mismatch: ours alone).
+      assert 'jax n/a' in row['note'] or 'alone' in row['note'], row
     else:
       for key in ('jax_ms', 'jax_first_ms', 'ratio'):
         _positive(row, key)
-      assert row['ratio'] == row['ours_ms'] / row['jax_ms']
+      # Recomputed from the raw per-iteration times (slowest process each):
+      # the medians, and the ratio of the medians.
+      ours = statistics.median(row['ours_times_ms'])
+      theirs = statistics.median(row['jax_times_ms'])
+      assert len(row['ours_times_ms']) == len(row['jax_times_ms']) >= 1, row
+      assert math.isclose(row['ours_ms'], ours), row
+      assert math.isclose(row['jax_ms'], theirs), row
+      assert math.isclose(row['ratio'], ours / theirs), row
+    # Every comparable case was compared, and ours gave JAX's output.
+    if row['jax_ms'] is not None or 'alone' in row['note']:
+      assert row['outputs_equal'] is True, row
+  assert {'broadcast_object', 'allgather_object',
+          'broadcast_one_to_all(is_source=last)'} <= ops, ops
+  assert any('late' in r['payload'] for r in compare), compare
+  mismatch = [r for r in compare if 'mismatched' in r['payload']]
+  assert len(mismatch) == 1 and mismatch[0]['outputs_equal'], mismatch
 
   refs = {r['op']: r for r in rows if r['kind'] == 'reference'}
   for name in ('coordination service wait_at_barrier',
@@ -61,10 +79,23 @@ def test_quick_run_at_two_processes_writes_every_row(tmp_path):
     _positive(refs[name], 'ref_ms')
 
   recovery = [r for r in rows if r['kind'] == 'recovery']
-  assert len(recovery) == 3, recovery
+  assert len(recovery) == 6, recovery  # Replicated and sharded states.
+  assert {r['payload'].rsplit(', ', 1)[1] for r in recovery} == {
+      'replicated', 'sharded'}, recovery
   for row in recovery:
     for key in ('ours_ms', 'jax_ms', 'ratio', 'ours_first_ms',
                 'jax_first_ms'):
       _positive(row, key)
   # The checkpoint folders were removed.
   assert not list(tmp_path.glob('multihost-bench-*'))
+
+
+def test_an_output_mismatch_fails_the_run(tmp_path):
+  result = launch.launch(
+      [sys.executable, BENCH, '--break_ours', '--ops=broadcast_one_to_all',
+       '--sizes=8', '--leaves=0', '--repeats=1', '--warmup=0', '--nomemory',
+       f'--json={tmp_path / "b.jsonl"}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert not result.ok and list(result.returncodes) == [1, 1], result.summary
+  assert 'OUTPUT MISMATCH' in result.outputs[0], result.outputs[0][-3000:]
+  assert '| **NO** |' in result.outputs[0], result.outputs[0][-3000:]

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import multihost
+import multihost.env
+import multihost.lowlevel
 
 topologies = pytest.mark.parametrize('topology', [
     pytest.param('2x4', marks=pytest.mark.multihost(
@@ -48,13 +50,17 @@ def test_broadcast_preserves_dtypes_and_values(topology):
   assert out['u8'].dtype == np.uint8 and out['u8'].tolist() == want['u8'].tolist()
   assert out['b'].dtype == np.bool_ and out['b'].tolist() == [True, False, False]
   assert out['i32'].dtype == np.int32 and out['i32'].shape == (2, 3)
+  assert out['i32'].tolist() == [[0, 1, 2], [3, 4, 5]]
   assert out['f32'].dtype == np.float32
+  np.testing.assert_array_equal(out['f32'],
+                                np.linspace(0, 1, 4, dtype=np.float32))
   assert out['bf16'].dtype == jnp.bfloat16
   assert out['bf16'].tolist() == [1.5, -2.0]
   assert jax.dtypes.issubdtype(out['key'].dtype, jax.dtypes.prng_key)
   np.testing.assert_array_equal(jax.random.key_data(out['key']),
                                 jax.random.key_data(jax.random.key(0)))
   assert out['scalar0d'].shape == () and out['scalar0d'].dtype == np.float32
+  assert float(out['scalar0d']) == 0.0
   assert out['py_int'].dtype == np.int32 and int(out['py_int']) == 7
   assert out['py_float'].dtype == np.float32 and float(out['py_float']) == 0.0
   # A source other than process 0.
@@ -80,6 +86,23 @@ def test_allgather_stacked_and_tiled_keep_jax_semantics(topology):
   assert tiled['scalar0d'].shape == (count,)  # A tiled scalar gives (P,).
   assert tiled['py_int'].shape == (count,)
   assert tiled['u8'].shape == (5 * count,)
+  # The values, process by process, in process order.
+  np.testing.assert_array_equal(tiled['scalar0d'], np.arange(count))
+  assert tiled['py_int'].tolist() == [7 + p for p in range(count)]
+  np.testing.assert_array_equal(
+      tiled['u8'], np.concatenate([np.arange(5) + p for p in range(count)]))
+  np.testing.assert_array_equal(tiled['i32'], np.concatenate(
+      [np.arange(6).reshape(2, 3) * (p + 1) for p in range(count)]))
+  np.testing.assert_array_equal(tiled['bf16'], np.concatenate(
+      [np.array([1.5, -2.0]) * (p + 1) for p in range(count)]).astype(
+          jnp.bfloat16))
+  np.testing.assert_array_equal(
+      jax.random.key_data(tiled['key']),
+      np.stack([jax.random.key_data(jax.random.key(p)) for p in range(count)]))
+  # Every leaf as JAX's gives it (JAX's cannot gather key leaves).
+  no_keys = {k: v for k, v in tree.items() if k != 'key'}
+  _assert_same({k: v for k, v in tiled.items() if k != 'key'},
+               jax_mhu.process_allgather(no_keys, tiled=True))
 
 
 def _random_tree(rng, pid, same_for_all):
@@ -103,9 +126,73 @@ def _assert_same(ours, theirs):
   theirs_leaves, theirs_def = jax.tree.flatten(theirs)
   assert ours_def == theirs_def
   for a, b in zip(ours_leaves, theirs_leaves, strict=True):
-    assert isinstance(a, np.ndarray)
-    assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+    if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+      assert jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    else:
+      assert isinstance(a, np.ndarray)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.shape, b.shape)
     np.testing.assert_array_equal(a, b)
+
+
+# The differential test's topologies (processes x devices): 2x2 and 4x1.
+parity_topologies = pytest.mark.parametrize('topology', [
+    pytest.param('2x2', marks=pytest.mark.multihost(
+        num_processes=2, devices_per_process=2, timeout=400)),
+    pytest.param('4x1', marks=pytest.mark.multihost(
+        num_processes=4, devices_per_process=1, timeout=400)),
+])
+
+
+def _big_random_tree(rng, pid, nbytes):
+  """Random leaves of several dtypes, one of them `nbytes` (> 64 KiB)."""
+  n = nbytes // 4
+  tree = _random_tree(rng, pid, same_for_all=False)
+  tree['big_f32'] = (rng.normal(size=n).astype(np.float32) + pid)
+  tree['mid_i32'] = rng.integers(-9, 9, (70_000 // 4 + int(rng.integers(9)),),
+                                 dtype=np.int32) + pid
+  tree['mid_bf16'] = jnp.asarray(rng.normal(size=(3, 12_000)) + pid,
+                                 dtype=jnp.bfloat16)
+  return tree
+
+
+@parity_topologies
+def test_parity_with_jax_on_random_trees_large_leaves_and_sources(topology):
+  """Ours == JAX's on random trees: small, > 64 KiB and 64 MiB (TCP) leaves."""
+  pid, count = _me()
+  assert multihost.lowlevel.tcp_transport_enabled()
+  for seed in range(3):
+    rng = np.random.default_rng(100 + seed)
+    tree = _big_random_tree(rng, pid, 256 * 1024 * (seed + 1))
+    _assert_same(multihost.broadcast_one_to_all(tree),
+                 jax_mhu.broadcast_one_to_all(tree))
+    source = int(rng.integers(count))  # An explicit source.
+    _assert_same(multihost.broadcast_one_to_all(tree, is_source=pid == source),
+                 jax_mhu.broadcast_one_to_all(tree, is_source=pid == source))
+    for tiled in (False, True):
+      _assert_same(multihost.process_allgather(tree, tiled=tiled),
+                   jax_mhu.process_allgather(tree, tiled=tiled))
+  # 64 MiB: broadcast a 64 MiB leaf; all-gather 64 MiB in all (the result).
+  big = np.random.default_rng(7).random(16 * 2**20, dtype=np.float32) + pid
+  for is_source in (None, pid == count - 1):
+    _assert_same(multihost.broadcast_one_to_all(big, is_source=is_source),
+                 jax_mhu.broadcast_one_to_all(big, is_source=is_source))
+  part = big[:big.size // count]
+  _assert_same(multihost.process_allgather(part, tiled=True),
+               jax_mhu.process_allgather(part, tiled=True))
+
+
+@topologies
+def test_tiled_must_agree_on_every_path(topology):
+  """A tiled mismatch raises everywhere, inline (small) or not (large)."""
+  pid, _ = _me()
+  for n in (4, 100_000):  # Inline payloads, and the data-plane path.
+    x = np.arange(n, dtype=np.float32) + pid
+    with pytest.raises(multihost.ConsistencyError, match="'tiled' differs"):
+      multihost.process_allgather(x, tiled=pid == 0)
+    # The processes are still in step.
+    assert multihost.process_allgather(np.int32(pid)).tolist() == list(
+        range(jax.process_count()))
 
 
 @topologies
@@ -124,9 +211,37 @@ def test_differential_against_jax_multihost_utils(topology):
     jax_mhu.assert_equal(same)
 
 
+_compiles = []
+
+
+def _count_compiles(event, duration, **kwargs):
+  del duration, kwargs
+  if event == '/jax/core/compile/backend_compile_duration':
+    _compiles.append(event)
+
+
 @topologies
-def test_large_payloads_take_the_device_path(topology):
+def test_large_payloads_take_the_device_path(topology, monkeypatch):
   pid, count = _me()
+  monkeypatch.setenv(multihost.env.TRANSPORT, 'device')
+  assert not multihost.lowlevel.tcp_transport_enabled()
+  # Proof the device path runs: its collectives compile programs (the TCP
+  # path compiles none). Odd sizes give programs no earlier test compiled.
+  jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+  try:
+    before = len(_compiles)
+    odd = np.arange((1 << 18) + 4099, dtype=np.float32) + pid
+    np.testing.assert_array_equal(multihost.broadcast_one_to_all(odd),
+                                  odd - pid)
+    after_broadcast = len(_compiles)
+    rows = multihost.process_allgather(odd)
+    after_gather = len(_compiles)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(_count_compiles)
+  assert after_broadcast > before and after_gather > after_broadcast, (
+      before, after_broadcast, after_gather)
+  np.testing.assert_array_equal(rows, np.stack([odd - pid + p
+                                                for p in range(count)]))
   big = np.arange(1 << 19, dtype=np.float32) + pid  # 2 MiB per process
   np.testing.assert_array_equal(multihost.broadcast_one_to_all(big), big - pid)
   gathered = multihost.process_allgather({'x': big, 'y': np.int8(pid)})
@@ -378,6 +493,33 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
     multihost.process_allgather(np.zeros((1 << 18) + odd, np.float32))
   np.testing.assert_array_equal(multihost.process_allgather(np.int32(pid)),
                                 np.arange(count))
+
+
+# tree_digest of _digest_tree(): the same at every topology (also checked at
+# 1 process x 4 devices in test_single_process.py).
+TOPOLOGY_DIGEST = 'c9ddd7450c5c28ac62c6d249d1550117'
+
+
+def _digest_tree():
+  mesh = jax.make_mesh((jax.device_count(),), ('x',))
+  full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  sharded = jax.make_array_from_callback(
+      full.shape, jax.NamedSharding(mesh, jax.P('x')), lambda i: full[i])
+  return {'a': sharded, 'b': np.int32(3)}
+
+
+@pytest.mark.parametrize('topology', [
+    pytest.param('2x4', marks=pytest.mark.multihost(
+        num_processes=2, devices_per_process=4, timeout=240)),
+    pytest.param('2x2', marks=pytest.mark.multihost(
+        num_processes=2, devices_per_process=2, timeout=240)),
+    pytest.param('4x1', marks=pytest.mark.multihost(
+        num_processes=4, devices_per_process=1, timeout=240)),
+])
+def test_tree_digest_is_the_same_at_every_topology(topology):
+  tree = _digest_tree()
+  assert not tree['a'].is_fully_addressable
+  assert multihost.tree_digest(tree) == TOPOLOGY_DIGEST
 
 
 @topologies

@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+import multihost.env
 from multihost import lowlevel
 from multihost import launch
 
@@ -51,6 +52,8 @@ _DRILL = textwrap.dedent('''
     import jax  # noqa: E402
 
     print(f'BOUND {lowlevel.failure_detection_bound():g}', flush=True)
+    print('TRANSPORT', 'tcp' if lowlevel.tcp_transport_enabled() else 'device',
+          flush=True)
 
     me = jax.process_index()
     # 'big': 16 MiB per process, moved by a gloo device collective; 'small':
@@ -65,11 +68,23 @@ _DRILL = textwrap.dedent('''
           time.sleep(6)
         multihost.sync_global_devices('late', timeout=2)
         print('PASSED', flush=True)
+      if MODE == 'skew':  # SLEEPER arrives 6.5 s late at a 6 s collective.
+        for i in range(3):
+          if i == 0 and me == SLEEPER:
+            time.sleep(6.5)
+          start = time.monotonic()
+          try:
+            out = multihost.process_allgather(np.int32(me), timeout=6)
+            print(f'STEP {i} ok {out.tolist()}', flush=True)
+          except multihost.CollectiveTimeoutError as e:
+            print(f'STEP {i} timeout after={time.monotonic() - start:.2f} '
+                  f'missing={list(e.missing)}', flush=True)
+        print('PASSED', flush=True)
       if MODE == 'idle':  # The peer dies while this process computes.
         time.sleep(5)
         print(f'WOKE at={time.time():.3f}', flush=True)
         multihost.sync_global_devices('after the failure')
-      while MODE not in ('late', 'idle'):
+      while MODE not in ('late', 'idle', 'skew'):
         if MODE == 'barrier':
           if me == SLEEPER and step == 3:
             print('SLEEPING', flush=True)
@@ -119,7 +134,7 @@ def _assert_nothing_running(cluster):
       os.kill(pid, 0)
 
 
-def _check_survivors(result, victim, killed_at):
+def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
   """Every other process raised ProcessFailureError naming `victim`, in time."""
   assert not result.ok, result.summary
   assert result.exit_code != 0, result.summary
@@ -133,7 +148,7 @@ def _check_survivors(result, victim, killed_at):
     assert m.group(1) == str(victim), m.group(0)
     assert f'process(es) [{victim}]' in m.group(3), m.group(0)
     latency = float(m.group(2)) - killed_at
-    assert 0 < latency < DETECTION_BOUND_S, (i, latency, m.group(0))
+    assert 0 < latency < bound, (i, latency, m.group(0))
     # Raised and exited with its own status (not aborted); or, if a
     # collective it abandoned was still stuck at exit, with os._exit(1).
     assert (result.returncodes[i] == 3 or result.returncodes[i] == 1 and
@@ -155,8 +170,13 @@ def _check_survivors(result, victim, killed_at):
 ])
 def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
                                                     mode, size, victim):
-  with _start(tmp_path, num_processes, mode, size, sleeper=victim) as cluster:
+  # 'big' payloads run over gloo: the device transport, not TCP.
+  transport = 'device' if size == 'big' else 'tcp'
+  with _start(tmp_path, num_processes, mode, size, sleeper=victim,
+              extra_env={multihost.env.TRANSPORT: transport}) as cluster:
     _wait_all(cluster, 'READY', range(num_processes))
+    for i in range(num_processes):
+      assert f'TRANSPORT {transport}' in cluster.outputs[i], i
     if mode == 'barrier':
       cluster.wait_for_output(victim, 'SLEEPING', timeout=60)
       time.sleep(0.3)  # The others are now waiting at the barrier.
@@ -215,6 +235,40 @@ def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
   assert 'hosts the JAX coordination service, died first' in result.summary
   if aborted == [1, 2]:
     assert 'aborted the other processes [1, 2]' in result.summary
+  _assert_nothing_running(cluster)
+
+
+def test_a_killed_peer_is_reported_within_30_s_with_default_settings(
+    tmp_path):
+  # Default heartbeat timeout (DRILL_HB empty): the measured latency from the
+  # SIGKILL to each survivor's ProcessFailureError must stay under 30 s.
+  with _start(tmp_path, 2, 'allgather', 'small',
+              extra_env={'DRILL_HB': ''}) as cluster:
+    _wait_all(cluster, 'LOOPING', range(2))
+    killed_at = time.time()
+    cluster.kill(1, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  _check_survivors(result, 1, killed_at, bound=30.0)
+  _assert_nothing_running(cluster)
+
+
+def test_after_a_timeout_every_process_raises_in_time_and_is_back_in_step(
+    tmp_path):
+  # Process 2 arrives 6.5 s late at a collective with a 6 s timeout: the two
+  # others time out (naming it) within 6 s; process 2 finds they gave up and
+  # raises at once instead of waiting 6 s more at a barrier nobody else
+  # reaches, so the next collectives complete everywhere.
+  with _start(tmp_path, 3, 'skew', sleeper=2) as cluster:
+    result = cluster.wait(timeout=90)
+  assert result.ok, result.summary
+  for i, out in enumerate(result.outputs):
+    m = re.search(r'STEP 0 timeout after=([\d.]+) missing=\[(\d)\]', out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) <= 6.0, (i, m.group(0))
+    assert m.group(2) == '2', m.group(0)  # The late one names itself.
+    for step in (1, 2):
+      assert f'STEP {step} ok [0, 1, 2]' in out, (i, out[-3000:])
   _assert_nothing_running(cluster)
 
 

@@ -12,8 +12,11 @@ import glob
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +223,19 @@ def test_altered_checkpoint_fails_its_digest_check(tmp_path):
                        r'checkpoint \(step 6\)'):
       ckpt.start(_initial(loop), resume=True)
     assert ckpt.restore(_initial(loop), step=6).step == 6  # Untouched.
+  # bin/verify_checkpoint.py reports the same mismatch and exits 1.
+  done = subprocess.run(
+      [sys.executable, str(pathlib.Path(__file__).parents[1] / 'bin' /
+                           'verify_checkpoint.py'),
+       f'--checkpoint_dir={directory}'],
+      capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert re.search(r'step 7: FAIL CheckpointCorruptError: .*fails its digest '
+                   r'check.*changed: data/key, data/order, user/v, user/w',
+                   done.stdout), done.stdout + done.stderr
+  assert re.search(r'step 6: OK', done.stdout), done.stdout
+  assert 'FAIL: 1 of 2 checkpoints are bad.' in done.stdout, done.stdout
 
 
 def test_damaged_array_bytes_give_a_clear_error(tmp_path):
@@ -231,10 +247,16 @@ def test_damaged_array_bytes_give_a_clear_error(tmp_path):
     size = os.path.getsize(f)
     with open(f, 'r+b') as fh:
       fh.write(np.random.default_rng(1).bytes(size))
+  # Bytes damaged this badly fail TensorStore's own decoding before any
+  # digest is computed: a plain CheckpointError saying the files cannot be
+  # read, naming the step to fall back to (README, "Checkpoints"). Altered
+  # bytes that still decode give CheckpointCorruptError (test above).
   with recovery.Checkpoints(directory) as ckpt:
     with pytest.raises(recovery.CheckpointError,
-                       match=r'Checkpoint step 7 .*(cannot be read|digest)'):
+                       match=r'Checkpoint step 7 .*cannot be read.*damaged '
+                       r'or incomplete.*step 6') as raised:
       ckpt.restore(_initial(loop))
+  assert type(raised.value) is recovery.CheckpointError, raised.value
 
 
 # Orbax leaves an asyncio callback behind when the JSON item fails to parse.

@@ -1,11 +1,16 @@
 """Every function works as one controller without jax.distributed (4 devices)."""
 
+import hashlib
 import pathlib
 import re
+import time
+import zlib
 
 import jax
 import numpy as np
 import pytest
+
+from jax.experimental import multihost_utils as jax_mhu
 
 import multihost
 
@@ -75,6 +80,17 @@ def test_tree_digest():
       np.zeros(4))
   big = np.random.default_rng(0).normal(size=(9 << 20) // 8 * 3)  # chunked path
   assert multihost.tree_digest(big) == multihost.tree_digest(big.copy())
+  # The > 1 MiB chunked digest, computed independently from its definition:
+  # SHA-256 of the spec, a tag and the CRC-32s of 4 MiB chunks, cut to 16 B.
+  data = big.astype(np.float32).tobytes()  # float64 -> the device dtype.
+  h = hashlib.sha256(f'float32[{big.size}]'.encode())
+  h.update(b'crc32-4MiB')
+  for i in range(0, len(data), 4 << 20):
+    h.update(zlib.crc32(data[i:i + (4 << 20)]).to_bytes(4, 'little'))
+  assert multihost.leaf_digests(big) == {'<root>': h.hexdigest()[:32]}
+  flipped = big.astype(np.float32)
+  flipped.view(np.uint8)[-1] ^= 1  # One bit in the last chunk.
+  assert multihost.leaf_digests(flipped) != multihost.leaf_digests(big)
   per_leaf = multihost.leaf_digests(a)
   assert list(per_leaf) == ["['k']", "['w']"]
   assert per_leaf == multihost.leaf_digests(
@@ -119,6 +135,24 @@ def test_default_timeout(monkeypatch):
     multihost.set_default_timeout(0)
 
 
+def test_call_watched_keeps_its_timeout_without_a_watchdog():
+  # One process: no failure watchdog runs, yet the timeout holds, and
+  # call_watched takes the default timeout when given none.
+  start = time.monotonic()
+  with pytest.raises(multihost.CollectiveTimeoutError, match='sleep'):
+    multihost.call_watched(time.sleep, 1.5, op='sleep', timeout=0.3)
+  assert time.monotonic() - start < 1.2
+  multihost.set_default_timeout(0.3)
+  try:
+    start = time.monotonic()
+    with pytest.raises(multihost.CollectiveTimeoutError):
+      multihost.call_watched(time.sleep, 1.5, op='sleep')
+    assert time.monotonic() - start < 1.2
+  finally:
+    multihost.set_default_timeout(None)
+  assert multihost.call_watched(lambda a: a + 1, 1, op='add') == 2
+
+
 def test_jax_internals_confined_to_one_module():
   """Only multihost/_coordination.py may import jax._src (no public client)."""
   offenders = []
@@ -144,3 +178,47 @@ def test_public_names_match_jax_multihost_utils():
     assert [p.name for p in positional] == list(theirs), name
     for p in positional:
       assert p.default == theirs[p.name].default, (name, p.name)
+
+
+def test_tree_digest_matches_the_multi_process_topologies():
+  # The same constant as tests/test_collectives.py at 2x4, 2x2 and 4x1.
+  mesh = jax.make_mesh((jax.device_count(),), ('x',))
+  full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  sharded = jax.make_array_from_callback(
+      full.shape, jax.NamedSharding(mesh, jax.P('x')), lambda i: full[i])
+  want = 'c9ddd7450c5c28ac62c6d249d1550117'
+  assert multihost.tree_digest({'a': sharded, 'b': np.int32(3)}) == want
+  assert multihost.tree_digest({'a': full, 'b': np.int32(3)}) == want
+
+
+@pytest.mark.parametrize('axis_type', ['auto', 'explicit'])
+def test_conversions_work_under_jit(axis_type):
+  kind = (jax.sharding.AxisType.Auto if axis_type == 'auto'
+          else jax.sharding.AxisType.Explicit)
+  mesh = jax.make_mesh((1, 4), ('host', 'dev'), axis_types=(kind, kind))
+  x = np.arange(32, dtype=np.float32).reshape(4, 8)
+  for spec in (jax.P('dev'), jax.P(), jax.P(None, 'dev')):
+    ours = jax.jit(lambda a, s=spec: multihost.host_local_array_to_global_array(
+        a, mesh, s) * 2)(x)
+    theirs = jax.jit(lambda a, s=spec: jax_mhu.host_local_array_to_global_array(
+        a, mesh, s) * 2)(x)
+    np.testing.assert_array_equal(ours, theirs)
+    if axis_type == 'auto':  # Laid out as the global sharding.
+      assert ours.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), 2)
+    back = jax.jit(lambda a, s=spec: multihost.global_array_to_host_local_array(
+        a, mesh, s) + 1)(x)
+    np.testing.assert_array_equal(back, x + 1)
+    grad = jax.grad(lambda a, s=spec: multihost.host_local_array_to_global_array(
+        a, mesh, s).sum())(x)
+    np.testing.assert_array_equal(grad, np.ones_like(x))
+
+
+def test_results_keep_float64_when_x64_is_turned_on_later():
+  x = np.arange(3, dtype=np.float64)
+  assert multihost.process_allgather(x).dtype == np.float32  # x64 off.
+  with jax.enable_x64(True):
+    for out in (multihost.process_allgather(x),
+                multihost.broadcast_one_to_all(x),
+                jax_mhu.process_allgather(x)):
+      assert out.dtype == np.float64, out.dtype
+    np.testing.assert_array_equal(multihost.process_allgather(x), [x])
