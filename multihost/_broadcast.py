@@ -69,7 +69,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   # The size follows from the specs, which every process checks are equal.
   inline = size <= _control_agree.INLINE_BYTES
   header = _control_agree.Header(
-      op, str(treedef), tuple(paths), specs, size=size,
+      op, _leaves.signature(treedef), tuple(paths), specs, size=size,
       payload=_leaves.pack(values).tobytes() if is_source and inline else None,
       default_source=default_source, is_source=bool(is_source))
   # With the default source every process knows who it is, so one barrier

@@ -351,7 +351,7 @@ def tree_digest(tree: PyTree) -> str:
   Returns:
     A 32-character hex string.
   """
-  h = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+  h = hashlib.sha256(_leaves.signature(jax.tree.structure(tree)).encode())
   for path, digest in leaf_digests(tree).items():
     h.update(path.encode())
     h.update(bytes.fromhex(digest))

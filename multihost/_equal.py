@@ -62,7 +62,7 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
       digests.append(_digest.array_digest(value, spec))
       specs.append(spec)
   has_global = any(isinstance(d, list) for d in digests)
-  header = _control_agree.Header(op, str(treedef), tuple(paths),
+  header = _control_agree.Header(op, _leaves.signature(treedef), tuple(paths),
                                  tuple(specs), digests=tuple(digests))
   # Equal trees prove themselves with one barrier (the fast path). Global
   # leaves' shards differ by process by design: the full exchange compares

@@ -74,7 +74,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   sizes = [_size_of(specs, layouts, p) for p in range(count)]
   inline = max(sizes) * count <= _INLINE_TOTAL
   header = _control_agree.Header(
-      op, str(treedef), tuple(paths), tuple(specs), size=size,
+      op, _leaves.signature(treedef), tuple(paths), tuple(specs), size=size,
       payload=_leaves.pack(parts).tobytes() if inline else None,
       tiled=bool(tiled), layouts=tuple(layouts), shards=tuple(shards))
   if inline:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -216,6 +217,16 @@ def stacked_views(rows: np.ndarray, specs, *, tiled: bool) -> list:
       value = value.reshape((count * spec.shape[0],) + spec.shape[1:])
     out.append(finish(value, spec))
   return out
+
+
+# Static fields of custom nodes (a flax TrainState's apply_fn and tx, an nnx
+# GraphDef) print with their memory address, which differs between processes.
+_ADDRESS = re.compile(r' at 0x[0-9a-fA-F]+')
+
+
+def signature(treedef) -> str:
+  """The tree structure as text that is the same on every process (no memory addresses)."""
+  return _ADDRESS.sub('', str(treedef))
 
 
 def flatten(tree: PyTree, op: str):

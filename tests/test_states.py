@@ -196,15 +196,9 @@ def test_two_by_two_resume_is_bitwise_the_uninterrupted_run(two_by_two, kind):
   assert _by_step(losses['resumed']) == _after_stop(losses['ref'])
 
 
-# multihost compares str(treedef), which holds the memory addresses of static
-# fields (TrainState.apply_fn and tx, nnx GraphDef), different on each process.
-_TREEDEF_ADDRESSES = pytest.mark.xfail(
-    strict=True, reason='multihost: str(treedef) holds per-process addresses')
-
-
-@pytest.mark.parametrize('kind', [
-    'optax', 'mixed', pytest.param('linen', marks=_TREEDEF_ADDRESSES),
-    pytest.param('nnx', marks=_TREEDEF_ADDRESSES)])
+# Static fields (TrainState.apply_fn and tx, the nnx GraphDef) print with a
+# memory address that differs between processes; multihost must ignore it.
+@pytest.mark.parametrize('kind', ['optax', 'mixed', 'linen', 'nnx'])
 @pytest.mark.parametrize('check', ['tree_digest', 'assert_equal'])
 def test_multihost_agrees_on_raw_states_across_controllers(two_by_two, kind,
                                                           check):
