@@ -70,14 +70,14 @@ class Processes:
             cwd: str | os.PathLike[str] | None = None) -> None:
     """Starts the next process (index = how many were started) in a new session."""
     index = len(self._procs)
+    # The pytest plugin's workers watch their parent themselves (and clean
+    # up their results folder); every other child dies with us.
+    if not env.get(env_lib.PYTEST_WORKER):
+      command = _reaper.die_with_launcher(command, env=env, cwd=cwd)
     proc = subprocess.Popen(
         list(command), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-        # The pytest plugin's workers watch their parent themselves (and
-        # clean up their results folder); every other child dies with us.
-        preexec_fn=(None if env.get(env_lib.PYTEST_WORKER)
-                    else _reaper.die_with_launcher()))
+        start_new_session=True)
     self._procs.append(proc)
     assert proc.stdout is not None
     pump = threading.Thread(target=self.output.pump, args=(index, proc.stdout),

@@ -1,7 +1,9 @@
 """Nothing outlives the launcher: parent-death signals, a subreaper, orphan collection (Linux).
 
-* `die_with_launcher` (a `preexec_fn`): the child gets SIGKILL when the
-  launcher dies, even by SIGKILL (`PR_SET_PDEATHSIG`).
+* `die_with_launcher`: wraps a command so the child gets SIGKILL when the
+  launcher dies, even by SIGKILL (`PR_SET_PDEATHSIG`, set by a tiny exec
+  wrapper rather than a `preexec_fn`, which would fork this multithreaded
+  process).
 * `become_subreaper`: orphaned descendants of the controllers are
   re-parented to the launcher instead of init (`PR_SET_CHILD_SUBREAPER`),
   so `collect` can reap them.
@@ -13,8 +15,10 @@ Elsewhere than Linux these do nothing.
 
 from __future__ import annotations
 
+import collections.abc
 import ctypes
 import ctypes.util
+import errno
 import os
 import signal
 import sys
@@ -40,24 +44,60 @@ def become_subreaper() -> bool:
   return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def die_with_launcher():
-  """A `preexec_fn` that ends the child when this process dies; None if unsupported.
+# Run as `python -I -S -c _WRAPPER LAUNCHER_PID PROGRAM ARGV0 ARGS...`: sets
+# the parent-death signal, then becomes the command (same pid). Stdlib only,
+# so it starts in milliseconds.
+_WRAPPER = """\
+import ctypes, os, signal, sys
+parent, program, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+ctypes.CDLL(None, use_errno=True).prctl(%d, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != parent:
+  os._exit(1)
+try:
+  os.execv(program, argv)
+except OSError as e:
+  sys.stderr.write('multihost.launch: cannot run %%r: %%s\\n' %% (argv[0], e.strerror))
+  os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+""" % _PR_SET_PDEATHSIG
 
-  The kernel sends the signal when the thread that forked the child exits,
-  so it is used only from the main thread (which lives as long as the
+
+def _resolve(program: str, *, env: collections.abc.Mapping[str, str],
+             cwd: str | os.PathLike[str] | None) -> str:
+  """The file `program` names, looked up as `subprocess.Popen` would; raises its OSError if none runs."""
+  if os.path.dirname(program):
+    candidates = [program]
+  else:
+    candidates = [os.path.join(d, program) for d in os.get_exec_path(env)]
+  error = None
+  for candidate in candidates:
+    where = os.path.join(cwd, candidate) if cwd is not None else candidate
+    if os.path.isfile(where) and os.access(where, os.X_OK):
+      return candidate
+    if error is None and os.path.exists(where):
+      error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+  raise error or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                    program)
+
+
+def die_with_launcher(command: collections.abc.Sequence[str], *,
+                      env: collections.abc.Mapping[str, str],
+                      cwd: str | os.PathLike[str] | None = None) -> list[str]:
+  """`command` wrapped so it ends when this process dies (pid unchanged); `command` itself if unsupported.
+
+  The wrapper execs the command, so the spawned pid is the command's. The
+  kernel sends the signal when the thread that spawned the child exits, so
+  the wrapper is used only from the main thread (which lives as long as the
   launcher).
+
+  Raises:
+    FileNotFoundError, PermissionError: the command's program cannot run
+      (as `subprocess.Popen` raises them for an unwrapped command).
   """
   if _libc is None or threading.current_thread() is not threading.main_thread():
-    return None
-  parent = os.getpid()
-  libc = _libc
-
-  def preexec() -> None:
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # The launcher died before prctl.
-      os._exit(1)
-
-  return preexec
+    return list(command)
+  program = _resolve(command[0], env=env, cwd=cwd)
+  return [sys.executable, '-I', '-S', '-c', _WRAPPER, str(os.getpid()),
+          program, *command]
 
 
 def kill_group(pgid: int, sig: int) -> None:
