@@ -221,18 +221,15 @@ def build_extra_cases(ops: list[str], *, object_sizes: list[int],
       x = _data(1024, 8 + pid)
       label = f'1 KiB, last process {delay * 1e3:g} ms late'
       repeats = slow_repeats if delay >= 0.5 else None
-      cases.append(Case(
-          'broadcast_one_to_all', label, 1024, 1,
-          _late(lambda x=x: multihost.broadcast_one_to_all(
-              x, timeout=timeout), delay),
-          _late(lambda x=x: multihost_utils.broadcast_one_to_all(x), delay),
-          repeats=repeats))
-      cases.append(Case(
-          'process_allgather', label, 1024, 1,
-          _late(lambda x=x: multihost.process_allgather(
-              x, timeout=timeout), delay),
-          _late(lambda x=x: multihost_utils.process_allgather(x), delay),
-          repeats=repeats))
+      for name, ours, theirs in (
+          ('broadcast_one_to_all', multihost.broadcast_one_to_all,
+           multihost_utils.broadcast_one_to_all),
+          ('process_allgather', multihost.process_allgather,
+           multihost_utils.process_allgather)):
+        cases.append(Case(
+            name, label, 1024, 1,
+            _late(lambda x=x, f=ours: f(x, timeout=timeout), delay),
+            _late(lambda x=x, f=theirs: f(x), delay), repeats=repeats))
   if 'mismatch' in ops:
     x = np.zeros(256 + pid, np.float32)  # Shapes differ by process.
     cases.append(Case(

@@ -53,18 +53,7 @@ def recovery_rows(width: int, repeats: int, sharded: bool, parent: str,
   sharding = jax.sharding.NamedSharding(mesh,
                                         jax.P('data') if sharded else jax.P())
 
-  def placed(a: np.ndarray) -> jax.Array:
-    return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
-
-  rng = np.random.default_rng(6)
-  state = recovery.TransitionState(
-      user={'weights': placed(rng.standard_normal(width, np.float32)),
-            'momentum': placed(rng.standard_normal(width, np.float32))},
-      key=jax.random.key(7), order=np.arange(64, dtype=np.int32), cursor=8,
-      epoch=1, step=1)
-  target = state.replace(
-      user=jax.tree.map(lambda x: placed(np.zeros(x.shape, x.dtype)),
-                        state.user), step=0)
+  state, target = _states(width, sharding)
   tree = state.to_tree()
   abstract = jax.tree.map(_abstract, tree)
   nbytes = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
@@ -145,6 +134,25 @@ def recovery_rows(width: int, repeats: int, sharded: bool, parent: str,
   return rows
 
 
+def _states(width: int, sharding: jax.sharding.Sharding
+            ) -> tuple[recovery.TransitionState, recovery.TransitionState]:
+  """A state of two `width`-float leaves placed by `sharding`, and a zeroed restore target."""
+
+  def placed(a: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+
+  rng = np.random.default_rng(6)
+  state = recovery.TransitionState(
+      user={'weights': placed(rng.standard_normal(width, np.float32)),
+            'momentum': placed(rng.standard_normal(width, np.float32))},
+      key=jax.random.key(7), order=np.arange(64, dtype=np.int32), cursor=8,
+      epoch=1, step=1)
+  target = state.replace(
+      user=jax.tree.map(lambda x: placed(np.zeros(x.shape, x.dtype)),
+                        state.user), step=0)
+  return state, target
+
+
 def _abstract(x):
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -176,18 +184,7 @@ def sharded_state_row(width: int, repeats: int, parent: str,
   mesh = jax.make_mesh((4, count // 4), ('shards', 'replicas'))
   sharding = jax.sharding.NamedSharding(mesh, jax.P('shards'))
 
-  def placed(a: np.ndarray) -> jax.Array:
-    return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
-
-  rng = np.random.default_rng(6)
-  state = recovery.TransitionState(
-      user={'weights': placed(rng.standard_normal(width, np.float32)),
-            'momentum': placed(rng.standard_normal(width, np.float32))},
-      key=jax.random.key(7), order=np.arange(64, dtype=np.int32), cursor=8,
-      epoch=1, step=1)
-  target = state.replace(
-      user=jax.tree.map(lambda x: placed(np.zeros(x.shape, x.dtype)),
-                        state.user), step=0)
+  state, target = _states(width, sharding)
   tree = state.to_tree()
   abstract = jax.tree.map(_abstract, tree)
   nbytes = 2 * 4 * width

@@ -165,15 +165,6 @@ class Rendezvous:
     return [m[1:] for m in messages]
 
 
-def _secret_for(op: str, timeout: float) -> bytes:
-  try:
-    return _secret.job_keys(timeout, op)[1]
-  except _errors.MultihostError:
-    raise
-  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
-
-
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:
   return hmac.digest(secret, key.encode() + b'\0' + value,
                      hashlib.sha256)[:_MAC]
@@ -183,12 +174,12 @@ def _publish(prefix: str, me: int, value: bytes, op: str,
              timeout: float) -> None:
   """Puts `value` under this process's key, authenticated with the job secret."""
   key = prefix + str(me)
-  _coordination.kv_set(key, _mac(_secret_for(op, timeout), key, value) + value)
+  _coordination.kv_set(key, _mac(_secret.job_secret(op, timeout), key, value) + value)
 
 
 def _open(key: str, stored: bytes, op: str) -> bytes:
   """The value under `key`, if a process of this job wrote it there; else raises."""
-  secret = _secret_for(op, 1.0)
+  secret = _secret.job_secret(op, 1.0)
   value = stored[_MAC:]
   if len(stored) < _MAC + 1 or not hmac.compare_digest(
       stored[:_MAC], _mac(secret, key, value)):

@@ -45,19 +45,10 @@ def dumps(obj: Any) -> bytes:
   return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _secret_for(op: str, timeout: float) -> bytes:
-  try:
-    return _secret.job_keys(timeout, op)[1]
-  except _errors.MultihostError:
-    raise
-  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
-
-
 def seal(op: str, data: bytes, timeout: float) -> bytes:
   """A fresh nonce and the MAC of `data` under the job secret."""
   nonce = secrets.token_bytes(_NONCE)
-  secret = _secret_for(op, timeout)
+  secret = _secret.job_secret(op, timeout)
   return nonce + hmac.digest(secret, nonce + data, hashlib.sha256)
 
 
@@ -74,7 +65,7 @@ def check_size(op: str, process: int, size: int) -> None:
 def loads(op: str, process: int, data: bytes, sealed: bytes | None,
           timeout: float) -> Any:
   """Unpickles `process`'s `data` if its seal checks; raises otherwise."""
-  secret = _secret_for(op, timeout)
+  secret = _secret.job_secret(op, timeout)
   ok = sealed is not None and len(sealed) > _NONCE and hmac.compare_digest(
       sealed[_NONCE:], hmac.digest(secret, sealed[:_NONCE] + data,
                                    hashlib.sha256))

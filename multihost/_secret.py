@@ -23,6 +23,7 @@ import stat
 import threading
 
 from multihost import _coordination
+from multihost import _diagnostics
 from multihost import _errors
 from multihost import _process
 from multihost import _watchdog
@@ -77,6 +78,21 @@ def job_keys(timeout: float, op: str = 'job secret') -> tuple[bytes, bytes]:
     if _cached is None or _cached[0] != service:  # a new jax.distributed
       _cached = (service, _agree(timeout, op))
     return _cached[1]
+
+
+def job_secret(op: str, timeout: float) -> bytes:
+  """The job secret for collective `op` (as `job_keys`), the client's errors raised as a timeout on process 0.
+
+  Raises:
+    MultihostError: as `job_keys`.
+    CollectiveTimeoutError: process 0 did not publish the job id in time.
+  """
+  try:
+    return job_keys(timeout, op)[1]
+  except _errors.MultihostError:
+    raise
+  except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
+    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
 
 
 def _agree(timeout: float, op: str) -> tuple[bytes, bytes]:
