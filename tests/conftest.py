@@ -12,7 +12,9 @@ import os
 
 import jax
 
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-if 'JAX_NUM_CPU_DEVICES' not in os.environ:
+from multihost import env as env_lib
+
+os.environ.setdefault(env_lib.PLATFORMS, 'cpu')
+if env_lib.NUM_CPU_DEVICES not in os.environ:
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', 4)

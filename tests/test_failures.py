@@ -307,7 +307,7 @@ def test_with_an_external_service_process_0_is_an_ordinary_failure(tmp_path):
       shutdown_timeout=10)
   try:
     with _start(tmp_path, 3, 'allgather', 'small', port=port,
-                extra_env={'MULTIHOST_EXTERNAL_SERVICE': '1'}) as cluster:
+                extra_env={multihost.env.EXTERNAL_SERVICE: '1'}) as cluster:
       _wait_all(cluster, 'LOOPING', range(3))
       killed_at = time.time()
       cluster.kill(0, signal.SIGKILL)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from multihost import launch
+from multihost import env as env_lib
 import recovery
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,9 +26,9 @@ PY = sys.executable
 HEADING = '## Using recovery in your training code'
 TIMEOUT_S = 180
 # Cluster variables a single-controller run must not inherit.
-_CLUSTER_VARS = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES',
-                 'JAX_PROCESS_ID', 'OMPI_MCA_orte_hnp_uri',
-                 'OMPI_COMM_WORLD_SIZE', 'SLURM_JOB_ID')
+_CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
+                 env_lib.PROCESS_ID, env_lib.OMPI_HNP_URI, env_lib.OMPI_SIZE,
+                 env_lib.SLURM_JOB_ID)
 
 
 def _example() -> str:
@@ -44,7 +45,7 @@ def _final(output: str) -> tuple[int, float]:
 
 def _single(script, *args) -> tuple[int, float]:
   env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
-  env.update(JAX_NUM_CPU_DEVICES='4', JAX_PLATFORMS='cpu')
+  env.update({env_lib.NUM_CPU_DEVICES: '4', env_lib.PLATFORMS: 'cpu'})
   proc = subprocess.run([PY, str(script), *map(str, args)], env=env, cwd=ROOT,
                         stdin=subprocess.DEVNULL, capture_output=True,
                         text=True, timeout=TIMEOUT_S, check=False)

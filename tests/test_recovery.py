@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from multihost import env as env_lib
 import recovery
 
 WIDTH = 4
@@ -229,7 +230,7 @@ def test_altered_checkpoint_fails_its_digest_check(tmp_path):
                            'verify_checkpoint.py'),
        f'--checkpoint_dir={directory}'],
       capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+      env={**os.environ, env_lib.PLATFORMS: 'cpu'})
   assert done.returncode == 1, done.stdout + done.stderr
   assert re.search(r'step 7: FAIL CheckpointCorruptError: .*fails its digest '
                    r'check.*changed: data/key, data/order, user/v, user/w',

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+from multihost import env as env_lib
 from multihost import launch
 
 # Three processes: the first broadcast connects 0->1 and 1->2; the link 0<->2
@@ -158,7 +159,7 @@ def _run(tmp_path, mode):
   script.write_text(_ATTACKS)
   result = launch.launch([sys.executable, str(script), mode], num_processes=3,
                          devices_per_process=1, timeout=120,
-                         env={'MULTIHOST_TIMEOUT': '30'})
+                         env={env_lib.TIMEOUT: '30'})
   return result, result.outputs
 
 
@@ -252,7 +253,7 @@ def _tamper(tmp_path, mode):
   planted = tmp_path / 'code-ran'
   result = launch.launch([sys.executable, str(script), mode, str(planted)],
                          num_processes=2, devices_per_process=1, timeout=120,
-                         env={'MULTIHOST_TIMEOUT': '30'})
+                         env={env_lib.TIMEOUT: '30'})
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert not planted.exists(), 'the planted pickle ran'
   return result.outputs
@@ -388,13 +389,13 @@ def test_a_readable_secret_file_is_refused(tmp_path):
   '''))
   result = launch.launch([sys.executable, str(script)], num_processes=2,
                          devices_per_process=1, timeout=120,
-                         env={'MULTIHOST_JOB_SECRET_FILE': str(secret),
-                              'MULTIHOST_TIMEOUT': '20'})
+                         env={env_lib.JOB_SECRET_FILE: str(secret),
+                              env_lib.TIMEOUT: '20'})
   assert 'REFUSED:' in result.outputs[0], result.outputs[0][-3000:]
   assert f'chmod 600 {secret}' in result.outputs[0], result.outputs[0]
   secret.chmod(0o600)
   result = launch.launch([sys.executable, str(script)], num_processes=2,
                          devices_per_process=1, timeout=120,
-                         env={'MULTIHOST_JOB_SECRET_FILE': str(secret)})
+                         env={env_lib.JOB_SECRET_FILE: str(secret)})
   assert result.ok and not any('REFUSED' in o for o in result.outputs), (
       result.summary + '\n'.join(result.outputs))

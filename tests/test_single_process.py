@@ -13,6 +13,7 @@ import pytest
 from jax.experimental import multihost_utils as jax_mhu
 
 import multihost
+from multihost import env as env_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,8 +24,8 @@ def test_runs_without_jax_distributed():
 
 
 def test_initialize_without_cluster_is_a_no_op(monkeypatch):
-  for var in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID',
-              'SLURM_JOB_ID', 'OMPI_MCA_orte_hnp_uri'):
+  for var in (env_lib.COORDINATOR, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID,
+              env_lib.SLURM_JOB_ID, env_lib.OMPI_HNP_URI):
     monkeypatch.delenv(var, raising=False)
   multihost.initialize()
   assert not jax.distributed.is_initialized()
@@ -120,7 +121,7 @@ def test_tracers_are_rejected_clearly():
 
 
 def test_default_timeout(monkeypatch):
-  monkeypatch.setenv('MULTIHOST_TIMEOUT', '12')
+  monkeypatch.setenv(env_lib.TIMEOUT, '12')
   assert multihost.default_timeout() == 12
   multihost.set_default_timeout(3)
   try:
@@ -128,7 +129,7 @@ def test_default_timeout(monkeypatch):
   finally:
     multihost.set_default_timeout(None)
   assert multihost.default_timeout() == 12
-  monkeypatch.setenv('MULTIHOST_TIMEOUT', 'soon')
+  monkeypatch.setenv(env_lib.TIMEOUT, 'soon')
   with pytest.raises(ValueError, match='MULTIHOST_TIMEOUT'):
     multihost.default_timeout()
   with pytest.raises(ValueError, match='positive'):

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from multihost import launch
+from multihost import env as env_lib
 import recovery
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,9 +34,9 @@ PY = sys.executable
 STEPS = 600  # 2x2 runs take about 200 steps/s here: a few seconds.
 RUN_TIMEOUT_S = 120
 # Cluster variables a single-controller run must not inherit.
-_CLUSTER_VARS = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES',
-                 'JAX_PROCESS_ID', 'OMPI_MCA_orte_hnp_uri',
-                 'OMPI_COMM_WORLD_SIZE', 'SLURM_JOB_ID')
+_CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
+                 env_lib.PROCESS_ID, env_lib.OMPI_HNP_URI, env_lib.OMPI_SIZE,
+                 env_lib.SLURM_JOB_ID)
 
 
 # -- helpers ------------------------------------------------------------------
@@ -43,8 +44,8 @@ _CLUSTER_VARS = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES',
 
 def _single_env(devices: int = 4) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
-  env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS='cpu',
-             PYTHONUNBUFFERED='1')
+  env.update({env_lib.NUM_CPU_DEVICES: str(devices), env_lib.PLATFORMS: 'cpu',
+              env_lib.PYTHON_UNBUFFERED: '1'})
   return env
 
 
@@ -381,7 +382,7 @@ def test_sigkill_of_a_controller_during_a_save_at_two_processes(tmp_path):
   ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
   args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
           '--save_every=1', '--keep=2', '--width=4096']
-  env = {'MULTIHOST_HEARTBEAT_TIMEOUT': '3'}
+  env = {env_lib.HEARTBEAT: '3'}
   with launch.Controllers([PY, *args, '--steps=100000'], num_processes=2,
                           env=env, cwd=ROOT, grace_period=60) as cluster:
     _wait_for_lines(metrics, 5, alive=lambda: all(

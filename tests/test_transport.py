@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from multihost import env as env_lib
 from multihost import launch
 
 _SCRIPT = textwrap.dedent('''
@@ -35,13 +36,13 @@ def test_large_payloads_over_each_transport(tmp_path, transport):
   script.write_text(_SCRIPT)
   result = launch.launch([sys.executable, str(script)], num_processes=3,
                          devices_per_process=1, timeout=120,
-                         env={'MULTIHOST_TRANSPORT': transport})
+                         env={env_lib.TRANSPORT: transport})
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert all('TRANSPORT OK' in out for out in result.outputs)
 
 
 def test_unknown_transport_is_a_clear_error(monkeypatch):
   from multihost import lowlevel
-  monkeypatch.setenv('MULTIHOST_TRANSPORT', 'carrier-pigeon')
+  monkeypatch.setenv(env_lib.TRANSPORT, 'carrier-pigeon')
   with pytest.raises(ValueError, match='use tcp'):
     lowlevel.tcp_transport_enabled()
