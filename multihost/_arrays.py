@@ -94,7 +94,7 @@ def _leaves_and_layouts(tree: PyTree, mesh: jax.sharding.Mesh, pspecs: Any):
 class _Layout:
   """What a (mesh, spec) pair fixes: both shardings and the per-dim scales."""
   __slots__ = ('mesh', 'spec', 'local_mesh', 'global_sharding',
-               'local_sharding', '_scales', 'all_local')
+               'local_sharding', '_scales', 'all_local', '_plans')
 
   def __init__(self, mesh: jax.sharding.Mesh, spec):
     self.mesh = mesh
@@ -104,6 +104,7 @@ class _Layout:
     self.local_sharding = jax.sharding.NamedSharding(self.local_mesh, spec)
     self.all_local = self.local_mesh.devices.size == mesh.devices.size
     self._scales: dict[int, list[tuple[int, int]]] = {}
+    self._plans: dict[tuple[int, ...], _Plan] = {}
 
   def scales(self, ndim: int) -> list[tuple[int, int]]:
     """Per dimension: (size along the mesh, size along the local mesh)."""
@@ -112,6 +113,49 @@ class _Layout:
       out = self._scales[ndim] = _scale(self.spec, ndim, self.mesh,
                                         self.local_mesh)
     return out
+
+  def plan(self, local_shape: tuple[int, ...]) -> _Plan:
+    """The cached `_Plan` of a host-local value of this shape."""
+    out = self._plans.get(local_shape)
+    if out is None:
+      if len(self._plans) > 256:
+        self._plans.clear()
+      out = self._plans[local_shape] = _Plan(self, local_shape)
+    return out
+
+
+def _index_key(index) -> tuple:
+  """A hashable form of a tuple of slices (slices hash only from 3.12)."""
+  return tuple((s.start, s.stop, s.step) for s in index)
+
+
+class _Plan:
+  """What a (layout, local shape) fixes: the global shape and, per global
+  shard index of this process's devices, the local index holding its data."""
+  __slots__ = ('global_shape', 'local_index')
+
+  def __init__(self, layout: _Layout, local_shape: tuple[int, ...]):
+    shape = []
+    for n, (b, s) in zip(local_shape, layout.scales(len(local_shape)),
+                         strict=True):
+      if n % s:
+        raise ValueError(
+            f'{_diagnostics.prefix()} host_local_array_to_global_array:'
+            f' a local dimension of size {n} cannot be split over {s} local '
+            f'devices (spec {layout.spec}, local shape {local_shape}).')
+      shape.append(n // s * b)
+    self.global_shape = tuple(shape)
+    local = layout.local_sharding.devices_indices_map(local_shape)
+    glob = layout.global_sharding.addressable_devices_indices_map(
+        self.global_shape)
+    self.local_index = {_index_key(glob[d]): local[d] for d in local}
+
+  def slicer(self, x: np.ndarray):
+    """The data callback of `jax.make_array_from_callback` for `x`."""
+    if x.ndim == 0:
+      return lambda index: x
+    local_index = self.local_index
+    return lambda index: x[local_index[_index_key(index)]]
 
 
 # Per (mesh, spec); meshes and specs are hashable and few in a program.
@@ -226,15 +270,13 @@ def _to_global(x, layout: _Layout):
     dtype = jax.dtypes.canonicalize_dtype(x.dtype)
     if x.dtype != dtype:
       x = x.astype(dtype)
-  shape = []
-  for n, (b, s) in zip(x.shape, layout.scales(x.ndim), strict=True):
-    if n % s:
-      raise ValueError(
-          f'{_diagnostics.prefix()} host_local_array_to_global_array:'
-          f' a local dimension of size {n} cannot be split over {s} local '
-          f'devices (spec {layout.spec}, local shape {x.shape}).')
-    shape.append(n // s * b)
-  shape = tuple(shape)
+    plan = layout.plan(x.shape)
+    # As JAX's (a slice per device, one batched put), through the public
+    # make_array_from_callback: no local array is built in between.
+    return True, jax.make_array_from_callback(
+        plan.global_shape, layout.global_sharding, plan.slicer(x),
+        dtype=x.dtype), None
+  shape = layout.plan(x.shape).global_shape
   local_sharding = layout.local_sharding
   if isinstance(x, jax.Array) and (
       x.sharding == local_sharding

@@ -73,6 +73,10 @@ class Checkpoints:
       _ensure_writable(self.directory)
       _shared_folder.check(self.directory)
     self._lock = None if read_only else _lock.FolderLock.acquire(self.directory)
+    # Whether keep-N may have something to delete: at start (older steps on
+    # disk) and after each save. Saves are collective, so every process
+    # holds the same value and skips the (collective) prune together.
+    self._prune_due = not read_only
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
       logging.warning(
@@ -213,6 +217,7 @@ class Checkpoints:
         lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
+    self._prune_due = True
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -224,7 +229,9 @@ class Checkpoints:
         lambda e: (f'{_prefix()} An asynchronous save to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The last '
                    f'committed checkpoint is step {self._on_disk()}.'))
-    self._prune()
+    if self._prune_due:
+      self._prune()
+      self._prune_due = False
 
   def _on_disk(self) -> int | None:
     """The latest committed step of this format, read from disk (not Orbax's cache)."""
