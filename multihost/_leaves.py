@@ -29,6 +29,10 @@ class LeafSpec:
   key_impl: str | None = None  # the PRNG implementation of a typed key leaf
   key_dims: int = 0  # trailing dims of `shape` that belong to each key
 
+  def fields(self) -> tuple:
+    """The fields as a plain tuple (cheap to print, for agreement digests)."""
+    return (self.shape, self.dtype, self.key_impl, self.key_dims)
+
   @property
   def ndim(self) -> int:
     """The leaf's own ndim (for keys: without the key data dims)."""
