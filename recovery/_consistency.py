@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -46,14 +47,16 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
   if jax.process_count() > 1:
     # Comparing each leaf's digest is comparing the leaf, at 16 bytes a leaf.
     # A leaf sharded across processes has one digest combined from every
-    # process's shards, which would hide replicas that differ: then compare
-    # the tree itself, shard by shard (digests of each process's own shards;
-    # nothing is gathered).
-    sharded = any(isinstance(x, jax.Array) and not x.is_fully_addressable
-                  and not x.is_fully_replicated for x in jax.tree.leaves(tree))
-    compared = tree if sharded else {
-        name: np.frombuffer(bytes.fromhex(d), np.uint8)
-        for name, d in digests.items()}
+    # process's shards (the same on every process by construction): when
+    # parts of it are held by several processes, those replicas could differ
+    # unseen, so such a leaf is compared shard by shard (digests of each
+    # process's own shards; nothing is gathered). A leaf whose every part is
+    # held by one process only has nothing to compare beyond its digest.
+    compared = {}
+    for (name, digest), x in zip(digests.items(), jax.tree.leaves(tree),
+                                 strict=True):
+      compared[name] = (x if _replicated_across_processes(x)
+                        else np.frombuffer(bytes.fromhex(digest), np.uint8))
     multihost.assert_equal(
         compared,
         f'{what}: the controllers hold different transition states. Every '
@@ -62,3 +65,21 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
         'or code behind the differing leaves.',
         timeout=timeout)
   return digests
+
+
+def _replicated_across_processes(x: Any) -> bool:
+  """Whether `x` is sharded across processes with some part on several."""
+  if not (isinstance(x, jax.Array) and not x.is_fully_addressable
+          and not x.is_fully_replicated):
+    return False
+  return _has_cross_process_replicas(x.sharding, x.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _has_cross_process_replicas(sharding: jax.sharding.Sharding,
+                                shape: tuple[int, ...]) -> bool:
+  holders: dict[tuple, set[int]] = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    holders.setdefault(key, set()).add(device.process_index)
+  return any(len(p) > 1 for p in holders.values())

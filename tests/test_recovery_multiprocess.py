@@ -82,3 +82,31 @@ def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
   np.testing.assert_array_equal(
       recovery.host_value(restored.user['weights']), value)
   assert recovery.state_digest(restored) == recovery.state_digest(state)
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_sharded_leaf_replicas_on_several_processes_are_compared():
+  # Rows of the mesh are processes: P('local') puts each shard on both
+  # processes (replicas that must agree), P('hosts') each row on one process.
+  devices = np.array(jax.devices()).reshape(jax.process_count(),
+                                            jax.local_device_count())
+  mesh = jax.sharding.Mesh(devices, ('hosts', 'local'))
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  mine = np.full((4, 4), float(jax.process_index()), np.float32)
+
+  def leaf(spec):
+    x = jax.make_array_from_callback(
+        (4, 4), jax.sharding.NamedSharding(mesh, spec), lambda i: mine[i])
+    assert not x.is_fully_addressable and not x.is_fully_replicated
+    return x
+
+  base = _state(np.zeros(4, np.float32))
+  # Each process holds its own rows: different values are no divergence.
+  recovery.check_consistent(base.replace(user={'rows': leaf(P('hosts'))}),
+                            what='rows')
+  # Each column is held by both processes, which disagree on it.
+  with pytest.raises(multihost.ConsistencyError) as e:
+    recovery.check_consistent(
+        base.replace(user={'rows': leaf(P('hosts')), 'cols': leaf(P('local'))}),
+        what='Before saving step 3')
+  assert 'cols' in str(e.value) and 'rows' not in str(e.value)
