@@ -99,6 +99,38 @@ def timed_with_output(fn: Callable[[], Any],
   return elapsed, out
 
 
+def touch(nbytes: int) -> None:
+  """Writes `nbytes` of fresh memory on this process, then frees it.
+
+  This VM's kernel reports freed memory to the hypervisor
+  (page_reporting), which takes it back: the next touch of such memory
+  costs a host fault per page. Measured at P=4: a first 64 MiB all-gather
+  (256 MiB of output per process) took 0.6-0.9 s on never-touched memory
+  and 0.16-0.25 s right after memory of that size was touched and freed.
+  Touching before each first call puts neither implementation first in
+  line for that cost, so first calls measure the implementations (compiles,
+  connections, caches), not which one ran first.
+  """
+  if nbytes > 0:
+    np.ones(nbytes, np.uint8)
+
+
+def _touch_bytes(case: Case) -> int:
+  """Memory a case's call may newly touch: its payload on every process, twice."""
+  return min(1 << 30, case.payload_bytes * (jax.process_count() + 2))
+
+
+def _batched(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
+  if calls == 1:
+    return fn
+
+  def run():
+    for _ in range(calls - 1):
+      fn()
+    return fn()
+  return run
+
+
 def _leaf_value(x):
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
       x.dtype, jax.dtypes.prng_key):
@@ -197,6 +229,10 @@ class Case:
   # What ours must return when there is no `jax` (e.g. the error's name).
   expected: Any = None
   repeats: int | None = None  # Overrides Settings.repeats (slow cases).
+  # Calls per timed sample, back to back after one barrier (the time is per
+  # call). For local operations (no communication) whose cost is near the
+  # barrier's aftermath; collectives keep 1 (a barrier before each call).
+  calls: int = 1
 
 
 def run_case(case: Case, index: int, settings: Settings) -> Row:
@@ -207,8 +243,11 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
   The first call of each implementation (ours first on even `index`, JAX
   first on odd), `settings.warmup` untimed calls of each, then
   `settings.repeats` timed calls alternating ours, jax, ... Each timed call
-  starts after a barrier; each iteration counts the slowest process; the
-  row holds medians, and the peak memory increase of one more call of each.
+  (or batch of `case.calls` calls, timed per call) starts after a barrier;
+  each iteration counts the slowest process; the row holds medians, and the
+  peak memory increase of one more call of each. Before each first call,
+  every process touches and frees as much memory as the case may need
+  (`touch`).
   """
   row = Row(case.op, case.payload_bytes, case.leaves, payload=case.payload)
   impls = {'ours': case.ours}
@@ -220,6 +259,7 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
   outputs: dict[str, Any] = {}
   failed: dict[str, str] = {}
   for name in order:
+    touch(_touch_bytes(case))
     try:
       first[name], outputs[name] = timed_with_output(impls[name], settings)
     except Exception as e:  # pylint: disable=broad-except
@@ -252,9 +292,10 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
     for name in live:
       impls[name]()
   times: dict[str, list[float]] = {n: [] for n in live}
+  samples = {n: _batched(impls[n], case.calls) for n in live}
   for _ in range(case.repeats or settings.repeats):
     for name in live:
-      times[name].append(timed(impls[name], settings))
+      times[name].append(timed(samples[name], settings) / case.calls)
   for name in ('ours', 'jax'):
     first_ms = ms(slowest_one(first[name], settings))
     per_iteration = ([ms(t) for t in slowest(times[name], settings)]

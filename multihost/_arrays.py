@@ -155,7 +155,30 @@ class _Plan:
     if x.ndim == 0:
       return lambda index: x
     local_index = self.local_index
-    return lambda index: x[local_index[_index_key(index)]]
+    return lambda index: _placeable(x[local_index[_index_key(index)]])
+
+
+# A CPU device takes a host array without copying it when the array is
+# C-contiguous and 64-byte aligned; otherwise the runtime copies it into
+# memory of its own, which it touches page by page (measured here: 64 MiB in
+# ~25 ms, against ~7 ms for a NumPy copy into huge-page-backed memory, and
+# 1 MiB in 0.08-0.45 ms against 0.05). So a large slice that would be copied
+# anyway is copied here, into an aligned buffer that nothing else holds
+# (then aliasing it is safe). Small ones are cheaper to leave to the runtime.
+_ALIGN = 64
+_COPY_FROM = 256 << 10
+
+
+def _placeable(x: np.ndarray) -> np.ndarray:
+  """`x`, or an aligned private copy of it when the device would copy it anyway."""
+  if x.nbytes < _COPY_FROM or (x.flags.c_contiguous
+                               and x.ctypes.data % _ALIGN == 0):
+    return x
+  buffer = np.empty(x.nbytes + _ALIGN, np.uint8)
+  start = -buffer.ctypes.data % _ALIGN
+  out = buffer[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+  np.copyto(out, x)
+  return out
 
 
 # Per (mesh, spec); meshes and specs are hashable and few in a program.

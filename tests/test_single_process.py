@@ -115,6 +115,26 @@ def test_array_conversions_on_one_process():
     multihost.host_local_array_to_global_array(local, mesh, None)
 
 
+@pytest.mark.parametrize('spec', [jax.P(), jax.P('dev'), jax.P(None, 'dev')])
+def test_large_unaligned_inputs_are_placed_exactly_and_not_aliased(spec):
+  # Larger than 256 KiB and not 64-byte aligned, so the conversion makes its
+  # own aligned copy (the device would copy it anyway) of each slice.
+  mesh = jax.make_mesh((1, 4), ('host', 'dev'))
+  buffer = np.arange(2 * 4 * 65536 + 3, dtype=np.float32)
+  local = buffer[3:].reshape(2 * 4, 65536)[:, ::1]
+  assert local.ctypes.data % 64 and local.nbytes > 256 << 10
+  theirs = jax_mhu.host_local_array_to_global_array(local, mesh, spec)
+  ours = multihost.host_local_array_to_global_array(local, mesh, spec)
+  assert ours.sharding == theirs.sharding
+  for a, b in zip(ours.addressable_shards, theirs.addressable_shards,
+                  strict=True):
+    assert a.index == b.index and a.device == b.device
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+  expected = local.copy()
+  local[:] = -1.0  # The global array holds a copy, not the caller's memory.
+  np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
 def test_tracers_are_rejected_clearly():
   with pytest.raises(TypeError, match='outside transformed code'):
     jax.jit(multihost.process_allgather)(np.ones(2))
