@@ -67,7 +67,8 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
         [_leaves.finish(v.copy(), s) for v, s in zip(values, specs, strict=True)])
   size = sum(v.nbytes for v in values)
   # The size follows from the specs, which every process checks are equal.
-  inline = size <= _control_agree.INLINE_BYTES
+  inline = (size <= _control_agree.INLINE_BYTES
+            and not _data_plane.carries_small_payloads())
   header = _control_agree.Header(
       op, _leaves.signature(treedef), tuple(paths), specs, size=size,
       payload=_leaves.pack(values).tobytes() if is_source and inline else None,

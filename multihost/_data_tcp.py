@@ -394,8 +394,43 @@ class _Sender:
       raise error
 
 
-def _failed(plane: _Plane, sender: _Sender | None, op: str, peer: int,
-            error: BaseException) -> _errors.MultihostError:
+class _DirectSender:
+  """`_Sender`'s interface, sending on the calling thread.
+
+  For messages that fit in any socket buffer (`_DIRECT_BYTES`): a send then
+  never waits for the peer to read, so a ring of processes that all send
+  before they receive cannot deadlock, and no thread is started per call.
+  """
+
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
+    self.error: BaseException | None = None
+
+  def send(self, conn, view) -> None:
+    _send_all(conn, view, self.watch)
+
+  def finish(self, deadline: float) -> BaseException | None:
+    del deadline
+    return None
+
+  def close(self, deadline: float) -> None:
+    del deadline
+
+
+# At most this many payload bytes per message are sent on the calling thread:
+# with the frame header they fit in the smallest default socket buffers
+# (tcp_wmem/tcp_rmem start at 16 KiB and 128 KiB), even where raising the
+# buffers (`_tune`) was refused.
+_DIRECT_BYTES = 8 << 10
+
+
+def _sender(watch: tuple[str, float], largest: int) -> _Sender | _DirectSender:
+  return (_DirectSender(watch) if largest <= _DIRECT_BYTES
+          else _Sender(watch))
+
+
+def _failed(plane: _Plane, sender: _Sender | _DirectSender | None, op: str,
+            peer: int, error: BaseException) -> _errors.MultihostError:
   """Stops a failed transfer; returns the named error to raise."""
   if sender is not None:
     sender.finish(time.monotonic() + 0.1)
@@ -424,7 +459,7 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   out = buffer if rank == 0 else np.empty(length, np.uint8)
   view = memoryview(out.reshape(-1)[:length])
   watch = (op, deadline)
-  sender = _Sender(watch) if nxt is not None else None
+  sender = _sender(watch, length) if nxt is not None else None
   peer = prev
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
@@ -468,7 +503,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   peer = prev
   watch = (op, deadline)
-  sender = _Sender(watch)
+  sender = _sender(watch, max(sizes))
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)

@@ -16,8 +16,9 @@ from multihost import _process
 
 PyTree = Any
 
-# All-gathers whose total (per-process payload x processes) is at most this
-# travel through the coordination service; larger ones through the devices.
+# With the device transport, all-gathers whose total (per-process payload x
+# processes) is at most this travel through the coordination service; larger
+# ones, and all of them over TCP, through the data plane.
 _INLINE_TOTAL = 4 * _control_agree.INLINE_BYTES
 
 
@@ -72,7 +73,8 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   # What every process sends follows from the specs and the global leaves'
   # layouts, which the agreement covers, so every process knows every size.
   sizes = [_size_of(specs, layouts, p) for p in range(count)]
-  inline = max(sizes) * count <= _INLINE_TOTAL
+  inline = (max(sizes) * count <= _INLINE_TOTAL
+            and not _data_plane.carries_small_payloads())
   header = _control_agree.Header(
       op, _leaves.signature(treedef), tuple(paths), tuple(specs), size=size,
       payload=_leaves.pack(parts).tobytes() if inline else None,
