@@ -85,20 +85,32 @@ class Checkpoints:
           'same step replaces one).',
           _prefix(), self.directory, self.partial_steps)
     _folder.prepare(self.directory, READABLE_FORMATS, writable=not read_only)
+    # Naming every process as active makes Orbax meet at the coordination
+    # service's barriers (with a timeout) instead of at JAX's
+    # sync_global_devices, a device all-gather per barrier: a save meets 8
+    # times, and at 4 processes here that took 6-19 ms each instead of ~0.6.
+    # Orbax then leaves creating the folder to us (done above).
+    processes = jax.process_count()
+    multiprocessing = ocp.options.MultiprocessingOptions(
+        active_processes=set(range(processes)) if processes > 1 else None)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # keep-N is `_prune`'s: it deletes only our steps
         # Saves are scheduled by `save()`; Orbax's own interval is unused.
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=async_save,
-        create=not read_only,
+        create=not read_only and processes == 1,
         read_only=read_only,
         cleanup_tmp_directories=False,
+        multiprocessing_options=multiprocessing,
     )
     try:
       self._manager = ocp.CheckpointManager(
           self.directory, options=options,
-          item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
-                         META_ITEM: ocp.JsonCheckpointHandler()})
+          item_handlers={
+              STATE_ITEM: ocp.StandardCheckpointHandler(
+                  multiprocessing_options=multiprocessing),
+              META_ITEM: ocp.JsonCheckpointHandler(
+                  multiprocessing_options=multiprocessing)})
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Cannot open checkpoint folder {self.directory}: '
