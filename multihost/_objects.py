@@ -28,17 +28,8 @@ _NONCE = 16
 
 def max_bytes() -> int:
   """The largest pickled object accepted from a peer (MULTIHOST_MAX_OBJECT_BYTES)."""
-  text = env.get(env.MAX_OBJECT_BYTES)
-  if not text:
-    return DEFAULT_MAX_BYTES
-  try:
-    value = int(text)
-  except ValueError:
-    value = -1
-  if value <= 0:
-    raise ValueError(f'{env.MAX_OBJECT_BYTES}={text!r} is not a positive '
-                     'number of bytes; set it to e.g. 1073741824.')
-  return value
+  return env.number(env.MAX_OBJECT_BYTES, DEFAULT_MAX_BYTES, unit='bytes',
+                    example='1073741824', integer=True)
 
 
 def dumps(obj: Any) -> bytes:

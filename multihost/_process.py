@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import jax
 
@@ -33,18 +32,8 @@ def default_timeout() -> float:
   """The timeout, in seconds, used when a collective gets `timeout=None`."""
   if _default_timeout is not None:
     return _default_timeout
-  env = os.environ.get(_env.TIMEOUT)
-  if env:
-    try:
-      value = float(env)
-    except ValueError:
-      value = -1.0
-    if not value > 0:
-      raise ValueError(
-          f'${_env.TIMEOUT}={env!r} is not a positive number of seconds. '
-          'Set it to e.g. 60, or unset it.')
-    return value
-  return _DEFAULT_TIMEOUT_S
+  return _env.number(_env.TIMEOUT, _DEFAULT_TIMEOUT_S, unit='seconds',
+                     example='60')
 
 
 def resolve_timeout(timeout: float | None) -> float:

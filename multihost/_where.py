@@ -355,18 +355,9 @@ def stall_report_after() -> float:
   """Seconds a collective waits before it logs a stall report (0: never)."""
   if _state.stall_after is not None:
     return _state.stall_after
-  text = _env.get(_env.STALL_REPORT_AFTER)
-  if not text:
-    return _DEFAULT_STALL_S
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not value >= 0:
-    raise ValueError(
-        f'${_env.STALL_REPORT_AFTER}={text!r} is not a number of seconds '
-        '>= 0. Set it to e.g. 60 (0: no stall reports), or unset it.')
-  return value
+  return _env.number(_env.STALL_REPORT_AFTER, _DEFAULT_STALL_S,
+                     unit='seconds', example='60 (0: no stall reports)',
+                     zero_ok=True)
 
 
 def watch_stall(op: str, *, started: float, until: float, missing) -> int | None:

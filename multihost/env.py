@@ -86,6 +86,28 @@ def get(name: str, default: str | None = None) -> str | None:
   return os.environ.get(name, default)
 
 
+def number(name: str, default: float, *, unit: str, example: str,
+           zero_ok: bool = False, integer: bool = False) -> float:
+  """Numeric variable `name`: `default` when unset or empty, else its value.
+
+  Raises:
+    ValueError: the value is not a number, or not > 0 (>= 0 with
+      `zero_ok`); the message names the variable, the value and an example.
+  """
+  text = os.environ.get(name)
+  if not text:
+    return default
+  try:
+    value = int(text) if integer else float(text)
+  except ValueError:
+    value = None
+  if value is None or not (value >= 0 if zero_ok else value > 0):
+    what = f'number of {unit} >= 0' if zero_ok else f'positive number of {unit}'
+    raise ValueError(f'${name}={text!r} is not a {what}. Set it to e.g. '
+                     f'{example}, or unset it.')
+  return value
+
+
 def is_off(name: str) -> bool:
   """Whether environment variable `name` is set to a false value (0/false/no/off)."""
   return os.environ.get(name, '').strip().lower() in _OFF
