@@ -76,7 +76,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import pickle
 import re
 import shutil
 import signal
@@ -536,7 +535,7 @@ class _Worker:
     return path
 
   def _exchange(self, phase: str, payload: Any) -> list[Any]:
-    """Gathers `payload` from every process, in a namespace of its own.
+    """Gathers JSON-able `payload` from every process, in a namespace of its own.
 
     The keys and barrier are numbered by test, not by the collective call
     counter, so a test that left collectives unmatched on some process cannot
@@ -548,12 +547,15 @@ class _Worker:
     if count == 1:
       return [payload]
     prefix = f'{_KV_ROOT}/{self._seq}/{phase}/'
-    _coordination.kv_set(prefix + str(self._index), pickle.dumps(payload))
+    # JSON, not pickle: reading a value written by anyone who can reach the
+    # coordination service must not run code.
+    _coordination.kv_set(prefix + str(self._index),
+                         json.dumps(payload).encode())
     _control_rendezvous.barrier(prefix, f'pytest {phase} barrier',
                                 timeout=self._timeout)
     messages: list[Any] = [None] * count
     for key, value in _coordination.kv_dir(prefix):
-      messages[int(key.rsplit('/', 1)[1])] = pickle.loads(value)
+      messages[int(key.rsplit('/', 1)[1])] = json.loads(value)
     return messages
 
   @pytest.hookimpl(tryfirst=True)
