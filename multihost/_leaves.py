@@ -230,7 +230,7 @@ _ADDRESS = re.compile(r' at 0x[0-9a-fA-F]+')
 
 def signature(treedef) -> str:
   """The tree structure as text that is the same on every process (no memory addresses)."""
-  return _ADDRESS.sub('', str(treedef))
+  return _by_treedef(treedef)[1]
 
 
 def flatten(tree: PyTree, op: str):
@@ -239,12 +239,40 @@ def flatten(tree: PyTree, op: str):
   Raises:
     TypeError: a leaf is a tracer (the collectives are host-side).
   """
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  for _, leaf in with_path:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  for leaf in leaves:
     require_not_tracer(leaf, op)
-  paths = [jax.tree_util.keystr(p) or '<root>' for p, _ in with_path]
-  leaves = [leaf for _, leaf in with_path]
-  return leaves, paths, treedef
+  paths = _by_treedef(treedef, tree)[0]
+  return leaves, list(paths), treedef
+
+
+# A treedef's leaf paths and signature, which a training loop's collectives
+# ask for every step (~0.2 ms for 100 leaves). Bounded; treedefs whose
+# static data cannot be hashed are not cached.
+_TREEDEFS: dict[Any, tuple[tuple[str, ...] | None, str]] = {}
+
+
+def _by_treedef(treedef, tree: PyTree = None
+                ) -> tuple[tuple[str, ...] | None, str]:
+  """(leaf paths, signature) of `treedef`; paths need `tree` (None without)."""
+  try:
+    cached = _TREEDEFS.get(treedef)
+  except TypeError:  # Unhashable static data.
+    cached, treedef_key = None, None
+  else:
+    treedef_key = treedef
+  if cached is not None and (cached[0] is not None or tree is None):
+    return cached
+  paths = None
+  if tree is not None:
+    with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = tuple(jax.tree_util.keystr(p) or '<root>' for p, _ in with_path)
+  out = (paths, _ADDRESS.sub('', str(treedef)))
+  if treedef_key is not None:
+    if len(_TREEDEFS) > 256:
+      _TREEDEFS.clear()
+    _TREEDEFS[treedef_key] = out
+  return out
 
 
 def first_difference(specs_by_process: dict[int, tuple]) -> str:
