@@ -35,7 +35,9 @@ def host_local_array_to_global_array(local_inputs: PyTree,
   * An input that is already a global (not fully addressable) array is
     returned as is (the same object).
   * A jax.Array already laid out as the local sharding keeps its buffers
-    (no copy).
+    (no copy). A numpy slice of 256 KiB or more that is not 64-byte aligned
+    (which the device would copy) is copied once into aligned memory that
+    the result then owns; an aligned one is used in place, as JAX's.
   * Inside `jax.jit` (a traced input) it is the identity laid out as the
     global sharding, as JAX's, where the local and global shapes are equal
     (one process, or a spec replicated across processes); else ValueError.
