@@ -1,4 +1,4 @@
-"""Data plane: the `MULTIHOST_TRANSPORT` switch that sends large payloads over TCP (default) or a device collective."""
+"""Data plane: the `MULTIHOST_TRANSPORT` switch (TCP, the default, or a device collective); a timeout says where the late peers are."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import numpy as np
 
 from multihost import _data_device
 from multihost import _data_tcp
+from multihost import _errors
+from multihost import _where
 from multihost import env as _env
 
 
@@ -40,9 +42,13 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; only the source passes a buffer.
   """
-  if tcp_enabled():
-    return _data_tcp.broadcast(buffer, length, source, op=op, timeout=timeout)
-  return _data_device.broadcast(buffer, length, op=op, timeout=timeout)
+  try:
+    if tcp_enabled():
+      return _data_tcp.broadcast(buffer, length, source, op=op,
+                                 timeout=timeout)
+    return _data_device.broadcast(buffer, length, op=op, timeout=timeout)
+  except _errors.CollectiveTimeoutError as e:
+    raise _where.with_whereabouts(e) from e
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
@@ -52,6 +58,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   Collective: every process must call this, in the same order, with the
   same `sizes`.
   """
-  if tcp_enabled():
-    return _data_tcp.allgather(buffer, sizes, op=op, timeout=timeout)
-  return _data_device.allgather(buffer, max(sizes), op=op, timeout=timeout)
+  try:
+    if tcp_enabled():
+      return _data_tcp.allgather(buffer, sizes, op=op, timeout=timeout)
+    return _data_device.allgather(buffer, max(sizes), op=op, timeout=timeout)
+  except _errors.CollectiveTimeoutError as e:
+    raise _where.with_whereabouts(e) from e

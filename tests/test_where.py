@@ -7,7 +7,9 @@ before its timeout and then raises a `CollectiveTimeoutError` that names the
 stuck process, its function and its last collective. The P=2 run also sends
 SIGUSR1 to the launcher while process 1 is stuck (every controller prints
 where it is and keeps running); the P=4 run (stuck process 2) also calls
-`multihost.where()` from process 0. Both runs end cleanly.
+`multihost.where()` from process 0. Both runs end cleanly. A third run
+freezes a process (SIGSTOP) during 256 MiB all-gathers: the other's timeout,
+raised by the data plane, still says where the frozen one is.
 """
 
 from __future__ import annotations
@@ -243,3 +245,48 @@ def test_single_process_where_and_stall_threshold(monkeypatch):
   monkeypatch.setenv(env_lib.STALL_REPORT_AFTER, 'soon')
   with pytest.raises(ValueError, match='MULTIHOST_STALL_REPORT_AFTER'):
     multihost.stall_report_after()
+
+
+_TRANSFER = textwrap.dedent('''
+    import sys
+    import numpy as np
+    import multihost
+    multihost.initialize()
+    import jax  # noqa: E402
+    big = np.full(256 << 20, jax.process_index(), np.uint8)
+    k = 0
+    try:
+      while True:
+        multihost.process_allgather(big, timeout=float(sys.argv[1]))
+        k += 1
+        if k == 2:
+          print('LOOP', flush=True)
+    except Exception as e:  # noqa: BLE001
+      print(f'ERROR {type(e).__name__}: {e}', flush=True)
+      sys.exit(3)
+''')
+
+
+def test_a_transfer_timeout_says_where_the_peer_is(tmp_path):
+  # Nearly all of each call is the 256 MiB transfer, after the agreement, so
+  # the freeze lands there: the waiting process's timeout comes from the
+  # data plane, and must still say where the peer is (frozen: not answering).
+  from multihost import launch  # pylint: disable=import-outside-toplevel
+  script = tmp_path / 'transfer.py'
+  script.write_text(_TRANSFER)
+  with launch.Controllers(
+      [sys.executable, str(script), str(TIMEOUT_S)], num_processes=2,
+      env={'PYTHONPATH': str(ROOT), env_lib.HEARTBEAT: '60'},
+      grace_period=5, kill_wait=1) as cluster:
+    for i in range(2):
+      assert cluster.wait_for_output(i, 'LOOP', timeout=120), cluster.outputs
+    cluster.kill(1, signal.SIGSTOP)
+    named = cluster.wait_for_output(0, 'ERROR', timeout=TIMEOUT_S + 20)
+    out0 = cluster.output(0)
+    cluster.kill(1, signal.SIGKILL)
+    cluster.wait(60)
+  assert named, out0[-3000:]
+  error = out0.split('ERROR ', 1)[1]
+  assert error.startswith('CollectiveTimeoutError'), error[:2000]
+  assert 'process 1' in error and (
+      'Where they are: process 1: not answering' in error), error[:2000]
