@@ -116,7 +116,7 @@ def touch(nbytes: int) -> None:
 
 
 def _touch_bytes(case: Case) -> int:
-  """Memory a case's call may newly touch: its payload on every process, twice."""
+  """Memory a case's call may newly touch: (processes + 2) x its payload, at most 1 GiB."""
   return min(1 << 30, case.payload_bytes * (jax.process_count() + 2))
 
 

@@ -15,13 +15,9 @@ import pytest
 import multihost
 import multihost.env
 import multihost.lowlevel
+from topologies import topologies as topology_params
 
-topologies = pytest.mark.parametrize('topology', [
-    pytest.param('2x4', marks=pytest.mark.multihost(
-        num_processes=2, devices_per_process=4, timeout=240)),
-    pytest.param('4x1', marks=pytest.mark.multihost(
-        num_processes=4, devices_per_process=1, timeout=240)),
-])
+topologies = topology_params('2x4', '4x1', timeout=240)
 
 
 def _me():
@@ -136,12 +132,7 @@ def _assert_same(ours, theirs):
 
 
 # The differential test's topologies (processes x devices): 2x2 and 4x1.
-parity_topologies = pytest.mark.parametrize('topology', [
-    pytest.param('2x2', marks=pytest.mark.multihost(
-        num_processes=2, devices_per_process=2, timeout=400)),
-    pytest.param('4x1', marks=pytest.mark.multihost(
-        num_processes=4, devices_per_process=1, timeout=400)),
-])
+parity_topologies = topology_params('2x2', '4x1', timeout=400)
 
 
 def _big_random_tree(rng, pid, nbytes):
@@ -508,14 +499,7 @@ def _digest_tree():
   return {'a': sharded, 'b': np.int32(3)}
 
 
-@pytest.mark.parametrize('topology', [
-    pytest.param('2x4', marks=pytest.mark.multihost(
-        num_processes=2, devices_per_process=4, timeout=240)),
-    pytest.param('2x2', marks=pytest.mark.multihost(
-        num_processes=2, devices_per_process=2, timeout=240)),
-    pytest.param('4x1', marks=pytest.mark.multihost(
-        num_processes=4, devices_per_process=1, timeout=240)),
-])
+@topology_params('2x4', '2x2', '4x1', timeout=240)
 def test_tree_digest_is_the_same_at_every_topology(topology):
   tree = _digest_tree()
   assert not tree['a'].is_fully_addressable

@@ -19,15 +19,9 @@ import numpy as np
 import pytest
 
 import multihost
+from topologies import topologies as topology_params
 
-topologies = pytest.mark.parametrize('topology', [
-    pytest.param('2x2', marks=pytest.mark.multihost(
-        num_processes=2, devices_per_process=2, timeout=300)),
-    pytest.param('4x1', marks=pytest.mark.multihost(
-        num_processes=4, devices_per_process=1, timeout=300)),
-    pytest.param('1x4', marks=pytest.mark.multihost(
-        num_processes=1, devices_per_process=4, timeout=300)),
-])
+topologies = topology_params('2x2', '4x1', '1x4', timeout=300)
 
 _MiB = 1 << 20
 
