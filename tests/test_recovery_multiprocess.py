@@ -34,10 +34,15 @@ def test_identical_controllers_pass_and_agree_on_the_digest():
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
-def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path):
+@pytest.mark.parametrize('async_save', [True, False])
+def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path,
+                                                       async_save):
+  # Orbax writes the state while the controllers compare it: the save must
+  # not commit, and its uncommitted folder is removed.
   pid = jax.process_index()
   state = _state(np.full(4, float(pid), np.float32))
-  with recovery.Checkpoints(multihost_tmp_path / 'ckpt') as ckpt:
+  folder = multihost_tmp_path / 'ckpt'
+  with recovery.Checkpoints(folder, async_save=async_save) as ckpt:
     with pytest.raises(multihost.ConsistencyError) as e:
       ckpt.save(state, force=True)
     message = str(e.value)
@@ -45,8 +50,18 @@ def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path):
     # The differing leaf and the processes are named; equal leaves are not.
     assert 'weights' in message and 'cursor' not in message
     assert '[0]' in message and '[1]' in message
+    ckpt.wait()  # the abandoned save reports nothing more
     multihost.sync_global_devices('after-divergent-save')
-    assert ckpt.steps() == []  # Nothing was written.
+    assert ckpt.steps() == []  # Nothing was committed,
+    assert sorted(p.name for p in folder.iterdir()) == ['.recovery-lock']
+    # and the same step saves once the controllers agree.
+    same = _state(np.zeros(4, np.float32))
+    assert ckpt.save(same, force=True)
+    if not async_save:
+      assert ckpt.steps() == [3]  # committed before save() returned
+    ckpt.wait()
+    assert ckpt.steps() == [3]
+    assert ckpt.read_meta(3)['digest'] == recovery.state_digest(same)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
