@@ -185,11 +185,16 @@ class _Plane:
       if not keep:
         _close(conn)
 
-  def _connect(self, peer: int, remaining: float) -> _Link:
+  def _connect(self, peer: int, remaining: float, op: str) -> _Link:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
+    start = time.monotonic()
     value = _coordination.kv_get(_ADDRESS_KEY.format(peer), remaining)
     host, port = value.decode().rsplit('|', 1)
-    conn = socket.create_connection((host, int(port)), timeout=remaining)
+    remaining = max(remaining - (time.monotonic() - start), 0.001)
+    try:
+      conn = socket.create_connection((host, int(port)), timeout=remaining)
+    except OSError as e:
+      raise _unreachable(op, peer, f'{host}:{port}', e) from e
     try:
       nonce = secrets.token_bytes(_NONCE)
       conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
@@ -220,7 +225,7 @@ class _Plane:
     if self.me < peer:
       remaining = max(deadline - time.monotonic(), 0.001)
       try:
-        link = self._connect(peer, remaining)
+        link = self._connect(peer, remaining, op)
       except _errors.MultihostError:
         raise
       except (OSError, TimeoutError) as e:
@@ -234,7 +239,7 @@ class _Plane:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-          raise _diagnostics.transfer_timeout(op, peer, 'to connect')
+          raise _diagnostics.connect_timeout(op, peer, None)
         self.lock.wait(min(remaining, 0.5))
         _watchdog.check(op)
       return self.conns[peer]
@@ -524,6 +529,17 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   except (OSError, TimeoutError, _errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
   return rows
+
+
+def _unreachable(op: str, peer: int, address: str,
+                 error: OSError) -> _errors.MultihostError:
+  """A named error for a connection to `peer` that could not be opened."""
+  if isinstance(error, (socket.timeout, TimeoutError)):
+    return _diagnostics.connect_timeout(op, peer, address)
+  dead = list(_watchdog.failed_within_bound())
+  if dead:  # refused because the peer is gone
+    return _diagnostics.connection_failure(op, peer, error, dead)
+  return _diagnostics.cannot_connect(op, peer, address, error)
 
 
 def _peer_error(op: str, peer: int, error: BaseException,

@@ -207,6 +207,34 @@ def transfer_timeout(op: str, peer: int,
       'legitimately this slow.', operation=op, missing=[peer])
 
 
+_TCP_BLOCKED = (
+    'The TCP data plane needs each controller to reach the others on the '
+    'port it publishes (an ephemeral port on the address that reaches the '
+    'coordinator); a firewall that lets only the coordinator\'s port through '
+    'blocks it. Open TCP between the hosts, or set MULTIHOST_TRANSPORT=device '
+    'on every process to move payloads over JAX device collectives instead.')
+
+
+def cannot_connect(op: str, peer: int, address: str,
+                   error: BaseException) -> _errors.MultihostError:
+  """Opening the data-plane connection to a live `peer` failed."""
+  return _errors.MultihostError(
+      f'{prefix()} {op}: cannot open a data-plane connection to process '
+      f'{peer} at {address} ({type(error).__name__}: {error}), and process '
+      f'{peer} is not known to have failed. {_TCP_BLOCKED}')
+
+
+def connect_timeout(op: str, peer: int,
+                    address: str | None) -> _errors.CollectiveTimeoutError:
+  """No data-plane connection with `peer` within the timeout."""
+  where = (f'to accept a data-plane connection at {address}' if address
+           else 'to open its data-plane connection to this process')
+  return _errors.CollectiveTimeoutError(
+      f'{prefix()} {op}: timed out waiting for process {peer} {where}. It may '
+      f'be stuck or slow, or the connection may be blocked. {_TCP_BLOCKED}',
+      operation=op, missing=[peer])
+
+
 def connection_failure(op: str, peer: int, error: BaseException,
                        dead: list[int]) -> _errors.ProcessFailureError:
   return _errors.ProcessFailureError(
