@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent import futures
 import functools
 import os
 import re
@@ -225,6 +226,10 @@ class Checkpoints:
     # it and agree; the meta item, and with it the commit, waits for the
     # digests, and is abandoned (nothing commits) when they do not agree.
     content = _meta_item.Pending(f'{_prefix()} Saving step {step}')
+    # Local digests (no leaf sharded across processes) start at once, beside
+    # Orbax's copy of the state to host memory inside `save`.
+    local = (_digest_thread().submit(_digest.checkpoint_leaf_digests, tree)
+             if _digest.digests_are_local(tree) else None)
     try:
       _watched(
           f'save checkpoint step {step}',
@@ -237,8 +242,11 @@ class Checkpoints:
                      f'failed: {type(e).__name__}: {_short(e)}. The previous '
                      f'checkpoint (step {self._on_disk()}) is untouched.'))
       digests = _consistency.check_consistent(
-          tree, what=f'Before saving step {step}')
+          tree, what=f'Before saving step {step}',
+          digests=None if local is None else local.result())
     except BaseException as e:
+      if local is not None:
+        futures.wait([local])  # it reads the state; let it finish
       content.abandon(e)
       self._drain_abandoned_save()
       if isinstance(e, multihost.ConsistencyError):
@@ -479,6 +487,11 @@ class Checkpoints:
           f'{self.steps()}. Pass --resume (resume=True) to continue from step '
           f'{latest}, or use a new folder for a fresh run.')
     return initial
+
+
+@functools.cache
+def _digest_thread() -> futures.ThreadPoolExecutor:
+  return futures.ThreadPoolExecutor(1, thread_name_prefix='recovery-digest')
 
 
 def _leaf_specs(stored) -> dict[str, list]:
