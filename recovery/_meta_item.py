@@ -34,11 +34,16 @@ class AbandonedError(RuntimeError):
 def _reports_abandoned_save(record) -> bool:
   """Whether a log record is Orbax reporting a save that we abandoned."""
   error = record.exc_info[1] if record.exc_info else None
-  while error is not None:
+  for _ in range(16):  # a chain of causes, bounded
+    if error is None:
+      break
     if isinstance(error, AbandonedError):
       return True
     error = error.__cause__ or error.__context__
-  return AbandonedError.__name__ in record.getMessage()
+  try:
+    return AbandonedError.__name__ in record.getMessage()
+  except Exception:  # pylint: disable=broad-except
+    return False  # a malformed record is not ours to drop
 
 
 class _QuietAbandonedSaves:
