@@ -104,6 +104,18 @@ def test_tree_digest():
       np.arange(8.0, dtype=np.float32))
 
 
+
+def test_digests_use_the_fast_crc32_where_isal_is_installed():
+  # ISA-L's CRC-32 gives zlib's values (checked against zlib above) ~5x
+  # faster; a broken import would silently fall back to zlib.
+  isal_zlib = pytest.importorskip(
+      'isal.isal_zlib', reason='isal has no wheel for this platform; the '
+      'digests then use zlib.crc32 (the same values)')
+  from multihost import _digest
+  assert _digest._crc32_of is isal_zlib.crc32
+  data = np.random.default_rng(3).integers(0, 255, 5 << 20, np.uint8)
+  assert _digest._crc32_of(data) == zlib.crc32(data)
+
 def test_array_conversions_on_one_process():
   mesh = jax.make_mesh((1, 4), ('host', 'dev'))
   local = np.arange(8.0, dtype=np.float32).reshape(4, 2)
