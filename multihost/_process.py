@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 
 from multihost import env as _env

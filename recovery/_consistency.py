@@ -69,10 +69,8 @@ def check_consistent(state: TransitionState | PyTree, *, what: str,
 
 def _replicated_across_processes(x: Any) -> bool:
   """Whether `x` is sharded across processes with some part on several."""
-  if not (isinstance(x, jax.Array) and not x.is_fully_addressable
-          and not x.is_fully_replicated):
-    return False
-  return _has_cross_process_replicas(x.sharding, x.shape)
+  return (_leaves.is_split_across_processes(x)
+          and _has_cross_process_replicas(x.sharding, x.shape))
 
 
 @functools.lru_cache(maxsize=256)

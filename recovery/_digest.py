@@ -77,8 +77,7 @@ def digests_are_local(tree: PyTree) -> bool:
   digest combines every process's shards, a collective). Local digests may be
   computed off the calling thread.
   """
-  return not any(isinstance(x, jax.Array) and not x.is_fully_addressable
-                 and not x.is_fully_replicated
+  return not any(_leaves.is_split_across_processes(x)
                  for x in jax.tree.leaves(tree))
 
 

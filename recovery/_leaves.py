@@ -70,6 +70,16 @@ def is_key(x) -> bool:
       x.dtype, jax.dtypes.prng_key)
 
 
+def is_split_across_processes(x: Any) -> bool:
+  """Whether `x` is a global array whose parts live on different processes.
+
+  Its digest combines every process's shards (a collective), and parts held
+  by several processes may need comparing shard by shard.
+  """
+  return (isinstance(x, jax.Array) and not x.is_fully_addressable
+          and not x.is_fully_replicated)
+
+
 def _stored_as_array(x: jax.Array) -> bool:
   """Whether a (non-key) jax.Array is stored as itself, not as NumPy."""
   if not x.is_fully_addressable:

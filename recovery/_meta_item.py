@@ -11,6 +11,7 @@ and so the checkpoint's commit, waits until `give()` is called, and fails
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 from typing import Any
@@ -46,20 +47,15 @@ def _reports_abandoned_save(record) -> bool:
     return False  # a malformed record is not ours to drop
 
 
-class _QuietAbandonedSaves:
+@functools.cache
+def _quiet_abandoned_saves() -> None:
   """Drops Orbax's error reports (three tracebacks) of a save we abandoned.
 
-  The caller of `Checkpoints.save` gets the reason itself, as an exception.
+  Installed once. The caller of `Checkpoints.save` gets the reason itself,
+  as an exception.
   """
-
-  installed = False
-
-  @classmethod
-  def install(cls) -> None:
-    if not cls.installed:
-      logging.get_absl_logger().addFilter(
-          lambda record: not _reports_abandoned_save(record))
-      cls.installed = True
+  logging.get_absl_logger().addFilter(
+      lambda record: not _reports_abandoned_save(record))
 
 
 class Pending:
@@ -97,7 +93,7 @@ class Handler(ocp.JsonCheckpointHandler):
   def __init__(self, *, multiprocessing_options: ocp.options.MultiprocessingOptions):
     super().__init__(FILENAME, multiprocessing_options=multiprocessing_options)
     self._writer = multiprocessing_options.primary_host
-    _QuietAbandonedSaves.install()
+    _quiet_abandoned_saves()
 
   async def async_save(self, directory, item=None, args=None):
     if not isinstance(args, DeferredSave):
