@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent import futures
 import functools
 import os
 import re
-import shutil
 from typing import Any
 
 from absl import logging
@@ -23,7 +21,6 @@ from recovery import _folder
 from recovery import _lock
 from recovery import _digest
 from recovery import _leaves
-from recovery import _meta_item
 from recovery import _shared_folder
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
@@ -68,7 +65,6 @@ class Checkpoints:
     self.save_every = int(save_every)
     self.keep = int(keep)
     self.read_only = read_only
-    self.async_save = async_save
     if read_only:
       if not os.path.isdir(self.directory):
         raise CheckpointError(
@@ -101,9 +97,7 @@ class Checkpoints:
         max_to_keep=None,  # keep-N is `_prune`'s: it deletes only our steps
         # Saves are scheduled by `save()`; Orbax's own interval is unused.
         save_interval_steps=0 if read_only else 1,
-        # Always asynchronous: a save's agreement check runs while Orbax
-        # writes (see `save`); `save` waits for the commit when not async_save.
-        enable_async_checkpointing=not read_only,
+        enable_async_checkpointing=async_save,
         create=not read_only and processes == 1,
         read_only=read_only,
         cleanup_tmp_directories=False,
@@ -115,7 +109,7 @@ class Checkpoints:
           item_handlers={
               STATE_ITEM: ocp.StandardCheckpointHandler(
                   multiprocessing_options=multiprocessing),
-              META_ITEM: _meta_item.Handler(
+              META_ITEM: ocp.JsonCheckpointHandler(
                   multiprocessing_options=multiprocessing)})
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
@@ -137,7 +131,7 @@ class Checkpoints:
     """The JSON metadata item of committed checkpoint `step`."""
     try:
       meta = self._manager.restore(
-          step, args=ocp.args.Composite(**{META_ITEM: _meta_item.Restore()}))
+          step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
       meta = dict(meta[META_ITEM])
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
@@ -180,10 +174,9 @@ class Checkpoints:
 
     Collective: every process must call this, in the same order.
 
-    Checks that every controller holds an identical state
-    (`check_consistent`) while Orbax writes it; the save commits only if they
-    do. The commit is atomic; with async saving it completes in the
-    background (`wait()` blocks until it has), otherwise before this returns.
+    Before saving, checks that every controller holds an identical state
+    (`check_consistent`). The save is committed atomically; with async
+    saving it completes in the background (`wait()` blocks until it has).
 
     Returns:
       Whether a save was started.
@@ -209,11 +202,15 @@ class Checkpoints:
     except TypeError as e:
       raise CheckpointError(
           f'{_prefix()} Cannot save step {step}: {e}') from None
+    digests = _consistency.check_consistent(
+        tree, what=f'Before saving step {step}')
     meta = {
         'format': FORMAT,
         'step': step,
         'epoch': state.epoch,
         'cursor': state.cursor,
+        'digest': _digest.combine(digests),
+        'leaf_digests': digests,
         'digest_algorithm': _digest.DIGEST_ALGORITHM,
         'key_impl': str(jax.random.key_impl(state.key)),
         'leaves': _leaf_specs(tree),
@@ -222,82 +219,20 @@ class Checkpoints:
         'device_count': jax.device_count(),
         'reason': reason,
     }
-    # Orbax writes the state in the background while the controllers digest
-    # it and agree; the meta item, and with it the commit, waits for the
-    # digests, and is abandoned (nothing commits) when they do not agree.
-    content = _meta_item.Pending(f'{_prefix()} Saving step {step}')
-    # Local digests (no leaf sharded across processes) start at once, beside
-    # Orbax's copy of the state to host memory inside `save`.
-    local = (_digest_thread().submit(_digest.checkpoint_leaf_digests, tree)
-             if _digest.digests_are_local(tree) else None)
-    try:
-      _watched(
-          f'save checkpoint step {step}',
-          functools.partial(self._manager.save, step, force=True,
-                            args=ocp.args.Composite(**{
-                                STATE_ITEM: ocp.args.StandardSave(tree),
-                                META_ITEM: _meta_item.DeferredSave(content),
-                            })),
-          lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
-                     f'failed: {type(e).__name__}: {_short(e)}. The previous '
-                     f'checkpoint (step {self._on_disk()}) is untouched.'))
-      digests = _consistency.check_consistent(
-          tree, what=f'Before saving step {step}',
-          digests=None if local is None else local.result())
-    except BaseException as e:
-      if local is not None:
-        futures.wait([local])  # it reads the state; let it finish
-      content.abandon(e)
-      self._drain_abandoned_save()
-      if isinstance(e, multihost.ConsistencyError):
-        # Raised on every process alike, so they can meet to remove it.
-        self._remove_abandoned_save(step)
-      raise
-    content.give({**meta, 'digest': _digest.combine(digests),
-                  'leaf_digests': digests})
+    _watched(
+        f'save checkpoint step {step}',
+        functools.partial(self._manager.save, step, force=True,
+                          args=ocp.args.Composite(**{
+                              STATE_ITEM: ocp.args.StandardSave(tree),
+                              META_ITEM: ocp.args.JsonSave(meta),
+                          })),
+        lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
+                   f'failed: {type(e).__name__}: {_short(e)}. The previous '
+                   f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._prune_due = True
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
-    if not self.async_save:
-      self.wait()
     return True
-
-  def _drain_abandoned_save(self) -> None:
-    """Waits for Orbax to give up an abandoned save; its error is expected.
-
-    Orbax's save-finalize thread re-raises its error once to each thread that
-    waits for it: this waits from the watched worker thread (bounded), then
-    from the calling thread (at once), so neither reports it again later.
-    """
-    try:
-      multihost.call_watched(self._manager.wait_until_finished,
-                             op='abandon checkpoint save')
-    except (multihost.ProcessFailureError, multihost.CollectiveTimeoutError):
-      return  # still running; a later wait reports what happened
-    except Exception:  # pylint: disable=broad-except
-      pass  # the save was abandoned on purpose; the caller raises why
-    try:
-      self._manager.wait_until_finished()
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-  def _remove_abandoned_save(self, step: int) -> None:
-    """Removes the uncommitted folder of an abandoned save of `step`.
-
-    Collective: once every process's writes have stopped, process 0 removes
-    it. On any failure the folder stays, as after an interrupted save.
-    """
-    try:
-      if jax.process_count() > 1:
-        multihost.sync_global_devices(f'recovery-abandoned-save-{step}')
-      if jax.process_index() == 0:
-        for name in os.listdir(self.directory):
-          if re.fullmatch(str(step) + re.escape(_TMP_SUFFIX) + r'.*', name):
-            shutil.rmtree(os.path.join(self.directory, name))
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning('%s The uncommitted folder of the abandoned save of '
-                      'step %d stays in %s (%s: %s); it is ignored.',
-                      _prefix(), step, self.directory, type(e).__name__, e)
 
   def wait(self) -> None:
     """Blocks until an asynchronous save has committed."""
@@ -487,11 +422,6 @@ class Checkpoints:
           f'{self.steps()}. Pass --resume (resume=True) to continue from step '
           f'{latest}, or use a new folder for a fresh run.')
     return initial
-
-
-@functools.cache
-def _digest_thread() -> futures.ThreadPoolExecutor:
-  return futures.ThreadPoolExecutor(1, thread_name_prefix='recovery-digest')
 
 
 def _leaf_specs(stored) -> dict[str, list]:

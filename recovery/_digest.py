@@ -70,17 +70,6 @@ def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
                   strict=True))
 
 
-def digests_are_local(tree: PyTree) -> bool:
-  """Whether `checkpoint_leaf_digests(tree)` involves no other process.
-
-  True unless some leaf is a global array sharded across processes (whose
-  digest combines every process's shards, a collective). Local digests may be
-  computed off the calling thread.
-  """
-  return not any(_leaves.is_split_across_processes(x)
-                 for x in jax.tree.leaves(tree))
-
-
 def state_digest(tree: TransitionState | PyTree) -> str:
   """One hex digest of the whole tree's global content and leaf paths.
 
