@@ -21,7 +21,6 @@ from recovery import _folder
 from recovery import _lock
 from recovery import _digest
 from recovery import _leaves
-from recovery import _shared_folder
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
 from recovery._errors import fallback_advice
@@ -65,17 +64,26 @@ class Checkpoints:
     self.save_every = int(save_every)
     self.keep = int(keep)
     self.read_only = read_only
+    self._lock = None
+    # This run's committed steps of this format, oldest first: what keep-N
+    # deletes from. The same list on every process (read by process 0 under
+    # the lock, then changed only by collective saves and deletes), so every
+    # process makes the same (collective) deletions without a broadcast.
+    self._committed: list[int] = []
+    self._pending: int | None = None  # a started save, not yet waited for
     if read_only:
       if not os.path.isdir(self.directory):
         raise CheckpointError(
             f'{_prefix()} Checkpoint folder {self.directory} does not exist.')
     else:
       _ensure_writable(self.directory)
-      _shared_folder.check(self.directory)
-    self._lock = None if read_only else _lock.FolderLock.acquire(self.directory)
+      self._lock, committed = _lock.FolderLock.acquire(
+          self.directory, listing=lambda: _folder.scan(
+              self.directory, READABLE_FORMATS)[0])
+      self._committed = list(committed)
     # Whether keep-N may have something to delete: at start (older steps on
     # disk) and after each save. Saves are collective, so every process
-    # holds the same value and skips the (collective) prune together.
+    # holds the same value and skips the prune together.
     self._prune_due = not read_only
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
@@ -130,9 +138,8 @@ class Checkpoints:
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON metadata item of committed checkpoint `step`."""
     try:
-      meta = self._manager.restore(
-          step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
-      meta = dict(meta[META_ITEM])
+      meta = _folder.read_meta(self.directory, step)
+      meta = dict(meta)
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Checkpoint step {step} in {self.directory} is corrupt '
@@ -229,6 +236,7 @@ class Checkpoints:
         lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
+    self._pending = step
     self._prune_due = True
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
@@ -236,11 +244,14 @@ class Checkpoints:
 
   def wait(self) -> None:
     """Blocks until an asynchronous save has committed."""
+    pending, self._pending = self._pending, None
     _watched(
         'commit checkpoint', self._manager.wait_until_finished,
         lambda e: (f'{_prefix()} An asynchronous save to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The last '
                    f'committed checkpoint is step {self._on_disk()}.'))
+    if pending is not None:
+      self._committed = sorted({*self._committed, pending})
     if self._prune_due:
       self._prune()
       self._prune_due = False
@@ -254,10 +265,8 @@ class Checkpoints:
     """Keeps the newest `keep` committed steps; deletes only this format's steps."""
     if self.read_only:
       return
-    doomed = self.steps()[:-self.keep] if jax.process_index() == 0 else None
-    if jax.process_count() > 1:  # one decision: deleting is collective
-      doomed = multihost.broadcast_object(doomed)
-    for step in doomed:  # Orbax's delete meets the other processes: watched.
+    for step in self._committed[:-self.keep]:
+      # Orbax's delete meets the other processes: watched.
       _watched(
           f'delete checkpoint step {step}',
           functools.partial(self._manager.delete, step),
@@ -265,6 +274,7 @@ class Checkpoints:
               f'{_prefix()} Deleting old checkpoint step {step} in '
               f'{self.directory} failed: {type(e).__name__}: {_short(e)}. '
               'Newer steps are untouched; remove it by hand if it remains.'))
+      self._committed.remove(step)
 
   def close(self) -> None:
     try:

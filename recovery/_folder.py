@@ -11,11 +11,31 @@ import json
 import os
 import re
 import shutil
+from typing import Any
 
 from absl import logging
 import jax
 
 _TMP = re.compile(r'\d+\.orbax-checkpoint-tmp.*')
+
+
+def meta_path(directory: str, step: int | str) -> str:
+  """Where Orbax's JSON handler keeps a step's `meta` item."""
+  return os.path.join(directory, str(step), 'meta', 'metadata')
+
+
+def read_meta(directory: str, step: int | str) -> Any:
+  """The parsed `meta` item of `<directory>/<step>`.
+
+  Read straight from the file, as `is_ours` does, rather than through an
+  Orbax restore (which meets the other processes at a barrier).
+
+  Raises:
+    OSError: no readable meta item.
+    ValueError: it is not JSON.
+  """
+  with open(meta_path(directory, step)) as f:
+    return json.loads(f.read())
 
 
 def is_ours(directory: str, step: int | str, formats: tuple[str, ...]) -> bool:
@@ -25,12 +45,9 @@ def is_ours(directory: str, step: int | str, formats: tuple[str, ...]) -> bool:
   damaged checkpoint, reported as such when read), not as foreign.
   """
   try:
-    with open(os.path.join(directory, str(step), 'meta', 'metadata')) as f:
-      text = f.read()
+    meta = read_meta(directory, step)
   except OSError:
     return False
-  try:
-    meta = json.loads(text)
   except ValueError:
     return True
   return isinstance(meta, dict) and meta.get('format') in formats

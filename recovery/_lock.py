@@ -2,7 +2,8 @@
 
 The lock is a file, `.recovery-lock`, created with O_EXCL (atomic on local
 and NFSv3+ folders) that names its holder (host, pid, the pid's start time,
-the time taken) and stays flock'ed while held. A second run on the same
+the time taken, a fresh nonce) and stays flock'ed while held. Every other
+process looks for it, nonce and all, to confirm that it sees the same folder. A second run on the same
 folder is refused with the holder's name. A lock left by a run that died is
 stale when its holder ran on this host and that process is gone (or its pid
 now belongs to another process); it is then taken over, with a warning. A
@@ -12,16 +13,20 @@ is known to be gone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import fcntl
 import json
 import os
+import secrets
 import socket
 import time
+from typing import Any
 
 from absl import logging
 import jax
 import multihost
 
+from recovery import _shared_folder
 from recovery._errors import CheckpointError
 
 LOCK_NAME = '.recovery-lock'
@@ -64,31 +69,58 @@ class FolderLock:
     self._info = info
 
   @classmethod
-  def acquire(cls, directory: str) -> FolderLock:
-    """Takes the folder's lock for this run.
+  def acquire(cls, directory: str, *, listing: Callable[[], Any] = lambda: None
+              ) -> tuple[FolderLock, Any]:
+    """Takes the folder's lock for this run; returns it and process 0's `listing()`.
 
     Collective: every process must call this, in the same order.
 
+    Process 0 takes the lock and calls `listing()` while holding it. One
+    broadcast gives every process the outcome, the lock's nonce and that
+    listing (so that every process holds the same one); then every process
+    confirms that it sees the lock file with that nonce, i.e. the same
+    folder (`_shared_folder.check`: one all-gather). A single process just
+    takes the lock.
+
     Raises:
-      CheckpointError: another live run holds the folder (named).
+      CheckpointError: another live run holds the folder (named), or some
+        process does not see the folder process 0 locked (named).
     """
     path = os.path.join(directory, LOCK_NAME)
-    lock, refusal = cls(path, None, None), None
+    lock, refusal, listed = cls(path, None, None), None, None
     if jax.process_index() == 0:
       try:
         lock = cls._take(path)
+        listed = listing()
       except CheckpointError as e:
         refusal = str(e)
-    if jax.process_count() > 1:
-      refusal = multihost.broadcast_object(refusal)
-    if refusal:
-      raise CheckpointError(refusal)
-    return lock
+      except Exception as e:  # pylint: disable=broad-except
+        lock.release()  # Every process raises, not only this one.
+        refusal = (f'Process 0 could not take the checkpoint folder lock '
+                   f'{path}: {type(e).__name__}: {e}')
+    if jax.process_count() == 1:
+      if refusal:
+        raise CheckpointError(refusal)
+      return lock, listed
+    nonce = lock._info['nonce'] if lock._info else None
+    try:
+      refusal, nonce, listed = multihost.broadcast_object(
+          (refusal, nonce, listed))
+      if refusal:
+        raise CheckpointError(refusal)
+      _shared_folder.check(
+          directory, LOCK_NAME,
+          seen=lambda: cls._holder(path).get('nonce') == nonce)
+    except BaseException:
+      lock.release()
+      raise
+    return lock, listed
 
   @classmethod
   def _take(cls, path: str) -> FolderLock:
     info = {'host': socket.gethostname(), 'pid': os.getpid(),
-            'proc_start': _proc_start(os.getpid()), 'time': time.time()}
+            'proc_start': _proc_start(os.getpid()), 'time': time.time(),
+            'nonce': secrets.token_hex(8)}
     for _ in range(2):
       try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import os
-import secrets
 
 import jax
 import numpy as np
@@ -12,40 +12,20 @@ import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from recovery._errors import CheckpointError
 
-_MARKER = '.shared-folder-probe-{}'
 
+def check(directory: str, name: str, *, seen: Callable[[], bool]) -> None:
+  """Raises `CheckpointError` on every process unless `seen()` holds on all.
 
-def check(directory: str) -> None:
-  """Raises `CheckpointError` unless every process sees process 0's marker file in `directory`.
-
-  Collective: every process must call this, in the same order. Process 0
-  writes a marker named by a fresh nonce, broadcasts the nonce, every process
-  looks for the file, and process 0 deletes it. A single process returns at
-  once.
+  Collective: every process must call this, in the same order (one
+  all-gather). `seen()` tells whether this process sees the file `name`
+  that process 0 wrote in `directory` (with the content it wrote).
   """
-  if jax.process_count() == 1:
-    return
-  nonce = np.zeros(16, np.uint8)
-  path = None
-  if jax.process_index() == 0:
-    nonce = np.frombuffer(secrets.token_hex(8).encode(), np.uint8).copy()
-    path = os.path.join(directory, _MARKER.format(nonce.tobytes().decode()))
-    with open(path, 'w') as f:
-      f.write('multihost recovery: shared-folder probe\n')
-  nonce = np.asarray(multihost.broadcast_one_to_all(nonce))
-  mine = os.path.join(directory, _MARKER.format(nonce.tobytes().decode()))
-  seen = np.asarray(multihost.process_allgather(
-      np.array(os.path.exists(mine))))
-  if path is not None:
-    try:
-      os.remove(path)
-    except OSError:
-      pass
-  blind = [p for p, ok in enumerate(seen.reshape(-1)) if not ok]
+  sees = np.asarray(multihost.process_allgather(np.array(bool(seen()))))
+  blind = [p for p, ok in enumerate(sees.reshape(-1)) if not ok]
   if blind:
     raise CheckpointError(
         f'{_prefix()} Checkpoint folder {directory} is not shared: process(es) '
-        f'{blind} do not see the marker file process 0 wrote there '
-        f'({os.path.basename(mine)}). Every process must see the same folder: '
-        'put checkpoints on a filesystem every host mounts (NFS, Lustre, a '
-        'cloud bucket through Orbax), at the same path.')
+        f'{blind} do not see the file process 0 wrote there '
+        f'({os.path.join(directory, name)}). Every process must see the same '
+        'folder: put checkpoints on a filesystem every host mounts (NFS, '
+        'Lustre, a cloud bucket through Orbax), at the same path.')
