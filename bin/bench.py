@@ -108,7 +108,7 @@ _WIDTH = flags.DEFINE_integer(
     'Recovery benchmark: float32 weights per leaf of the state (two leaves, '
     'weights and momentum); the default makes a 256 MiB state.', lower_bound=1)
 _RECOVERY_REPEATS = flags.DEFINE_integer(
-    'recovery_repeats', 9, 'Recovery benchmark: timed rounds of each (after '
+    'recovery_repeats', 15, 'Recovery benchmark: timed rounds of each (after '
     'one untimed round of each).', lower_bound=1)
 _RECOVERY_SHARDING = flags.DEFINE_multi_enum(
     'recovery_sharding', ['replicated', 'sharded'], ['replicated', 'sharded'],
