@@ -37,8 +37,8 @@ def test_identical_controllers_pass_and_agree_on_the_digest():
 @pytest.mark.parametrize('async_save', [True, False])
 def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path,
                                                        async_save):
-  # Orbax writes the state while the controllers compare it: the save must
-  # not commit, and its uncommitted folder is removed.
+  # The controllers compare the state before Orbax writes any of it: nothing
+  # is written, and the same step saves once they agree.
   pid = jax.process_index()
   state = _state(np.full(4, float(pid), np.float32))
   folder = multihost_tmp_path / 'ckpt'
@@ -125,3 +125,40 @@ def test_sharded_leaf_replicas_on_several_processes_are_compared():
         base.replace(user={'rows': leaf(P('hosts')), 'cols': leaf(P('local'))}),
         what='Before saving step 3')
   assert 'cols' in str(e.value) and 'rows' not in str(e.value)
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_keep_deletes_the_same_steps_on_every_process(multihost_tmp_path):
+  # Steps left by an earlier run count toward keep-N: process 0 lists them
+  # under the lock and every process deletes the same ones, with no
+  # broadcast per save.
+  folder = multihost_tmp_path / 'ckpt'
+  state = _state(np.zeros(4, np.float32))
+  with recovery.Checkpoints(folder, keep=5) as ckpt:
+    for step in (1, 2, 3):
+      assert ckpt.save(state.replace(step=step), force=True)
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2, 3]
+  with recovery.Checkpoints(folder, keep=2) as ckpt:
+    assert ckpt.save(state.replace(step=4), force=True)
+    ckpt.wait()
+    assert ckpt.steps() == [3, 4]
+    assert ckpt.save(state.replace(step=5), force=True)
+  multihost.sync_global_devices('keep-closed')
+  steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+  everyone = multihost.process_allgather(np.array(steps))
+  assert (everyone == [4, 5]).all(), everyone
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_a_locked_folder_is_refused_on_every_process(multihost_tmp_path):
+  folder = multihost_tmp_path / 'ckpt'
+  with recovery.Checkpoints(folder) as first:
+    # Process 0 finds the folder locked (by this very run, through `first`);
+    # every process raises the refusal, naming the holder.
+    with pytest.raises(recovery.CheckpointError,
+                       match=r'in use by another run .*pid '):
+      recovery.Checkpoints(folder)
+    assert first.save(_state(np.zeros(4, np.float32)), force=True)
+  with recovery.Checkpoints(folder) as again:  # free once `first` is closed
+    assert again.steps() == [3]
