@@ -3,12 +3,12 @@
 The lock is a file, `.recovery-lock`, created with O_EXCL (atomic on local
 and NFSv3+ folders) that names its holder (host, pid, the pid's start time,
 the time taken, a fresh nonce) and stays flock'ed while held. Every other
-process looks for it, nonce and all, to confirm that it sees the same folder. A second run on the same
-folder is refused with the holder's name. A lock left by a run that died is
-stale when its holder ran on this host and that process is gone (or its pid
-now belongs to another process); it is then taken over, with a warning. A
-lock from another host is never taken over: remove it by hand once that run
-is known to be gone.
+process looks for it, nonce and all, to confirm that it sees the same
+folder. A second run on the same folder is refused with the holder's name.
+A lock left by a run that died is stale when its holder ran on this host
+and that process is gone (or its pid now belongs to another process); it is
+then taken over, with a warning. A lock from another host is never taken
+over: remove it by hand once that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class FolderLock:
   @classmethod
   def acquire(cls, directory: str, *, listing: Callable[[], Any] = lambda: None
               ) -> tuple[FolderLock, Any]:
-    """Takes the folder's lock for this run; returns it and process 0's `listing()`.
+    """Takes the folder's lock; returns it and process 0's `listing()`.
 
     Collective: every process must call this, in the same order.
 

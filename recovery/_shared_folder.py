@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 import os
 
-import jax
 import numpy as np
 
 import multihost
