@@ -65,6 +65,26 @@ def test_process_0_is_blamed_when_the_aborts_were_reaped_just_before_it():
   assert launch.report(_run([KILL, ABRT], [1.3, 1.0])).first_failure == 0
 
 
+def test_an_abort_process_0_reported_as_a_failure_keeps_the_blame():
+  # Process 0 raised ProcessFailureError naming process 1 (partitioned, then
+  # aborted by JAX), and left just after the abort: process 1 is the cause.
+  outputs = ('ERROR at 1.0 ProcessFailureError: [process=0] save checkpoint '
+             'step 3: process(es) [1] failed (the coordination service '
+             'stopped receiving their heartbeats)\n',
+             'F1201 client.cc:1] ' + launch.LOST_SERVICE_MARKER + '\n')
+  run = launch.Observed(returncodes=(3, ABRT), end_times=(1.3, 1.0),
+                        pids=(100, 101), outputs=outputs)
+  result = launch.report(run)
+  assert result.first_failure == 1 and result.exit_code == 128 + 6
+  assert 'First failure: process 1 (killed by SIGABRT' in result.summary
+  assert 'Process 1 lost the coordination service' in result.summary
+  # Naming another process does not count.
+  other = ('process(es) [2] failed', outputs[1], '')
+  assert launch.report(launch.Observed(
+      returncodes=(3, ABRT, ABRT), end_times=(1.3, 1.0, 1.4),
+      pids=(100, 101, 102), outputs=other)).first_failure == 0
+
+
 def test_an_abort_well_before_process_0_died_is_blamed_on_its_own():
   result = launch.report(_run([KILL, ABRT], [3.0, 1.0]))
   assert result.first_failure == 1

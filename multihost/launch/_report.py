@@ -9,6 +9,7 @@ the blame heuristic is unit-tested without processes (cf. torchrun's
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
@@ -117,7 +118,8 @@ class LaunchResult:
 
 def first_failure(returncodes: tuple[int | None, ...],
                   end_times: tuple[float | None, ...],
-                  stopped: frozenset[int] = frozenset()) -> int | None:
+                  stopped: frozenset[int] = frozenset(),
+                  outputs: tuple[str, ...] = ()) -> int | None:
   """The process that caused the run's failure, or None if none failed alone.
 
   The earliest non-zero exit among the processes the launcher did not stop.
@@ -125,7 +127,9 @@ def first_failure(returncodes: tuple[int | None, ...],
   failed, and the earlier exit was a SIGABRT seen less than 0.5 s before
   process 0's, process 0 is blamed: the JAX runtime aborts the others when
   their coordination service goes, and the launcher may see those exits
-  first.
+  first. Unless process 0's output (`outputs[0]`) already named that
+  process as failed (multihost's `ProcessFailureError`): process 0 then
+  outlived its failure, so it is not the cause.
   """
   failed = [i for i, rc in enumerate(returncodes)
             if rc not in (None, 0) and i not in stopped]
@@ -138,9 +142,19 @@ def first_failure(returncodes: tuple[int | None, ...],
       returncodes[first] == -signal.SIGABRT and
       returncodes[0] != -signal.SIGABRT and
       end_times[0] is not None and end_times[first] is not None and
-      end_times[0] - end_times[first] < _ABORT_RACE_S):
+      end_times[0] - end_times[first] < _ABORT_RACE_S and
+      first not in named_as_failed(outputs[0] if outputs else '')):
     return 0
   return first
+
+
+def named_as_failed(output: str) -> set[int]:
+  """The processes a process's output names as failed ("process(es) [1, 2] failed")."""
+  return {int(i) for found in _NAMED_FAILED.findall(output)
+          for i in found.split(',') if i.strip()}
+
+
+_NAMED_FAILED = re.compile(r'process\(es\) \[([0-9, ]*)\] failed')
 
 
 def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
@@ -233,7 +247,8 @@ def lost_coordinator(returncodes: tuple[int | None, ...],
 
 def report(run: Observed) -> LaunchResult:
   """The `LaunchResult` of a finished run: who failed first, the exit status and the summary."""
-  first = first_failure(run.returncodes, run.end_times, run.stopped)
+  first = first_failure(run.returncodes, run.end_times, run.stopped,
+                        run.outputs)
   code = exit_code(run.returncodes, first=first, timed_out=run.timed_out,
                    interrupted_by=run.interrupted_by)
   return LaunchResult(
