@@ -81,10 +81,6 @@ class Checkpoints:
           self.directory, listing=lambda: _folder.scan(
               self.directory, READABLE_FORMATS)[0])
       self._committed = list(committed)
-    # Whether keep-N may have something to delete: at start (older steps on
-    # disk) and after each save. Saves are collective, so every process
-    # holds the same value and skips the prune together.
-    self._prune_due = not read_only
     self.partial_steps = _partial_steps(self.directory)
     if self.partial_steps:
       logging.warning(
@@ -138,8 +134,7 @@ class Checkpoints:
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON metadata item of committed checkpoint `step`."""
     try:
-      meta = _folder.read_meta(self.directory, step)
-      meta = dict(meta)
+      meta = dict(_folder.read_meta(self.directory, step))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'{_prefix()} Checkpoint step {step} in {self.directory} is corrupt '
@@ -237,7 +232,6 @@ class Checkpoints:
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._pending = step
-    self._prune_due = True
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -252,9 +246,7 @@ class Checkpoints:
                    f'committed checkpoint is step {self._on_disk()}.'))
     if pending is not None:
       self._committed = sorted({*self._committed, pending})
-    if self._prune_due:
-      self._prune()
-      self._prune_due = False
+    self._prune()
 
   def _on_disk(self) -> int | None:
     """The latest committed step of this format, read from disk (not Orbax's cache)."""
@@ -262,7 +254,11 @@ class Checkpoints:
     return ours[-1] if ours else None
 
   def _prune(self) -> None:
-    """Keeps the newest `keep` committed steps; deletes only this format's steps."""
+    """Keeps the newest `keep` committed steps; deletes only this format's steps.
+
+    Every process holds the same `_committed`, so all delete the same steps,
+    or all skip the (collective) delete together.
+    """
     if self.read_only:
       return
     for step in self._committed[:-self.keep]:

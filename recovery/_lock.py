@@ -98,19 +98,18 @@ class FolderLock:
         lock.release()  # Every process raises, not only this one.
         refusal = (f'Process 0 could not take the checkpoint folder lock '
                    f'{path}: {type(e).__name__}: {e}')
-    if jax.process_count() == 1:
-      if refusal:
-        raise CheckpointError(refusal)
-      return lock, listed
+    shared = jax.process_count() > 1
     nonce = lock._info['nonce'] if lock._info else None
     try:
-      refusal, nonce, listed = multihost.broadcast_object(
-          (refusal, nonce, listed))
+      if shared:
+        refusal, nonce, listed = multihost.broadcast_object(
+            (refusal, nonce, listed))
       if refusal:
         raise CheckpointError(refusal)
-      _shared_folder.check(
-          directory, LOCK_NAME,
-          seen=lambda: cls._holder(path).get('nonce') == nonce)
+      if shared:
+        _shared_folder.check(
+            directory, LOCK_NAME,
+            seen=lambda: cls._holder(path).get('nonce') == nonce)
     except BaseException:
       lock.release()
       raise
