@@ -120,7 +120,10 @@ class _Plane:
     self.listener = socket.socket(_family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     self.listener.bind((host, 0))
-    self.listener.listen(64)
+    # The kernel's largest backlog: a port scan of a few hundred connections
+    # must not fill the accept queue, where the SYN of a peer's real connect
+    # would be dropped and sent again only a second later.
+    self.listener.listen(socket.SOMAXCONN)
     port = self.listener.getsockname()[1]
     threading.Thread(target=self._accept, name='multihost-transport',
                      daemon=True).start()
