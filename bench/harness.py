@@ -21,10 +21,17 @@ import multihost
 from multihost import lowlevel  # The raw coordination-service barrier.
 
 
+SMALL_BYTES = 1 << 20  # Payloads up to this take Settings.small_repeats.
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """How every case is timed (from bin/bench.py's flags)."""
   repeats: int = 11  # Timed calls of each implementation per case.
+  # Timed calls of each for cases of one leaf (or none) of at most
+  # SMALL_BYTES: calls of about a millisecond, whose medians of 11 samples
+  # moved by +-40% between runs on 2 cores.
+  small_repeats: int = 51
   warmup: int = 2  # Untimed calls of each, after the first.
   memory: bool = True  # Measure the peak memory increase per call.
   timeout: float = 120.0  # Seconds, for every collective.
@@ -235,6 +242,14 @@ class Case:
   calls: int = 1
 
 
+def repeats(case: Case, settings: Settings) -> int:
+  """Timed calls of each implementation of `case`."""
+  if case.repeats:
+    return case.repeats
+  small = case.leaves <= 1 and case.payload_bytes <= SMALL_BYTES
+  return max(settings.repeats, settings.small_repeats) if small else settings.repeats
+
+
 def run_case(case: Case, index: int, settings: Settings) -> Row:
   """Times `case`; every process returns the row.
 
@@ -242,7 +257,7 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
 
   The first call of each implementation (ours first on even `index`, JAX
   first on odd), `settings.warmup` untimed calls of each, then
-  `settings.repeats` timed calls alternating ours, jax, ... Each timed call
+  `repeats(case, settings)` timed calls alternating ours, jax, ... Each timed call
   (or batch of `case.calls` calls, timed per call) starts after a barrier;
   each iteration counts the slowest process; the row holds medians, and the
   peak memory increase of one more call of each. Before each first call,
@@ -293,7 +308,7 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
       impls[name]()
   times: dict[str, list[float]] = {n: [] for n in live}
   samples = {n: _batched(impls[n], case.calls) for n in live}
-  for _ in range(case.repeats or settings.repeats):
+  for _ in range(repeats(case, settings)):
     for name in live:
       times[name].append(timed(samples[name], settings) / case.calls)
   for name in ('ours', 'jax'):

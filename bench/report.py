@@ -108,4 +108,5 @@ def header(settings: Settings) -> str:
           f'{jax.local_device_count()} {jax.devices()[0].platform} devices; '
           f'jax {jax.__version__}; python {platform.python_version()}; '
           f'{os.cpu_count()} cores; load {load()}; {now} UTC; repeats '
-          f'{settings.repeats}, warm-up {settings.warmup}.\n{_source()}.')
+          f'{settings.repeats} ({max(settings.repeats, settings.small_repeats)}'
+          f' up to 1 MiB), warm-up {settings.warmup}.\n{_source()}.')

@@ -17,8 +17,9 @@ Method:
 * First call: the very first call of each implementation for that case
   (before warm-up; it includes compilation). Ours goes first on even-numbered
   cases, JAX first on odd ones.
-* Then `--warmup` untimed calls of each, then `--repeats` timed calls,
-  alternating ours, jax, ours, jax, ... Before every timed call all processes
+* Then `--warmup` untimed calls of each, then `--repeats` timed calls
+  (`--small_repeats` for cases of one leaf of at most 1 MiB, calls of about
+  a millisecond), alternating ours, jax, ours, jax, ... Before every timed call all processes
   meet at a coordination-service barrier (not timed), so that the calls start
   together. Each process times its own calls; the times are gathered after
   the loop, and each iteration counts the slowest process. Tables show
@@ -93,6 +94,10 @@ _OPS = flags.DEFINE_list(
     'only --recovery).')
 _REPEATS = flags.DEFINE_integer('repeats', 11, 'Timed calls of each '
                                 'implementation per case.', lower_bound=1)
+_SMALL_REPEATS = flags.DEFINE_integer(
+    'small_repeats', 51, 'Timed calls of each implementation per case for '
+    'cases of one leaf (or none) of at most 1 MiB (at least --repeats).',
+    lower_bound=1)
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed calls of each '
                                'implementation per case, after the first.',
                                lower_bound=0)
@@ -161,6 +166,7 @@ def main(argv):
   if _QUICK.value:
     for name, value in (('sizes', ['8', '1KiB']), ('leaves', 10),
                         ('global_sizes', ['1MiB']), ('repeats', 3),
+                        ('small_repeats', 3),
                         ('warmup', 1), ('tcp_bytes', '1MiB'),
                         ('width', 4096), ('recovery_repeats', 1),
                         ('object_sizes', ['1KiB']), ('skews', ['0.005']),
@@ -182,7 +188,9 @@ def main(argv):
     logging.warning('Running as a single controller: both implementations '
                     'take their one-process fast paths. Run under '
                     '`python -m multihost.launch --num_processes=2`.')
-  settings = harness.Settings(repeats=_REPEATS.value, warmup=_WARMUP.value,
+  settings = harness.Settings(repeats=_REPEATS.value,
+                              small_repeats=_SMALL_REPEATS.value,
+                              warmup=_WARMUP.value,
                               memory=_MEMORY.value, timeout=_TIMEOUT.value)
   sizes = [parse_size(s) for s in _SIZES.value]
   global_sizes = [parse_size(s) for s in _GLOBAL_SIZES.value]
