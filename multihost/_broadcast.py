@@ -14,6 +14,11 @@ from multihost import _leaves
 from multihost import _objects
 from multihost import _process
 
+# What a process shares on an explicit-source broadcast's fast path: whether
+# it is the source (then its inline data follows).
+_SOURCE = b'\x01'
+_NOT_SOURCE = b'\x00'
+
 PyTree = Any
 
 
@@ -74,20 +79,26 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
       payload=_leaves.pack(values).tobytes() if is_source and inline else None,
       default_source=default_source, is_source=bool(is_source))
   # With the default source every process knows who it is, so one barrier
-  # can prove agreement; with explicit is_source, the full exchange counts
-  # the sources.
+  # can prove agreement. With explicit is_source every process also shares
+  # whether it is the source (the source its inline data), and all count
+  # the sources from the same records.
   payload = None
+  source = 0
   if not default_source:
-    headers = _control_agree.full_exchange(header, timeout=timeout)
+    records, headers = _control_agree.agree_and_gather(
+        header, timeout=timeout,
+        publish=(_SOURCE + (header.payload or b'')) if is_source
+        else _NOT_SOURCE)
+    if records is not None:
+      source = _one_source([r[:1] == _SOURCE for r in records], op)
+      payload = records[source][1:] if inline else None
   elif inline:
     payload, headers = _control_agree.agree_and_read_one(header, 0,
                                                          timeout=timeout)
   else:
     headers = _control_agree.agree(header, timeout=timeout)
-  if headers is None:  # Agreed: process 0 is the source.
-    source = 0
-  else:
-    source = _one_source(headers, op)
+  if headers is not None:
+    source = _one_source([h.is_source for h in headers], op)
     _control_agree.check_same_leaves(headers)
     payload = headers[source].payload
   if payload is not None:
@@ -136,7 +147,7 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
                                  seal=_objects.seal(op, data, timeout)
                                  if is_source else b'')
   headers = _control_agree.full_exchange(header, timeout=timeout)
-  source = _one_source(headers, op)
+  source = _one_source([h.is_source for h in headers], op)
   _objects.check_size(op, source, headers[source].size)
   payload = headers[source].payload
   if payload is None:
@@ -150,12 +161,13 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   return _objects.loads(op, source, payload, headers[source].seal, timeout)
 
 
-def _one_source(headers: list[_control_agree.Header], op: str) -> int:
-  sources = [p for p, h in enumerate(headers) if h.is_source]
+def _one_source(is_source: list[bool], op: str) -> int:
+  """The one process whose flag is set; raises unless there is exactly one."""
+  sources = [p for p, flag in enumerate(is_source) if flag]
   if len(sources) == 1:
     return sources[0]
   what = 'no process is' if not sources else f'processes {sources} are all'
   raise _errors.ConsistencyError(
       f'{_diagnostics.prefix()} {op}: {what} the source; exactly one process '
       'must pass is_source=True (by default process 0 is the source). '
-      f'is_source by process: {[h.is_source for h in headers]}.')
+      f'is_source by process: {is_source}.')

@@ -9,7 +9,8 @@ and small payloads inline). The calls below are named for what they do:
 * `agree_and_read_one`: the same, and the source's inline payload is read.
 * `agree_and_gather`: the same, and every process's inline payload is read.
 * `full_exchange`: every process's header, always (for calls whose headers
-  differ by design, such as who is the source).
+  differ by design, such as who is the source); one barrier and one read
+  when the shared fields agree.
 
 Every process reaches the same verdict from the same headers, so a mismatch
 raises the same `ConsistencyError` everywhere before any data moves, and a
@@ -99,19 +100,29 @@ def agree_and_read_one(header: Header, source: int, *, timeout: float
   return None, _exchange_headers(meeting, header, timeout)
 
 
-def agree_and_gather(header: Header, *, timeout: float
+def agree_and_gather(header: Header, *, timeout: float,
+                     publish: bytes | None = None
                      ) -> tuple[list[bytes] | None, list[Header] | None]:
   """`agree`, and on agreement every process's inline payload.
 
   Collective: every process must call this, in the same order.
 
+  Args:
+    header: this process's call.
+    timeout: seconds to wait for every process.
+    publish: what this process shares on agreement (default: the header's
+      payload); e.g. the few fields that differ by process by design, which
+      every process then reads from the same records.
+
   Returns:
-    (every process's payload, None) when every header agreed; else (None,
-    every process's header).
+    (what every process shared, None) when every header agreed; else
+    (None, every process's header).
   """
   meeting = _control_rendezvous.Rendezvous(header.op)
+  if publish is None:
+    publish = header.payload or b''
   if meeting.try_agreement(header.agreement(), timeout=timeout,
-                           publish=header.payload or b''):
+                           publish=publish):
     return [m or b'' for m in meeting.read_all()], None
   return None, _exchange_headers(meeting, header, timeout)
 
@@ -120,16 +131,35 @@ def full_exchange(header: Header, *, timeout: float) -> list[Header]:
   """Every process's header, checked to name the same operation.
 
   Collective: every process must call this, in the same order.
+
+  For calls whose headers differ by design (who is the source, seals,
+  sizes): every process publishes its whole header before the agreement
+  barrier, so when the fields every process must share agree, one barrier
+  and one read return every header; otherwise the full exchange does.
   """
   meeting = _control_rendezvous.Rendezvous(header.op)
-  return _exchange_headers(meeting, header, timeout)
+  message = _control_codec.encode(header)
+  if meeting.try_agreement(header.agreement(), timeout=timeout,
+                           publish=message):
+    messages = meeting.read_all()
+    missing = [p for p, m in enumerate(messages) if m is None]
+    if missing:  # Cannot happen after a completed barrier; never hide it.
+      raise _diagnostics.messages_missing(header.op, missing)
+    return _decode_headers(header.op, messages)
+  return _exchange_headers(meeting, header, timeout, message)
 
 
 def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
-                      timeout: float) -> list[Header]:
-  messages = meeting.exchange(_control_codec.encode(header), timeout=timeout)
+                      timeout: float, message: bytes | None = None
+                      ) -> list[Header]:
+  if message is None:
+    message = _control_codec.encode(header)
+  return _decode_headers(header.op, meeting.exchange(message, timeout=timeout))
+
+
+def _decode_headers(op: str, messages: list[bytes]) -> list[Header]:
   headers = [_control_codec.decode(Header, m, where=(
-      f'{_diagnostics.prefix()} {header.op}: process {p}')) for p, m in
+      f'{_diagnostics.prefix()} {op}: process {p}')) for p, m in
              enumerate(messages)]
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:

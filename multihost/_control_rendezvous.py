@@ -42,6 +42,13 @@ _SERVICE_TICK_S = 1.0
 # call. Every process counts the same calls, so they all agree on the path.
 _BACKOFF_CALLS = 8
 _backoff = 0
+# When this process's last call ended. A process that starts a call more
+# than the fast window after that may be the one the others waited for: it
+# first reads whether they already fell back (one read, only then), and if
+# so joins their full exchange at once instead of waiting out a window at a
+# barrier no one else will reach. Measured at 3 processes, the last 2 s
+# late: a first late all-gather took 3.0 s, not 2.0 s, without this.
+_last_end: float | None = None
 
 _FELL_BACK = b'F'
 # A directory beside a call's messages: a key there says a process timed out.
@@ -92,6 +99,9 @@ class Rendezvous:
     """
     if not self._may_agree:
       return False
+    if self._late_to_a_fallback():
+      self._fell_back = True
+      return False
     if publish is not None:
       _publish(self.prefix, self.me, _DIRECT + publish, self.op, timeout)
     window = self._window = min(FAST_WINDOW_S, timeout)
@@ -106,8 +116,7 @@ class Rendezvous:
         raise failure from e
       self._fell_back = True
       return False
-    _flight.end(self.record)
-    _cleanup(self.call, self.me)
+    self._ended()
     return True
 
   def read_all(self) -> list[bytes | None]:
@@ -154,15 +163,33 @@ class Rendezvous:
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
-    _flight.end(self.record)
     messages = _read(self.prefix, self.count, self.op, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]
     if missing:  # Cannot happen after a completed barrier; never hide it.
       raise _diagnostics.messages_missing(self.op, missing)
     if any(m[:1] == _FELL_BACK for m in messages):
       _backoff = _BACKOFF_CALLS
-    _cleanup(self.call, self.me)
+    self._ended()
     return [m[1:] for m in messages]
+
+  def _late_to_a_fallback(self) -> bool:
+    """Whether this process, come late, finds the others in the full exchange."""
+    if _last_end is not None and self.start - _last_end <= FAST_WINDOW_S:
+      return False
+    try:
+      messages = _read(self.prefix, self.count, self.op, flags=True)
+    except Exception:  # noqa: BLE001
+      # E.g. a forged message: the read after the barrier raises it on every
+      # process, so that every process names it; here it only says "go on".
+      return False
+    return any(m is not None and m[:1] == _FELL_BACK
+               for p, m in enumerate(messages) if p != self.me)
+
+  def _ended(self) -> None:
+    global _last_end
+    _flight.end(self.record)
+    _cleanup(self.call, self.me)
+    _last_end = time.monotonic()
 
 
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:

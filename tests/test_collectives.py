@@ -5,6 +5,7 @@ localhost) at two topologies: 2 processes x 4 devices and 4 x 1.
 """
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,51 @@ def test_large_payloads_take_the_device_path(topology, monkeypatch):
   assert blob == b'x' * 300_000
   blobs = multihost.allgather_object('y' * (100_000 + pid))
   assert [len(b) for b in blobs] == [100_000 + p for p in range(count)]
+
+
+@topologies
+def test_small_payloads_travel_in_the_headers_without_tcp(topology,
+                                                          monkeypatch):
+  pid, count = _me()
+  monkeypatch.setenv(multihost.env.TRANSPORT, 'device')
+  small = {'a': np.arange(5, dtype=np.int32) + 100 * pid, 'b': np.float32(pid)}
+  for source in (0, count - 1):  # An explicit source: the first, the last.
+    got = multihost.broadcast_one_to_all(small, is_source=pid == source)
+    _assert_same(got, jax_mhu.broadcast_one_to_all(small,
+                                                   is_source=pid == source))
+    np.testing.assert_array_equal(got['a'], np.arange(5) + 100 * source)
+  _assert_same(multihost.broadcast_one_to_all(small),
+               jax_mhu.broadcast_one_to_all(small))
+  _assert_same(multihost.process_allgather(small),
+               jax_mhu.process_allgather(small))
+  with pytest.raises(multihost.ConsistencyError,
+                     match=r'processes \[0, 1\] are all the source'):
+    multihost.broadcast_one_to_all(small, is_source=pid in (0, 1))
+
+
+@topologies
+def test_a_late_process_joins_the_fallback_without_a_window_of_its_own(
+    topology):
+  # The others give up on the fast path after its 1 s window and wait in
+  # the full exchange; the late process must join them at once, not wait
+  # out a window of its own at the abandoned barrier (3.5 s before the fix).
+  pid, count = _me()
+  late = 2.5
+  calls = {
+      'process_allgather': lambda: multihost.process_allgather(np.int32(pid)),
+      'allgather_object': lambda: multihost.allgather_object(pid),
+      'broadcast_one_to_all(is_source)': lambda: multihost.broadcast_one_to_all(
+          np.int32(pid), is_source=pid == count - 1),
+  }
+  for name, call in calls.items():
+    for _ in range(10):  # Past the backoff of any fallback: the fast path.
+      multihost.sync_global_devices('on time')
+    start = time.monotonic()
+    if pid == count - 1:
+      time.sleep(late)
+    call()
+    took = time.monotonic() - start
+    assert took < late + 0.8, (name, took)
 
 
 @topologies
