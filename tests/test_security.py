@@ -126,8 +126,6 @@ _ATTACKS = textwrap.dedent('''
     assert took < 5, took
 
     if me == 2:
-      block = 4 << 20
-      proxy.first_frame = proxy.to_client[49:49 + 40 + block]  # after the handshake
       # Replay the recorded handshake of process 0 to the real listener.
       s = socket.create_connection(proxy.real, timeout=20)
       s.sendall(proxy.to_server[:28])
@@ -136,8 +134,13 @@ _ATTACKS = textwrap.dedent('''
         s.sendall(proxy.to_server[28:60])
       assert recv_all(s) == b'', 'a replayed handshake was accepted'
       print('REPLAY REFUSED', flush=True)
-      proxy.action = mode
+    # Armed only once every process has the first gather: until process 0
+    # passes this barrier, process 2's bytes of it may still be in the proxy.
     multihost.sync_global_devices('armed')
+    if me == 2:
+      block = 4 << 20
+      proxy.first_frame = proxy.to_client[49:49 + 40 + block]  # after the handshake
+      proxy.action = mode
     if mode == 'flip-payload':
       try:
         got = multihost.allgather_object(bytes([me]) * 300_000)
