@@ -65,8 +65,8 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
   header = _control_agree.Header(op, _leaves.signature(treedef), tuple(paths),
                                  tuple(specs), digests=tuple(digests))
   # Equal trees prove themselves with one barrier (the fast path). Global
-  # leaves' shards differ by process by design: the full exchange compares
-  # them shard by shard.
+  # leaves' shards differ by process by design: every process reads every
+  # header (beside the same barrier) and compares them shard by shard.
   if has_global:
     headers = _control_agree.full_exchange(header, timeout=timeout)
   else:
