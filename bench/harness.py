@@ -246,8 +246,9 @@ def repeats(case: Case, settings: Settings) -> int:
   """Timed calls of each implementation of `case`."""
   if case.repeats:
     return case.repeats
-  small = case.leaves <= 1 and case.payload_bytes <= SMALL_BYTES
-  return max(settings.repeats, settings.small_repeats) if small else settings.repeats
+  if case.leaves <= 1 and case.payload_bytes <= SMALL_BYTES:
+    return max(settings.repeats, settings.small_repeats)
+  return settings.repeats
 
 
 def run_case(case: Case, index: int, settings: Settings) -> Row:
@@ -257,12 +258,12 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
 
   The first call of each implementation (ours first on even `index`, JAX
   first on odd), `settings.warmup` untimed calls of each, then
-  `repeats(case, settings)` timed calls alternating ours, jax, ... Each timed call
-  (or batch of `case.calls` calls, timed per call) starts after a barrier;
-  each iteration counts the slowest process; the row holds medians, and the
-  peak memory increase of one more call of each. Before each first call,
-  every process touches and frees as much memory as the case may need
-  (`touch`).
+  `repeats(case, settings)` timed calls alternating ours, jax, ... Each
+  timed call (or batch of `case.calls` calls, timed per call) starts after
+  a barrier; each iteration counts the slowest process; the row holds
+  medians, and the peak memory increase of one more call of each. Before
+  each first call, every process touches and frees as much memory as the
+  case may need (`touch`).
   """
   row = Row(case.op, case.payload_bytes, case.leaves, payload=case.payload)
   impls = {'ours': case.ours}

@@ -116,6 +116,7 @@ class Rendezvous:
         raise failure from e
       self._fell_back = True
       return False
+    _flight.end(self.record)
     self._ended()
     return True
 
@@ -163,6 +164,7 @@ class Rendezvous:
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
+    _flight.end(self.record)
     messages = _read(self.prefix, self.count, self.op, flags=True)
     missing = [p for p, m in enumerate(messages) if m is None]
     if missing:  # Cannot happen after a completed barrier; never hide it.
@@ -173,7 +175,7 @@ class Rendezvous:
     return [m[1:] for m in messages]
 
   def _late_to_a_fallback(self) -> bool:
-    """Whether this process, come late, finds the others in the full exchange."""
+    """Whether this process, come late, finds the others in the exchange."""
     if _last_end is not None and self.start - _last_end <= FAST_WINDOW_S:
       return False
     try:
@@ -186,8 +188,8 @@ class Rendezvous:
                for p, m in enumerate(messages) if p != self.me)
 
   def _ended(self) -> None:
+    """Once every process met: drops old keys, notes when (`_last_end`)."""
     global _last_end
-    _flight.end(self.record)
     _cleanup(self.call, self.me)
     _last_end = time.monotonic()
 
