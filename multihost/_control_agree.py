@@ -126,7 +126,7 @@ def agree_and_gather(header: Header, *, timeout: float,
     publish = header.payload or b''
   if meeting.try_agreement(header.agreement(), timeout=timeout,
                            publish=publish):
-    return [m or b'' for m in meeting.read_all()], None
+    return meeting.read_all(), None
   return None, _exchange_headers(meeting, header, timeout)
 
 
@@ -144,11 +144,7 @@ def full_exchange(header: Header, *, timeout: float) -> list[Header]:
   message = _control_codec.encode(header)
   if meeting.try_agreement(header.agreement(), timeout=timeout,
                            publish=message):
-    messages = meeting.read_all()
-    missing = [p for p, m in enumerate(messages) if m is None]
-    if missing:  # Cannot happen after a completed barrier; never hide it.
-      raise _diagnostics.messages_missing(header.op, missing)
-    return _decode_headers(header.op, messages)
+    return _decode_headers(header.op, meeting.read_all())
   return _exchange_headers(meeting, header, timeout, message)
 
 

@@ -120,9 +120,9 @@ class Rendezvous:
     self._ended()
     return True
 
-  def read_all(self) -> list[bytes | None]:
-    """After agreement: what each process published (None: nothing)."""
-    return _read(self.prefix, self.count, self.op)
+  def read_all(self) -> list[bytes]:
+    """After agreement: what each process published (every process did)."""
+    return [m[1:] for m in _read_everyone(self.prefix, self.count, self.op)]
 
   def read_one(self, process: int) -> bytes:
     """After agreement: what `process` published."""
@@ -165,10 +165,7 @@ class Rendezvous:
         pass
       raise
     _flight.end(self.record)
-    messages = _read(self.prefix, self.count, self.op, flags=True)
-    missing = [p for p, m in enumerate(messages) if m is None]
-    if missing:  # Cannot happen after a completed barrier; never hide it.
-      raise _diagnostics.messages_missing(self.op, missing)
+    messages = _read_everyone(self.prefix, self.count, self.op)
     if any(m[:1] == _FELL_BACK for m in messages):
       _backoff = _BACKOFF_CALLS
     self._ended()
@@ -214,6 +211,15 @@ def _open(key: str, stored: bytes, op: str) -> bytes:
       stored[:_MAC], _mac(secret, key, value)):
     raise _diagnostics.forged_message(op, key)
   return value
+
+
+def _read_everyone(prefix: str, count: int, op: str) -> list[bytes]:
+  """After a completed barrier: every process's message, flag included."""
+  messages = _read(prefix, count, op, flags=True)
+  missing = [p for p, m in enumerate(messages) if m is None]
+  if missing:  # Cannot happen after a completed barrier; never hide it.
+    raise _diagnostics.messages_missing(op, missing)
+  return [m for m in messages if m is not None]  # all of them
 
 
 def _read(prefix: str, count: int, op: str,
