@@ -57,7 +57,7 @@ How it runs:
   tests; unmarked tests run in the parent as usual. Fixtures of a marked test
   are set up in the workers, once per process.
 - `hosts='netns'` runs each worker on a simulated host of its own
-  (`multihost.hosts`: a network namespace with its own address, the
+  (`multihost.netns`: a network namespace with its own address, the
   coordinator at host 0's address); without root and `ip` such tests are
   skipped with the reason.
 - `multihost_tmp_path` is a fresh folder per test shared by all processes of
@@ -218,8 +218,8 @@ class _Parent:
     if spec is None:
       return None
     if spec.hosts is not None:
-      from multihost import hosts  # pylint: disable=g-import-not-at-top
-      ok, why = hosts.available()
+      from multihost import netns  # pylint: disable=g-import-not-at-top
+      ok, why = netns.available()
       if not ok:  # pytest's own runner reports the skip.
         item.add_marker(pytest.mark.skip(reason=f'hosts={spec.hosts!r}: {why}'))
         return None

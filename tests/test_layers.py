@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Top to bottom, as in multihost/__init__.py's docstring. A module may import
 # modules of its own layer or below (public modules may use one another).
 _LAYERS = [
-    ['__init__', 'lowlevel', 'testing', 'launch', 'hosts'],
+    ['__init__', 'lowlevel', 'testing', 'launch', 'netns'],
     ['_broadcast', '_gather', '_sync', '_equal', '_digest', '_arrays',
      '_preemption', '_watched', '_initialize', '_stragglers'],
     ['_objects', '_data_plane'],

@@ -57,7 +57,7 @@ def check_hosts(hosts: str | None, *, host_service: bool) -> None:
     raise ValueError(
         "host_service=True cannot be combined with hosts='netns': the "
         'launcher is not on any simulated host; drop one of them.')
-  from multihost import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
+  from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
   ok, why = hosts_lib.available()
   if not ok:
     raise hosts_lib.HostsError(f"hosts='netns' cannot work here: {why}")
@@ -105,10 +105,10 @@ class Controllers:
     heartbeat_timeout: with host_service, seconds without heartbeats before
       the service declares a controller dead.
     hosts: None (every controller on this machine's loopback) or 'netns':
-      each controller on a simulated host of its own (`multihost.hosts`,
+      each controller on a simulated host of its own (`multihost.netns`,
       one network namespace each, needs root and `ip`), the coordinator at
       host 0's address; `self.hosts` is then the running
-      `multihost.hosts.SimulatedHosts`, e.g. `cluster.hosts.cut(1)`.
+      `multihost.netns.SimulatedHosts`, e.g. `cluster.hosts.cut(1)`.
       The hosts are deleted when the controllers stop.
   """
 
@@ -169,7 +169,7 @@ class Controllers:
     try:
       address, command = '127.0.0.1', [self.command] * self.num_processes
       if self.hosts_kind == NETNS:
-        from multihost import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
+        from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
         self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
         self.hosts.start()
         address = self.hosts.address(0)

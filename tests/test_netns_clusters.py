@@ -11,9 +11,9 @@ import time
 import pytest
 
 from multihost import env as mh_env
-from multihost import hosts
+from multihost import netns
 
-_OK, _WHY = hosts.available()
+_OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ def test_initialize_picks_up_the_schedulers_variables_across_hosts(
   n = 2
   script = tmp_path / 'program.py'
   script.write_text(_PROGRAM)
-  with hosts.SimulatedHosts(n) as net:
+  with netns.SimulatedHosts(n) as net:
     procs = []
     for i in range(n):
       env = _base_env()

@@ -1,4 +1,4 @@
-"""Simulated hosts (multihost.hosts): links, faults, teardown, and JAX controllers across them."""
+"""Simulated hosts (multihost.netns): links, faults, teardown, and JAX controllers across them."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from multihost import env as mh_env
-from multihost import hosts
+from multihost import netns
 
-_OK, _WHY = hosts.available()
+_OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,13 +23,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _ours() -> tuple[list[str], list[str]]:
   """Our namespaces in `ip netns list`, and root-namespace links named like ours."""
-  netns = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
-                         text=True, timeout=30).stdout
+  spaces = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
+                          text=True, timeout=30).stdout
   links = subprocess.run(['ip', '-o', 'link'], capture_output=True,
                          text=True, timeout=30).stdout
-  mine = f'{hosts.PREFIX}{os.getpid()}-'
-  return ([l for l in netns.splitlines() if l.startswith(mine)],
-          [l for l in links.splitlines() if hosts.PREFIX in l or
+  mine = f'{netns.PREFIX}{os.getpid()}-'
+  return ([l for l in spaces.splitlines() if l.startswith(mine)],
+          [l for l in links.splitlines() if netns.PREFIX in l or
            ' p0@' in l or 'br0' in l])
 
 
@@ -57,7 +57,7 @@ _CLIENT = textwrap.dedent('''
 ''')
 
 
-def _probe(net: hosts.SimulatedHosts, src: int, dst: int) -> str:
+def _probe(net: netns.SimulatedHosts, src: int, dst: int) -> str:
   done = subprocess.run(
       net.command(src, [sys.executable, '-c', _CLIENT, net.address(dst)]),
       capture_output=True, text=True, timeout=30)
@@ -65,7 +65,7 @@ def _probe(net: hosts.SimulatedHosts, src: int, dst: int) -> str:
   return done.stdout.strip()
 
 
-def _eventually_ok(net: hosts.SimulatedHosts, src: int, dst: int) -> bool:
+def _eventually_ok(net: netns.SimulatedHosts, src: int, dst: int) -> bool:
   """Whether a probe succeeds within 10 s (a link coming up may take a moment)."""
   deadline = time.monotonic() + 10
   while True:
@@ -77,7 +77,7 @@ def _eventually_ok(net: hosts.SimulatedHosts, src: int, dst: int) -> bool:
       return False
 
 
-def _server(net: hosts.SimulatedHosts, i: int) -> subprocess.Popen:
+def _server(net: netns.SimulatedHosts, i: int) -> subprocess.Popen:
   proc = subprocess.Popen(
       net.command(i, [sys.executable, '-c', _SERVER, net.address(i)]),
       stdout=subprocess.PIPE, text=True)
@@ -92,7 +92,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_hosts_reach_each_other_and_a_cut_link_does_not():
-  with hosts.SimulatedHosts(2) as net:
+  with netns.SimulatedHosts(2) as net:
     assert net.address(0) != net.address(1)
     server = _server(net, 0)
     try:
@@ -108,7 +108,7 @@ def test_hosts_reach_each_other_and_a_cut_link_does_not():
 
 
 def test_hostname_inside_a_host_is_its_address():
-  with hosts.SimulatedHosts(2) as net:
+  with netns.SimulatedHosts(2) as net:
     code = ('import socket; n = socket.gethostname(); '
             'print(n, socket.gethostbyname(n))')
     for i in range(2):
@@ -118,12 +118,12 @@ def test_hostname_inside_a_host_is_its_address():
 
 
 def test_delay_adds_latency_or_says_netem_is_missing():
-  with hosts.SimulatedHosts(2) as net:
+  with netns.SimulatedHosts(2) as net:
     server = _server(net, 0)
     try:
       try:
         net.delay(1, 100)
-      except hosts.HostsError as e:
+      except netns.HostsError as e:
         assert 'sch_netem' in str(e)
         pytest.skip(f'no netem here: {e}')
       out = _probe(net, 1, 0)
@@ -137,7 +137,7 @@ def test_delay_adds_latency_or_says_netem_is_missing():
 
 def test_teardown_when_the_body_raises_and_processes_inside_are_killed():
   with pytest.raises(ZeroDivisionError):
-    with hosts.SimulatedHosts(3) as net:
+    with netns.SimulatedHosts(3) as net:
       proc = subprocess.Popen(net.command(2, ['sleep', '600']))
       assert _ours()[0]
       1 / 0
@@ -149,8 +149,8 @@ def test_leftovers_of_a_dead_run_are_deleted():
   # A child creates hosts and is SIGKILLed: no __exit__, no atexit.
   code = textwrap.dedent('''
       import sys, time
-      from multihost import hosts
-      net = hosts.SimulatedHosts(2).__enter__()
+      from multihost import netns
+      net = netns.SimulatedHosts(2).__enter__()
       print(net.name, flush=True)
       time.sleep(600)
   ''')
@@ -162,7 +162,7 @@ def test_leftovers_of_a_dead_run_are_deleted():
   listed = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
                           text=True, timeout=30).stdout
   assert f'{name}-sw' in listed
-  deleted = hosts.cleanup_stale()
+  deleted = netns.cleanup_stale()
   assert f'{name}-sw' in deleted and f'{name}-h1' in deleted
   listed = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
                           text=True, timeout=30).stdout
@@ -268,7 +268,7 @@ def _logs(tmp_path, n):
 
 @pytest.mark.parametrize('n', [2, 4])
 def test_jax_controllers_across_simulated_hosts(tmp_path, n):
-  with hosts.SimulatedHosts(n) as net:
+  with netns.SimulatedHosts(n) as net:
     procs, port = _start_controllers(net, n, _CONTROLLER, tmp_path)
     codes = _wait_all(procs, 300)
     logs = _logs(tmp_path, n)
@@ -318,7 +318,7 @@ _LOOP = textwrap.dedent('''
 
 def _cut_during_loop(tmp_path, n, victim, cut_s, loop_s):
   """Runs the loop on n hosts, cuts `victim` for cut_s; (codes, logs, exits)."""
-  with hosts.SimulatedHosts(n) as net:
+  with netns.SimulatedHosts(n) as net:
     procs, _ = _start_controllers(net, n, _LOOP, tmp_path,
                                   {mh_env.HEARTBEAT: '5'}, [str(loop_s)])
     deadline = time.monotonic() + 120

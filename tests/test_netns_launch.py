@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import multihost
-from multihost import hosts
+from multihost import netns
 from multihost import launch
 
-_OK, _WHY = hosts.available()
+_OK, _WHY = netns.available()
 _needs_hosts = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ _WHERE = textwrap.dedent('''
 def _namespaces_of(pid: int) -> list[str]:
   out = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
                        text=True, timeout=30).stdout
-  return [l for l in out.splitlines() if l.startswith(f'{hosts.PREFIX}{pid}-')]
+  return [l for l in out.splitlines() if l.startswith(f'{netns.PREFIX}{pid}-')]
 
 
 def _script(tmp_path, code=_WHERE):
@@ -110,7 +110,7 @@ def test_the_cli_places_controllers_and_cleans_up_after_ctrl_c(tmp_path, sig):
     proc.stdout.close()
   if sig == signal.SIGKILL:  # Nothing of ours ran: the next run deletes them.
     assert len(_namespaces_of(proc.pid)) == 3
-    hosts.cleanup_stale()
+    netns.cleanup_stale()
   assert _namespaces_of(proc.pid) == []
 
 
@@ -122,7 +122,7 @@ def test_hosts_netns_where_it_cannot_work_says_why():
       launch.Controllers(['true'], num_processes=2, hosts='netns',
                          host_service=True)
   else:
-    with pytest.raises(hosts.HostsError, match=_WHY.split(';')[0][:30]):
+    with pytest.raises(netns.HostsError, match=_WHY.split(';')[0][:30]):
       launch.Controllers(['true'], num_processes=2, hosts='netns')
 
 

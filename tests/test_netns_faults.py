@@ -20,10 +20,10 @@ import sys
 import pytest
 
 from multihost import env as mh_env
-from multihost import hosts
+from multihost import netns
 from multihost import launch
 
-_OK, _WHY = hosts.available()
+_OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
