@@ -137,9 +137,7 @@ def torch_rows(sizes: list[int], repeats: int,
     rows.append(Row('torch.distributed gloo barrier', 0, 0, kind='reference',
                     ref_ms=median, ref_first_ms=first, payload='–'))
     for n in sizes:
-      if n < 2**20:
-        continue
-      t = torch.ones(n // 4, dtype=torch.float32)
+      t = torch.ones(max(1, n // 4), dtype=torch.float32)
       out = [torch.empty_like(t) for _ in range(jax.process_count())]
       for name, fn in (
           ('torch.distributed gloo broadcast',
@@ -151,6 +149,17 @@ def torch_rows(sizes: list[int], repeats: int,
         first, median = time_reference(fn, repeats, settings)
         rows.append(Row(name, n, 1, kind='reference', ref_ms=median,
                         ref_first_ms=first, payload=format_size(n)))
+    # The object collectives' counterparts, on the bench's 1 KiB object.
+    obj = bytes(1024)
+    gathered = [None] * jax.process_count()
+    for name, fn in (
+        ('torch.distributed gloo broadcast_object_list',
+         lambda: dist.broadcast_object_list([obj], 0)),
+        ('torch.distributed gloo all_gather_object',
+         lambda: dist.all_gather_object(gathered, obj))):
+      first, median = time_reference(fn, repeats, settings)
+      rows.append(Row(name, len(obj), 1, kind='reference', ref_ms=median,
+                      ref_first_ms=first, payload='1 KiB bytes object'))
   finally:
     dist.destroy_process_group()
   return rows
