@@ -185,12 +185,22 @@ def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
                            dpi=100, squeeze=False)
   for ax in axes.flat[len(order):]:
     ax.set_visible(False)
+  names = sorted({n for s in series.values() for n in s})
+  colors = {n: f'C{i}' for i, n in enumerate(names)}
   for ax, family in zip(axes.flat, order):
+    if family == 'barrier':  # No payload: one bar per implementation.
+      items = sorted(series[family].items())
+      ax.barh([n for n, _ in items], [p[0][1] for _, p in items],
+              color=[colors[n] for n, _ in items])
+      ax.set_xlabel('median ms per call')
+      ax.set_title(family)
+      ax.grid(alpha=0.3, axis='x')
+      continue
     for name, points in sorted(series[family].items()):
       xs = [p[0] for p in points]
       ys = [p[1] for p in points]
       style = '-o' if len(points) > 1 else 'o'
-      ax.plot(xs, ys, style, markersize=4, label=name)
+      ax.plot(xs, ys, style, markersize=4, label=name, color=colors[name])
     ax.set_xscale('log', base=2)
     ax.set_yscale('log')
     ax.set_title(family)
