@@ -21,7 +21,7 @@ _LAYERS = [
     ['_calls', '_flight'],
     ['_data_tcp', '_data_device'],
     ['_secret'],
-    ['_watchdog'],
+    ['_watchdog', '_peer_loss_exit'],
     ['_diagnostics', '_companion'],
     ['_coordination'],
     ['_process'],
