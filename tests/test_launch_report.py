@@ -14,7 +14,7 @@ from multihost import launch
 from multihost.launch import _environment
 from multihost.launch import _policy
 from multihost.launch import _restarts
-from multihost.launch import _tracebacks
+from multihost.launch import _evidence
 
 KILL = -signal.SIGKILL
 ABRT = -signal.SIGABRT
@@ -256,6 +256,9 @@ def test_a_process_that_raised_and_was_stopped_is_still_the_first_error():
   assert result.exit_code == launch.TIMEOUT_EXIT_STATUS
   assert '<- failed first (then stopped by the launcher)' in result.summary
   assert 'Timed out' in result.summary
+  assert ('First failure: process 0 (it raised, then the launcher stopped '
+          'it: killed by SIGKILL (status 137))') in result.summary
+  assert 'Processes [0, 1] were stopped at the timeout.' in result.summary
   assert 'RuntimeError: step 3 failed' in result.summary
   assert ("p1 was running (last line at 0.2 s: 'loading data')"
           in result.summary)
@@ -305,14 +308,46 @@ def test_what_the_others_were_doing_at_the_first_failure():
 
 def test_first_raised_takes_the_last_exception_of_a_chain():
   lines = ['noise'] + _TRACEBACK
-  raised = _tracebacks.first_raised(lines, [0.0] + [1.5] * len(_TRACEBACK))
-  assert raised == _tracebacks.Raised(time=1.5,
+  raised = _evidence.first_raised(lines, [0.0] + [1.5] * len(_TRACEBACK))
+  assert raised == _evidence.Raised(time=1.5,
                                       error='RuntimeError: step 3 failed')
-  assert _tracebacks.first_raised(['all fine'], [0.0]) is None
-  assert _tracebacks.first_raised(lines, []) is None  # Times unknown.
+  assert _evidence.first_raised(['all fine'], [0.0]) is None
+  assert _evidence.first_raised(lines, []) is None  # Times unknown.
   single = ['Traceback (most recent call last):', '  File "x", line 1',
             'KeyError: 3', 'after the traceback']
-  assert _tracebacks.first_raised(single, [2.0] * 4).error == 'KeyError: 3'
+  assert _evidence.first_raised(single, [2.0] * 4).error == 'KeyError: 3'
+
+
+def test_first_raised_skips_blank_lines_inside_a_chained_message():
+  # As a CollectiveTimeoutError raised from JAX's multi-line barrier error.
+  lines = [
+      'Traceback (most recent call last):',
+      '  File "multihost/_coordination.py", line 57, in wait_at_barrier',
+      'jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED: Barrier timed out.',
+      'The first task at the barrier: 0. Some timed out task names:',
+      '1', '', '',
+      'RPC: /xla.coordination.CoordinationService/Barrier',
+      '',
+      'The above exception was the direct cause of the following exception:',
+      '',
+      'Traceback (most recent call last):',
+      '  File "train.py", line 8, in <module>',
+      "multihost._errors.CollectiveTimeoutError: [process=0] "
+      "sync_global_devices('x'): timed out after 5.0 s",
+      'W1201 preemption_notifier.cc:90] SIGTERM caught',
+  ]
+  raised = _evidence.first_raised(lines, [3.0] * (len(lines) - 1) + [9.0])
+  assert raised.error.startswith(
+      "multihost._errors.CollectiveTimeoutError: [process=0] "
+      "sync_global_devices('x')"), raised
+  # A later, separate traceback is not part of the first one's chain.
+  later = lines[:9] + ['another line'] + lines[11:]
+  assert _evidence.first_raised(later, [3.0] * len(later)).error.startswith(
+      'jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED')
+  # Nor is a chain link read long after the first line.
+  late = [3.0] * 11 + [9.0] * (len(lines) - 11)
+  assert _evidence.first_raised(lines, late).error.startswith(
+      'jax.errors.JaxRuntimeError')
 
 
 def test_the_summary_names_simulated_hosts():

@@ -84,11 +84,12 @@ def test_a_restarted_jax_job_gets_a_fresh_coordinator():
   assert all(_gone(pid) for a in result.attempts for pid in a.pids)
 
 
-def test_the_first_raise_is_blamed_though_its_process_exits_last():
+def test_the_first_raise_is_blamed_though_its_process_exits_last(tmp_path):
   # Process 0 raises at once, then lingers at exit (as in an exit handshake
   # that waits for a peer); process 1 sleeps, then exits 1 before it.
   result = launch.launch([PY, str(PROGRAMS / 'raises_then_lingers.py')],
-                         num_processes=2, grace_period=30, timeout=60)
+                         num_processes=2, grace_period=30, timeout=60,
+                         env={'READY_FILE': str(tmp_path / 'ready')})
   assert result.end_times[1] < result.end_times[0], result.summary
   assert result.first_failure == 0, result.summary
   assert result.first_error == 'RuntimeError: step 3 failed'

@@ -46,7 +46,8 @@ Modules (one job each):
   _policy.py       the run policy: first failure + grace period, timeout,
                    SIGTERM then SIGKILL, restarts (`next_step` and
                    `after_attempt` are pure)
-  _tracebacks.py   pure: a process's first traceback and its doings by then
+  _evidence.py     pure: what a process's output says (its first traceback,
+                   its last line by then, the peers it named as failed)
   _report.py       pure: who failed first (by raise or exit; process-0
                    blame), exit status, summary -> `LaunchResult`
   _restarts.py     pure: the run's result from its attempts' results
@@ -69,10 +70,10 @@ from multihost.launch._environment import find_free_port as find_free_port
 from multihost.launch._run import launch as launch
 from multihost.launch._policy import DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S
 from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
+from multihost.launch._evidence import lost_coordinator as lost_coordinator
+from multihost.launch._evidence import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
 from multihost.launch._report import describe as describe
 from multihost.launch._report import LaunchResult as LaunchResult
-from multihost.launch._report import lost_coordinator as lost_coordinator
-from multihost.launch._report import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
 from multihost.launch._report import Observed as Observed
 from multihost.launch._report import report as report
 from multihost.launch._report import signal_name as signal_name

@@ -28,7 +28,7 @@ class Output:
                stream: TextIO | None = None):
     self._lines: list[list[str]] = [[] for _ in range(num_processes)]
     # Per line, time.monotonic() when it was read (the first error of a run
-    # is the first traceback read, see `_tracebacks`).
+    # is the first traceback read, see `_evidence`).
     self._times: list[list[float]] = [[] for _ in range(num_processes)]
     self._changed = changed
     self._stream = stream

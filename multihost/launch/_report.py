@@ -15,7 +15,7 @@ import re
 import signal
 from typing import Any
 
-from multihost.launch import _tracebacks
+from multihost.launch import _evidence
 
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
 TIMEOUT_EXIT_STATUS = 124
@@ -94,10 +94,10 @@ class Observed:
       return []
     return self.outputs[index].split('\n')[:-1]
 
-  def raised(self) -> tuple[_tracebacks.Raised | None, ...]:
+  def raised(self) -> tuple[_evidence.Raised | None, ...]:
     """Per process, its first traceback (None: none, or no times known)."""
     return tuple(
-        _tracebacks.first_raised(self.lines(i), self.line_times[i])
+        _evidence.first_raised(self.lines(i), self.line_times[i])
         if i < len(self.line_times) else None
         for i in range(len(self.returncodes)))
 
@@ -157,7 +157,7 @@ def first_failure(returncodes: tuple[int | None, ...],
                   end_times: tuple[float | None, ...],
                   stopped: frozenset[int] = frozenset(),
                   outputs: tuple[str, ...] = (),
-                  raised: tuple[_tracebacks.Raised | None, ...] = ()
+                  raised: tuple[_evidence.Raised | None, ...] = ()
                   ) -> int | None:
   """The process that caused the run's failure, or None if none failed alone.
 
@@ -181,9 +181,10 @@ def first_failure(returncodes: tuple[int | None, ...],
   raised = tuple(raised) + (None,) * (n - len(raised))
   failed = [i for i, rc in enumerate(returncodes)
             if rc not in (None, 0) and i not in stopped]
+  named = [_evidence.named_as_failed(outputs[i]) if i < len(outputs) else set()
+           for i in range(n)]
   raisers = [i for i in range(n) if raised[i] is not None and
-             returncodes[i] != 0 and
-             not named_as_failed(outputs[i] if i < len(outputs) else '') - {i}]
+             returncodes[i] != 0 and not named[i] - {i}]
   if not failed and not raisers:
     return None
   inf = float('inf')
@@ -202,18 +203,9 @@ def first_failure(returncodes: tuple[int | None, ...],
       returncodes[0] != -signal.SIGABRT and
       end_times[0] is not None and end_times[first] is not None and
       end_times[0] - end_times[first] < _ABORT_RACE_S and
-      first not in named_as_failed(outputs[0] if outputs else '')):
+      first not in _evidence.named_as_failed(outputs[0] if outputs else '')):
     return 0
   return first
-
-
-def named_as_failed(output: str) -> set[int]:
-  """The processes a process's output names as failed ("process(es) [1, 2] failed")."""
-  return {int(i) for found in _NAMED_FAILED.findall(output)
-          for i in found.split(',') if i.strip()}
-
-
-_NAMED_FAILED = re.compile(r'process\(es\) \[([0-9, ]*)\] failed')
 
 
 def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
@@ -242,7 +234,7 @@ def _header(run: Observed, code: int) -> str:
 
 
 def doing_at(run: Observed, index: int, when: float,
-             raised: tuple[_tracebacks.Raised | None, ...]) -> str:
+             raised: tuple[_evidence.Raised | None, ...]) -> str:
   """What process `index` was doing `when` seconds into the run (by its exit and output), and what it did next."""
   end = run.end_times[index]
   rc = run.returncodes[index]
@@ -250,7 +242,7 @@ def doing_at(run: Observed, index: int, when: float,
     return f'p{index} had exited at {end:.1f} s ({describe(rc)})'
   lines = run.lines(index)
   times = run.line_times[index] if index < len(run.line_times) else ()
-  last = _tracebacks.last_line_before(lines, times, when)
+  last = _evidence.last_line_before(lines, times, when)
   text = f'p{index} was running'
   if last is not None:
     text += f' (last line at {last[0]:.1f} s: {last[1]!r})'
@@ -301,12 +293,14 @@ def summary(run: Observed, *, first: int | None, code: int) -> str:
 
 
 def _blame(run: Observed, first: int,
-           raised: tuple[_tracebacks.Raised | None, ...]) -> list[str]:
+           raised: tuple[_evidence.Raised | None, ...]) -> list[str]:
   """The summary's lines on the first failure: who, how, what it raised, what the others were doing."""
   rcs = run.returncodes
   n = len(rcs)
   stopped = run.stopped
   how = describe(rcs[first])
+  if first in stopped:  # It raised, then lingered until it was stopped.
+    how = f'it raised, then the launcher stopped it: {how}'
   out = []
   collateral = [i for i in range(n) if i != first and
                 rcs[i] not in (None, 0) and i not in stopped]
@@ -336,10 +330,10 @@ def _blame(run: Observed, first: int,
   else:
     out.append(f'First failure: process {first} ({how}). Look at its '
                f'output ([p{first}]).')
-    for i in lost_coordinator(rcs, run.outputs):
+    for i in _evidence.lost_coordinator(rcs, run.outputs):
       out.append(f'Process {i} lost the coordination service (network '
                  'partition or coordinator gone): JAX aborted it '
-                 f'("{LOST_SERVICE_MARKER}" in [p{i}]).')
+                 f'("{_evidence.LOST_SERVICE_MARKER}" in [p{i}]).')
   error = raised[first]
   end = run.end_times[first]
   if error is not None and (end is None or error.time <= end):
@@ -353,23 +347,11 @@ def _blame(run: Observed, first: int,
                        for i in range(n) if i != first)
     out.append(f'Meanwhile, at {at:.1f} s: {others}.')
   if stopped:
-    out.append(f'Processes {sorted(stopped)} were stopped after the '
-               f'{run.grace_period:g} s grace period.')
+    why = ('at the timeout' if run.timed_out else
+           'at the interrupt' if run.interrupted_by is not None else
+           f'after the {run.grace_period:g} s grace period')
+    out.append(f'Processes {sorted(stopped)} were stopped {why}.')
   return out
-
-
-# What JAX's client prints before it aborts a process (SIGABRT) that lost
-# the coordination service: a missed heartbeat (partition) or a service gone.
-LOST_SERVICE_MARKER = ('Terminating process because the JAX distributed '
-                       'service detected fatal errors')
-
-
-def lost_coordinator(returncodes: tuple[int | None, ...],
-                     outputs: tuple[str, ...]) -> list[int]:
-  """The processes JAX aborted because they lost the coordination service (SIGABRT + its log line)."""
-  return [i for i, rc in enumerate(returncodes)
-          if rc == -signal.SIGABRT and i < len(outputs)
-          and LOST_SERVICE_MARKER in outputs[i]]
 
 
 def report(run: Observed) -> LaunchResult:

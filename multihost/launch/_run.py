@@ -50,10 +50,10 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
   """
   cluster = _controllers.Controllers(
-      command, num_processes=num_processes, devices_per_process=devices_per_process, env=env,
-                        cwd=cwd, grace_period=grace_period, stream=stream,
-                        kill_wait=kill_wait, host_service=host_service,
-                        hosts=hosts, max_restarts=max_restarts)
+      command, num_processes=num_processes,
+      devices_per_process=devices_per_process, env=env, cwd=cwd,
+      grace_period=grace_period, stream=stream, kill_wait=kill_wait,
+      host_service=host_service, hosts=hosts, max_restarts=max_restarts)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
 from multihost import env as env_lib
 
 
@@ -12,10 +16,6 @@ def main() -> None:
   attempt = int(os.environ[env_lib.RESTART_COUNT])
   if attempt == 0 and os.environ[env_lib.PROCESS_ID] == '1':
     sys.exit(3)
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
   jax.distributed.initialize()
   got = multihost_utils.process_allgather(np.array([jax.process_index()]))
   # One write per line (see tests/test_launch.py: gloo writes to fd 1 too).

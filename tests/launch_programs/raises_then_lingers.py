@@ -1,9 +1,14 @@
-"""Process 0 raises at once and lingers at exit for 8 s; process 1 prints, sleeps 3 s and exits 1."""
+"""Process 1 prints a line, then exits 1 after 3 s; process 0 raises once that line is out, then lingers at exit for 8 s.
+
+$READY_FILE is the file process 1 creates after its line, so process 0
+raises while process 1 is running with that line printed.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+import pathlib
 import sys
 import time
 
@@ -15,7 +20,11 @@ def _load() -> None:
 
 
 def main() -> None:
+  ready = pathlib.Path(os.environ['READY_FILE'])
   if os.environ[env_lib.PROCESS_ID] == '0':
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
     # Runs after the traceback is printed, like an exit handshake that
     # waits for a peer.
     atexit.register(time.sleep, 8)
@@ -24,6 +33,7 @@ def main() -> None:
     except ValueError as e:
       raise RuntimeError('step 3 failed') from e
   print('process 1 loading data', flush=True)
+  ready.touch()
   time.sleep(3)
   sys.exit(1)
 
