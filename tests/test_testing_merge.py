@@ -113,7 +113,8 @@ def test_a_test_cut_short_by_a_crash_names_the_process_and_shows_outputs():
       'multihost: this test did not complete on processes [0, 1] of 2: the '
       'workers stopped early: process 1 ended first, exit status 7.')
   assert [title for title, _ in merged.sections] == [
-      'Output of process 0 (last 1 lines)', 'Output of process 1 (last 1 lines)']
+      'Output of process 0 (last 1 lines)',
+      'Output of process 1 (last 1 lines)']
   assert merged.sections[1][1] == '[p1] line of p1'
 
 
