@@ -242,8 +242,10 @@ class Controllers:
 
     Returns:
       The `LaunchResult` (of the last attempt, with every attempt in
-      `attempts`).
+      `attempts`); the same one again on later calls.
     """
+    if self._result is not None:  # The run ended already.
+      return self._result
     if not self._started:
       self.start()
     attempts = []
