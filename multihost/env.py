@@ -176,3 +176,8 @@ def job_secret_env(extra: Mapping[str, str]) -> dict[str, str]:
 def external_service_env(heartbeat_timeout_s: float) -> dict[str, str]:
   """What a launcher that hosts the coordination service tells its controllers."""
   return {EXTERNAL_SERVICE: '1', HEARTBEAT: str(int(heartbeat_timeout_s))}
+
+# --- Set by `multihost.launch` for each controller. ------------------------
+# How many times the launcher restarted the job before this attempt (0, 1,
+# ...; `--max_restarts`), as torchrun exports TORCHELASTIC_RESTART_COUNT.
+RESTART_COUNT = 'MULTIHOST_RESTART_COUNT'

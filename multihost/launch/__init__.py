@@ -3,8 +3,8 @@
 Usage:
 
   python -m multihost.launch --num_processes=2 --devices_per_process=2 \\
-      [--timeout=SECONDS] [--grace_period=SECONDS] [--host_service] \\
-      -- python train.py --flag
+      [--timeout=SECONDS] [--grace_period=SECONDS] [--max_restarts=N] \\
+      [--host_service] [--hosts=netns] -- python train.py --flag
 
 Each controller gets an environment in which both `multihost.initialize()`
 and a bare `jax.distributed.initialize()` work unchanged (see `child_env`):
@@ -13,7 +13,11 @@ Open MPI-like environment that JAX auto-detects. Every output line is
 streamed with its process index (`[p1] ...`). The first failure stops the
 run: after a grace period the launcher stops the others (SIGTERM, then
 SIGKILL) and exits with the first failing process's status (128+signal for a
-signal); a summary says who failed first and how. When process 0, which
+signal); a summary says who failed first (by when it raised or exited,
+whichever came first), how, and what the others were doing then. With
+`--max_restarts=N` a failed run starts all controllers again, up to N
+times, each with `MULTIHOST_RESTART_COUNT` set to its attempt (0, 1, ...),
+as torchrun does; the summary lists every attempt. When process 0, which
 hosts JAX's coordination service, dies first, the summary says so and does
 not blame the survivors that the JAX runtime then aborted. `--timeout`
 bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
@@ -32,15 +36,24 @@ The same machinery is a library, for tests and the pytest plugin:
     result = cluster.wait(timeout=30)
 
 Modules (one job each):
+  _environment.py  each controller's port, environment, host and `ps` label
   _processes.py    spawn N processes in their own sessions, reap, signal, stop
-  _output.py       capture their output; stream it live with `[pN] ` prefixes
+  _reaper.py       nothing outlives the launcher (parent-death signal,
+                   subreaper)
+  _output.py       capture their output, with when each line was read;
+                   stream it live with `[pN] ` prefixes
   _signals.py      SIGINT/SIGTERM/SIGHUP to the launcher -> a stop request
   _policy.py       the run policy: first failure + grace period, timeout,
-                   SIGTERM then SIGKILL (`next_step` is pure)
-  _report.py       pure: who failed first (process-0 blame), exit status,
-                   summary -> `LaunchResult`
-  _controllers.py  `Controllers` (context manager) and `launch()`: composes
-                   the above, the controllers' env and service hosting
+                   SIGTERM then SIGKILL, restarts (`next_step` and
+                   `after_attempt` are pure)
+  _evidence.py     pure: what a process's output says (its first traceback,
+                   its last line by then, the peers it named as failed)
+  _report.py       pure: who failed first (by raise or exit; process-0
+                   blame), exit status, summary -> `LaunchResult`
+  _restarts.py     pure: the run's result from its attempts' results
+  _controllers.py  `Controllers` (context manager): composes the above, the
+                   attempts and service hosting
+  _run.py          `launch()`: Controllers to the end, signals, summary
   _cli.py          the one command line (`main`), also behind bin/launch.py
 """
 
@@ -50,17 +63,17 @@ from multihost.launch._cli import main as main
 from multihost.launch._cli import parser as parser
 from multihost.launch._cli import run_cli as run_cli
 from multihost.launch._cli import split_command as split_command
-from multihost.launch._controllers import child_env as child_env
 from multihost.launch._controllers import Controllers as Controllers
 from multihost.launch._controllers import DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S
-from multihost.launch._controllers import find_free_port as find_free_port
-from multihost.launch._controllers import launch as launch
+from multihost.launch._environment import child_env as child_env
+from multihost.launch._environment import find_free_port as find_free_port
+from multihost.launch._run import launch as launch
 from multihost.launch._policy import DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S
 from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
+from multihost.launch._evidence import lost_coordinator as lost_coordinator
+from multihost.launch._evidence import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
 from multihost.launch._report import describe as describe
 from multihost.launch._report import LaunchResult as LaunchResult
-from multihost.launch._report import lost_coordinator as lost_coordinator
-from multihost.launch._report import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
 from multihost.launch._report import Observed as Observed
 from multihost.launch._report import report as report
 from multihost.launch._report import signal_name as signal_name

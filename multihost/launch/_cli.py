@@ -6,8 +6,9 @@ import argparse
 import collections.abc
 import sys
 
-from multihost.launch import _controllers
+from multihost.launch import _environment
 from multihost.launch import _policy
+from multihost.launch import _run
 
 PROG = 'python -m multihost.launch'
 
@@ -28,7 +29,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
       prog=prog,
       description='Run N JAX controllers of a command on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
-            '[--timeout=S] [--grace_period=S] [--host_service] '
+            '[--timeout=S] [--grace_period=S] [--max_restarts=N] '
+            '[--host_service] '
             '[--hosts=netns] -- COMMAND '
             '[ARGS...]')
   p.add_argument('--num_processes', type=int, required=True,
@@ -41,11 +43,15 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
   p.add_argument('--grace_period', type=float,
                  default=_policy.DEFAULT_GRACE_PERIOD_S,
                  help='seconds the others get after the first failure')
+  p.add_argument('--max_restarts', type=int, default=0,
+                 help='after a failure, stop all controllers and start all '
+                 'again, up to N times (torchrun\'s --max-restarts); each '
+                 'gets MULTIHOST_RESTART_COUNT=0, 1, ...')
   p.add_argument('--host_service', action='store_true',
                  help='host the coordination service in the launcher, '
                  'so that a death of process 0 is reported like any '
                  'other (the command must use multihost.initialize())')
-  p.add_argument('--hosts', choices=[_controllers.NETNS], default=None,
+  p.add_argument('--hosts', choices=[_environment.NETNS], default=None,
                  help='netns: run each controller on a simulated host of '
                  'its own (a network namespace with its own address; needs '
                  'root and `ip`), the coordinator at host 0\'s address')
@@ -68,29 +74,32 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
   if (args.timeout is not None and args.timeout < 0) or args.grace_period < 0:
     p.error(f'--timeout and --grace_period must be >= 0 seconds; got '
             f'{args.timeout} and {args.grace_period}.')
+  if args.max_restarts < 0:
+    p.error(f'--max_restarts must be >= 0; got {args.max_restarts}.')
   if args.hosts is not None:
     try:
-      _controllers.check_hosts(args.hosts, host_service=args.host_service)
+      _environment.check_hosts(args.hosts, host_service=args.host_service)
     except (ValueError, RuntimeError) as e:
       p.error(str(e))
   return run_cli(command, num_processes=args.num_processes,
                  devices_per_process=args.devices_per_process,
                  timeout=args.timeout, grace_period=args.grace_period,
-                 host_service=args.host_service, hosts=args.hosts)
+                 host_service=args.host_service, hosts=args.hosts,
+                 max_restarts=args.max_restarts)
 
 
 def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
             grace_period: float, host_service: bool = False,
-            hosts: str | None = None) -> int:
+            hosts: str | None = None, max_restarts: int = 0) -> int:
   """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
   try:
-    result = _controllers.launch(
+    result = _run.launch(
         command, num_processes=num_processes,
         devices_per_process=devices_per_process, timeout=timeout,
         grace_period=grace_period, stream=sys.stdout,
         summary_stream=sys.stderr, forward_signals=True,
-        host_service=host_service, hosts=hosts)
+        host_service=host_service, hosts=hosts, max_restarts=max_restarts)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

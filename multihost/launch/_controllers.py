@@ -1,9 +1,9 @@
-"""`Controllers`: N controllers of one command as a context manager, and `launch()`, which runs them to the end.
+"""`Controllers`: N controllers of one command as a context manager, supervised together and restarted.
 
-Composes the parts: the controllers' environment (`multihost.env`), the
-processes (`_processes`), the run policy (`_policy`), signal forwarding
-(`_signals`) and the report (`_report`); optionally hosts the coordination
-service (`multihost.lowlevel.start_service`).
+Composes the parts: the controllers' environment (`_environment`), the
+processes (`_processes`), the run policy and restarts (`_policy`), signal
+forwarding (`_signals`) and the report (`_report`, `_restarts`); optionally
+hosts the coordination service (`multihost.lowlevel.start_service`).
 """
 
 from __future__ import annotations
@@ -12,55 +12,20 @@ import atexit
 import collections.abc
 import os
 import signal
-import socket
 import sys
 import time
 from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
+from multihost.launch import _environment
 from multihost.launch import _policy
 from multihost.launch import _processes
 from multihost.launch import _report
+from multihost.launch import _restarts
 from multihost.launch import _signals
 
 DEFAULT_HEARTBEAT_S = float(env_lib.DEFAULT_HEARTBEAT_S)
-
-
-def find_free_port(host: str = '127.0.0.1') -> int:
-  """A TCP port on `host` that was free a moment ago (binds port 0)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
-
-
-def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
-              port: int, base: collections.abc.Mapping[str, str] | None = None,
-              host: str = '127.0.0.1') -> dict[str, str]:
-  """The environment of controller `process_id` of a local run (see `multihost.env.controller_env`)."""
-  return env_lib.controller_env(process_id, num_processes=num_processes,
-                                devices_per_process=devices_per_process,
-                                port=port, base=base, host=host)
-
-
-NETNS = 'netns'
-HOSTS_KINDS = (None, NETNS)
-
-
-def check_hosts(hosts: str | None, *, host_service: bool) -> None:
-  """Raises if `hosts` is unknown, or 'netns' cannot work here (with the reason)."""
-  if hosts not in HOSTS_KINDS:
-    raise ValueError(f"hosts must be None or {NETNS!r}; got {hosts!r}.")
-  if hosts is None:
-    return
-  if host_service:
-    raise ValueError(
-        "host_service=True cannot be combined with hosts='netns': the "
-        'launcher is not on any simulated host; drop one of them.')
-  from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
-  ok, why = hosts_lib.available()
-  if not ok:
-    raise hosts_lib.HostsError(f"hosts='netns' cannot work here: {why}")
 
 
 # Live clusters, killed at interpreter exit if their owner did not stop them.
@@ -78,8 +43,9 @@ class Controllers:
 
   Use as a context manager: on exit every process still running is stopped
   (SIGTERM, then SIGKILL), whatever happened. `wait()` applies the run's
-  policy (first failure stops the others after a grace period; timeout);
-  tests that inject failures use `pids`, `kill()` and `wait_for_output()`.
+  policy (first failure stops the others after a grace period; timeout;
+  restarts); tests that inject failures use `pids`, `kill()` and
+  `wait_for_output()`, which concern the current attempt.
 
   Each process runs in its own session (process group), so a Ctrl-C on the
   terminal reaches only the launcher, which forwards it; stopping a process
@@ -96,7 +62,7 @@ class Controllers:
     stream: where to write the prefixed output lines live (None: only
       capture them).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping.
-    port: the coordinator port (default: a free one).
+    port: the coordinator port (default: a free one, fresh each attempt).
     host_service: host JAX's coordination service in this (launcher)
       process instead of in process 0, so that the death of process 0 is an
       ordinary failure the others raise `ProcessFailureError` for, rather
@@ -110,6 +76,11 @@ class Controllers:
       host 0's address; `self.hosts` is then the running
       `multihost.netns.SimulatedHosts`, e.g. `cluster.hosts.cut(1)`.
       The hosts are deleted when the controllers stop.
+    max_restarts: after a failed attempt (any controller failed; the others
+      were stopped), start all of them again, up to this many times
+      (torchrun's `--max-restarts`). Each controller gets its attempt's
+      number in `MULTIHOST_RESTART_COUNT` (0 first). A success, an
+      interrupt or the timeout ends the run.
   """
 
   def __init__(self, command: collections.abc.Sequence[str], *,
@@ -122,8 +93,9 @@ class Controllers:
                port: int | None = None,
                host_service: bool = False,
                heartbeat_timeout: float = DEFAULT_HEARTBEAT_S,
-               hosts: str | None = None):
-    check_hosts(hosts, host_service=host_service)
+               hosts: str | None = None,
+               max_restarts: int = 0):
+    _environment.check_hosts(hosts, host_service=host_service)
     if isinstance(command, str) or not command:
       raise ValueError(
           f'command must be a non-empty list of arguments, e.g. '
@@ -137,21 +109,31 @@ class Controllers:
       raise ValueError(
           f'grace_period and kill_wait must be >= 0 seconds; got '
           f'grace_period={grace_period}, kill_wait={kill_wait}.')
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+      raise ValueError(f'max_restarts must be an integer >= 0; got '
+                       f'max_restarts={max_restarts!r}.')
     self.command = [os.fspath(c) for c in command]
     self.num_processes = num_processes
     self.devices_per_process = devices_per_process
     self.grace_period = grace_period
     self.kill_wait = kill_wait
     self.port = port
+    self._fixed_port = port
     self.host_service = host_service
     self.heartbeat_timeout = heartbeat_timeout
+    self.max_restarts = max_restarts
+    self.restart_count = 0  # Of the current attempt.
     self._service = None
     self.hosts_kind = hosts
     self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
     self._extra_env = dict(env or {})
+    self._secret_env: dict[str, str] = {}
     self._cwd = cwd
+    self._stream = stream
     self._procs = _processes.Processes(num_processes, stream=stream)
     self._started = False
+    self._start_time = time.monotonic()
+    self._attempt_starts: list[float] = []
     self._interrupts = _signals.Interrupts()
     self._result: _report.LaunchResult | None = None
 
@@ -162,38 +144,52 @@ class Controllers:
     if self._started:
       raise RuntimeError('These controllers were already started.')
     self._started = True
-    if self.port is None:
-      self.port = find_free_port()
-    self._procs.start_time = time.monotonic()
+    self._start_time = time.monotonic()
     _LIVE.add(self)
     try:
-      address, command = '127.0.0.1', [self.command] * self.num_processes
-      if self.hosts_kind == NETNS:
+      if self.hosts_kind == _environment.NETNS:
         from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
         self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
         self.hosts.start()
-        address = self.hosts.address(0)
-        command = [self.hosts.command(i, self.command)
-                   for i in range(self.num_processes)]
-      service_env = {}
-      if self.host_service:
-        from multihost import lowlevel  # pylint: disable=g-import-not-at-top
-        self._service = lowlevel.start_service(
-            f'127.0.0.1:{self.port}', self.num_processes,
-            heartbeat_timeout=int(self.heartbeat_timeout))
-        service_env = env_lib.external_service_env(self.heartbeat_timeout)
-      service_env.update(env_lib.job_secret_env(self._extra_env))
-      for i in range(self.num_processes):
-        env = child_env(i, num_processes=self.num_processes,
-                        devices_per_process=self.devices_per_process,
-                        port=self.port, host=address)
-        env.update(service_env)
-        env.update(self._extra_env)
-        self._procs.spawn(command[i], env=env, cwd=self._cwd)
+      self._secret_env = env_lib.job_secret_env(self._extra_env)
+      self._spawn_attempt()
     except BaseException:
       self.stop()
       raise
     return self
+
+  def _spawn_attempt(self) -> None:
+    """Starts attempt `restart_count`: a coordinator port, the service if hosted, every process."""
+    self.port = self._fixed_port or _environment.find_free_port()
+    if self.restart_count:
+      self._procs = _processes.Processes(self.num_processes,
+                                         stream=self._stream)
+    self._procs.start_time = time.monotonic()
+    self._attempt_starts.append(self._procs.start_time - self._start_time)
+    address = '127.0.0.1'
+    command = [_environment.labelled(self.command, i)
+               for i in range(self.num_processes)]
+    if self.hosts is not None:
+      address = self.hosts.address(0)
+      command = [self.hosts.command(i, command[i])
+                 for i in range(self.num_processes)]
+    service_env = {}
+    if self.host_service:
+      from multihost import lowlevel  # pylint: disable=g-import-not-at-top
+      self._service = lowlevel.start_service(
+          f'127.0.0.1:{self.port}', self.num_processes,
+          heartbeat_timeout=int(self.heartbeat_timeout))
+      service_env = env_lib.external_service_env(self.heartbeat_timeout)
+    service_env.update(self._secret_env)
+    for i in range(self.num_processes):
+      env = _environment.child_env(
+          i, num_processes=self.num_processes,
+          devices_per_process=self.devices_per_process, port=self.port,
+          host=address)
+      env.update(service_env)
+      env.update(self._extra_env)
+      env[env_lib.RESTART_COUNT] = str(self.restart_count)
+      self._procs.spawn(command[i], env=env, cwd=self._cwd)
 
   @property
   def pids(self) -> list[int]:
@@ -217,7 +213,8 @@ class Controllers:
     return self._procs.running()
 
   def elapsed(self) -> float:
-    return time.monotonic() - self._procs.start_time
+    """Seconds since `start()` (of all attempts together)."""
+    return time.monotonic() - self._start_time
 
   def wait_for_output(self, index: int, text: str, *,
                       timeout: float) -> bool:
@@ -234,19 +231,51 @@ class Controllers:
     """Waits for the run to end, enforcing its policy, and stops the rest.
 
     The first process to fail (non-zero status or a signal) starts the grace
-    period; at its end the others are stopped. At `timeout` seconds from the
-    start, every process still running is stopped. Nothing is running when
-    this returns.
+    period; at its end the others are stopped. Then, with `max_restarts`
+    restarts left, every process starts again (`_policy.after_attempt`). At
+    `timeout` seconds from the start, every process still running is
+    stopped. Nothing is running when this returns.
 
     Args:
-      timeout: seconds for the whole run, counted from `start()`; None waits
-        without limit.
+      timeout: seconds for the whole run (all attempts), counted from
+        `start()`; None waits without limit.
 
     Returns:
-      The `LaunchResult`.
+      The `LaunchResult` (of the last attempt, with every attempt in
+      `attempts`); the same one again on later calls.
     """
+    if self._result is not None:  # The run ended already.
+      return self._result
     if not self._started:
       self.start()
+    attempts = []
+    try:
+      while True:
+        left = None if timeout is None else max(0.0, timeout - self.elapsed())
+        attempt = self._wait_attempt(left)
+        attempts.append(attempt)
+        then = _policy.after_attempt(
+            exit_code=attempt.exit_code, timed_out=attempt.timed_out,
+            interrupted=attempt.interrupted_by is not None,
+            restart_count=self.restart_count, max_restarts=self.max_restarts,
+            time_left=None if timeout is None else timeout - self.elapsed())
+        if then != _policy.RESTART:
+          break
+        self.restart_count += 1
+        self._say(f'attempt {self.restart_count - 1} failed: '
+                  f'{_restarts.attempt_cause(attempt)}; restarting all '
+                  f'{self.num_processes} (restart {self.restart_count} of '
+                  f'{self.max_restarts}).')
+        self._spawn_attempt()
+    finally:
+      self.stop()
+    self._result = _restarts.combine(
+        attempts, starts=self._attempt_starts[:len(attempts)],
+        max_restarts=self.max_restarts, elapsed=self.elapsed())
+    return self._result
+
+  def _wait_attempt(self, timeout: float | None) -> _report.LaunchResult:
+    """Supervises the current attempt to its end (`timeout` seconds from now at most); stops its processes; returns its result."""
     step = _policy.Step(_policy.ALL_EXITED)
     try:
       step = _policy.supervise(self._procs, timeout=timeout,
@@ -257,7 +286,7 @@ class Controllers:
                         wait=max(self.kill_wait, self.grace_period),
                         again=self._interrupts.again)
     finally:
-      self.stop()
+      self._stop_attempt()
     timed_out = step.action == _policy.TIMED_OUT
     with self._procs.changed:
       observed = _report.Observed(
@@ -268,12 +297,27 @@ class Controllers:
           outputs=tuple(self._procs.output.text_locked(i)
                         for i in range(self.num_processes)),
           devices_per_process=self.devices_per_process,
-          elapsed=self.elapsed(), grace_period=self.grace_period,
+          elapsed=time.monotonic() - self._procs.start_time,
+          grace_period=self.grace_period,
           host_service=self.host_service, timed_out=timed_out,
           still_running_at_timeout=step.running if timed_out else (),
-          interrupted_by=self._interrupts.first)
-    self._result = _report.report(observed)
-    return self._result
+          interrupted_by=self._interrupts.first,
+          line_times=self._procs.line_times_locked(),
+          hosts=self.hosts_kind,
+          host_addresses=(
+              tuple(self.hosts.address(i) for i in range(self.num_processes))
+              if self.hosts is not None else ()))
+    return _report.report(observed)
+
+  def _say(self, text: str) -> None:
+    """Writes a `[launcher] ` line to the live stream, if there is one."""
+    if self._stream is None:
+      return
+    try:
+      self._stream.write(f'[launcher] {text}\n')
+      self._stream.flush()
+    except (OSError, ValueError):  # Closed stream: the summary still tells.
+      pass
 
   def _poll_signals(self) -> int | None:
     """The stop signal the launcher got (or None); forwards where-report requests first."""
@@ -298,12 +342,16 @@ class Controllers:
                          'asked where it is.\n')
         sys.stderr.flush()
 
-  def stop(self) -> None:
-    """Stops every running process: SIGTERM, then SIGKILL after kill_wait."""
+  def _stop_attempt(self) -> None:
+    """Stops the current attempt's processes (SIGTERM, then SIGKILL after kill_wait) and its hosted service."""
     _policy.stop(self._procs, kill_wait=self.kill_wait)
     if self._service is not None:
       self._service.shutdown()
       self._service = None
+
+  def stop(self) -> None:
+    """Stops every running process: SIGTERM, then SIGKILL after kill_wait; deletes the simulated hosts."""
+    self._stop_attempt()
     if self.hosts is not None:
       self.hosts.close()  # Also kills anything left inside them.
     _LIVE.discard(self)
@@ -327,55 +375,3 @@ class Controllers:
     """
     return self._interrupts.install()
 
-
-def launch(command: collections.abc.Sequence[str], *, num_processes: int,
-           devices_per_process: int = 1, timeout: float | None = None,
-           grace_period: float = _policy.DEFAULT_GRACE_PERIOD_S,
-           env: collections.abc.Mapping[str, str] | None = None,
-           cwd: str | os.PathLike[str] | None = None,
-           stream: TextIO | None = None,
-           summary_stream: TextIO | None = None,
-           forward_signals: bool = False,
-           kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
-           host_service: bool = False,
-           hosts: str | None = None) -> _report.LaunchResult:
-  """Runs `command` as N local controllers and returns how they ended.
-
-  Args:
-    command: the program and its arguments, run by every process.
-    num_processes: number of controllers.
-    devices_per_process: CPU devices per controller.
-    timeout: seconds for the whole run; None for no limit.
-    grace_period: seconds the others get after the first failure.
-    env: extra environment variables for every process.
-    cwd: working directory of the processes.
-    stream: where to stream the `[pN] `-prefixed output (None: capture only).
-    summary_stream: where to print the summary at the end (None: don't).
-    forward_signals: stop the run on SIGINT/SIGTERM/SIGHUP to this process
-      (main thread only; used by the command-line launcher).
-    kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
-      (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
-    host_service: host the coordination service in this process (see
-      `Controllers`).
-    hosts: None, or 'netns' for one simulated host per controller (see
-      `Controllers`).
-
-  Returns:
-    A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
-  """
-  cluster = Controllers(command, num_processes=num_processes,
-                        devices_per_process=devices_per_process, env=env,
-                        cwd=cwd, grace_period=grace_period, stream=stream,
-                        kill_wait=kill_wait, host_service=host_service,
-                        hosts=hosts)
-  restore = cluster.forward_signals() if forward_signals else None
-  try:
-    with cluster:
-      result = cluster.wait(timeout)
-  finally:
-    if restore is not None:
-      restore()
-  if summary_stream is not None:
-    summary_stream.write(result.summary + '\n')
-    summary_stream.flush()
-  return result

@@ -1,4 +1,4 @@
-"""Controllers' output: captures each process's lines and streams them live with a `[pN] ` prefix.
+"""Controllers' output: captures each process's lines, and when each was read, and streams them live with a `[pN] ` prefix.
 
 (cf. torchrun's `multiprocessing/tail_log.py`.)
 """
@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import BinaryIO, TextIO
 
 
@@ -26,6 +27,9 @@ class Output:
   def __init__(self, num_processes: int, *, changed: threading.Condition,
                stream: TextIO | None = None):
     self._lines: list[list[str]] = [[] for _ in range(num_processes)]
+    # Per line, time.monotonic() when it was read (the first error of a run
+    # is the first traceback read, see `_evidence`).
+    self._times: list[list[float]] = [[] for _ in range(num_processes)]
     self._changed = changed
     self._stream = stream
     self._write_lock = threading.Lock()
@@ -39,6 +43,10 @@ class Output:
     """As `text`, for a caller that holds `changed` already."""
     return ''.join(self._lines[index])
 
+  def times_locked(self, index: int) -> list[float]:
+    """Per line of `text_locked(index)`, the time.monotonic() it was read at (caller holds `changed`)."""
+    return list(self._times[index])
+
   def pump(self, index: int, pipe: BinaryIO) -> None:
     """Reads `pipe` to its end, line by line (runs in its own thread); closes it."""
     for raw in iter(pipe.readline, b''):
@@ -47,6 +55,7 @@ class Output:
         line += '\n'
       with self._changed:
         self._lines[index].append(line)
+        self._times[index].append(time.monotonic())
         self._changed.notify_all()
       if self._stream is not None:
         with self._write_lock:

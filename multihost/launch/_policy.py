@@ -1,8 +1,10 @@
-"""The run policy: the first failure stops the run after a grace period, a timeout stops it all, stopping is SIGTERM then SIGKILL.
+"""The run policy: the first failure stops the run after a grace period, a timeout stops it all, stopping is SIGTERM then SIGKILL, a failed attempt may start again.
 
-`next_step()` is the policy as a pure function of what has been observed;
-`supervise()` applies it to running `Processes` until the run must end, and
-`stop()` / `forward()` end it.
+`next_step()` is the policy within one attempt as a pure function of what
+has been observed; `supervise()` applies it to running `Processes` until
+the attempt must end, and `stop()` / `forward()` end it. `after_attempt()`
+is the pure restart decision between attempts (torchrun's
+`--max-restarts`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ ALL_EXITED = 'all exited'
 INTERRUPTED = 'interrupted'
 TIMED_OUT = 'timed out'
 GRACE_OVER = 'grace period over'
+
+# What follows an attempt (`after_attempt`).
+RESTART = 'restart'
+END = 'end'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,25 @@ def next_step(*, elapsed: float, returncodes: collections.abc.Sequence[int | Non
   pause = _MAX_PAUSE_S if not wake else max(
       0.0, min(_MAX_PAUSE_S, min(wake) - elapsed))
   return Step(WAIT, pause=pause, running=running)
+
+
+def after_attempt(*, exit_code: int, timed_out: bool, interrupted: bool,
+                  restart_count: int, max_restarts: int,
+                  time_left: float | None = None) -> str:
+  """Whether the job starts again after an attempt ended: RESTART or END (torchrun's rule).
+
+  END when the attempt succeeded (`exit_code` 0: every process exited 0),
+  when the launcher was interrupted (a person or a scheduler stops the
+  run), when the run's timeout passed (`timed_out`, or no `time_left`: it
+  bounds all attempts together), or when `max_restarts` restarts were made
+  already (`restart_count`, the restarts before this attempt). Otherwise
+  the attempt failed: RESTART.
+  """
+  if exit_code == 0 or interrupted or timed_out:
+    return END
+  if time_left is not None and time_left <= 0:
+    return END
+  return RESTART if restart_count < max_restarts else END
 
 
 def supervise(procs: _processes.Processes, *, timeout: float | None,

@@ -106,6 +106,11 @@ class Processes:
     """Per process, seconds from the start to its exit (or None)."""
     return [None if t is None else t - self.start_time for t in self._ended]
 
+  def line_times_locked(self) -> tuple[tuple[float, ...], ...]:
+    """Per process, per captured line, seconds from the start to when it was read."""
+    return tuple(tuple(t - self.start_time for t in self.output.times_locked(i))
+                 for i in range(self.num_processes))
+
   def stopped_locked(self) -> frozenset[int]:
     return frozenset(self._stopped)
 

@@ -3,7 +3,9 @@
 Nothing here starts, signals or waits for a process: `report()` takes a
 snapshot of a finished run (`Observed`) and returns its `LaunchResult`, so
 the blame heuristic is unit-tested without processes (cf. torchrun's
-`multiprocessing/errors`: "Root Cause (first observed failure)").
+`multiprocessing/errors`: "Root Cause (first observed failure)"). The first
+failure is the first error by when it happened: a process's first traceback
+(by when the launcher read it) or its exit, whichever came first.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
+from typing import Any
+
+from multihost.launch import _evidence
 
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
 TIMEOUT_EXIT_STATUS = 124
@@ -61,6 +66,11 @@ class Observed:
     timed_out: whether the timeout stopped the run.
     still_running_at_timeout: the processes running at the timeout.
     interrupted_by: the signal the launcher got and forwarded, or None.
+    line_times: per process, per line of its output, seconds from the
+      start to when the launcher read it (empty: not known; then the first
+      failure is the first exit).
+    hosts: None, or 'netns' when each process ran on a simulated host.
+    host_addresses: with hosts, per process, its host's address.
   """
   returncodes: tuple[int | None, ...]
   end_times: tuple[float | None, ...]
@@ -74,6 +84,22 @@ class Observed:
   timed_out: bool = False
   still_running_at_timeout: tuple[int, ...] = ()
   interrupted_by: int | None = None
+  line_times: tuple[tuple[float, ...], ...] = ()
+  hosts: str | None = None
+  host_addresses: tuple[str, ...] = ()
+
+  def lines(self, index: int) -> list[str]:
+    """Process `index`'s output lines, without newlines (one per `line_times[index]`)."""
+    if index >= len(self.outputs):
+      return []
+    return self.outputs[index].split('\n')[:-1]
+
+  def raised(self) -> tuple[_evidence.Raised | None, ...]:
+    """Per process, its first traceback (None: none, or no times known)."""
+    return tuple(
+        _evidence.first_raised(self.lines(i), self.line_times[i])
+        if i < len(self.line_times) else None
+        for i in range(len(self.returncodes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +123,10 @@ class LaunchResult:
     exit_code: the launcher's exit status: 0, the first failure's status,
       124 on timeout, or 128+signal when interrupted.
     summary: a human-readable account of all of the above.
+    first_error: the exception the first failure raised ('ValueError:
+      boom'), when its output shows a traceback; else None.
+    attempts: with restarts (`max_restarts`), every attempt's own result,
+      in order (the last is this one's); else this one alone.
   """
   returncodes: tuple[int | None, ...]
   outputs: tuple[str, ...]
@@ -109,52 +139,73 @@ class LaunchResult:
   interrupted_by: int | None
   exit_code: int
   summary: str
+  first_error: str | None = None
+  attempts: tuple[Any, ...] = ()
 
   @property
   def ok(self) -> bool:
     """True when every process exited with status 0."""
     return self.exit_code == 0
 
+  @property
+  def restart_count(self) -> int:
+    """How many times the launcher restarted the job (attempts - 1)."""
+    return max(0, len(self.attempts) - 1)
+
 
 def first_failure(returncodes: tuple[int | None, ...],
                   end_times: tuple[float | None, ...],
                   stopped: frozenset[int] = frozenset(),
-                  outputs: tuple[str, ...] = ()) -> int | None:
+                  outputs: tuple[str, ...] = (),
+                  raised: tuple[_evidence.Raised | None, ...] = ()
+                  ) -> int | None:
   """The process that caused the run's failure, or None if none failed alone.
 
-  The earliest non-zero exit among the processes the launcher did not stop.
+  The earliest failure event among the processes that did not exit 0: a
+  non-zero exit the launcher did not cause, or a first traceback
+  (`raised`, by when the launcher read it), which counts even for a
+  process the launcher then stopped (it raised, then lingered). A traceback
+  of a process whose output names other processes as failed (multihost's
+  `ProcessFailureError`) does not count: that process reacted to their
+  failure.
+
   One exception: when process 0 (which hosts JAX's coordination service)
   failed, and the earlier exit was a SIGABRT seen less than 0.5 s before
   process 0's, process 0 is blamed: the JAX runtime aborts the others when
   their coordination service goes, and the launcher may see those exits
   first. Unless process 0's output (`outputs[0]`) already named that
-  process as failed (multihost's `ProcessFailureError`): process 0 then
-  outlived its failure, so it is not the cause.
+  process as failed: process 0 then outlived its failure, so it is not the
+  cause.
   """
+  n = len(returncodes)
+  raised = tuple(raised) + (None,) * (n - len(raised))
   failed = [i for i, rc in enumerate(returncodes)
             if rc not in (None, 0) and i not in stopped]
-  if not failed:
+  named = [_evidence.named_as_failed(outputs[i]) if i < len(outputs) else set()
+           for i in range(n)]
+  raisers = [i for i in range(n) if raised[i] is not None and
+             returncodes[i] != 0 and not named[i] - {i}]
+  if not failed and not raisers:
     return None
   inf = float('inf')
-  first = min(failed, key=lambda i: (
-      inf if end_times[i] is None else end_times[i], i))
-  if (first != 0 and 0 in failed and
+
+  def when(i: int) -> float:
+    events = [inf]
+    if i in failed and end_times[i] is not None:
+      events.append(end_times[i])
+    if i in raisers:
+      events.append(raised[i].time)  # type: ignore[union-attr]
+    return min(events)
+
+  first = min(set(failed) | set(raisers), key=lambda i: (when(i), i))
+  if (first != 0 and 0 in failed and first in failed and
       returncodes[first] == -signal.SIGABRT and
       returncodes[0] != -signal.SIGABRT and
       end_times[0] is not None and end_times[first] is not None and
       end_times[0] - end_times[first] < _ABORT_RACE_S and
-      first not in named_as_failed(outputs[0] if outputs else '')):
+      first not in _evidence.named_as_failed(outputs[0] if outputs else '')):
     return 0
   return first
-
-
-def named_as_failed(output: str) -> set[int]:
-  """The processes a process's output names as failed ("process(es) [1, 2] failed")."""
-  return {int(i) for found in _NAMED_FAILED.findall(output)
-          for i in found.split(',') if i.strip()}
-
-
-_NAMED_FAILED = re.compile(r'process\(es\) \[([0-9, ]*)\] failed')
 
 
 def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
@@ -172,23 +223,60 @@ def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
   return 0
 
 
+def _header(run: Observed, code: int) -> str:
+  n = len(run.returncodes)
+  where = ''
+  if run.hosts is not None:
+    where = (f' on {n} simulated host(s) (--hosts={run.hosts}: a network '
+             'namespace and address each)')
+  return (f'multihost.launch: {n} process(es) x {run.devices_per_process} '
+          f'CPU device(s){where}, {run.elapsed:.1f} s, exit status {code}.')
+
+
+def doing_at(run: Observed, index: int, when: float,
+             raised: tuple[_evidence.Raised | None, ...]) -> str:
+  """What process `index` was doing `when` seconds into the run (by its exit and output), and what it did next."""
+  end = run.end_times[index]
+  rc = run.returncodes[index]
+  if end is not None and end <= when:
+    return f'p{index} had exited at {end:.1f} s ({describe(rc)})'
+  lines = run.lines(index)
+  times = run.line_times[index] if index < len(run.line_times) else ()
+  last = _evidence.last_line_before(lines, times, when)
+  text = f'p{index} was running'
+  if last is not None:
+    text += f' (last line at {last[0]:.1f} s: {last[1]!r})'
+  elif len(times) == len(lines):  # Times known: nothing printed by then.
+    text += ' (no output yet)'
+  then = raised[index] if index < len(raised) else None
+  if then is not None and then.time > when:
+    text += f', then raised {then.error!r} at {then.time:.1f} s'
+  return text
+
+
 def summary(run: Observed, *, first: int | None, code: int) -> str:
   """The human-readable account of a run: one line per process, then who is to blame and why."""
   rcs = run.returncodes
   n = len(rcs)
   stopped = run.stopped
-  out = [f'multihost.launch: {n} process(es) x {run.devices_per_process} '
-         f'CPU device(s), {run.elapsed:.1f} s, exit status {code}.']
+  raised = run.raised()
+  out = [_header(run, code)]
   for i, rc in enumerate(rcs):
     end = run.end_times[i]
     when = '' if end is None else f' at {end:.1f} s'
+    if raised[i] is not None and rc != 0:
+      when += f', raised at {raised[i].time:.1f} s'  # type: ignore[union-attr]
     note = ''
     if i == first:
       note = '  <- failed first'
+      if i in stopped:
+        note += ' (then stopped by the launcher)'
     elif i in stopped:
       note = '  (stopped by the launcher)'
     pid = run.pids[i] if i < len(run.pids) else '?'
-    out.append(f'  [p{i}] pid {pid}: {describe(rc)}{when}{note}')
+    host = (f' on {run.host_addresses[i]}' if i < len(run.host_addresses)
+            else '')
+    out.append(f'  [p{i}] pid {pid}{host}: {describe(rc)}{when}{note}')
   if run.interrupted_by is not None:
     out.append(f'Interrupted by {signal_name(run.interrupted_by)}: forwarded '
                'it to the running processes, gave them the grace period '
@@ -200,57 +288,86 @@ def summary(run: Observed, *, first: int | None, code: int) -> str:
         'stopped. Raise --timeout if the run needs longer, or look for a '
         'process waiting for a peer (a collective one process did not call).')
   if first is not None:
-    how = describe(rcs[first])
-    collateral = [i for i in range(n) if i != first and
-                  rcs[i] not in (None, 0) and i not in stopped]
-    if first == 0 and n > 1 and not run.host_service:
-      out.append(
-          f'Process 0, which hosts the JAX coordination service, died '
-          f'first: {how}.')
-      if collateral:
-        aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
-        detail = (' (SIGABRT)' if aborts == collateral else
-                  ' (' + ', '.join(f'p{i}: {describe(rcs[i])}'
-                                   for i in collateral) + ')')
-        out.append(
-            f'The JAX runtime then aborted the other processes {collateral}'
-            f'{detail} because their coordination service was gone; they '
-            'are not the cause. Look at the output of process 0 ([p0]).')
-      else:
-        out.append('Look at the output of process 0 ([p0]).')
-    else:
-      out.append(f'First failure: process {first} ({how}). Look at its '
-                 f'output ([p{first}]).')
-      for i in lost_coordinator(rcs, run.outputs):
-        out.append(f'Process {i} lost the coordination service (network '
-                   'partition or coordinator gone): JAX aborted it '
-                   f'("{LOST_SERVICE_MARKER}" in [p{i}]).')
-    if stopped:
-      out.append(f'Processes {sorted(stopped)} were stopped after the '
-                 f'{run.grace_period:g} s grace period.')
+    out += _blame(run, first, raised)
   return '\n'.join(out)
 
 
-# What JAX's client prints before it aborts a process (SIGABRT) that lost
-# the coordination service: a missed heartbeat (partition) or a service gone.
-LOST_SERVICE_MARKER = ('Terminating process because the JAX distributed '
-                       'service detected fatal errors')
-
-
-def lost_coordinator(returncodes: tuple[int | None, ...],
-                     outputs: tuple[str, ...]) -> list[int]:
-  """The processes JAX aborted because they lost the coordination service (SIGABRT + its log line)."""
-  return [i for i, rc in enumerate(returncodes)
-          if rc == -signal.SIGABRT and i < len(outputs)
-          and LOST_SERVICE_MARKER in outputs[i]]
+def _blame(run: Observed, first: int,
+           raised: tuple[_evidence.Raised | None, ...]) -> list[str]:
+  """The summary's lines on the first failure: who, how, what it raised, what the others were doing."""
+  rcs = run.returncodes
+  n = len(rcs)
+  stopped = run.stopped
+  how = describe(rcs[first])
+  if first in stopped:  # It raised, then lingered until it was stopped.
+    how = f'it raised, then the launcher stopped it: {how}'
+  out = []
+  collateral = [i for i in range(n) if i != first and
+                rcs[i] not in (None, 0) and i not in stopped]
+  # Process 0 hosts the coordination service: when it died (not only
+  # raised) before the others failed, their failures followed from its.
+  end0 = run.end_times[0]
+  died_first = (first == 0 and n > 1 and not run.host_service and
+                0 not in stopped and end0 is not None and
+                all(run.end_times[i] is None or
+                    run.end_times[i] >= end0 - _ABORT_RACE_S
+                    for i in collateral))
+  if died_first:
+    out.append(
+        f'Process 0, which hosts the JAX coordination service, died '
+        f'first: {how}.')
+    if collateral:
+      aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
+      detail = (' (SIGABRT)' if aborts == collateral else
+                ' (' + ', '.join(f'p{i}: {describe(rcs[i])}'
+                                 for i in collateral) + ')')
+      out.append(
+          f'The JAX runtime then aborted the other processes {collateral}'
+          f'{detail} because their coordination service was gone; they '
+          'are not the cause. Look at the output of process 0 ([p0]).')
+    else:
+      out.append('Look at the output of process 0 ([p0]).')
+  else:
+    out.append(f'First failure: process {first} ({how}). Look at its '
+               f'output ([p{first}]).')
+    for i in _evidence.lost_coordinator(rcs, run.outputs):
+      out.append(f'Process {i} lost the coordination service (network '
+                 'partition or coordinator gone): JAX aborted it '
+                 f'("{_evidence.LOST_SERVICE_MARKER}" in [p{i}]).')
+  error = raised[first]
+  end = run.end_times[first]
+  if error is not None and (end is None or error.time <= end):
+    at = error.time
+    out.append(f'Process {first} raised first, at {at:.1f} s (when the '
+               f'launcher read its traceback): {error.error}')
+  else:
+    at = end
+  if at is not None and n > 1:
+    others = '; '.join(doing_at(run, i, at, raised)
+                       for i in range(n) if i != first)
+    out.append(f'Meanwhile, at {at:.1f} s: {others}.')
+  if stopped:
+    why = ('at the timeout' if run.timed_out else
+           'at the interrupt' if run.interrupted_by is not None else
+           f'after the {run.grace_period:g} s grace period')
+    out.append(f'Processes {sorted(stopped)} were stopped {why}.')
+  return out
 
 
 def report(run: Observed) -> LaunchResult:
   """The `LaunchResult` of a finished run: who failed first, the exit status and the summary."""
+  raised = run.raised()
   first = first_failure(run.returncodes, run.end_times, run.stopped,
-                        run.outputs)
-  code = exit_code(run.returncodes, first=first, timed_out=run.timed_out,
+                        run.outputs, raised)
+  # A first failure the launcher stopped (it raised, then lingered) has no
+  # status of its own: the status is the first exit's.
+  exited = first is None or (run.returncodes[first] not in (None, 0) and
+                             first not in run.stopped)
+  by_exit = first if exited else first_failure(
+      run.returncodes, run.end_times, run.stopped, run.outputs)
+  code = exit_code(run.returncodes, first=by_exit, timed_out=run.timed_out,
                    interrupted_by=run.interrupted_by)
+  error = raised[first] if first is not None else None
   return LaunchResult(
       returncodes=tuple(run.returncodes), outputs=tuple(run.outputs),
       pids=tuple(run.pids), end_times=tuple(run.end_times),
@@ -258,4 +375,5 @@ def report(run: Observed) -> LaunchResult:
       timed_out=run.timed_out,
       still_running_at_timeout=tuple(run.still_running_at_timeout),
       interrupted_by=run.interrupted_by, exit_code=code,
-      summary=summary(run, first=first, code=code))
+      summary=summary(run, first=first, code=code),
+      first_error=None if error is None else error.error)

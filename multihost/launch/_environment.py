@@ -1,0 +1,65 @@
+"""What each controller is started with: a free coordinator port, its environment, where it runs (`--hosts`), a label in `ps`."""
+
+from __future__ import annotations
+
+import collections.abc
+import os
+import re
+import socket
+
+from multihost import env as env_lib
+
+NETNS = 'netns'
+HOSTS_KINDS = (None, NETNS)
+
+# A Python interpreter's file name: python, python3, python3.11 ...
+_PYTHON = re.compile(r'python[0-9.]*$')
+
+
+def find_free_port(host: str = '127.0.0.1') -> int:
+  """A TCP port on `host` that was free a moment ago (binds port 0)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
+              port: int, base: collections.abc.Mapping[str, str] | None = None,
+              host: str = '127.0.0.1') -> dict[str, str]:
+  """The environment of controller `process_id` of a local run (see `multihost.env.controller_env`)."""
+  return env_lib.controller_env(process_id, num_processes=num_processes,
+                                devices_per_process=devices_per_process,
+                                port=port, base=base, host=host)
+
+
+def check_hosts(hosts: str | None, *, host_service: bool) -> None:
+  """Raises if `hosts` is unknown, or 'netns' cannot work here (with the reason)."""
+  if hosts not in HOSTS_KINDS:
+    raise ValueError(f"hosts must be None or {NETNS!r}; got {hosts!r}.")
+  if hosts is None:
+    return
+  if host_service:
+    raise ValueError(
+        "host_service=True cannot be combined with hosts='netns': the "
+        'launcher is not on any simulated host; drop one of them.')
+  from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
+  ok, why = hosts_lib.available()
+  if not ok:
+    raise hosts_lib.HostsError(f"hosts='netns' cannot work here: {why}")
+
+
+def labelled(command: collections.abc.Sequence[str],
+             index: int) -> list[str]:
+  """`command`, with `-X multihost_process=<index>` after the interpreter when it runs Python.
+
+  So that `ps -o pid,args` (and `pgrep -f multihost_process=1`) tells the
+  controllers apart. A process's name (`comm`) cannot carry the index: exec
+  resets it to the program's file name, and only the process itself can
+  change it afterwards; argv[0] cannot either, since Python finds its
+  virtual environment from it. CPython keeps unknown `-X` options in
+  `sys._xoptions` and otherwise ignores them; other programs run unchanged.
+  """
+  command = list(command)
+  if command and _PYTHON.match(os.path.basename(command[0])):
+    return [command[0], '-X', f'multihost_process={index}', *command[1:]]
+  return command

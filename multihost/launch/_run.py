@@ -1,0 +1,67 @@
+"""`launch()`: runs N controllers of a command to the end, with the launcher's signals forwarded and the summary printed."""
+
+from __future__ import annotations
+
+import collections.abc
+import os
+from typing import TextIO
+
+from multihost.launch import _controllers
+from multihost.launch import _policy
+from multihost.launch import _report
+
+
+def launch(command: collections.abc.Sequence[str], *, num_processes: int,
+           devices_per_process: int = 1, timeout: float | None = None,
+           grace_period: float = _policy.DEFAULT_GRACE_PERIOD_S,
+           env: collections.abc.Mapping[str, str] | None = None,
+           cwd: str | os.PathLike[str] | None = None,
+           stream: TextIO | None = None,
+           summary_stream: TextIO | None = None,
+           forward_signals: bool = False,
+           kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
+           host_service: bool = False,
+           hosts: str | None = None,
+           max_restarts: int = 0) -> _report.LaunchResult:
+  """Runs `command` as N local controllers and returns how they ended.
+
+  Args:
+    command: the program and its arguments, run by every process.
+    num_processes: number of controllers.
+    devices_per_process: CPU devices per controller.
+    timeout: seconds for the whole run; None for no limit.
+    grace_period: seconds the others get after the first failure.
+    env: extra environment variables for every process.
+    cwd: working directory of the processes.
+    stream: where to stream the `[pN] `-prefixed output (None: capture only).
+    summary_stream: where to print the summary at the end (None: don't).
+    forward_signals: stop the run on SIGINT/SIGTERM/SIGHUP to this process
+      (main thread only; used by the command-line launcher).
+    kill_wait: seconds between SIGTERM and SIGKILL when stopping processes
+      (JAX catches SIGTERM as a preemption notice, so it rarely ends them).
+    host_service: host the coordination service in this process (see
+      `Controllers`).
+    hosts: None, or 'netns' for one simulated host per controller (see
+      `Controllers`).
+    max_restarts: start every controller again after a failed attempt, up
+      to this many times (see `Controllers`).
+
+  Returns:
+    A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
+  """
+  cluster = _controllers.Controllers(
+      command, num_processes=num_processes,
+      devices_per_process=devices_per_process, env=env, cwd=cwd,
+      grace_period=grace_period, stream=stream, kill_wait=kill_wait,
+      host_service=host_service, hosts=hosts, max_restarts=max_restarts)
+  restore = cluster.forward_signals() if forward_signals else None
+  try:
+    with cluster:
+      result = cluster.wait(timeout)
+  finally:
+    if restore is not None:
+      restore()
+  if summary_stream is not None:
+    summary_stream.write(result.summary + '\n')
+    summary_stream.flush()
+  return result

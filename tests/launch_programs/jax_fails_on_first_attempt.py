@@ -1,0 +1,28 @@
+"""A JAX controller: on attempt 0 process 1 exits 3 before `jax.distributed.initialize`; on attempt 1 all meet."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from multihost import env as env_lib
+
+
+def main() -> None:
+  attempt = int(os.environ[env_lib.RESTART_COUNT])
+  if attempt == 0 and os.environ[env_lib.PROCESS_ID] == '1':
+    sys.exit(3)
+  jax.distributed.initialize()
+  got = multihost_utils.process_allgather(np.array([jax.process_index()]))
+  # One write per line (see tests/test_launch.py: gloo writes to fd 1 too).
+  os.write(1, (f'facts {jax.process_index()} {jax.process_count()} '
+               f'{jax.device_count()} {got.ravel().tolist()} attempt '
+               f'{attempt}\n').encode())
+
+
+if __name__ == '__main__':
+  main()
