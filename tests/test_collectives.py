@@ -533,6 +533,53 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
                                 np.arange(count))
 
 
+def _differ_only_in_op(pid):
+  """Calls whose agreement fields are equal but for the op, by op.
+
+  The barrier and the object collectives have no tree, specs or options; the
+  tree collectives on the empty tree have the same tree (and no leaves,
+  layouts or digests). Only the op tells them apart on the fast path.
+  """
+  return {
+      'sync_global_devices': lambda: multihost.sync_global_devices(''),
+      'allgather_object': lambda: multihost.allgather_object(1),
+      'broadcast_object': lambda: multihost.broadcast_object(1),
+      'process_allgather': lambda: multihost.process_allgather({}),
+      'assert_equal': lambda: multihost.assert_equal({}),
+      'broadcast_one_to_all(is_source)': lambda: multihost.broadcast_one_to_all(
+          {}, is_source=pid == 0),
+  }
+
+
+@topologies
+def test_calls_that_differ_only_in_their_op_raise_everywhere(topology):
+  # Every process must raise, from the fast path's digest alone: if the op
+  # were left out of it, the barrier would pass, and e.g. a process in
+  # sync_global_devices('') would return while the others' allgather_object
+  # waited for messages it never published.
+  pid, count = _me()
+  odd = pid == count - 1
+  calls = _differ_only_in_op(pid)
+  pairs = [('sync_global_devices', 'allgather_object'),
+           ('sync_global_devices', 'broadcast_object'),
+           ('allgather_object', 'broadcast_object'),
+           ('process_allgather', 'assert_equal'),
+           ('process_allgather', 'broadcast_one_to_all(is_source)'),
+           ('assert_equal', 'broadcast_one_to_all(is_source)')]
+  for mine, theirs in pairs:
+    for _ in range(10):  # Past the backoff of any fallback: the fast path.
+      multihost.sync_global_devices('on time')
+    with pytest.raises(multihost.ConsistencyError,
+                       match='different collectives') as info:
+      calls[theirs if odd else mine]()
+    message = str(info.value)
+    ops = [op.split('(')[0] for op in (mine, theirs)]
+    assert all(f"'{op}'" in message for op in ops), (mine, theirs, message)
+    assert f'process [{count - 1}]' in message, (mine, theirs, message)
+  np.testing.assert_array_equal(multihost.process_allgather(np.int32(pid)),
+                                np.arange(count))
+
+
 # tree_digest of _digest_tree(): the same at every topology (also checked at
 # 1 process x 4 devices in test_single_process.py).
 TOPOLOGY_DIGEST = 'c9ddd7450c5c28ac62c6d249d1550117'
