@@ -9,7 +9,7 @@ records, and in MODE alters, the bytes of the link 0<->2 (2 -> 0):
   flip-mac      one bit of a frame header's MAC (nothing else checks it);
   flip-payload  one bit inside an object's pickled bytes;
   truncate      half a frame, then the connection ends;
-  replay        the first recorded frame again, before the real one.
+  replay        a frame of the call again, before the call's next frame.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from multihost import lowlevel
 # A frame header: call id, byte count, frame number (8 bytes each), MAC.
 _FRAME_HEAD = 24
 _FRAME = _FRAME_HEAD + 16
-_HANDSHAKE_TO_CLIENT = 49  # acceptor's nonce and proof, and its one byte
 
 
 def address(p: int) -> tuple[str, int]:
@@ -67,7 +66,8 @@ class Proxy:
     self.sock.listen(1)
     self.to_client = b''   # recorded bytes 2 -> 0
     self.to_server = b''   # recorded bytes 0 -> 2
-    self.first_frame = b''
+    self.frame = 0  # bytes of one frame (header and block) of the gather
+    self.held = b''  # to_client bytes held back to replay from
     self.action: str | None = None
     threading.Thread(target=self.run, daemon=True).start()
 
@@ -101,8 +101,14 @@ class Proxy:
           s.shutdown(socket.SHUT_RDWR)
         return
       elif action == 'replay':
+        # The call's first frame (header and block) again, right before its
+        # second: the same call id, length and an authentic MAC; only the
+        # frame number is out of order.
+        self.held += data
+        if len(self.held) < 2 * self.frame:
+          continue
         self.action = None
-        data = self.first_frame + data
+        data = self.held[:self.frame] + self.held
       setattr(self, name, getattr(self, name) + data)
       dst.sendall(data)
 
@@ -185,9 +191,7 @@ def main() -> None:
   # passes this barrier, process 2's bytes of it may still be in the proxy.
   multihost.sync_global_devices('armed')
   if proxy is not None:
-    block = 4 << 20
-    start = _HANDSHAKE_TO_CLIENT
-    proxy.first_frame = proxy.to_client[start:start + _FRAME + block]
+    proxy.frame = _FRAME + big.nbytes  # every process sends as many bytes
     proxy.action = mode
   if mode == 'flip-payload':
     try:
