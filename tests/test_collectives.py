@@ -520,7 +520,9 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
         fn(value)
       assert f'process [{count - 1}]' in str(info.value) or (
           f'processes [{count - 1}]' in str(info.value)), (what, info.value)
-  # Different collectives at the same point.
+  # Different collectives at the same point. (Their headers differ in more
+  # than the op; test_calls_that_differ_only_in_their_op_raise_everywhere
+  # has calls that differ in the op alone.)
   with pytest.raises(multihost.ConsistencyError, match='different collectives'):
     if odd:
       multihost.process_allgather(np.zeros(3))

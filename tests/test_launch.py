@@ -59,8 +59,7 @@ def test_child_env_lets_jax_detect_the_cluster():
 def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
   stream = io.StringIO()
   result = launch.launch(program('bare_jax_facts'), num_processes=2,
-                         devices_per_process=2,
-                         timeout=60, stream=stream)
+                         devices_per_process=2, timeout=60, stream=stream)
   assert result.ok, result.summary + '\n' + '\n'.join(result.outputs)
   assert result.returncodes == (0, 0)
   streamed = stream.getvalue().splitlines()
@@ -85,8 +84,7 @@ def test_first_failure_stops_the_others_after_the_grace_period(
     how, rc, status, text):
   start = time.monotonic()
   result = launch.launch(program('one_fails', how), num_processes=3,
-                         grace_period=0.5,
-                         kill_wait=0.5, timeout=30)
+                         grace_period=0.5, kill_wait=0.5, timeout=30)
   took = time.monotonic() - start
   assert result.first_failure == 1
   assert result.returncodes[1] == rc
@@ -151,8 +149,8 @@ def test_sigint_to_the_launcher_is_forwarded_and_nothing_survives():
   # Process 1 ignores SIGINT, so the launcher must follow up with SIGKILL.
   proc = subprocess.Popen(
       [PY, '-m', 'multihost.launch', '--num_processes=2', '--grace_period=60',
-       '--', *program('sigint_ignorer')], stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
+       '--', *program('sigint_ignorer')],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True, cwd=ROOT)
   try:
     pids = read_pids(proc.stdout, ' pid ', 2, timeout=30)

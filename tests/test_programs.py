@@ -22,6 +22,7 @@ def test_there_are_programs():
 def test_a_program_imports_without_running_and_documents_itself(name):
   spec = importlib.util.spec_from_file_location(f'_program_{name}',
                                                 PROGRAMS / f'{name}.py')
+  assert spec is not None and spec.loader is not None, name
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert callable(getattr(module, 'main', None)), f'{name} has no main()'

@@ -94,10 +94,11 @@ def test_an_altered_message_is_refused_and_never_unpickled(tmp_path):
     assert 'REFUSED' in out and 'failed authentication' in out, out
 
 
-# Altered so that nothing but the message's MAC tells: the size field of
-# process 0's message changed (it still decodes, the object's seal checks),
-# or its authentic message of the previous call put under this call's key.
-@pytest.mark.parametrize('mode', ['resized', 'moved'])
+# Altered so that nothing but the message's MAC tells: the size field or
+# the flag byte of process 0's message changed (it still decodes, the
+# object's seal checks), or its authentic message of the previous call put
+# under this call's key.
+@pytest.mark.parametrize('mode', ['resized', 'flagged', 'moved'])
 def test_a_message_altered_consistently_is_refused(tmp_path, mode):
   outs = _tamper(tmp_path, mode)
   for out in outs:
@@ -149,15 +150,14 @@ def test_a_readable_secret_file_is_refused(tmp_path):
   secret = tmp_path / 'secret'
   secret.write_text('0123456789abcdef')
   secret.chmod(0o644)
+  # The two runs differ only in the file's mode.
+  env = {env_lib.JOB_SECRET_FILE: str(secret), env_lib.TIMEOUT: '20'}
   result = launch.launch(program('bulk_broadcast'), num_processes=2,
-                         devices_per_process=1, timeout=120,
-                         env={env_lib.JOB_SECRET_FILE: str(secret),
-                              env_lib.TIMEOUT: '20'})
+                         devices_per_process=1, timeout=120, env=env)
   assert 'REFUSED:' in result.outputs[0], result.outputs[0][-3000:]
   assert f'chmod 600 {secret}' in result.outputs[0], result.outputs[0]
   secret.chmod(0o600)
   result = launch.launch(program('bulk_broadcast'), num_processes=2,
-                         devices_per_process=1, timeout=120,
-                         env={env_lib.JOB_SECRET_FILE: str(secret)})
+                         devices_per_process=1, timeout=120, env=env)
   assert result.ok and not any('REFUSED' in o for o in result.outputs), (
       result.summary + '\n'.join(result.outputs))

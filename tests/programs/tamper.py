@@ -8,6 +8,8 @@ then every process calls allgather_object and prints what it got or raised:
   altered  process 0's message replaced by garbage and that pickle;
   resized  process 0's message with its size field changed: it still
            decodes, and no check but the message's MAC sees the change;
+  flagged  process 0's message with its flag byte changed (direct to
+           fell-back): it still decodes; only the MAC sees the change;
   moved    process 0's authentic message of the previous call put under
            this call's key: it decodes and its seal checks, but its MAC is
            for the other key.
@@ -73,6 +75,12 @@ def resize(stored: bytes) -> bytes:
   return stored[:_MAC] + body.encode()
 
 
+def reflag(stored: bytes) -> bytes:
+  """The stored message with its flag byte changed, old MAC."""
+  assert stored[_MAC:_MAC + 1] == b'D', stored[:_MAC + 1]
+  return stored[:_MAC] + b'F' + stored[_MAC + 1:]
+
+
 def main() -> None:
   mode, planted_file = sys.argv[1], sys.argv[2]
   multihost.initialize()
@@ -90,10 +98,12 @@ def main() -> None:
     replace_next_of_process_0(own_keys(), lambda _: b'x' * _MAC + evil)
   if me == 1 and mode == 'resized':
     replace_next_of_process_0(own_keys(), resize)
+  if me == 1 and mode == 'flagged':
+    replace_next_of_process_0(own_keys(), reflag)
   if me == 1 and mode == 'moved':
     _, recorded = latest_of_process_0()
     replace_next_of_process_0(own_keys(), lambda _: recorded)
-  if me == 0 and mode in ('altered', 'resized', 'moved'):
+  if me == 0 and mode in ('altered', 'resized', 'flagged', 'moved'):
     time.sleep(1)  # process 1's tamperer is watching when we publish
   if mode == 'planted':
     multihost.sync_global_devices('planted')
