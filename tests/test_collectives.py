@@ -520,7 +520,9 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
         fn(value)
       assert f'process [{count - 1}]' in str(info.value) or (
           f'processes [{count - 1}]' in str(info.value)), (what, info.value)
-  # Different collectives at the same point.
+  # Different collectives at the same point. (Their headers differ in more
+  # than the op; test_calls_that_differ_only_in_their_op_raise_everywhere
+  # has calls that differ in the op alone.)
   with pytest.raises(multihost.ConsistencyError, match='different collectives'):
     if odd:
       multihost.process_allgather(np.zeros(3))
@@ -529,6 +531,64 @@ def test_mismatched_inputs_raise_instead_of_aborting(topology):
   # Large payloads are checked before the device collective too.
   with pytest.raises(multihost.ConsistencyError, match='differ'):
     multihost.process_allgather(np.zeros((1 << 18) + odd, np.float32))
+  np.testing.assert_array_equal(multihost.process_allgather(np.int32(pid)),
+                                np.arange(count))
+
+
+def _differ_only_in_op(pid):
+  """Calls whose agreement fields are equal but for the op, by op.
+
+  The barrier and the object collectives have no tree, specs or options; the
+  tree collectives on the empty tree have the same tree (and no leaves,
+  layouts or digests). Only the op tells them apart on the fast path.
+  """
+  return {
+      'sync_global_devices': lambda: multihost.sync_global_devices(''),
+      'allgather_object': lambda: multihost.allgather_object(1),
+      'broadcast_object': lambda: multihost.broadcast_object(1),
+      'process_allgather': lambda: multihost.process_allgather({}),
+      'assert_equal': lambda: multihost.assert_equal({}),
+      'broadcast_one_to_all(is_source)': lambda: multihost.broadcast_one_to_all(
+          {}, is_source=pid == 0),
+  }
+
+
+@topologies
+def test_calls_that_differ_only_in_their_op_raise_everywhere(topology):
+  # Every process must raise, from the fast path's digest alone: if the op
+  # were left out of it, the barrier would pass, and e.g. a process in
+  # sync_global_devices('') would return while the others' allgather_object
+  # waited for messages it never published.
+  pid, count = _me()
+  odd = pid == count - 1
+  calls = _differ_only_in_op(pid)
+  pairs = [('sync_global_devices', 'allgather_object'),
+           ('sync_global_devices', 'broadcast_object'),
+           ('allgather_object', 'broadcast_object'),
+           ('process_allgather', 'assert_equal'),
+           ('process_allgather', 'broadcast_one_to_all(is_source)'),
+           ('assert_equal', 'broadcast_one_to_all(is_source)')]
+  # The job secret is agreed on first use (which waits for every process):
+  # agreed here, so that no pair's call outlasts the fast path's window.
+  multihost.allgather_object(None)
+  wrong = {}  # pair -> what this process got instead (every pair is tried)
+  for mine, theirs in pairs:
+    for _ in range(10):  # Past the backoff of any fallback: the fast path.
+      multihost.sync_global_devices('on time')
+    try:
+      calls[theirs if odd else mine]()
+    except multihost.ConsistencyError as e:
+      message = str(e)
+      ops = [op.split('(')[0] for op in (mine, theirs)]
+      if not ('different collectives' in message and
+              all(f"'{op}'" in message for op in ops) and
+              f'process [{count - 1}]' in message):
+        wrong[mine, theirs] = message
+    except multihost.MultihostError as e:
+      wrong[mine, theirs] = f'{type(e).__name__}: {e}'
+    else:
+      wrong[mine, theirs] = 'returned without an error'
+  assert not wrong, wrong
   np.testing.assert_array_equal(multihost.process_allgather(np.int32(pid)),
                                 np.arange(count))
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
-import textwrap
 import time
 
 import pytest
@@ -27,99 +25,21 @@ import multihost.env
 from multihost import lowlevel
 from multihost import launch
 
+from _helpers import program
+
 HEARTBEAT_S = 3
 # Detection is bounded by the heartbeat timeout plus the watchdog's poll
 # (0.5 s) and a rendezvous; allow for a loaded 2-core machine.
 DETECTION_BOUND_S = HEARTBEAT_S + 4.0
 
-_DRILL = textwrap.dedent('''
-    """Loops one collective until a peer dies; prints what it raised."""
-    import os
-    import sys
-    import time
-
-    import numpy as np
-
-    import multihost
-
-    from multihost import lowlevel
-
-    MODE, SIZE, SLEEPER = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if os.environ['DRILL_HB']:
-      multihost.initialize(heartbeat_timeout=float(os.environ['DRILL_HB']))
-    else:  # The defaults.
-      multihost.initialize()
-    import jax  # noqa: E402
-
-    print(f'BOUND {lowlevel.failure_detection_bound():g}', flush=True)
-    print('TRANSPORT', 'tcp' if lowlevel.tcp_transport_enabled() else 'device',
-          flush=True)
-
-    me = jax.process_index()
-    # 'big': 16 MiB per process, moved by a gloo device collective; 'small':
-    # 64 bytes, carried inside the coordination-service exchange.
-    n = (4 << 20) if SIZE == 'big' else 16
-    data = np.full((n,), me, np.float32)
-    print('READY', flush=True)
-    step = 0
-    try:
-      if MODE == 'late':
-        if me == SLEEPER:
-          time.sleep(6)
-        multihost.sync_global_devices('late', timeout=2)
-        print('PASSED', flush=True)
-      if MODE == 'skew':  # SLEEPER arrives 6.5 s late at a 6 s collective.
-        for i in range(3):
-          if i == 0 and me == SLEEPER:
-            time.sleep(6.5)
-          start = time.monotonic()
-          try:
-            out = multihost.process_allgather(np.int32(me), timeout=6)
-            print(f'STEP {i} ok {out.tolist()}', flush=True)
-          except multihost.CollectiveTimeoutError as e:
-            print(f'STEP {i} timeout after={time.monotonic() - start:.2f} '
-                  f'missing={list(e.missing)}', flush=True)
-        print('PASSED', flush=True)
-      if MODE == 'idle':  # The peer dies while this process computes.
-        time.sleep(5)
-        print(f'WOKE at={time.time():.3f}', flush=True)
-        multihost.sync_global_devices('after the failure')
-      while MODE not in ('late', 'idle', 'skew'):
-        if MODE == 'barrier':
-          if me == SLEEPER and step == 3:
-            print('SLEEPING', flush=True)
-            time.sleep(120)
-          multihost.sync_global_devices(f'step{step}')
-        elif MODE == 'allgather':
-          out = multihost.process_allgather(data)
-          assert out.shape == (jax.process_count(), n), out.shape
-          assert (out[:, 0] == np.arange(jax.process_count())).all()
-        elif MODE == 'broadcast':
-          out = multihost.broadcast_one_to_all(data)
-          assert (out == 0).all()
-        if step == 3:
-          print('LOOPING', flush=True)
-        step += 1
-    except multihost.ProcessFailureError as e:
-      print(f'RAISED ProcessFailureError failed={list(e.failed)} '
-            f'at={time.time():.3f} message={e}', flush=True)
-      sys.exit(3)
-    except multihost.CollectiveTimeoutError as e:
-      print(f'RAISED CollectiveTimeoutError missing={list(e.missing)} '
-            f'message={e}', flush=True)
-      sys.exit(4)
-''')
-
-
-def _start(tmp_path, num_processes, mode, size='small', sleeper=-1, *,
-           port=None, extra_env=None):
-  script = tmp_path / 'drill.py'
-  script.write_text(_DRILL)
+def _start(num_processes, mode, size='small', sleeper=-1, *, port=None,
+           extra_env=None):
+  """tests/programs/drill.py under `launch.Controllers` (see its docstring)."""
   env = {**os.environ, 'DRILL_HB': str(HEARTBEAT_S), **(extra_env or {})}
   # The grace period must outlast the detection time, or the launcher would
   # stop the survivors before they raise.
   return launch.Controllers(
-      [sys.executable, str(script), mode, size, str(sleeper)],
+      program('drill', mode, size, sleeper),
       num_processes=num_processes, env=env, grace_period=30, port=port)
 
 
@@ -168,11 +88,11 @@ def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
     (2, 'broadcast', 'big', 1),
     (4, 'allgather', 'big', 2),
 ])
-def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
-                                                    mode, size, victim):
+def test_sigkill_of_a_peer_raises_on_every_survivor(num_processes, mode, size,
+                                                    victim):
   # 'big' payloads run over gloo: the device transport, not TCP.
   transport = 'device' if size == 'big' else 'tcp'
-  with _start(tmp_path, num_processes, mode, size, sleeper=victim,
+  with _start(num_processes, mode, size, sleeper=victim,
               extra_env={multihost.env.TRANSPORT: transport}) as cluster:
     _wait_all(cluster, 'READY', range(num_processes))
     for i in range(num_processes):
@@ -190,9 +110,8 @@ def test_sigkill_of_a_peer_raises_on_every_survivor(tmp_path, num_processes,
   _assert_nothing_running(cluster)
 
 
-def test_a_peer_killed_between_collectives_fails_the_next_one_at_once(
-    tmp_path):
-  with _start(tmp_path, 3, 'idle') as cluster:
+def test_a_peer_killed_between_collectives_fails_the_next_one_at_once():
+  with _start(3, 'idle') as cluster:
     _wait_all(cluster, 'READY', range(3))
     cluster.kill(1, signal.SIGKILL)
     result = cluster.wait(timeout=60)
@@ -210,9 +129,8 @@ def test_a_peer_killed_between_collectives_fails_the_next_one_at_once(
   _assert_nothing_running(cluster)
 
 
-def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
-    tmp_path):
-  with _start(tmp_path, 3, 'allgather', 'small') as cluster:
+def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so():
+  with _start(3, 'allgather', 'small') as cluster:
     _wait_all(cluster, 'LOOPING', range(3))
     cluster.kill(0, signal.SIGKILL)
     result = cluster.wait(timeout=60)
@@ -238,11 +156,10 @@ def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so(
   _assert_nothing_running(cluster)
 
 
-def test_a_killed_peer_is_reported_within_30_s_with_default_settings(
-    tmp_path):
+def test_a_killed_peer_is_reported_within_30_s_with_default_settings():
   # Default heartbeat timeout (DRILL_HB empty): the measured latency from the
   # SIGKILL to each survivor's ProcessFailureError must stay under 30 s.
-  with _start(tmp_path, 2, 'allgather', 'small',
+  with _start(2, 'allgather', 'small',
               extra_env={'DRILL_HB': ''}) as cluster:
     _wait_all(cluster, 'LOOPING', range(2))
     killed_at = time.time()
@@ -253,13 +170,12 @@ def test_a_killed_peer_is_reported_within_30_s_with_default_settings(
   _assert_nothing_running(cluster)
 
 
-def test_after_a_timeout_every_process_raises_in_time_and_is_back_in_step(
-    tmp_path):
+def test_after_a_timeout_every_process_raises_in_time_and_is_back_in_step():
   # Process 2 arrives 6.5 s late at a collective with a 6 s timeout: the two
   # others time out (naming it) within 6 s; process 2 finds they gave up and
   # raises at once instead of waiting 6 s more at a barrier nobody else
   # reaches, so the next collectives complete everywhere.
-  with _start(tmp_path, 3, 'skew', sleeper=2) as cluster:
+  with _start(3, 'skew', sleeper=2) as cluster:
     result = cluster.wait(timeout=90)
   assert result.ok, result.summary
   for i, out in enumerate(result.outputs):
@@ -272,12 +188,11 @@ def test_after_a_timeout_every_process_raises_in_time_and_is_back_in_step(
   _assert_nothing_running(cluster)
 
 
-def test_a_late_process_is_named_in_the_timeout_on_every_other_process(
-    tmp_path):
+def test_a_late_process_is_named_in_the_timeout_on_every_other_process():
   # Default settings here, to check that failures are reported within 30 s
   # by default (measured: a SIGKILL is reported 9.5 s later on every
   # survivor with the default 10 s heartbeat timeout).
-  with _start(tmp_path, 3, 'late', sleeper=2,
+  with _start(3, 'late', sleeper=2,
               extra_env={'DRILL_HB': ''}) as cluster:
     result = cluster.wait(timeout=60)
   assert not result.timed_out, result.summary
@@ -299,14 +214,14 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process(
   _assert_nothing_running(cluster)
 
 
-def test_with_an_external_service_process_0_is_an_ordinary_failure(tmp_path):
+def test_with_an_external_service_process_0_is_an_ordinary_failure():
   """When the launcher hosts the coordination service, killing 0 raises too."""
   port = launch.find_free_port()
   service = lowlevel.start_service(
       f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
       shutdown_timeout=10)
   try:
-    with _start(tmp_path, 3, 'allgather', 'small', port=port,
+    with _start(3, 'allgather', 'small', port=port,
                 extra_env={multihost.env.EXTERNAL_SERVICE: '1'}) as cluster:
       _wait_all(cluster, 'LOOPING', range(3))
       killed_at = time.time()

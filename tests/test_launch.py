@@ -9,12 +9,16 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
 from multihost import launch
+
+from _helpers import alive
+from _helpers import program
+from _helpers import read_pids
+from _helpers import stop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED_NAME = '000_ceec6835a23a2fd6.txt'
@@ -24,23 +28,6 @@ SEED = next((d / 'shared' / 'seeds' / SEED_NAME for d in ROOT.parents
              if (d / 'shared' / 'seeds').is_dir()),
             ROOT.parent / 'shared' / 'seeds' / SEED_NAME)
 PY = sys.executable
-
-
-def _gone(pid: int) -> bool:
-  """True when no process has this pid (or it is only a zombie)."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return True
-  try:
-    state = pathlib.Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1]
-  except OSError:
-    return True
-  return state.split()[0] in ('Z', 'X')
-
-
-def _py(code: str) -> list[str]:
-  return [PY, '-c', textwrap.dedent(code)]
 
 
 def test_child_env_lets_jax_detect_the_cluster():
@@ -70,25 +57,9 @@ def test_child_env_lets_jax_detect_the_cluster():
 
 
 def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
-  script = """
-      import jax
-      jax.distributed.initialize()  # No arguments: the environment suffices.
-      from jax.experimental import multihost_utils
-      import numpy as np
-      import os
-      got = multihost_utils.process_allgather(np.array([jax.process_index()]))
-      # One write per line (an unbuffered print() writes the text and its
-      # newline separately). Gloo prints its "[Gloo] Rank N is connected"
-      # line to fd 1 in several writes from its own thread, so a fragment of
-      # it may still start the line that holds ours.
-      os.write(1, (f'facts {jax.process_index()} {jax.process_count()} '
-                   f'{jax.local_device_count()} {jax.device_count()} '
-                   f'{got.ravel().tolist()}\\n').encode())
-      os.write(1, b'second line\\n')
-  """
   stream = io.StringIO()
-  result = launch.launch(_py(script), num_processes=2, devices_per_process=2,
-                         timeout=60, stream=stream)
+  result = launch.launch(program('bare_jax_facts'), num_processes=2,
+                         devices_per_process=2, timeout=60, stream=stream)
   assert result.ok, result.summary + '\n' + '\n'.join(result.outputs)
   assert result.returncodes == (0, 0)
   streamed = stream.getvalue().splitlines()
@@ -102,28 +73,18 @@ def test_bare_jax_distributed_initialize_2x2_with_prefixed_output():
                for line in streamed), streamed
   assert all(re.match(r'\[p[01]\] ', line) for line in streamed), streamed
   assert 'exit status 0' in result.summary
-  assert all(_gone(pid) for pid in result.pids)
+  assert not any(alive(pid) for pid in result.pids)
 
 
 @pytest.mark.parametrize('how, rc, status, text', [
-    ('sys.exit(3)', 3, 3, 'exit status 3'),
-    ('os.kill(os.getpid(), signal.SIGSEGV)', -signal.SIGSEGV,
-     128 + signal.SIGSEGV, 'killed by SIGSEGV'),
+    ('exit3', 3, 3, 'exit status 3'),
+    ('segv', -signal.SIGSEGV, 128 + signal.SIGSEGV, 'killed by SIGSEGV'),
 ])
 def test_first_failure_stops_the_others_after_the_grace_period(
     how, rc, status, text):
-  script = f"""
-      import os, signal, sys, time
-      if os.environ['JAX_PROCESS_ID'] == '1':
-        time.sleep(0.3)
-        {how}
-      signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Forces the SIGKILL.
-      print('waiting', flush=True)
-      time.sleep(60)
-  """
   start = time.monotonic()
-  result = launch.launch(_py(script), num_processes=3, grace_period=0.5,
-                         kill_wait=0.5, timeout=30)
+  result = launch.launch(program('one_fails', how), num_processes=3,
+                         grace_period=0.5, kill_wait=0.5, timeout=30)
   took = time.monotonic() - start
   assert result.first_failure == 1
   assert result.returncodes[1] == rc
@@ -134,38 +95,22 @@ def test_first_failure_stops_the_others_after_the_grace_period(
   assert 'were stopped after the 0.5 s grace period' in result.summary
   assert not result.timed_out
   assert took < 10, took
-  assert all(_gone(pid) for pid in result.pids)
+  assert not any(alive(pid) for pid in result.pids)
 
 
 def test_timeout_stops_everything_and_names_who_was_running():
-  script = """
-      import os, sys, time
-      if os.environ['JAX_PROCESS_ID'] == '0':
-        sys.exit(0)
-      time.sleep(60)
-  """
-  result = launch.launch(_py(script), num_processes=3, timeout=1.0,
+  result = launch.launch(program('only_0_exits'), num_processes=3, timeout=1.0,
                          kill_wait=0.5)
   assert result.timed_out
   assert result.exit_code == launch.TIMEOUT_EXIT_STATUS == 124
   assert result.still_running_at_timeout == (1, 2)
   assert result.first_failure is None
   assert 'processes [1, 2] were still running' in result.summary
-  assert all(_gone(pid) for pid in result.pids)
+  assert not any(alive(pid) for pid in result.pids)
 
 
 def test_coordinator_death_is_blamed_on_process_0_not_the_survivors():
-  script = """
-      import time
-      import jax
-      jax.distributed.initialize()
-      from jax.experimental import multihost_utils
-      print('ready', flush=True)
-      if jax.process_index() == 0:
-        time.sleep(60)
-      multihost_utils.sync_global_devices('never reached by process 0')
-  """
-  with launch.Controllers(_py(script), num_processes=3,
+  with launch.Controllers(program('barrier_without_0'), num_processes=3,
                           grace_period=5) as cluster:
     pids = cluster.pids
     for i in range(3):
@@ -184,17 +129,15 @@ def test_coordinator_death_is_blamed_on_process_0_not_the_survivors():
           'killed by SIGKILL') in result.summary
   assert 'aborted the other processes [1, 2] (SIGABRT)' in result.summary
   assert 'they are not the cause' in result.summary
-  assert all(_gone(pid) for pid in pids)
+  assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize('entry', [
     ['-m', 'multihost.launch'], [str(ROOT / 'bin' / 'launch.py')]])
 def test_command_line_prefixes_streams_and_propagates_status(entry):
-  child = ('import os, sys; i = os.environ["JAX_PROCESS_ID"]; '
-           'print("hello from", i); sys.exit(5 if i == "1" else 0)')
   proc = subprocess.run(
       [PY, *entry, '--num_processes=2', '--grace_period=1', '--',
-       PY, '-c', child], capture_output=True, text=True, timeout=60,
+       *program('hello_exit')], capture_output=True, text=True, timeout=60,
       cwd=ROOT)
   assert proc.returncode == 5, proc.stderr
   assert '[p0] hello from 0\n' in proc.stdout
@@ -204,24 +147,13 @@ def test_command_line_prefixes_streams_and_propagates_status(entry):
 
 def test_sigint_to_the_launcher_is_forwarded_and_nothing_survives():
   # Process 1 ignores SIGINT, so the launcher must follow up with SIGKILL.
-  child = textwrap.dedent("""
-      import os, signal, time
-      if os.environ['JAX_PROCESS_ID'] == '1':
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-      print('pid', os.getpid(), flush=True)
-      time.sleep(60)
-  """)
   proc = subprocess.Popen(
       [PY, '-m', 'multihost.launch', '--num_processes=2', '--grace_period=60',
-       '--', PY, '-c', child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+       '--', *program('sigint_ignorer')],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True, cwd=ROOT)
   try:
-    pids = []
-    deadline = time.monotonic() + 30
-    while len(pids) < 2 and time.monotonic() < deadline:
-      line = proc.stdout.readline()
-      if ' pid ' in line:
-        pids.append(int(line.split()[-1]))
+    pids = read_pids(proc.stdout, ' pid ', 2, timeout=30)
     assert len(pids) == 2
     proc.send_signal(signal.SIGINT)
     time.sleep(1)
@@ -229,13 +161,11 @@ def test_sigint_to_the_launcher_is_forwarded_and_nothing_survives():
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)
   finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
+    stop(proc)
   assert proc.returncode == 128 + signal.SIGINT, err
   assert 'Interrupted by SIGINT' in err
   assert 'killed by SIGKILL' in err  # Process 1 ignored the SIGINT.
-  assert all(_gone(pid) for pid in pids)
+  assert not any(alive(pid) for pid in pids)
 
 
 def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
@@ -265,24 +195,8 @@ def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
   assert (checkpoints / 'step-one').is_dir()
 
 
-def test_host_service_turns_process_0_death_into_an_ordinary_failure(tmp_path):
-  script = tmp_path / 'loop.py'
-  script.write_text(textwrap.dedent('''
-      import os, signal, time
-      import multihost
-      multihost.initialize()
-      import jax
-      try:
-        for step in range(100000):
-          multihost.sync_global_devices('step')
-          if step == 20 and jax.process_index() == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-          time.sleep(0.01)
-      except multihost.ProcessFailureError as e:
-        os.write(1, f'RAISED {e.failed}\\n'.encode())  # One write.
-        raise SystemExit(3)
-  '''))
-  with launch.Controllers([PY, str(script)], num_processes=3,
+def test_host_service_turns_process_0_death_into_an_ordinary_failure():
+  with launch.Controllers(program('process_0_dies'), num_processes=3,
                           grace_period=30, host_service=True,
                           heartbeat_timeout=3) as cluster:
     result = cluster.wait(timeout=90)
@@ -291,4 +205,4 @@ def test_host_service_turns_process_0_death_into_an_ordinary_failure(tmp_path):
     assert 'RAISED (0,)' in result.outputs[i], result.outputs[i][-2000:]
     assert result.returncodes[i] == 3, result.summary
   assert 'hosts the JAX coordination service' not in result.summary
-  assert all(_gone(pid) for pid in result.pids)
+  assert not any(alive(pid) for pid in result.pids)

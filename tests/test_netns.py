@@ -6,14 +6,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 
 from multihost import env as mh_env
 from multihost import netns
+
+from _helpers import program
+from _helpers import stop
+from _helpers import wait_all
 
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
@@ -33,33 +35,9 @@ def _ours() -> tuple[list[str], list[str]]:
            ' p0@' in l or 'br0' in l])
 
 
-_SERVER = textwrap.dedent('''
-    import socket, sys
-    s = socket.create_server((sys.argv[1], 7000))
-    print('listening', flush=True)
-    while True:
-      c, a = s.accept()
-      c.sendall(c.recv(16))
-      c.close()
-''')
-
-_CLIENT = textwrap.dedent('''
-    import socket, sys, time
-    t = time.monotonic()
-    try:
-      c = socket.create_connection((sys.argv[1], 7000), timeout=2)
-      c.settimeout(2)
-      c.sendall(b'ping')
-      assert c.recv(16) == b'ping'
-      print('ok %.6f' % (time.monotonic() - t))
-    except OSError as e:
-      print('fail %s' % type(e).__name__)
-''')
-
-
 def _probe(net: netns.SimulatedHosts, src: int, dst: int) -> str:
   done = subprocess.run(
-      net.command(src, [sys.executable, '-c', _CLIENT, net.address(dst)]),
+      net.command(src, program('echo_client', net.address(dst))),
       capture_output=True, text=True, timeout=30)
   assert done.returncode == 0, done.stderr
   return done.stdout.strip()
@@ -79,16 +57,10 @@ def _eventually_ok(net: netns.SimulatedHosts, src: int, dst: int) -> bool:
 
 def _server(net: netns.SimulatedHosts, i: int) -> subprocess.Popen:
   proc = subprocess.Popen(
-      net.command(i, [sys.executable, '-c', _SERVER, net.address(i)]),
+      net.command(i, program('echo_server', net.address(i))),
       stdout=subprocess.PIPE, text=True)
   assert proc.stdout.readline().strip() == 'listening'
   return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-  if proc.poll() is None:
-    os.kill(proc.pid, signal.SIGKILL)
-  proc.wait(timeout=30)
 
 
 def test_hosts_reach_each_other_and_a_cut_link_does_not():
@@ -103,16 +75,14 @@ def test_hosts_reach_each_other_and_a_cut_link_does_not():
       net.restore(1)
       assert _eventually_ok(net, 1, 0)
     finally:
-      _stop(server)
+      stop(server)
   assert _ours() == ([], [])
 
 
 def test_hostname_inside_a_host_is_its_address():
   with netns.SimulatedHosts(2) as net:
-    code = ('import socket; n = socket.gethostname(); '
-            'print(n, socket.gethostbyname(n))')
     for i in range(2):
-      out = subprocess.run(net.command(i, [sys.executable, '-c', code]),
+      out = subprocess.run(net.command(i, program('hostname')),
                            capture_output=True, text=True, timeout=30).stdout
       assert out.split() == [net.address(i)] * 2
 
@@ -132,7 +102,7 @@ def test_delay_adds_latency_or_says_netem_is_missing():
       out = _probe(net, 1, 0)
       assert out.startswith('ok') and float(out.split()[1]) < 0.2, out
     finally:
-      _stop(server)
+      stop(server)
 
 
 def test_teardown_when_the_body_raises_and_processes_inside_are_killed():
@@ -147,14 +117,7 @@ def test_teardown_when_the_body_raises_and_processes_inside_are_killed():
 
 def test_leftovers_of_a_dead_run_are_deleted():
   # A child creates hosts and is SIGKILLed: no __exit__, no atexit.
-  code = textwrap.dedent('''
-      import sys, time
-      from multihost import netns
-      net = netns.SimulatedHosts(2).__enter__()
-      print(net.name, flush=True)
-      time.sleep(600)
-  ''')
-  child = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
+  child = subprocess.Popen(program('abandoned_hosts'), stdout=subprocess.PIPE,
                            text=True, env={**os.environ, 'PYTHONPATH': _ROOT})
   name = child.stdout.readline().strip()
   os.kill(child.pid, signal.SIGKILL)
@@ -171,67 +134,13 @@ def test_leftovers_of_a_dead_run_are_deleted():
 
 # --- JAX controllers, one per simulated host. ------------------------------
 
-_CONTROLLER = textwrap.dedent('''
-    import json, os, sys, time
-    import numpy as np
-    import jax
-    import multihost
-    from multihost import env as mh_env
-
-    def listening():
-      out = []
-      for name in ('/proc/net/tcp', '/proc/net/tcp6'):
-        for line in open(name).read().splitlines()[1:]:
-          f = line.split()
-          if f[3] == '0A':  # LISTEN
-            out.append(f[1])
-      return out
-
-    multihost.initialize()
-    me, n = jax.process_index(), jax.process_count()
-    report = {'me': me, 'listening': listening() if me == 0 else []}
-    multihost.sync_global_devices('start')
-
-    small = multihost.process_allgather(np.array([me, 10 * me]))
-    assert small.tolist() == [[i, 10 * i] for i in range(n)], small
-    big_len = (64 << 20) // 4
-    t = time.monotonic()
-    big = multihost.process_allgather(np.full(big_len, me, np.float32))
-    report['allgather_64MiB_s'] = time.monotonic() - t
-    assert big.shape == (n, big_len)
-    for i in range(n):
-      assert (big[i] == i).all(), i
-    got = multihost.broadcast_one_to_all(np.arange(5) + 100 * me)
-    assert got.tolist() == list(range(5)), got
-
-    # A device collective: a jitted sum over one device per process (gloo).
-    mesh = jax.make_mesh((n,), ('p',), devices=jax.devices())
-    sharding = jax.NamedSharding(mesh, jax.P('p'))
-    x = jax.make_array_from_process_local_data(
-        sharding, np.array([me + 1.0], np.float32), (n,))
-    total = jax.jit(lambda a: a.sum(),
-                    out_shardings=jax.NamedSharding(mesh, jax.P()))(x)
-    assert float(total.addressable_data(0)) == n * (n + 1) / 2, total
-
-    # The same collectives over the device transport.
-    os.environ[mh_env.TRANSPORT] = 'device'
-    small = multihost.process_allgather(np.array([me, 10 * me]))
-    assert small.tolist() == [[i, 10 * i] for i in range(n)], small
-    got = multihost.broadcast_one_to_all(np.arange(5) + 100 * me)
-    assert got.tolist() == list(range(5)), got
-    multihost.sync_global_devices('end')
-    print('RESULT ' + json.dumps(report), flush=True)
-''')
-
-
 def _free_port() -> int:
   # Any port is free inside fresh namespaces; vary it between runs anyway.
   return 20000 + os.getpid() % 20000
 
 
-def _start_controllers(net, n, code, tmp_path, extra_env=None, args=()):
-  script = tmp_path / 'controller.py'
-  script.write_text(code)
+def _start_controllers(net, n, name, tmp_path, extra_env=None, args=()):
+  """tests/programs/`name`.py on hosts 0..n-1, logging to tmp_path."""
   port = _free_port()
   procs = []
   for i in range(n):
@@ -240,26 +149,10 @@ def _start_controllers(net, n, code, tmp_path, extra_env=None, args=()):
     env['PYTHONPATH'] = _ROOT
     env.update(extra_env or {})
     log = open(tmp_path / f'controller{i}.log', 'w')
-    procs.append(subprocess.Popen(net.command(i, [sys.executable,
-                                                  str(script), *args]),
+    procs.append(subprocess.Popen(net.command(i, program(name, *args)),
                                   env=env, stdout=log,
                                   stderr=subprocess.STDOUT))
   return procs, port
-
-
-def _wait_all(procs, timeout):
-  deadline = time.monotonic() + timeout
-  try:
-    for p in procs:
-      p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-  return [p.returncode for p in procs]
 
 
 def _logs(tmp_path, n):
@@ -269,8 +162,8 @@ def _logs(tmp_path, n):
 @pytest.mark.parametrize('n', [2, 4])
 def test_jax_controllers_across_simulated_hosts(tmp_path, n):
   with netns.SimulatedHosts(n) as net:
-    procs, port = _start_controllers(net, n, _CONTROLLER, tmp_path)
-    codes = _wait_all(procs, 300)
+    procs, port = _start_controllers(net, n, 'netns_controller', tmp_path)
+    codes = wait_all(procs, 300)
     logs = _logs(tmp_path, n)
     assert codes == [0] * n, '\n\n'.join(l[-3000:] for l in logs)
     reports = [json.loads(l.split('RESULT ', 1)[1].splitlines()[0])
@@ -289,37 +182,10 @@ def test_jax_controllers_across_simulated_hosts(tmp_path, n):
 
 # --- Link cuts during a barrier loop (heartbeat timeout 5 s). ---------------
 
-_LOOP = textwrap.dedent('''
-    import sys, time
-    import numpy as np
-    import jax
-    import multihost
-    multihost.initialize()
-    multihost.sync_global_devices('start')
-    print('LOOP', flush=True)
-    t0 = last = time.monotonic()
-    gap = 0.0
-    k = 0
-    try:
-      while True:
-        multihost.sync_global_devices(f's{k}', timeout=60)
-        stop = multihost.broadcast_one_to_all(
-            np.array(time.monotonic() - t0 > float(sys.argv[1])))
-        gap, last, k = max(gap, time.monotonic() - last), time.monotonic(), k + 1
-        if bool(stop):
-          break
-        time.sleep(0.05)
-    except Exception as e:
-      print(f'ERROR {type(e).__name__}: {e}', flush=True)
-      sys.exit(3)
-    print(f'DONE iterations={k} max_gap={gap:.2f}', flush=True)
-''')
-
-
 def _cut_during_loop(tmp_path, n, victim, cut_s, loop_s):
   """Runs the loop on n hosts, cuts `victim` for cut_s; (codes, logs, exits)."""
   with netns.SimulatedHosts(n) as net:
-    procs, _ = _start_controllers(net, n, _LOOP, tmp_path,
+    procs, _ = _start_controllers(net, n, 'barrier_loop', tmp_path,
                                   {mh_env.HEARTBEAT: '5'}, [str(loop_s)])
     deadline = time.monotonic() + 120
     while not all('LOOP' in l for l in _logs(tmp_path, n)):
@@ -336,7 +202,7 @@ def _cut_during_loop(tmp_path, n, victim, cut_s, loop_s):
           exits[i] = time.monotonic() - cut_at
       time.sleep(0.05)
     net.restore(victim)
-    codes = _wait_all(procs, loop_s + 60)
+    codes = wait_all(procs, loop_s + 60)
     return codes, _logs(tmp_path, n), exits
 
 

@@ -4,35 +4,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
 from multihost import env as mh_env
 from multihost import netns
 
+from _helpers import program
+from _helpers import stop
+
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PORT = 23456
-
-_PROGRAM = textwrap.dedent('''
-    import socket
-    import numpy as np
-    import jax
-    import multihost
-    multihost.initialize()  # No arguments: the scheduler's variables.
-    me = socket.gethostname().encode().ljust(16)
-    names = multihost.process_allgather(np.frombuffer(me, np.uint8))
-    big = multihost.broadcast_one_to_all(np.full(8 << 20, 7, np.uint8))
-    assert big[-1] == 7
-    print('RESULT', jax.process_index(), jax.process_count(),
-          [bytes(n).decode().strip() for n in np.asarray(names)], flush=True)
-''')
-
 
 def _base_env() -> dict[str, str]:
   """This environment without any launcher's or scheduler's variables."""
@@ -62,10 +47,8 @@ def _ompi(net, i, n):
 @pytest.mark.parametrize('scheduler,companion', [
     ('slurm', False), ('ompi', False), ('slurm', True)])
 def test_initialize_picks_up_the_schedulers_variables_across_hosts(
-    tmp_path, scheduler, companion):
+    scheduler, companion):
   n = 2
-  script = tmp_path / 'program.py'
-  script.write_text(_PROGRAM)
   with netns.SimulatedHosts(n) as net:
     procs = []
     for i in range(n):
@@ -74,7 +57,7 @@ def test_initialize_picks_up_the_schedulers_variables_across_hosts(
       if companion:
         env[mh_env.COMPANION_SERVICE] = '1'
       procs.append(subprocess.Popen(
-          net.command(i, [sys.executable, str(script)]), env=env,
+          net.command(i, program('scheduler_hosts')), env=env,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -82,9 +65,7 @@ def test_initialize_picks_up_the_schedulers_variables_across_hosts(
         outs.append(p.communicate(timeout=120)[0])
     finally:
       for p in procs:
-        if p.poll() is None:
-          p.kill()
-          p.wait(timeout=30)
+        stop(p)
     codes = [p.returncode for p in procs]
     # Nothing is left inside host 0 (with companion: it left with process 0).
     left = subprocess.run(['ip', 'netns', 'pids', net.namespace(0)],

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import textwrap
 import time
 import sys
 
@@ -23,6 +22,8 @@ from multihost import env as mh_env
 from multihost import netns
 from multihost import launch
 
+from _helpers import program
+
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
@@ -30,57 +31,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEARTBEAT_S = 5
 _BOUND_S = _HEARTBEAT_S + 10
 
-_LOOP = textwrap.dedent('''
-    import sys, time
-    import numpy as np
-    import jax
-    import multihost
-    multihost.initialize()
-    mode, limit = sys.argv[1], float(sys.argv[2])
-    big = np.full(64 << 20, jax.process_index() + 1, np.uint8)
-    if mode == 'save':
-      import recovery
-      sampler = recovery.EpochSampler(8, 4)
-      key, order = sampler.start(jax.random.key(0))
-      state = recovery.TransitionState(
-          user={'w': np.ones(16 << 20, np.float32)}, key=key, order=order,
-          cursor=0, epoch=0, step=0)
-      ckpt = recovery.Checkpoints(sys.argv[3], keep=1)
-    t0 = time.monotonic()
-    k = 0
-    try:
-      while True:
-        if mode == 'barrier':
-          multihost.sync_global_devices(f's{k}')
-        elif mode == 'save':
-          state = state.replace(step=k + 1)
-          ckpt.save(state, force=True)
-          ckpt.wait()
-        elif mode == 'allgather':
-          out = multihost.process_allgather(big)
-          assert out.shape == (2, 64 << 20) and out[1, -1] == 2, out.shape
-        else:
-          out = multihost.broadcast_one_to_all(big)
-          assert out[-1] == 1
-        k += 1
-        if k == 2:
-          print('LOOP', flush=True)
-        stop = multihost.broadcast_one_to_all(
-            np.array(time.monotonic() - t0 > limit))
-        if bool(stop):
-          break
-    except Exception as e:
-      print(f'ERROR at {time.time():.3f} {type(e).__name__}: {e}', flush=True)
-      sys.exit(3)
-    print(f'DONE iterations={k}', flush=True)
-''')
-
-
 def _cluster(tmp_path, mode, limit):
-  script = tmp_path / 'loop.py'
-  script.write_text(_LOOP)
+  """tests/programs/fault_loop.py on 2 simulated hosts (see its docstring)."""
   return launch.Controllers(
-      [sys.executable, str(script), mode, str(limit), str(tmp_path / 'ckpt')],
+      program('fault_loop', mode, limit, tmp_path / 'ckpt'),
       num_processes=2,
       env={'PYTHONPATH': _ROOT, mh_env.HEARTBEAT: str(_HEARTBEAT_S)},
       hosts='netns', grace_period=30, kill_wait=1)
@@ -141,19 +95,16 @@ def test_a_1s_cut_during_64mib_allgathers_fails_nothing(tmp_path):
   assert all('DONE' in o for o in result.outputs)
 
 
-def _companion_cluster(tmp_path, limit):
-  script = tmp_path / 'loop.py'
-  script.write_text(_LOOP)
+def _companion_cluster(limit):
   return launch.Controllers(
-      [sys.executable, str(script), 'barrier', str(limit)], num_processes=2,
+      program('fault_loop', 'barrier', limit), num_processes=2,
       env={'PYTHONPATH': _ROOT, mh_env.HEARTBEAT: str(_HEARTBEAT_S),
            mh_env.COMPANION_SERVICE: '1'},
       hosts='netns', grace_period=30, kill_wait=1)
 
 
-def test_with_a_companion_service_a_crash_of_process_0_is_an_ordinary_failure(
-    tmp_path):
-  with _companion_cluster(tmp_path, 600) as cluster:
+def test_with_a_companion_service_a_crash_of_process_0_is_an_ordinary_failure():
+  with _companion_cluster(600) as cluster:
     _until_looping(cluster)
     at = time.time()
     cluster.kill(0, signal.SIGKILL)

@@ -7,8 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -17,23 +15,13 @@ import multihost
 from multihost import netns
 from multihost import launch
 
+from _helpers import program
+from _helpers import stop
+
 _OK, _WHY = netns.available()
 _needs_hosts = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_WHERE = textwrap.dedent('''
-    import os, socket, sys, time
-    import multihost
-    from multihost import env
-    multihost.initialize()
-    multihost.sync_global_devices('placed')
-    print('WHERE', socket.gethostname(), os.environ[env.COORDINATOR],
-          flush=True)
-    if len(sys.argv) > 1:
-      time.sleep(float(sys.argv[1]))
-''')
-
 
 def _namespaces_of(pid: int) -> list[str]:
   out = subprocess.run(['ip', 'netns', 'list'], capture_output=True,
@@ -41,20 +29,13 @@ def _namespaces_of(pid: int) -> list[str]:
   return [l for l in out.splitlines() if l.startswith(f'{netns.PREFIX}{pid}-')]
 
 
-def _script(tmp_path, code=_WHERE):
-  path = tmp_path / 'where.py'
-  path.write_text(code)
-  return [sys.executable, str(path)]
-
-
 def _env():
   return {'PYTHONPATH': _ROOT}
 
 
 @_needs_hosts
-def test_controllers_run_on_hosts_of_their_own_with_the_coordinator_on_host_0(
-    tmp_path):
-  with launch.Controllers(_script(tmp_path), num_processes=2, env=_env(),
+def test_controllers_run_on_hosts_of_their_own_with_the_coordinator_on_host_0():
+  with launch.Controllers(program('placed'), num_processes=2, env=_env(),
                           hosts='netns') as cluster:
     net = cluster.hosts
     addresses = [net.address(i) for i in range(2)]
@@ -69,14 +50,14 @@ def test_controllers_run_on_hosts_of_their_own_with_the_coordinator_on_host_0(
 
 
 @_needs_hosts
-def test_hosts_are_deleted_when_the_body_raises_and_on_timeout(tmp_path):
+def test_hosts_are_deleted_when_the_body_raises_and_on_timeout():
   with pytest.raises(KeyError):
-    with launch.Controllers(_script(tmp_path), num_processes=2, env=_env(),
+    with launch.Controllers(program('placed'), num_processes=2, env=_env(),
                             hosts='netns') as cluster:
       assert len(_namespaces_of(os.getpid())) == 3  # 2 hosts and the switch.
       raise KeyError('boom')
   assert _namespaces_of(os.getpid()) == []
-  cluster = launch.Controllers(_script(tmp_path) + ['600'], num_processes=2,
+  cluster = launch.Controllers(program('placed', 600), num_processes=2,
                                env=_env(), hosts='netns', kill_wait=1)
   result = cluster.wait(10)
   assert result.timed_out
@@ -85,10 +66,10 @@ def test_hosts_are_deleted_when_the_body_raises_and_on_timeout(tmp_path):
 
 @_needs_hosts
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGKILL])
-def test_the_cli_places_controllers_and_cleans_up_after_ctrl_c(tmp_path, sig):
+def test_the_cli_places_controllers_and_cleans_up_after_ctrl_c(sig):
   proc = subprocess.Popen(
       [sys.executable, '-m', 'multihost.launch', '--num_processes=2',
-       '--hosts=netns', '--timeout=120', '--', *_script(tmp_path), '600'],
+       '--hosts=netns', '--timeout=120', '--', *program('placed', 600)],
       env={**os.environ, **_env()}, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
@@ -104,9 +85,7 @@ def test_the_cli_places_controllers_and_cleans_up_after_ctrl_c(tmp_path, sig):
     os.kill(proc.pid, sig)
     proc.wait(timeout=60)
   finally:
-    if proc.poll() is None:
-      os.kill(proc.pid, signal.SIGKILL)
-      proc.wait(timeout=30)
+    stop(proc)
     proc.stdout.close()
   if sig == signal.SIGKILL:  # Nothing of ours ran: the next run deletes them.
     assert len(_namespaces_of(proc.pid)) == 3

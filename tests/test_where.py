@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -29,82 +28,22 @@ import pytest
 import multihost
 from multihost import env as env_lib
 
+from _helpers import program
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 4.0  # of the collectives that time out
 STALL_S = 2.0  # stall report threshold (the fast path takes the first 1 s)
 
-_SCRIPT = textwrap.dedent('''
-    import sys
-    import time
-
-    import numpy as np
-
-    import multihost
-    from multihost import lowlevel
-
-    STUCK, TIMEOUT, STALL = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-    WHERE = sys.argv[4] == 'where'
-    multihost.initialize()
-    import jax  # noqa: E402
-
-    me = jax.process_index()
-    multihost.set_stall_report_after(STALL)
-
-
-    def stuck_in_data_loader(seconds):
-      print('STUCK', flush=True)
-      time.sleep(seconds)
-
-
-    def phase(tag, call):
-      if me == STUCK:
-        stuck_in_data_loader(TIMEOUT + 4)
-        try:  # Arrives late; consumes the same call number as the others.
-          call(0.5)
-        except multihost.MultihostError:
-          pass
-      else:
-        if me == 0 and WHERE and tag == 'BARRIER':
-          time.sleep(0.5)
-          print('WHERE-REPORT\\n' + multihost.where(), flush=True)
-        try:
-          call(TIMEOUT)
-          print(f'{tag}-NO-ERROR', flush=True)
-        except multihost.CollectiveTimeoutError as e:
-          print(f'{tag}-ERROR ' + ' '.join(str(e).split()), flush=True)
-      lowlevel.wait_at_barrier(f'realign-{tag}', 60)
-
-
-    multihost.sync_global_devices('warm up')
-    phase('BARRIER',
-          lambda t: multihost.sync_global_devices('before step 1', timeout=t))
-    x = np.arange(3.0)
-    multihost.process_allgather(x)
-    phase('GATHER', lambda t: multihost.process_allgather(x, timeout=t))
-    for i in range(12):  # The stuck process now comes last, 30 ms late.
-      if me == STUCK:
-        time.sleep(0.03)
-      multihost.sync_global_devices(f'step {i}')
-    report = multihost.straggler_report()
-    print(f'STRAGGLER {report.consistently_last} {report.summary()}',
-          flush=True)
-    multihost.sync_global_devices('done')
-    print('DONE', flush=True)
-''')
-
-
 def _run(tmp_path, num_processes: int, stuck: int, mode: str,
          on_stuck=None) -> tuple[int, str]:
-  """Runs the script under the launcher; calls on_stuck(launcher) at the first STUCK line."""
-  script = tmp_path / 'stuck.py'
-  script.write_text(_SCRIPT)
+  """Runs tests/programs/stuck.py under the launcher; calls on_stuck(launcher) at the first STUCK line."""
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop(env_lib.STALL_REPORT_AFTER, None)
   proc = subprocess.Popen(
       [sys.executable, '-m', 'multihost.launch',
        f'--num_processes={num_processes}', '--devices_per_process=1',
-       '--timeout=100', '--', sys.executable, str(script), str(stuck),
-       str(TIMEOUT_S), str(STALL_S), mode],
+       '--timeout=100', '--',
+       *program('stuck', stuck, TIMEOUT_S, STALL_S, mode)],
       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
       text=True, start_new_session=True)
   lines = []
@@ -247,35 +186,13 @@ def test_single_process_where_and_stall_threshold(monkeypatch):
     multihost.stall_report_after()
 
 
-_TRANSFER = textwrap.dedent('''
-    import sys
-    import numpy as np
-    import multihost
-    multihost.initialize()
-    import jax  # noqa: E402
-    big = np.full(256 << 20, jax.process_index(), np.uint8)
-    k = 0
-    try:
-      while True:
-        multihost.process_allgather(big, timeout=float(sys.argv[1]))
-        k += 1
-        if k == 2:
-          print('LOOP', flush=True)
-    except Exception as e:  # noqa: BLE001
-      print(f'ERROR {type(e).__name__}: {e}', flush=True)
-      sys.exit(3)
-''')
-
-
-def test_a_transfer_timeout_says_where_the_peer_is(tmp_path):
+def test_a_transfer_timeout_says_where_the_peer_is():
   # Nearly all of each call is the 256 MiB transfer, after the agreement, so
   # the freeze lands there: the waiting process's timeout comes from the
   # data plane, and must still say where the peer is (frozen: not answering).
   from multihost import launch  # pylint: disable=import-outside-toplevel
-  script = tmp_path / 'transfer.py'
-  script.write_text(_TRANSFER)
   with launch.Controllers(
-      [sys.executable, str(script), str(TIMEOUT_S)], num_processes=2,
+      program('big_allgathers', TIMEOUT_S), num_processes=2,
       env={'PYTHONPATH': str(ROOT), env_lib.HEARTBEAT: '60'},
       grace_period=5, kill_wait=1) as cluster:
     for i in range(2):

@@ -1,0 +1,102 @@
+"""Shared scaffolding of the multi-process tests: programs, pids, bounded waits.
+
+The programs that tests start as separate processes live in tests/programs/,
+one module each; `program(name, *args)` is the command line that runs one by
+path (so the child needs no PYTHONPATH or working directory of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROGRAMS = pathlib.Path(__file__).resolve().parent / 'programs'
+
+
+def program(name: str, *args: object) -> list[str]:
+  """The command line that runs tests/programs/`name`.py with `args`."""
+  path = PROGRAMS / f'{name}.py'
+  if not path.is_file():
+    raise FileNotFoundError(f'no test program {path}')
+  return [sys.executable, str(path), *(str(a) for a in args)]
+
+
+def alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie, or no such process, counts as gone)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+  except OSError:
+    return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+  """Whether `pid` is gone within `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def kill_alive(pids: Iterable[int]) -> None:
+  """SIGKILLs those of `pids` (ours) that still run."""
+  for pid in pids:
+    if alive(pid):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+  """SIGKILLs `proc` (ours) if it still runs; reaps it; its return code."""
+  if proc.poll() is None:
+    proc.kill()
+  return proc.wait(timeout=timeout)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+  """Waits up to `timeout` s in all for `procs`; kills the rest; their codes."""
+  deadline = time.monotonic() + timeout
+  try:
+    for p in procs:
+      p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      stop(p)
+  return [p.returncode for p in procs]
+
+
+def read_pids(stream, marker: str, count: int, timeout: float) -> list[int]:
+  """The pids printed as `marker PID` lines on `stream`, until `count` came.
+
+  Stops early at end of stream or after `timeout` seconds (checked between
+  lines; the caller bounds the writer).
+  """
+  pids: list[int] = []
+  deadline = time.monotonic() + timeout
+  while len(pids) < count and time.monotonic() < deadline:
+    line = stream.readline()
+    if not line:
+      break
+    if marker in line:
+      pids.append(int(line.split(marker, 1)[1].split()[0]))
+  return pids
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+  """os.environ without any launcher's or scheduler's variables, plus `extra`."""
+  drop = ('JAX_', 'MULTIHOST_', 'SLURM_', 'OMPI_')
+  env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+  env.update(extra)
+  return env

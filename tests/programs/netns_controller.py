@@ -1,0 +1,65 @@
+"""One controller per simulated host: collectives over TCP and the device transport, a jitted gloo sum; prints RESULT <json>."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+import multihost
+from multihost import env as mh_env
+
+
+def listening() -> list[str]:
+  out = []
+  for name in ('/proc/net/tcp', '/proc/net/tcp6'):
+    with open(name) as f:
+      for line in f.read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == '0A':  # LISTEN
+          out.append(fields[1])
+  return out
+
+
+def main() -> None:
+  multihost.initialize()
+  me, n = jax.process_index(), jax.process_count()
+  report = {'me': me, 'listening': listening() if me == 0 else []}
+  multihost.sync_global_devices('start')
+
+  small = multihost.process_allgather(np.array([me, 10 * me]))
+  assert small.tolist() == [[i, 10 * i] for i in range(n)], small
+  big_len = (64 << 20) // 4
+  t = time.monotonic()
+  big = multihost.process_allgather(np.full(big_len, me, np.float32))
+  report['allgather_64MiB_s'] = time.monotonic() - t
+  assert big.shape == (n, big_len)
+  for i in range(n):
+    assert (big[i] == i).all(), i
+  got = multihost.broadcast_one_to_all(np.arange(5) + 100 * me)
+  assert got.tolist() == list(range(5)), got
+
+  # A device collective: a jitted sum over one device per process (gloo).
+  mesh = jax.make_mesh((n,), ('p',), devices=jax.devices())
+  sharding = jax.NamedSharding(mesh, jax.P('p'))
+  x = jax.make_array_from_process_local_data(
+      sharding, np.array([me + 1.0], np.float32), (n,))
+  total = jax.jit(lambda a: a.sum(),
+                  out_shardings=jax.NamedSharding(mesh, jax.P()))(x)
+  assert float(total.addressable_data(0)) == n * (n + 1) / 2, total
+
+  # The same collectives over the device transport.
+  os.environ[mh_env.TRANSPORT] = 'device'
+  small = multihost.process_allgather(np.array([me, 10 * me]))
+  assert small.tolist() == [[i, 10 * i] for i in range(n)], small
+  got = multihost.broadcast_one_to_all(np.arange(5) + 100 * me)
+  assert got.tolist() == list(range(5)), got
+  multihost.sync_global_devices('end')
+  print('RESULT ' + json.dumps(report), flush=True)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,119 @@
+"""Someone who reaches the coordination service plants or alters control messages.
+
+Usage: tamper.py MODE PLANTED_FILE, at 2 processes; process 1 plays the
+attacker (it writes keys directly, as anyone who reaches the service could),
+then every process calls allgather_object and prints what it got or raised:
+  planted  a key beside every process's own, holding a pickle that would
+           create PLANTED_FILE if unpickled;
+  altered  process 0's message replaced by garbage and that pickle;
+  resized  process 0's message with its size field changed: it still
+           decodes, and no check but the message's MAC sees the change;
+  flagged  process 0's message with its flag byte changed (direct to
+           fell-back): it still decodes; only the MAC sees the change;
+  moved    process 0's authentic message of the previous call put under
+           this call's key: it decodes and its seal checks, but its MAC is
+           for the other key.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+import threading
+import time
+
+import multihost
+from multihost import lowlevel
+
+_MAC = 16  # bytes before a control message's flag and body
+
+
+class Evil:
+  def __init__(self, path: str):
+    self.path = path
+
+  def __reduce__(self):
+    return (open, (self.path, 'w'))
+
+
+def own_keys() -> set[str]:
+  return {k for k, _ in lowlevel.key_value_dir('multihost/')}
+
+
+def latest_of_process_0() -> tuple[str, bytes]:
+  """The key and stored bytes of process 0's message of the latest call."""
+  found = [(int(k.split('/')[-2]), k, v) for k, v in
+           lowlevel.key_value_dir('multihost/') if k.endswith('/0')]
+  _, key, value = max(found)
+  return key, value
+
+
+def replace_next_of_process_0(before: set[str], forge) -> None:
+  """Waits for process 0's next message; overwrites it with forge(stored)."""
+  def tamper():
+    while True:
+      for key, stored in lowlevel.key_value_dir('multihost/'):
+        if key not in before and key.endswith('/0'):
+          lowlevel.key_value_set(key, forge(stored))
+          return
+      time.sleep(0.005)
+  thread = threading.Thread(target=tamper, daemon=True)
+  thread.start()
+  thread.join(20)
+  assert not thread.is_alive(), 'process 0 published nothing to tamper with'
+
+
+def resize(stored: bytes) -> bytes:
+  """The stored message with its size field's last digit changed, old MAC."""
+  body = stored[_MAC:].decode()
+  size = re.search(r'"size":(\d+)', body)
+  assert size, body
+  digits = size.group(1)
+  other = digits[:-1] + str((int(digits[-1]) + 1) % 10)
+  body = body[:size.start(1)] + other + body[size.end(1):]
+  return stored[:_MAC] + body.encode()
+
+
+def reflag(stored: bytes) -> bytes:
+  """The stored message with its flag byte changed, old MAC."""
+  assert stored[_MAC:_MAC + 1] == b'D', stored[:_MAC + 1]
+  return stored[:_MAC] + b'F' + stored[_MAC + 1:]
+
+
+def main() -> None:
+  mode, planted_file = sys.argv[1], sys.argv[2]
+  multihost.initialize()
+  import jax  # noqa: PLC0415 (after initialize)
+  me = jax.process_index()
+  evil = b'D' + pickle.dumps(Evil(planted_file))
+  multihost.sync_global_devices('start')
+  if mode == 'moved':  # an authentic message of process 0 to move
+    multihost.allgather_object({'me': me, 'round': 0})
+    multihost.sync_global_devices('recorded')
+  if me == 1 and mode == 'planted':
+    for call in range(64):  # a key beside every process's own
+      lowlevel.key_value_set(f'multihost/0/{call}/00', evil)
+  if me == 1 and mode == 'altered':
+    replace_next_of_process_0(own_keys(), lambda _: b'x' * _MAC + evil)
+  if me == 1 and mode == 'resized':
+    replace_next_of_process_0(own_keys(), resize)
+  if me == 1 and mode == 'flagged':
+    replace_next_of_process_0(own_keys(), reflag)
+  if me == 1 and mode == 'moved':
+    _, recorded = latest_of_process_0()
+    replace_next_of_process_0(own_keys(), lambda _: recorded)
+  if me == 0 and mode in ('altered', 'resized', 'flagged', 'moved'):
+    time.sleep(1)  # process 1's tamperer is watching when we publish
+  if mode == 'planted':
+    multihost.sync_global_devices('planted')
+  try:
+    got = multihost.allgather_object({'me': me, 'round': 1})
+  except multihost.MultihostError as e:
+    print('REFUSED:', e, flush=True)
+  else:
+    print('GOT', got, flush=True)
+
+
+if __name__ == '__main__':
+  main()
