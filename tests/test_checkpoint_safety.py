@@ -57,7 +57,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_loses_nothing(tmp_path):
       holder.wait(10)
   with recovery.Checkpoints(directory) as ckpt:
     restored = ckpt.start(tr._initial(loop), resume=True)
-    assert recovery.state_digest(restored) == recovery.state_digest(final)
+    assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(final)
   assert not (directory / '.recovery-lock').exists()
 
 

@@ -27,7 +27,7 @@ def test_identical_controllers_pass_and_agree_on_the_digest():
   state = _state(np.arange(4, dtype=np.float32))
   digests = recovery.check_consistent(state, what='test')
   everyone = multihost.process_allgather(
-      np.frombuffer(bytes.fromhex(recovery.state_digest(state)), np.uint8))
+      np.frombuffer(bytes.fromhex(recovery.checkpoint_digest(state)), np.uint8))
   assert (everyone == everyone[0]).all()
   assert set(digests) == {'user/weights', 'data/key', 'data/order',
                           'data/cursor', 'data/epoch', 'data/step'}
@@ -61,7 +61,7 @@ def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path,
       assert ckpt.steps() == [3]  # committed before save() returned
     ckpt.wait()
     assert ckpt.steps() == [3]
-    assert ckpt.read_meta(3)['digest'] == recovery.state_digest(same)
+    assert ckpt.read_meta(3)['digest'] == recovery.checkpoint_digest(same)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
@@ -84,8 +84,8 @@ def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
   state = _state(np.zeros(4, np.float32)).replace(
       user={'weights': sharded})
   # The digest is of the global value, whatever the placement.
-  assert (recovery.state_digest(state)
-          == recovery.state_digest(state.replace(user={'weights': value})))
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(state.replace(user={'weights': value})))
   with recovery.Checkpoints(multihost_tmp_path / 'ckpt') as ckpt:
     assert ckpt.save(state, force=True)
     ckpt.wait()
@@ -96,7 +96,7 @@ def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
   assert restored.user['weights'].sharding == rep
   np.testing.assert_array_equal(
       recovery.host_value(restored.user['weights']), value)
-  assert recovery.state_digest(restored) == recovery.state_digest(state)
+  assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(state)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)

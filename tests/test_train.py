@@ -43,17 +43,20 @@ _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
 
 
 def _single_env(devices: int = 4) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+  env = {k: v for k, v in os.environ.items()
+         if k not in _CLUSTER_VARS + recovery.RESTART_COUNT_VARIABLES}
   env.update({env_lib.NUM_CPU_DEVICES: str(devices), env_lib.PLATFORMS: 'cpu',
               env_lib.PYTHON_UNBUFFERED: '1'})
   return env
 
 
 @contextlib.contextmanager
-def _single(args, *, log: pathlib.Path, devices: int = 4):
+def _single(args, *, log: pathlib.Path, devices: int = 4,
+            env: dict[str, str] | None = None):
   """A single controller (no jax.distributed); killed by pid on exit."""
   with open(log, 'wb') as out:
-    proc = subprocess.Popen([PY, *args], env=_single_env(devices), cwd=ROOT,
+    proc = subprocess.Popen([PY, *args], env={**_single_env(devices),
+                                              **(env or {})}, cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
   try:
@@ -65,8 +68,9 @@ def _single(args, *, log: pathlib.Path, devices: int = 4):
 
 
 def _run_single(args, *, log: pathlib.Path, devices: int = 4,
-                timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
-  with _single(args, log=log, devices=devices) as proc:
+                timeout: float = RUN_TIMEOUT_S,
+                env: dict[str, str] | None = None) -> tuple[int, str]:
+  with _single(args, log=log, devices=devices, env=env) as proc:
     rc = proc.wait(timeout=timeout)
   return rc, log.read_text()
 
@@ -286,6 +290,39 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20'],
                         log=tmp_path / 'fresh.log')
   assert rc == 2 and 'already holds checkpoint steps [5]' in out
+
+
+def test_resume_if_present_and_requeues(tmp_path):
+  """What a requeued job runs: resume if there is a checkpoint, else fresh."""
+  ckpt = tmp_path / 'ckpt'
+  args = [TRAIN, f'--checkpoint_dir={ckpt}', '--save_every=5']
+  rc, out = _run_single([*args, '--steps=5', '--resume_if_present'],
+                        log=tmp_path / 'first.log')
+  assert rc == 0 and 'Resumed' not in out and 'Finished step 5 ' in out, out
+  rc, out = _run_single([*args, '--steps=10', '--resume_if_present'],
+                        log=tmp_path / 'second.log')
+  assert rc == 0 and 'Resumed from step 5 (epoch' in out, out[-3000:]
+  assert 'Finished step 10 ' in out, out[-3000:]
+  # A requeue (Slurm sets the count) resumes with the default mode,
+  requeue = {'SLURM_RESTART_COUNT': '1'}
+  rc, out = _run_single([*args, '--steps=15'], log=tmp_path / 'requeue.log',
+                        env=requeue)
+  assert rc == 0 and 'Resumed from step 10 (epoch' in out, out[-3000:]
+  # and says so when nothing is left to train.
+  rc, out = _run_single([*args, '--steps=15'], log=tmp_path / 'again.log',
+                        env=requeue)
+  assert rc == 0 and 'Resumed from step 15 (epoch' in out, out[-3000:]
+  assert 'nothing left to train' in out and 'loss None' not in out, out
+  # The strict modes stay: --noresume on a folder with checkpoints,
+  rc, out = _run_single([*args, '--steps=15', '--noresume'],
+                        log=tmp_path / 'strict.log', env=requeue)
+  assert rc == 2 and 'FolderNotFreshError' in out, out[-3000:]
+  assert 'Here: pass --resume (or --resume_if_present)' in out, out[-3000:]
+  # and --resume on an empty one, with this binary's flags in the advice.
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={tmp_path / "empty"}',
+                         '--resume'], log=tmp_path / 'empty.log', env=requeue)
+  assert rc == 2 and 'nothing to resume from' in out, out[-3000:]
+  assert 'Here: run without --resume for a fresh run' in out, out[-3000:]
 
 
 def test_default_run_and_single_controller_signals(tmp_path):
