@@ -174,8 +174,8 @@ class Checkpoints:
     step = state.step
     if not force and step % self.save_every:
       return False
-    if step in self._manager.all_steps():
-      return False
+    if step == self._pending or step in self._committed:
+      return False  # Saved already (by this run or the one it resumed).
     path = os.path.join(self.directory, str(step))
     if os.path.lexists(path):
       logging.warning('%s Not saving step %d: %s already exists and this '

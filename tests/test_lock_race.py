@@ -18,7 +18,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = str(ROOT / 'tests' / 'lock_race_worker.py')
+WORKER = str(ROOT / 'tests' / 'folder_holder.py')
 TRIALS = 100
 REPLY_TIMEOUT_S = 60
 

@@ -1,6 +1,6 @@
-"""One contender in tests/test_lock_race.py: enters recovery.Checkpoints on cue.
+"""A run that opens recovery.Checkpoints on a folder on cue, and holds it (tests).
 
-  python tests/lock_race_worker.py FOLDER
+  python tests/folder_holder.py FOLDER
 
 Reads commands from stdin, one a line:
   go T      at time.time() == T, open `recovery.Checkpoints(FOLDER)`; print
