@@ -27,48 +27,30 @@ tests/test_recovery_layers.py reads this map):
   _replay.py        the check that a restored run replays the uninterrupted one
 """
 
-from recovery._checkpoint import (
-    Checkpoints as Checkpoints,
-)
-from recovery._consistency import (
-    check_consistent as check_consistent,
-)
-from recovery._digest import (
-    checkpoint_digest as checkpoint_digest,
-    checkpoint_leaf_digests as checkpoint_leaf_digests,
-    host_tree as host_tree,
-    host_value as host_value,
-)
-from recovery._errors import (
-    CheckpointCorruptError as CheckpointCorruptError,
-    CheckpointError as CheckpointError,
-    CheckpointFolderError as CheckpointFolderError,
-    CheckpointMismatchError as CheckpointMismatchError,
-    FolderNotFreshError as FolderNotFreshError,
-    NothingToResumeError as NothingToResumeError,
-    ReplayMismatchError as ReplayMismatchError,
-    StepCheckError as StepCheckError,
-)
-from recovery._loop import (
-    ResilientLoop as ResilientLoop,
-    RunResult as RunResult,
-    StepRecord as StepRecord,
-)
-from recovery._orbax import (
-    quiet_orbax_logs as quiet_orbax_logs,
-)
-from recovery._replay import (
-    ATOL as ATOL,
-    RTOL as RTOL,
-    ReplayStep as ReplayStep,
-    Stepper as Stepper,
-    verify_replay as verify_replay,
-)
-from recovery._resume import (
-    IF_PRESENT as IF_PRESENT,
-    RESTART_COUNT_VARIABLES as RESTART_COUNT_VARIABLES,
-)
-from recovery._state import (
-    EpochSampler as EpochSampler,
-    TransitionState as TransitionState,
-)
+from recovery._checkpoint import Checkpoints as Checkpoints
+from recovery._consistency import check_consistent as check_consistent
+from recovery._digest import checkpoint_digest as checkpoint_digest
+from recovery._digest import checkpoint_leaf_digests as checkpoint_leaf_digests
+from recovery._digest import host_tree as host_tree
+from recovery._digest import host_value as host_value
+from recovery._errors import CheckpointCorruptError as CheckpointCorruptError
+from recovery._errors import CheckpointError as CheckpointError
+from recovery._errors import CheckpointFolderError as CheckpointFolderError
+from recovery._errors import CheckpointMismatchError as CheckpointMismatchError
+from recovery._errors import FolderNotFreshError as FolderNotFreshError
+from recovery._errors import NothingToResumeError as NothingToResumeError
+from recovery._errors import ReplayMismatchError as ReplayMismatchError
+from recovery._errors import StepCheckError as StepCheckError
+from recovery._loop import ResilientLoop as ResilientLoop
+from recovery._loop import RunResult as RunResult
+from recovery._loop import StepRecord as StepRecord
+from recovery._orbax import quiet_orbax_logs as quiet_orbax_logs
+from recovery._replay import ATOL as ATOL
+from recovery._replay import RTOL as RTOL
+from recovery._replay import ReplayStep as ReplayStep
+from recovery._replay import Stepper as Stepper
+from recovery._replay import verify_replay as verify_replay
+from recovery._resume import IF_PRESENT as IF_PRESENT
+from recovery._resume import RESTART_COUNT_VARIABLES as RESTART_COUNT_VARIABLES
+from recovery._state import EpochSampler as EpochSampler
+from recovery._state import TransitionState as TransitionState

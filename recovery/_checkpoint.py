@@ -16,9 +16,9 @@ from recovery import _consistency
 from recovery import _folder
 from recovery import _leaves
 from recovery import _lock
+from recovery import _meta
 from recovery import _orbax
 from recovery import _resume
-from recovery import _meta
 from recovery._errors import CheckpointCorruptError
 from recovery._errors import CheckpointError
 from recovery._errors import CheckpointFolderError
@@ -69,8 +69,11 @@ class Checkpoints:
     self.resumed_from: int | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for
-    listed = lambda: (_folder.scan(self.directory, READABLE_FORMATS),
-                      _resume.restart())
+
+    def listed():
+      return (_folder.scan(self.directory, READABLE_FORMATS),
+              _resume.restart())
+
     if read_only:
       if not os.path.isdir(self.directory):
         raise CheckpointFolderError(

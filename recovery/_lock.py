@@ -32,8 +32,8 @@ from typing import Any
 
 from absl import logging
 import jax
-import multihost
 
+import multihost
 from recovery import _shared_folder
 from recovery._errors import CheckpointError
 from recovery._errors import CheckpointFolderError

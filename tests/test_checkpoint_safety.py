@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
+import test_recovery as tr
 
 import recovery
-import test_recovery as tr
 
 HOLDER = os.path.join(os.path.dirname(__file__), 'folder_holder.py')
 

@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 
-from multihost import launch
 from multihost import env as env_lib
+from multihost import launch
 import recovery
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def _example() -> str:
 
 
 def _final(output: str) -> tuple[int, float]:
-  line = [l for l in output.splitlines() if l.startswith('step ')][-1]
+  line = [ln for ln in output.splitlines() if ln.startswith('step ')][-1]
   step, loss = re.fullmatch(r'step (\d+) loss (\S+)', line).groups()
   return int(step), float(loss)
 

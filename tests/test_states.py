@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import states_workload as workload
 
 import multihost
 from multihost import launch
 import recovery
-import states_workload as workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / 'tests' / 'states_workload.py')
