@@ -13,6 +13,9 @@ Several controllers on this machine:
       python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200
 Continue after a preemption (same or another topology):
   python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume
+Resume if there is a checkpoint, else start fresh (for jobs a scheduler
+requeues; the default on a restart or requeue):
+  python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume_if_present
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ _KEEP = flags.DEFINE_integer('keep', 3, 'Keep the last K checkpoints.',
 _RESUME = flags.DEFINE_boolean(
     'resume', False,
     'Continue from the latest checkpoint in --checkpoint_dir (an error if '
-    'there is none). Without it, a folder that holds a checkpoint is an error.')
+    'there is none). --noresume: start fresh (an error if the folder holds a '
+    'checkpoint). Without either, a folder that holds a checkpoint is an '
+    'error, except on a restart or requeue ($MULTIHOST_RESTART_COUNT or '
+    '$SLURM_RESTART_COUNT above 0), which resumes if present.')
+_RESUME_IF_PRESENT = flags.DEFINE_boolean(
+    'resume_if_present', False,
+    'Continue from the latest checkpoint in --checkpoint_dir if there is '
+    'one, else start fresh.')
 _VERIFY_REPLAY = flags.DEFINE_integer(
     'verify_replay', 0,
     'After training, restore the last checkpoint and check that K more steps '
@@ -182,6 +192,34 @@ def _close(name: str, actual, desired, slack) -> None:
         f'{recovery.RTOL}, atol={recovery.ATOL} plus float32 rounding).')
 
 
+def _resume_mode() -> bool | str | None:
+  """recovery's resume mode from --resume / --noresume / --resume_if_present."""
+  if _RESUME_IF_PRESENT.value:
+    if _RESUME.present:
+      raise app.UsageError(
+          '--resume_if_present cannot be combined with --resume or '
+          '--noresume; pass one of them.')
+    return recovery.IF_PRESENT
+  # Not given: recovery's default (fresh, or resume if present on a restart).
+  return _RESUME.value if _RESUME.present else None
+
+
+def _flag_advice(e: recovery.CheckpointError) -> str:
+  """This binary's flags for the fix a recovery error describes."""
+  if isinstance(e, recovery.NothingToResumeError):
+    return (' Here: run without --resume for a fresh run, or with '
+            '--resume_if_present.')
+  if isinstance(e, recovery.FolderNotFreshError):
+    return (' Here: pass --resume (or --resume_if_present) to continue, or '
+            'a new --checkpoint_dir.')
+  if isinstance(e, recovery.CheckpointMismatchError):
+    return (' Here: resume with the --width and --samples that made it, or '
+            'pass a new --checkpoint_dir.')
+  if isinstance(e, recovery.CheckpointFolderError):
+    return ' Here: pass another --checkpoint_dir.'
+  return ''
+
+
 def _fail(message: str, code: int = 2) -> None:
   logging.error('%s', message)
   print(f'error: {message}', file=sys.stderr, flush=True)
@@ -215,6 +253,7 @@ def main(argv):
     if _RESUME.value:
       raise app.UsageError('--resume needs --checkpoint_dir.')
     directory = tempfile.mkdtemp(prefix='multihost-train-')
+  resume = _resume_mode()
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
 
@@ -238,7 +277,7 @@ def main(argv):
                         report.summary())
     if not _METRICS_OUT.value:
       return
-    digest = recovery.state_digest(state)  # Every process: may be collective.
+    digest = recovery.checkpoint_digest(state)  # Every process: may be collective.
     if metrics is not None:
       metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
                                 'ids': record.ids.tolist(),
@@ -252,7 +291,8 @@ def main(argv):
     with recovery.Checkpoints(directory, save_every=_SAVE_EVERY.value,
                               keep=_KEEP.value,
                               async_save=_ASYNC_SAVE.value) as checkpoints:
-      state = checkpoints.start(initial, resume=_RESUME.value)
+      state = checkpoints.start(initial, resume=resume)
+      resumed = checkpoints.resumed_from is not None
       if state.step > _STEPS.value:
         raise recovery.CheckpointError(
             f'{prefix} The latest checkpoint in {directory} is at step '
@@ -261,12 +301,12 @@ def main(argv):
       if _METRICS_OUT.value and pid == 0:
         try:
           # A resumed run continues the file; a fresh run starts it anew.
-          metrics = open(_METRICS_OUT.value, 'a' if _RESUME.value else 'w')
+          metrics = open(_METRICS_OUT.value, 'a' if resumed else 'w')
         except OSError as e:
           raise app.UsageError(
               f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
               f'writing: {e}') from e
-      if pid == 0 and _RESUME.value:
+      if pid == 0 and resumed:
         print(f'Resumed from step {state.step} (epoch {state.epoch}).',
               flush=True)
       result = loop.run(state, until_step=_STEPS.value,
@@ -274,7 +314,7 @@ def main(argv):
                         handle_sigterm=_HANDLE_SIGTERM.value,
                         progress_every_s=_PROGRESS_EVERY.value)
       state = result.state
-      digest = recovery.state_digest(state)
+      digest = recovery.checkpoint_digest(state)
       last_loss = result.last_loss
       if result.preempted:
         if pid == 0:
@@ -282,9 +322,11 @@ def main(argv):
                 '0. Relaunch with --resume to continue.', flush=True)
         return
       if pid == 0:
+        trained = ('nothing left to train' if last_loss is None
+                   else f'last loss {last_loss}')
         print(f'Finished step {state.step} (epoch {state.epoch}) '
               f'digest {digest} checkpoints {checkpoints.steps()} '
-              f'last loss {last_loss}', flush=True)
+              f'{trained}', flush=True)
       if _VERIFY_REPLAY.value:
         restored = checkpoints.restore(initial, step=state.step)
         replay = recovery.verify_replay(loop, state, restored,
@@ -297,8 +339,10 @@ def main(argv):
           print('Replay losses: ' + json.dumps(
               [[r.reference_loss, r.replayed_loss] for r in replay]),
               flush=True)
-  except (recovery.CheckpointError, recovery.ReplayMismatchError,
-          recovery.StepCheckError, multihost.ConsistencyError) as e:
+  except recovery.CheckpointError as e:
+    _fail(f'{prefix} {type(e).__name__}: {e}{_flag_advice(e)}')
+  except (recovery.ReplayMismatchError, recovery.StepCheckError,
+          multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')
   except KeyboardInterrupt:
     _fail(f'{prefix} Interrupted (Ctrl-C). Committed checkpoints in '

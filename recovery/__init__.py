@@ -5,52 +5,52 @@ order, cursor, epoch, step), checkpoints it with Orbax's `CheckpointManager`,
 restores it onto the current mesh, checks that every controller agrees, and
 stops cleanly at a preemption step agreed by all controllers.
 
-Modules, each importing only those above it (no cycle):
+Modules, each importing only those above it (no cycle;
+tests/test_recovery_layers.py reads this map):
 
-  _errors.py       every error recovery raises, and the advice its messages end with
-  _state.py        the transition state and the epoch sampler
-  _leaves.py       any state's leaves as Orbax stores them, and back into the
-                   kinds of a target (Python scalars, uncommitted arrays, ...)
-  _digest.py       host-side global values and digests of a state, by leaf path
-  _consistency.py  the check that every controller holds an identical state
-  _checkpoint.py   Orbax save/restore of states onto the current mesh
-  _signals.py      the loop's SIGTERM and Ctrl-C handlers
-  _loop.py         the resilient training loop
-  _replay.py       the check that a restored run replays the uninterrupted one
+  _errors.py        every error recovery raises, and the advice its messages end with
+  _state.py         the transition state and the epoch sampler
+  _leaves.py        any state's leaves as Orbax stores them, and back into the
+                    kinds of a target (Python scalars, uncommitted arrays, ...)
+  _digest.py        host-side global values and digests of a state, by leaf path
+  _consistency.py   the check that every controller holds an identical state
+  _folder.py        what a checkpoint folder holds: this project's steps, linked
+                    and foreign entries, crashed-save leftovers; what may be deleted
+  _shared_folder.py the check that every process sees the checkpoint folder
+  _lock.py          the run's exclusive, atomically taken lock on its folder
+  _orbax.py         Orbax's CheckpointManager as used here: options, items, watched calls
+  _meta.py          a checkpoint's meta item: what a save records, what a restore checks
+  _resume.py        how a run begins: resume modes, restarts read from the environment
+  _checkpoint.py    Checkpoints: open, save, keep-N, restore and start in one folder
+  _signals.py       the loop's SIGTERM and Ctrl-C handlers
+  _loop.py          the resilient training loop
+  _replay.py        the check that a restored run replays the uninterrupted one
 """
 
-from recovery._checkpoint import (
-    Checkpoints as Checkpoints,
-    quiet_orbax_logs as quiet_orbax_logs,
-)
-from recovery._consistency import (
-    check_consistent as check_consistent,
-)
-from recovery._digest import (
-    checkpoint_leaf_digests as checkpoint_leaf_digests,
-    host_tree as host_tree,
-    host_value as host_value,
-    state_digest as state_digest,
-)
-from recovery._errors import (
-    CheckpointCorruptError as CheckpointCorruptError,
-    CheckpointError as CheckpointError,
-    ReplayMismatchError as ReplayMismatchError,
-    StepCheckError as StepCheckError,
-)
-from recovery._loop import (
-    ResilientLoop as ResilientLoop,
-    RunResult as RunResult,
-    StepRecord as StepRecord,
-)
-from recovery._replay import (
-    ATOL as ATOL,
-    RTOL as RTOL,
-    ReplayStep as ReplayStep,
-    Stepper as Stepper,
-    verify_replay as verify_replay,
-)
-from recovery._state import (
-    EpochSampler as EpochSampler,
-    TransitionState as TransitionState,
-)
+from recovery._checkpoint import Checkpoints as Checkpoints
+from recovery._consistency import check_consistent as check_consistent
+from recovery._digest import checkpoint_digest as checkpoint_digest
+from recovery._digest import checkpoint_leaf_digests as checkpoint_leaf_digests
+from recovery._digest import host_tree as host_tree
+from recovery._digest import host_value as host_value
+from recovery._errors import CheckpointCorruptError as CheckpointCorruptError
+from recovery._errors import CheckpointError as CheckpointError
+from recovery._errors import CheckpointFolderError as CheckpointFolderError
+from recovery._errors import CheckpointMismatchError as CheckpointMismatchError
+from recovery._errors import FolderNotFreshError as FolderNotFreshError
+from recovery._errors import NothingToResumeError as NothingToResumeError
+from recovery._errors import ReplayMismatchError as ReplayMismatchError
+from recovery._errors import StepCheckError as StepCheckError
+from recovery._loop import ResilientLoop as ResilientLoop
+from recovery._loop import RunResult as RunResult
+from recovery._loop import StepRecord as StepRecord
+from recovery._orbax import quiet_orbax_logs as quiet_orbax_logs
+from recovery._replay import ATOL as ATOL
+from recovery._replay import RTOL as RTOL
+from recovery._replay import ReplayStep as ReplayStep
+from recovery._replay import Stepper as Stepper
+from recovery._replay import verify_replay as verify_replay
+from recovery._resume import IF_PRESENT as IF_PRESENT
+from recovery._resume import RESTART_COUNT_VARIABLES as RESTART_COUNT_VARIABLES
+from recovery._state import EpochSampler as EpochSampler
+from recovery._state import TransitionState as TransitionState

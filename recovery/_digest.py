@@ -70,8 +70,16 @@ def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
                   strict=True))
 
 
-def state_digest(tree: TransitionState | PyTree) -> str:
-  """One hex digest of the whole tree's global content and leaf paths.
+def checkpoint_digest(tree: TransitionState | PyTree) -> str:
+  """The digest a checkpoint of `tree` stores (its `meta` item's `digest`).
+
+  64 hex characters: SHA-256 of `checkpoint_leaf_digests(tree)`, so of the
+  tree's checkpointed form. It is the same for a saved state and for the
+  state restored from it, whose leaf kinds may differ (a Python int and the
+  0-d array it is stored as, a host-local array and the global one), and on
+  any mesh. `multihost.tree_digest` (32 hex) is another digest: of a pytree
+  as it is, its treedef included (a dataclass and the dict it is stored as
+  differ), for comparing trees across processes; the two never compare.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order.

@@ -1,7 +1,9 @@
 """Every error `recovery` raises, and the advice its messages end with.
 
-The advice ("what to do now") is written here once, so the checkpoint
-folder, the loop and the binaries tell the user the same thing.
+The advice ("what to do now") is written here once, in terms of recovery's
+own API, so the checkpoint folder and the loop tell the user the same thing.
+A binary that exposes these options under its own names (flags) adds them to
+the messages it prints; the subclasses tell it which advice applies.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import os
 
 # How to continue after a stop (preemption, Ctrl-C, a failure): a sentence.
-RELAUNCH_WITH_RESUME = 'Relaunch with --resume to continue.'
+RESUME_TO_CONTINUE = (
+    "Start again on this folder with Checkpoints.start(resume=True) (or "
+    "resume='if_present') to continue.")
 # How to begin again when a folder cannot be used.
 START_FRESH = 'start fresh in a new folder'
 
@@ -20,6 +24,22 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
   """A checkpoint's content does not match the digest stored with it."""
+
+
+class CheckpointFolderError(CheckpointError):
+  """The folder cannot be used: not writable, not shared, or in use."""
+
+
+class NothingToResumeError(CheckpointError):
+  """A strict resume (`resume=True`) found no committed checkpoint."""
+
+
+class FolderNotFreshError(CheckpointError):
+  """A strict fresh start (`resume=False`) found committed checkpoints."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A checkpoint's leaves do not fit the target (another model or data)."""
 
 
 class StepCheckError(AssertionError):

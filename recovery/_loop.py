@@ -15,7 +15,7 @@ import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from recovery import _digest
 from recovery._checkpoint import Checkpoints
-from recovery._errors import RELAUNCH_WITH_RESUME
+from recovery._errors import RESUME_TO_CONTINUE
 from recovery._errors import StepCheckError
 from recovery._signals import SigintAsPreemption
 from recovery._signals import SigtermFlag
@@ -173,7 +173,7 @@ class ResilientLoop:
           logging.warning(
               '%s Preemption: all controllers stopped at step %d; %s. '
               'Exiting. %s', _prefix(), state.step, where,
-              RELAUNCH_WITH_RESUME)
+              RESUME_TO_CONTINUE)
           return RunResult(state=state, preempted=True, last_loss=record.loss)
         now = time.monotonic()
         if now - last_log >= progress_every_s:
@@ -197,7 +197,7 @@ class ResilientLoop:
       logging.warning(
           '%s Interrupted (Ctrl-C) after step %d; the last committed '
           'checkpoint is step %s. %s', _prefix(), state.step, latest,
-          RELAUNCH_WITH_RESUME)
+          RESUME_TO_CONTINUE)
       raise
     finally:
       if sigterm is not None:

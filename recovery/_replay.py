@@ -9,7 +9,6 @@ import jax
 import numpy as np
 
 from multihost import lowlevel
-
 from recovery import _digest
 from recovery._errors import ReplayMismatchError
 from recovery._state import TransitionState

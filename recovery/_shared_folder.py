@@ -9,11 +9,11 @@ import numpy as np
 
 import multihost
 from multihost.lowlevel import process_prefix as _prefix
-from recovery._errors import CheckpointError
+from recovery._errors import CheckpointFolderError
 
 
 def check(directory: str, name: str, *, seen: Callable[[], bool]) -> None:
-  """Raises `CheckpointError` on every process unless `seen()` holds on all.
+  """Raises `CheckpointFolderError` on every process unless `seen()` holds on all.
 
   Collective: every process must call this, in the same order (one
   all-gather). `seen()` tells whether this process sees the file `name`
@@ -22,7 +22,7 @@ def check(directory: str, name: str, *, seen: Callable[[], bool]) -> None:
   sees = np.asarray(multihost.process_allgather(np.array(bool(seen()))))
   blind = [p for p, ok in enumerate(sees.reshape(-1)) if not ok]
   if blind:
-    raise CheckpointError(
+    raise CheckpointFolderError(
         f'{_prefix()} Checkpoint folder {directory} is not shared: process(es) '
         f'{blind} do not see the file process 0 wrote there '
         f'({os.path.join(directory, name)}). Every process must see the same '

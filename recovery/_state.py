@@ -99,7 +99,7 @@ class EpochSampler:
       raise ValueError(
           f'The carried data order has shape {order.shape}, but this sampler '
           f'draws from num_samples={self.num_samples}. The state was made for '
-          'a different data set size (e.g. another --samples).')
+          'a different data set size (another EpochSampler num_samples).')
     if cursor + self.batch_size > self.num_samples:
       key, shuffle_key = jax.random.split(key)
       order = self._permutation(shuffle_key)

@@ -7,7 +7,6 @@ test_train.py.
 
 from __future__ import annotations
 
-import ast
 import glob
 import json
 import os
@@ -112,7 +111,7 @@ def test_transition_state_round_trips_through_its_tree_with_typed_key():
   assert tree['data']['key'].dtype == np.uint32
   back = recovery.TransitionState.from_tree(tree, key_like=state.key)
   assert jax.dtypes.issubdtype(back.key.dtype, jax.dtypes.prng_key)
-  assert recovery.state_digest(back) == recovery.state_digest(state)
+  assert recovery.checkpoint_digest(back) == recovery.checkpoint_digest(state)
   # The restored key draws the same next batches.
   _, a = _run(loop, state, 3)
   _, b = _run(loop, back, 3)
@@ -133,13 +132,13 @@ def test_digest_is_the_same_on_any_placement_and_changes_with_content():
     sharded = jax.device_put(value, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec('data')))
   single = jax.device_put(value, jax.devices()[0])
-  digests = {recovery.state_digest({'x': v})
+  digests = {recovery.checkpoint_digest({'x': v})
              for v in (value, single, sharded, jax.device_put(value, _rep()))}
   assert len(digests) == 1
-  assert recovery.state_digest({'x': value + 1}) not in digests
-  assert recovery.state_digest({'y': value}) not in digests  # Paths count.
+  assert recovery.checkpoint_digest({'x': value + 1}) not in digests
+  assert recovery.checkpoint_digest({'y': value}) not in digests  # Paths count.
   # The same bytes under another dtype.
-  assert recovery.state_digest({'x': value.view(np.int32)}) not in digests
+  assert recovery.checkpoint_digest({'x': value.view(np.int32)}) not in digests
 
 
 def test_step_check_failure_names_the_step():
@@ -171,26 +170,81 @@ def test_checkpoint_round_trip_onto_the_targets_shardings(tmp_path):
   with recovery.Checkpoints(directory) as ckpt:
     restored = ckpt.start(_initial(loop), resume=True)
     assert restored.step == 7
-    assert recovery.state_digest(restored) == recovery.state_digest(final)
+    assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(final)
     assert restored.user['w'].sharding == _rep()
     older = ckpt.restore(_initial(loop), step=6)
     assert older.step == 6
     meta = ckpt.read_meta(7)
-    assert meta['digest'] == recovery.state_digest(final)
+    assert meta['digest'] == recovery.checkpoint_digest(final)
     assert meta['reason'] == 'final'
 
 
 def test_start_is_strict_about_resume(tmp_path):
   loop, directory, _ = _saved_run(tmp_path)
   with recovery.Checkpoints(directory) as ckpt:
-    with pytest.raises(recovery.CheckpointError,
-                       match=r'already holds checkpoint steps \[6, 7\]'
-                       r'.*--resume'):
+    with pytest.raises(recovery.FolderNotFreshError,
+                       match=r'already holds checkpoint steps \[6, 7\]\. '
+                       r'Start with resume=True'):
       ckpt.start(_initial(loop), resume=False)
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop))  # The default, without a restart.
   with recovery.Checkpoints(tmp_path / 'fresh') as ckpt:
-    with pytest.raises(recovery.CheckpointError,
-                       match='No committed checkpoint.*without --resume'):
+    with pytest.raises(recovery.NothingToResumeError,
+                       match="No committed checkpoint.*Start with "
+                       "resume=False.*resume='if_present'"):
       ckpt.start(_initial(loop), resume=True)
+    with pytest.raises(ValueError, match="resume must be True, False, "
+                       "'if_present' or None.*got 'yes'"):
+      ckpt.start(_initial(loop), resume='yes')
+
+
+def _without_restart(monkeypatch):
+  for name in recovery.RESTART_COUNT_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+
+
+def test_resume_if_present_starts_fresh_then_resumes(tmp_path, monkeypatch,
+                                                     caplog):
+  _without_restart(monkeypatch)
+  loop = _toy_loop()
+  folder = tmp_path / 'ckpt'
+  with recovery.Checkpoints(folder, save_every=3) as ckpt:
+    state = ckpt.start(_initial(loop), resume='if_present')
+    assert state.step == 0 and ckpt.resumed_from is None
+    first = loop.run(state, until_step=4, checkpoints=ckpt)
+  with caplog.at_level('INFO'):
+    with recovery.Checkpoints(folder, save_every=3) as ckpt:
+      state = ckpt.start(_initial(loop), resume='if_present')
+      assert ckpt.resumed_from == 4
+  assert 'Resuming from checkpoint step 4' in caplog.text
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(first.state))
+
+
+@pytest.mark.parametrize('variable', ['SLURM_RESTART_COUNT',
+                                      'MULTIHOST_RESTART_COUNT'])
+def test_a_restart_resumes_if_present_by_default(tmp_path, monkeypatch,
+                                                 variable):
+  _without_restart(monkeypatch)
+  loop, directory, final = _saved_run(tmp_path)
+  monkeypatch.setenv(variable, '1')
+  with recovery.Checkpoints(tmp_path / 'empty') as ckpt:
+    assert ckpt.start(_initial(loop)).step == 0  # Nothing yet: fresh.
+  with recovery.Checkpoints(directory) as ckpt:
+    state = ckpt.start(_initial(loop))
+    assert ckpt.resumed_from == 7
+    assert (recovery.checkpoint_digest(state)
+            == recovery.checkpoint_digest(final))
+    # The strict modes stay strict on a restart.
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop), resume=False)
+  with recovery.Checkpoints(tmp_path / 'empty2') as ckpt:
+    with pytest.raises(recovery.NothingToResumeError):
+      ckpt.start(_initial(loop), resume=True)
+  monkeypatch.setenv(variable, '0')  # A first run: the strict default.
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop))
 
 
 def test_wrong_shapes_give_a_clear_error(tmp_path):
@@ -203,8 +257,11 @@ def test_wrong_shapes_give_a_clear_error(tmp_path):
     with pytest.raises(recovery.CheckpointError,
                        match=r'does not fit this run: user/v: checkpoint has '
                        r'\[\[4\], .float32.\], this run expects '
-                       r'\[\[6\].*--width'):
+                       r'\[\[6\].*different model or data configuration'
+                       ) as raised:
       ckpt.restore(target)
+  assert isinstance(raised.value, recovery.CheckpointMismatchError)
+  assert '--' not in str(raised.value)  # recovery names no binary's flags
 
 
 def test_altered_checkpoint_fails_its_digest_check(tmp_path):
@@ -298,7 +355,7 @@ def test_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path):
     assert resumed.step == 5
     result = loop.run(resumed, until_step=10, checkpoints=ckpt)
     assert ckpt.steps() == [8, 10] or ckpt.steps()[-1] == 10
-  assert recovery.state_digest(result.state) == recovery.state_digest(straight)
+  assert recovery.checkpoint_digest(result.state) == recovery.checkpoint_digest(straight)
 
 
 # -- replay -------------------------------------------------------------------
@@ -350,45 +407,3 @@ def test_single_controller_sigterm_saves_and_stops(tmp_path):
     assert ckpt.steps() == [4]
     assert json.loads(json.dumps(ckpt.read_meta(4)))['reason'] == 'preemption'
   assert signal.getsignal(signal.SIGTERM) == before
-
-
-def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-  """Every module `path` imports: top-level, function-local, TYPE_CHECKING.
-
-  `from a import b` counts as importing `a.b` when that is one of `modules`,
-  else as importing `a`.
-  """
-  out = set()
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.Import):
-      out.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      for a in node.names:
-        name = f'{node.module}.{a.name}'
-        out.add(name if name in modules else node.module)
-  return out
-
-
-def test_recovery_modules_import_in_layers_without_a_cycle():
-  folder = pathlib.Path(recovery.__file__).parent
-  files = {f'recovery.{f.stem}': f for f in folder.glob('_*.py')
-           if f.name != '__init__.py'}
-  graph = {name: {m for m in _imports(f, set(files))
-                  if m == 'recovery' or m.startswith('recovery.')}
-           for name, f in files.items()}
-  assert len(graph) >= 6, graph
-  done = set()
-
-  def visit(module, path):
-    # A private module importing the package (`import recovery`) would be a
-    # cycle through recovery/__init__.py.
-    assert module in graph, f'{path[-1]} imports {module}'
-    assert module not in path, f'import cycle: {path + [module]}'
-    if module in done:
-      return
-    for dep in sorted(graph[module]):
-      visit(dep, path + [module])
-    done.add(module)
-
-  for module in sorted(graph):
-    visit(module, [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ def test_identical_controllers_pass_and_agree_on_the_digest():
   state = _state(np.arange(4, dtype=np.float32))
   digests = recovery.check_consistent(state, what='test')
   everyone = multihost.process_allgather(
-      np.frombuffer(bytes.fromhex(recovery.state_digest(state)), np.uint8))
+      np.frombuffer(bytes.fromhex(recovery.checkpoint_digest(state)), np.uint8))
   assert (everyone == everyone[0]).all()
   assert set(digests) == {'user/weights', 'data/key', 'data/order',
                           'data/cursor', 'data/epoch', 'data/step'}
@@ -61,7 +63,7 @@ def test_divergent_controllers_all_raise_before_saving(multihost_tmp_path,
       assert ckpt.steps() == [3]  # committed before save() returned
     ckpt.wait()
     assert ckpt.steps() == [3]
-    assert ckpt.read_meta(3)['digest'] == recovery.state_digest(same)
+    assert ckpt.read_meta(3)['digest'] == recovery.checkpoint_digest(same)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
@@ -84,8 +86,8 @@ def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
   state = _state(np.zeros(4, np.float32)).replace(
       user={'weights': sharded})
   # The digest is of the global value, whatever the placement.
-  assert (recovery.state_digest(state)
-          == recovery.state_digest(state.replace(user={'weights': value})))
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(state.replace(user={'weights': value})))
   with recovery.Checkpoints(multihost_tmp_path / 'ckpt') as ckpt:
     assert ckpt.save(state, force=True)
     ckpt.wait()
@@ -96,7 +98,7 @@ def test_sharded_leaf_digest_save_and_restore_onto_another_sharding(
   assert restored.user['weights'].sharding == rep
   np.testing.assert_array_equal(
       recovery.host_value(restored.user['weights']), value)
-  assert recovery.state_digest(restored) == recovery.state_digest(state)
+  assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(state)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
@@ -162,3 +164,58 @@ def test_a_locked_folder_is_refused_on_every_process(multihost_tmp_path):
     assert first.save(_state(np.zeros(4, np.float32)), force=True)
   with recovery.Checkpoints(folder) as again:  # free once `first` is closed
     assert again.steps() == [3]
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_every_process_takes_process_0s_resume_decision(multihost_tmp_path):
+  folder = multihost_tmp_path / 'ckpt'
+  state = _state(np.zeros(4, np.float32))
+  saved = os.environ.copy()
+  for name in recovery.RESTART_COUNT_VARIABLES:
+    os.environ.pop(name, None)
+  try:
+    with recovery.Checkpoints(folder) as ckpt:
+      assert ckpt.start(state, resume='if_present') is state  # empty: fresh
+      assert ckpt.resumed_from is None
+      assert ckpt.save(state, force=True)
+    # Only process 0 sees the requeue: every process follows its decision
+    # (a process deciding alone would start fresh and raise, leaving
+    # process 0 waiting in the restore).
+    if jax.process_index() == 0:
+      os.environ['SLURM_RESTART_COUNT'] = '1'
+    with recovery.Checkpoints(folder) as ckpt:
+      restored = ckpt.start(state)
+      assert ckpt.resumed_from == 3
+    assert (recovery.checkpoint_digest(restored)
+            == recovery.checkpoint_digest(state))
+  finally:
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)
+def test_a_symlinked_step_is_read_and_kept_on_every_process(
+    multihost_tmp_path):
+  other, run = multihost_tmp_path / 'other', multihost_tmp_path / 'run'
+  state = _state(np.zeros(4, np.float32))
+  with recovery.Checkpoints(other) as ckpt:
+    assert ckpt.save(state, force=True)  # step 3
+  multihost.sync_global_devices('other-saved')
+  before = sorted(str(p.relative_to(other)) for p in other.rglob('*'))
+  if jax.process_index() == 0:
+    run.mkdir()
+    os.symlink(other / '3', run / '3')
+  multihost.sync_global_devices('linked')
+  with recovery.Checkpoints(run, keep=1) as ckpt:
+    ckpt.start(state, resume=True)
+    assert ckpt.resumed_from == 3
+    for step in (4, 5, 6):
+      assert ckpt.save(state.replace(step=step), force=True)
+    ckpt.wait()
+    assert ckpt.steps() == [3, 6]
+  multihost.sync_global_devices('run-closed')
+  names = sorted(p.name for p in run.iterdir())
+  everyone = multihost.allgather_object(names)
+  assert everyone == [['3', '6']] * jax.process_count(), everyone
+  assert os.path.islink(run / '3')
+  assert sorted(str(p.relative_to(other)) for p in other.rglob('*')) == before

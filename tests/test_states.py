@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import states_workload as workload
 
 import multihost
 from multihost import launch
 import recovery
-import states_workload as workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / 'tests' / 'states_workload.py')
@@ -94,7 +94,7 @@ def test_restored_leaves_keep_the_target_kinds(tmp_path):
   for name in ('key', 'rbg_keys', 'sharded_keys'):
     assert (jax.random.key_impl(restored.user[name])
             == jax.random.key_impl(user[name]))
-  assert recovery.state_digest(restored) == recovery.state_digest(state)
+  assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(state)
   for a, b in zip(jax.tree.leaves(recovery.host_tree(state.to_tree())),
                   jax.tree.leaves(recovery.host_tree(restored.to_tree())),
                   strict=True):
@@ -151,7 +151,7 @@ def test_old_v1_checkpoints_still_restore(tmp_path):
   with recovery.Checkpoints(tmp_path / 'ckpt', read_only=True) as ckpt:
     restored = ckpt.restore(state)
   assert restored.user['w'].sharding == w.sharding
-  assert recovery.state_digest(restored) == recovery.state_digest(state)
+  assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(state)
 
 
 def test_multihost_digests_accept_the_same_trees():

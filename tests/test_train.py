@@ -13,8 +13,11 @@ import json
 import os
 import pathlib
 import re
+import secrets
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,15 +26,15 @@ import jax
 import numpy as np
 import pytest
 
-from multihost import launch
 from multihost import env as env_lib
+from multihost import launch
 import recovery
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / 'bin' / 'train.py')
 VERIFY = str(ROOT / 'bin' / 'verify_checkpoint.py')
 PY = sys.executable
-STEPS = 600  # 2x2 runs take about 200 steps/s here: a few seconds.
+STEPS = 600  # Long enough to preempt mid-run; short enough for CI.
 RUN_TIMEOUT_S = 120
 # Cluster variables a single-controller run must not inherit.
 _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
@@ -43,17 +46,20 @@ _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
 
 
 def _single_env(devices: int = 4) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+  env = {k: v for k, v in os.environ.items()
+         if k not in _CLUSTER_VARS + recovery.RESTART_COUNT_VARIABLES}
   env.update({env_lib.NUM_CPU_DEVICES: str(devices), env_lib.PLATFORMS: 'cpu',
               env_lib.PYTHON_UNBUFFERED: '1'})
   return env
 
 
 @contextlib.contextmanager
-def _single(args, *, log: pathlib.Path, devices: int = 4):
+def _single(args, *, log: pathlib.Path, devices: int = 4,
+            env: dict[str, str] | None = None):
   """A single controller (no jax.distributed); killed by pid on exit."""
   with open(log, 'wb') as out:
-    proc = subprocess.Popen([PY, *args], env=_single_env(devices), cwd=ROOT,
+    proc = subprocess.Popen([PY, *args], env={**_single_env(devices),
+                                              **(env or {})}, cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
   try:
@@ -65,8 +71,9 @@ def _single(args, *, log: pathlib.Path, devices: int = 4):
 
 
 def _run_single(args, *, log: pathlib.Path, devices: int = 4,
-                timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
-  with _single(args, log=log, devices=devices) as proc:
+                timeout: float = RUN_TIMEOUT_S,
+                env: dict[str, str] | None = None) -> tuple[int, str]:
+  with _single(args, log=log, devices=devices, env=env) as proc:
     rc = proc.wait(timeout=timeout)
   return rc, log.read_text()
 
@@ -176,9 +183,9 @@ def test_preempted_and_resumed_run_is_bitwise_identical_then_elastic(
   assert result.returncodes == (0, 0), result.summary
   stopped = []
   for i, out in enumerate(result.outputs):
-    line = [l for l in out.splitlines()
+    line = [ln for ln in out.splitlines()
             if f'[process={i}] Preemption: all controllers stopped at step'
-            in l]
+            in ln]
     assert line, out[-3000:]
     stopped.append(int(line[0].split('stopped at step ')[1].split(';')[0]))
   step = stopped[0]
@@ -286,6 +293,123 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20'],
                         log=tmp_path / 'fresh.log')
   assert rc == 2 and 'already holds checkpoint steps [5]' in out
+
+
+def test_resume_if_present_and_requeues(tmp_path):
+  """What a requeued job runs: resume if there is a checkpoint, else fresh."""
+  ckpt = tmp_path / 'ckpt'
+  args = [TRAIN, f'--checkpoint_dir={ckpt}', '--save_every=5']
+  rc, out = _run_single([*args, '--steps=5', '--resume_if_present'],
+                        log=tmp_path / 'first.log')
+  assert rc == 0 and 'Resumed' not in out and 'Finished step 5 ' in out, out
+  rc, out = _run_single([*args, '--steps=10', '--resume_if_present'],
+                        log=tmp_path / 'second.log')
+  assert rc == 0 and 'Resumed from step 5 (epoch' in out, out[-3000:]
+  assert 'Finished step 10 ' in out, out[-3000:]
+  # A requeue (Slurm sets the count) resumes with the default mode,
+  requeue = {'SLURM_RESTART_COUNT': '1'}
+  rc, out = _run_single([*args, '--steps=15'], log=tmp_path / 'requeue.log',
+                        env=requeue)
+  assert rc == 0 and 'Resumed from step 10 (epoch' in out, out[-3000:]
+  # and says so when nothing is left to train.
+  rc, out = _run_single([*args, '--steps=15'], log=tmp_path / 'again.log',
+                        env=requeue)
+  assert rc == 0 and 'Resumed from step 15 (epoch' in out, out[-3000:]
+  assert 'nothing left to train' in out and 'loss None' not in out, out
+  # The strict modes stay: --noresume on a folder with checkpoints,
+  rc, out = _run_single([*args, '--steps=15', '--noresume'],
+                        log=tmp_path / 'strict.log', env=requeue)
+  assert rc == 2 and 'FolderNotFreshError' in out, out[-3000:]
+  assert 'Here: pass --resume (or --resume_if_present)' in out, out[-3000:]
+  # and --resume on an empty one, with this binary's flags in the advice.
+  rc, out = _run_single([TRAIN, f'--checkpoint_dir={tmp_path / "empty"}',
+                         '--resume'], log=tmp_path / 'empty.log', env=requeue)
+  assert rc == 2 and 'nothing to resume from' in out, out[-3000:]
+  assert 'Here: run without --resume for a fresh run' in out, out[-3000:]
+
+
+def _readme_cluster_commands() -> dict[str, list[str]]:
+  """The train commands of README's Slurm and Open MPI examples, as printed."""
+  section = (ROOT / 'README.md').read_text().split(
+      '## On a cluster (Slurm, Open MPI)', 1)[1].split('\n## ', 1)[0]
+  blocks = re.findall(r'```sh\n(.*?)```', section, re.S)
+  out = {}
+  for block in blocks:
+    joined = block.replace('\\\n', ' ')
+    for line in joined.splitlines():
+      words = shlex.split(line, comments=True)
+      if words and words[0] in ('srun', 'mpirun'):
+        out[words[0]] = words[words.index('python'):]
+  assert sorted(out) == ['mpirun', 'srun'], section
+  return out
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _cluster_vars(kind: str, rank: int, size: int, port: int) -> dict:
+  """What srun or mpirun sets for one task, on this one machine."""
+  if kind == 'srun':
+    return {env_lib.SLURM_JOB_ID: str(port), env_lib.SLURM_STEP_NODELIST:
+            'localhost', env_lib.SLURM_NTASKS: str(size),
+            env_lib.SLURM_PROCID: str(rank), env_lib.SLURM_LOCALID: str(rank)}
+  return {env_lib.OMPI_HNP_URI: f'{port << 12}.0;tcp://127.0.0.1:{port}',
+          env_lib.OMPI_SIZE: str(size), env_lib.OMPI_RANK: str(rank),
+          env_lib.OMPI_LOCAL_RANK: str(rank),
+          env_lib.OMPI_LOCAL_SIZE: str(size)}
+
+
+def _submit(kind: str, command: list[str], *, folder, log_dir, size=2,
+            extra: dict[str, str] | None = None) -> list[str]:
+  """Runs `command` as `size` tasks of a scheduler `kind`; their outputs."""
+  port = _free_port()
+  args = [PY if w == 'python' else w.replace('/shared/ckpt', str(folder))
+          for w in command]
+  procs, logs = [], []
+  try:
+    for rank in range(size):
+      env = {**_single_env(devices=2), env_lib.COORDINATOR_PORT: str(port),
+             env_lib.JOB_SECRET: SECRET,
+             **_cluster_vars(kind, rank, size, port), **(extra or {})}
+      logs.append(log_dir / f'{kind}-{len(list(log_dir.iterdir()))}.log')
+      with open(logs[-1], 'wb') as out:
+        procs.append(subprocess.Popen(
+            args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for p in procs:
+      p.wait(timeout=max(1, deadline - time.monotonic()))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+  outputs = [log.read_text() for log in logs]
+  for p, out in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, out[-3000:]
+  return outputs
+
+
+SECRET = secrets.token_hex(32)
+
+
+@pytest.mark.parametrize('kind', ['srun', 'mpirun'])
+def test_the_cluster_examples_succeed_first_and_on_a_requeue(tmp_path, kind):
+  command = _readme_cluster_commands()[kind]
+  folder = tmp_path / 'ckpt'
+  first = _submit(kind, [*command, '--steps=10'], folder=folder,
+                  log_dir=tmp_path)
+  assert 'Resumed' not in first[0] and 'Finished step 10 ' in first[0], (
+      first[0][-3000:])
+  # Slurm sets the restart count on a requeue; mpirun is simply run again.
+  again = _submit(kind, [*command, '--steps=15'], folder=folder,
+                  log_dir=tmp_path, extra={'SLURM_RESTART_COUNT': '1'}
+                  if kind == 'srun' else None)
+  assert 'Resumed from step 10 (epoch' in again[0], again[0][-3000:]
+  assert 'Finished step 15 ' in again[0], again[0][-3000:]
 
 
 def test_default_run_and_single_controller_signals(tmp_path):
