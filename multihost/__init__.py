@@ -34,62 +34,39 @@ Modules _*.py are private.
   pure: _leaves _errors env _flight
 """
 
+from multihost import env as env
+from multihost import lowlevel as lowlevel
 from multihost._arrays import (
     global_array_to_host_local_array as global_array_to_host_local_array,
+)
+from multihost._arrays import (
     host_local_array_to_global_array as host_local_array_to_global_array,
 )
-from multihost._broadcast import (
-    broadcast_object as broadcast_object,
-    broadcast_one_to_all as broadcast_one_to_all,
-)
-from multihost._digest import (
-    leaf_digests as leaf_digests,
-    tree_digest as tree_digest,
-)
-from multihost._equal import (
-    assert_equal as assert_equal,
-)
-from multihost._errors import (
-    CollectiveTimeoutError as CollectiveTimeoutError,
-    ConsistencyError as ConsistencyError,
-    MultihostError as MultihostError,
-    NotInitializedError as NotInitializedError,
-    ProcessFailureError as ProcessFailureError,
-)
-from multihost._gather import (
-    allgather_object as allgather_object,
-    process_allgather as process_allgather,
-)
+from multihost._broadcast import broadcast_object as broadcast_object
+from multihost._broadcast import broadcast_one_to_all as broadcast_one_to_all
+from multihost._digest import leaf_digests as leaf_digests
+from multihost._digest import tree_digest as tree_digest
+from multihost._equal import assert_equal as assert_equal
+from multihost._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from multihost._errors import ConsistencyError as ConsistencyError
+from multihost._errors import MultihostError as MultihostError
+from multihost._errors import NotInitializedError as NotInitializedError
+from multihost._errors import ProcessFailureError as ProcessFailureError
+from multihost._gather import allgather_object as allgather_object
+from multihost._gather import process_allgather as process_allgather
+from multihost._initialize import initialize as initialize
+from multihost._initialize import is_initialized as is_initialized
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
 )
-from multihost._initialize import (
-    initialize as initialize,
-    is_initialized as is_initialized,
-)
-from multihost._process import (
-    default_timeout as default_timeout,
-    set_default_timeout as set_default_timeout,
-)
-from multihost._sync import (
-    sync_global_devices as sync_global_devices,
-)
-from multihost._watched import (
-    call_watched as call_watched,
-)
-from multihost._stragglers import (
-    StragglerReport as StragglerReport,
-    straggler_report as straggler_report,
-)
-from multihost._stalls import (
-    set_stall_report_after as set_stall_report_after,
-    stall_report_after as stall_report_after,
-)
-from multihost._where import (
-    where as where,
-)
-
-from multihost import env as env
-from multihost import lowlevel as lowlevel
+from multihost._process import default_timeout as default_timeout
+from multihost._process import set_default_timeout as set_default_timeout
+from multihost._stalls import set_stall_report_after as set_stall_report_after
+from multihost._stalls import stall_report_after as stall_report_after
+from multihost._stragglers import StragglerReport as StragglerReport
+from multihost._stragglers import straggler_report as straggler_report
+from multihost._sync import sync_global_devices as sync_global_devices
+from multihost._watched import call_watched as call_watched
+from multihost._where import where as where
 
 __version__ = '0.1.0'

@@ -9,10 +9,10 @@ local state, log, and exit; the exit handshake waits a little for it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from multihost import _diagnostics

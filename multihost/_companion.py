@@ -111,7 +111,7 @@ def start(bind_address: str, num_processes: int, *, heartbeat_timeout: int,
   return Companion(proc)
 
 
-def host_service(kwargs: dict, environ) -> Companion | None:
+def start_for_job(kwargs: dict, environ) -> Companion | None:
   """For `initialize(**kwargs)`: resolves the cluster's parameters into `kwargs`; on process 0, starts the companion (returned).
 
   `kwargs` are those of `jax.distributed.initialize`; afterwards they name

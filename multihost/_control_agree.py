@@ -5,7 +5,8 @@ structure, the leaf shapes and dtypes, the options every process must share,
 and small payloads inline). The calls below are named for what they do:
 
 * `agree`: one barrier proves every header equal (the fast path); when it
-  does not, a full exchange returns every process's header to explain why.
+  does not, a full exchange returns every process's header to explain why
+  (an `Agreement`).
 * `agree_and_read_one`: the same, and the source's inline payload is read.
 * `agree_and_gather`: the same, and every process's inline payload is read.
 * `full_exchange`: every process's header, always (for calls whose headers
@@ -30,8 +31,9 @@ from multihost import _leaves
 from multihost import _runtime
 
 # Payloads up to this many bytes per process travel inside the header, through
-# the coordination service's key-value store (about 45 MB/s, ~0.2 ms per RPC):
-# for small payloads that beats compiling and running a device collective.
+# the coordination service's key-value store (slow for bulk data, but one RPC
+# away): for small payloads that beats compiling and running a device
+# collective.
 INLINE_BYTES = 64 * 1024
 
 # A shard's (start, stop) per dimension of its global array.
@@ -70,22 +72,36 @@ class Header:
     what = (self.op, self.tree, self.paths, specs, self.name,
             self.default_source, self.tiled, self.layouts, digests)
     # repr of plain tuples, not the wire codec or dataclass reprs: the digest
-    # is only compared, never decoded, and this is deterministic and ~3x
+    # is only compared, never decoded, and this is deterministic and
     # cheaper (it is on every call's fast path).
     return hashlib.sha256(repr(what).encode()).digest()[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+  """What `agree` found.
+
+  Attributes:
+    agreed: every process passed an equal header (one barrier proved it).
+    headers: every process's header when `agreed` is False (the caller
+      explains the difference from them, or finds none); None otherwise.
+  """
+  agreed: bool
+  headers: list[Header] | None = None
+
+
 def agree(header: Header, *, timeout: float,
-          runtime: _runtime.Runtime | None = None) -> list[Header] | None:
-  """None if every process passed an equal header; else every process's header.
+          runtime: _runtime.Runtime | None = None) -> Agreement:
+  """Whether every process passed an equal header; if not, every process's header.
 
   Collective: every process must call this, in the same order. `runtime`
   (here and below) is the process's runtime, by default the current one.
   """
   meeting = _meet(runtime, header.op, header.name)
   if meeting.try_agreement(header.agreement(), timeout=timeout):
-    return None
-  return _exchange_headers(meeting, header, timeout)
+    return Agreement(agreed=True)
+  return Agreement(agreed=False,
+                   headers=_exchange_headers(meeting, header, timeout))
 
 
 def agree_and_read_one(header: Header, source: int, *, timeout: float,

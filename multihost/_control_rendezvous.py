@@ -264,7 +264,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
   client = rt.client
   start = time.monotonic()
   where = published or barrier_id
-  stall = _stalls.watch(  # The slow path: a lock, no RPC.
+  stall = _stalls.arm(  # The slow path: a lock, no RPC.
       op, started=start - waited_before, until=start + timeout,
       missing=lambda: _absent(rt, where), runtime=rt)
   try:
@@ -273,13 +273,13 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
     _blocking.call(op, client.wait_at_barrier, barrier_id, timeout,
                    runtime=rt)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    _stalls.done(stall, runtime=rt)
+    _stalls.disarm(stall, runtime=rt)
     raise _where.with_whereabouts(_named(
         rt, e, op, where,
         waited=time.monotonic() - start + waited_before,
         timeout=timeout if total_timeout is None else total_timeout),
         runtime=rt) from e
-  _stalls.done(stall, runtime=rt)
+  _stalls.disarm(stall, runtime=rt)
 
 
 def _named(rt: _runtime.Runtime, error: BaseException, op: str, where: str, *,

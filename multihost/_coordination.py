@@ -11,9 +11,10 @@ changes this file alone.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import re
+from typing import Protocol
+from typing import runtime_checkable
 
 from jax._src import distributed as _distributed  # No public client: see above.
 
@@ -133,8 +134,8 @@ def require_client() -> JaxClient:
   return c
 
 
-def hosts_service() -> bool:
-  """True on the process that hosts the coordination service (process 0)."""
+def runs_service() -> bool:
+  """True on the process that runs the coordination service (process 0, by JAX's default)."""
   return _distributed.global_state.service is not None
 
 

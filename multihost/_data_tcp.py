@@ -1,8 +1,8 @@
 """Data plane: bulk bytes between processes over TCP (the default transport of large payloads).
 
-Why not a device collective: on CPU, JAX's gloo collectives move about
-0.5 GB/s per process here (a 64 MiB broadcast takes ~135 ms), while plain
-loopback TCP moves 4.5-6 GB/s. The payloads of `broadcast_one_to_all`,
+Why not a device collective: on CPU, JAX's gloo collectives move bytes
+several times slower than plain TCP between the same processes (see
+bench/README.md). The payloads of `broadcast_one_to_all`,
 `process_allgather` and the object collectives are host values (numpy in,
 numpy out), so they go host to host: a pipelined chain for broadcast (memory
 and source traffic do not grow with the process count), a ring for

@@ -10,7 +10,8 @@ knows, which processes published) in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 
 from multihost import _errors
 from multihost import _runtime

@@ -4,7 +4,7 @@ With recoverability on, JAX's shutdown barrier no longer holds process 0
 back, and when process 0 exits the coordination service goes with it and
 the C++ client aborts every process still connected. So every other
 process records its exit and disconnects at once, and process 0 (or the
-process whose companion hosts the service) waits, up to the watchdog's
+process whose companion runs the service) waits, up to the watchdog's
 `shutdown_timeout`, until its watchdog has seen every other process leave
 or fail.
 
@@ -45,23 +45,23 @@ def exited_processes(client: _coordination.Client) -> list[int]:
 
 
 def leave(rt: _runtime.Runtime) -> None:
-  """Leaves the job cleanly: records the exit; the service's host waits for the others."""
+  """Leaves the job cleanly: records the exit; the process running the service waits for the others."""
   watchdog = rt.watchdog
   if watchdog is None or not watchdog.running or not rt.connected():
     return
   me = watchdog.me
   try:
     companion = rt.companion
-    hosting = rt.hosts_service or (companion is not None and
+    serving = rt.runs_service or (companion is not None and
                                    companion.alive())
-    if hosting:
+    if serving:
       rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
       _wait_for_others_to_leave(rt)
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
       rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
-    if not hosting or watchdog.abandoned or watchdog.thread.is_alive():
+    if not serving or watchdog.abandoned or watchdog.thread.is_alive():
       # Disconnect now: before process 0 goes, and to end our calls in
       # flight. (Otherwise JAX's own atexit does it.)
       rt.disconnect()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import os
 import socket
-from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
@@ -154,7 +154,7 @@ def initialize(coordinator_address: str | None = None,
   companion = None
   if (detect and env.get(_env.COMPANION_SERVICE, '') == '1' and
       env.get(_env.EXTERNAL_SERVICE, '') != '1'):
-    companion = _companion.host_service(kwargs, env)  # Process 0: starts it.
+    companion = _companion.start_for_job(kwargs, env)  # Process 0: starts it.
     try:
       _coordination.initialize_without_service(**kwargs)
     except BaseException:

@@ -6,7 +6,7 @@ counter, the rendezvous' fast-path state, the flight recorder, the logger
 that owns the `[process=N]` prefix, and the parts that run threads: the
 failure watchdog, the where-responder and the TCP data plane (each made by
 its own module on first use, see `_watchdog.of`, `_where.of`,
-`_data_tcp.plane_of`) and, on process 0, the coordination-service companion.
+`_tcp_link.get_plane`) and, on process 0, the coordination-service companion.
 
 `current()` is the process's runtime. Without `jax.distributed` it is a
 local one (one process, no client); once `jax.distributed` is initialized
@@ -25,9 +25,9 @@ the distributed client and of the CPU collectives (see `_watchdog`).
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 import itertools
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from absl import logging
@@ -83,7 +83,7 @@ class Runtime:
     count: the process count (None: JAX's, read when first needed).
     recoverable: whether the service survives a process's death
       (`jax_enable_recoverability`); the watchdog runs only then.
-    hosts_service: whether this process hosts the coordination service.
+    runs_service: whether this process runs the coordination service.
     service_address: 'host:port' of the coordination service.
     settings: the program's settings, carried over from an earlier runtime.
     raw: the object `current()` compares JAX's client with (JAX's own).
@@ -91,7 +91,7 @@ class Runtime:
 
   def __init__(self, client: _coordination.Client | None, *,
                index: int | None = None, count: int | None = None,
-               recoverable: bool = False, hosts_service: bool = False,
+               recoverable: bool = False, runs_service: bool = False,
                service_address: str | None = None,
                settings: Settings | None = None, raw: Any = None):
     self.client = client
@@ -99,7 +99,7 @@ class Runtime:
     self._count = count
     self._prefix = None if index is None else f'[process={index}]'
     self.recoverable = recoverable
-    self.hosts_service = hosts_service
+    self.runs_service = runs_service
     self.service_address = service_address
     self.settings = settings or Settings()
     self.raw = raw
@@ -226,7 +226,7 @@ def _rebuild() -> Runtime:
     _current = Runtime(
         _coordination.JaxClient(raw), index=index, count=count,
         recoverable=bool(jax.config.jax_enable_recoverability),
-        hosts_service=_coordination.hosts_service(),
+        runs_service=_coordination.runs_service(),
         service_address=_coordination.coordinator_address(),
         settings=old.settings, raw=raw)
     if not _exit_registered:

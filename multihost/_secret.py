@@ -21,10 +21,10 @@ import os
 import secrets
 import stat
 
+from multihost import _blocking
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
-from multihost import _blocking
 from multihost import env
 
 _KEY = 'multihost_secret/job'

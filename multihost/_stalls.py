@@ -7,9 +7,9 @@ due, asks the missing processes where they are (`_where.ask`) and logs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import threading
 import time
-from collections.abc import Callable
 
 from absl import logging
 
@@ -58,7 +58,7 @@ class Stalls:
     self.thread: threading.Thread | None = None
     self.next_token = 0
 
-  def arm(self, op: str, *, started: float, after: float,
+  def add(self, op: str, *, started: float, after: float,
           missing: Callable[[], list[int]]) -> int:
     with self.cond:
       token = self.next_token
@@ -71,7 +71,7 @@ class Stalls:
       self.cond.notify()
     return token
 
-  def disarm(self, token: int) -> None:
+  def remove(self, token: int) -> None:
     with self.cond:
       self.due.pop(token, None)
 
@@ -102,13 +102,13 @@ class Stalls:
                        _diagnostics.shorten(e, 200))
 
 
-def watch(op: str, *, started: float, until: float,
+def arm(op: str, *, started: float, until: float,
           missing: Callable[[], list[int]],
           runtime: _runtime.Runtime | None = None) -> int | None:
   """Arranges one stall report if the wait of `op` (started at `started`) lasts past the threshold.
 
   `until` is when the wait times out (time.monotonic()); `missing()`
-  returns the processes that have not arrived. Returns a token for `done`,
+  returns the processes that have not arrived. Returns a token for `disarm`,
   or None when no report can be due before the timeout.
   """
   rt = runtime or _runtime.current()
@@ -121,11 +121,12 @@ def watch(op: str, *, started: float, until: float,
       if rt.stalls is None:
         rt.stalls = Stalls(rt)
       stalls = rt.stalls
-  return stalls.arm(op, started=started, after=after, missing=missing)
+  return stalls.add(op, started=started, after=after, missing=missing)
 
 
-def done(token: int | None, *, runtime: _runtime.Runtime | None = None) -> None:
-  """The wait of `watch`'s token ended (no report from now on)."""
+def disarm(token: int | None, *,
+           runtime: _runtime.Runtime | None = None) -> None:
+  """The wait of `arm`'s token ended (no report from now on)."""
   if token is None:
     return
-  (runtime or _runtime.current()).stalls.disarm(token)
+  (runtime or _runtime.current()).stalls.remove(token)

@@ -79,7 +79,7 @@ def _watched(io, view, watch: tuple[str, float] | None) -> int:
   while True:
     try:
       return io(view)
-    except socket.timeout:
+    except TimeoutError:
       _watchdog.of().check(op)
       if time.monotonic() >= deadline:
         raise

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from multihost import _process
 from multihost import _blocking
+from multihost import _process
 
 T = TypeVar('T')
 

@@ -7,12 +7,12 @@ once, from any thread, and a daemon thread waits on that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import os
 import select
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 
 def install(report: Callable[[], str]) -> None:

@@ -24,9 +24,10 @@ process on one service.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence
 import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from multihost import _runtime
@@ -193,7 +194,7 @@ def runtimes(count: int) -> tuple[FakeService, list[_runtime.Runtime]]:
   service = FakeService(count)
   return service, [
       _runtime.Runtime(service.client(p), index=p, count=count,
-                       recoverable=True, hosts_service=p == 0)
+                       recoverable=True, runs_service=p == 0)
       for p in range(count)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import fake_coordination as fake
 import pytest
 
 from multihost import _control_agree
@@ -21,8 +22,6 @@ from multihost import _exit
 from multihost import _leaves
 from multihost import _watchdog
 from multihost import _where
-
-import fake_coordination as fake
 
 Header = _control_agree.Header
 
@@ -53,7 +52,7 @@ def test_agreement_on_the_fast_path(job):
   _, rts = job
   results = fake.run(rts, lambda rt: _control_agree.agree(
       Header('sync_global_devices', name='x'), timeout=10, runtime=rt))
-  assert [out for out, _ in results] == [None, None, None]
+  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 3
   assert all(seconds < 0.9 for _, seconds in results)  # no 1 s window
 
 
@@ -134,8 +133,9 @@ def test_a_disagreement_raises_consistency_error_on_every_process(job):
     spec = _leaves.LeafSpec((2 + rt.index,), 'float32')
     header = Header('process_allgather', tree='PyTreeDef(*)', paths=('',),
                     specs=(spec,))
-    headers = _control_agree.agree(header, timeout=10, runtime=rt)
-    assert headers is not None  # not on the fast path
+    outcome = _control_agree.agree(header, timeout=10, runtime=rt)
+    assert not outcome.agreed  # not on the fast path
+    headers = outcome.headers
     _control_agree.check_same_leaves(headers, me=rt.index)
 
   results = fake.run(rts, call)
@@ -164,7 +164,7 @@ def test_a_dead_peer_raises_process_failure_error(job):
   service, rts = job
   warm = fake.run(rts, lambda rt: _control_agree.agree(
       Header('sync_global_devices', name='warm'), timeout=10, runtime=rt))
-  assert [out for out, _ in warm] == [None, None, None]
+  assert [out for out, _ in warm] == [_control_agree.Agreement(True)] * 3
   service.kill(2)
   survivors = rts[:2]
   results = fake.run(survivors, lambda rt: _control_agree.agree(
@@ -196,7 +196,7 @@ def test_a_peer_that_left_is_named_as_exited_not_failed(job):
     assert seconds < 5.0
 
 
-def test_the_services_host_leaves_last(job):
+def test_the_process_running_the_service_leaves_last(job):
   _, rts = job
   left = {}
 
