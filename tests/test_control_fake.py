@@ -20,6 +20,7 @@ from multihost import _coordination
 from multihost import _errors
 from multihost import _exit
 from multihost import _leaves
+from multihost import _runtime
 from multihost import _watchdog
 from multihost import _where
 
@@ -44,8 +45,20 @@ def _errors_of(results, kind):
   return [out for out, _ in results]
 
 
-def test_the_fake_is_a_coordination_client():
+def test_the_fake_and_jaxs_client_are_coordination_clients():
   assert isinstance(fake.FakeService(2).client(0), _coordination.Client)
+  assert isinstance(_coordination.JaxClient(object()), _coordination.Client)
+
+
+def test_the_exit_sequence_runs_in_order_once():
+  """Responder first (no key-value get in flight), then the handshake, then the companion."""
+  rt = _runtime.Runtime(None)
+  ran = []
+  for name in ('companion', 'handshake', 'where'):
+    rt.exit_steps[name] = lambda name=name: ran.append(name)
+  rt.shutdown()
+  rt.shutdown()
+  assert ran == ['where', 'handshake', 'companion']
 
 
 def test_agreement_on_the_fast_path(job):
