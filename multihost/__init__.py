@@ -4,92 +4,70 @@ A drop-in replacement for `jax.experimental.multihost_utils` built on public
 JAX APIs, plus timeouts that name missing processes, agreement checks instead
 of aborts, digest comparisons and object collectives.
 
-Layers, top to bottom. A call goes down only, never back up: no module
-imports one above it (public modules may use one another), and there is no
-import cycle (tests/test_layers.py checks both). Modules _*.py are private.
+Layers, top to bottom. A call goes down only, never back up: a module
+imports only modules of its own layer or below (public modules may use one
+another), and there is no import cycle. tests/test_layers.py reads this map
+(one layer a line, `layer: modules`; a line without a colon continues the
+layer above) and README's Layout lists the same modules, one job each.
+Modules _*.py are private.
 
-  public              _broadcast, _gather, _sync (sync_global_devices), _equal,
-                      _digest, _arrays, _preemption, _watched, _stragglers;
-                      _initialize
-  control plane       _control_agree: agreement on what every process is about
-                        to do (Header; agree, agree_and_read_one,
-                        agree_and_gather, full_exchange)
-                      -> _control_rendezvous: barriers and key-value messages
-                        through the coordination service; _calls numbers them
-  where               _where: each process's daemon thread that reports its
-                        stacks and last collectives (on request, on SIGUSR1,
-                        in timeouts and stall reports)
-                      -> _flight: the ring of this process's last collectives
-  data plane          _data_plane: the $MULTIHOST_TRANSPORT switch
-                      -> _data_tcp (TCP between hosts) | _data_device (device
-                        collectives)
-  failure             _watchdog: sees a peer die; runs blocking steps watched
-  diagnostics         _diagnostics: the `[process=N]` prefix, shortening, the
-                        advice, and low-level failures as named errors
-                      _companion: the coordination service in a companion
-                        process of process 0 (opt-in)
-  coordination        _coordination: the one module that touches JAX's
-                        coordination-service client (used by the rendezvous,
-                        the TCP plane's address book and the watchdog)
-  runtime facts       _process: process index and count, default timeout
-  pure                _leaves (pytree leaves <-> host bytes), _errors, env
-                        (every environment variable name)
-  semi-public         lowlevel: the seams tools and tests use
+  semi-public: __init__ lowlevel testing launch netns
+  public: _broadcast _gather _sync _equal _digest _arrays _preemption
+    _watched _stragglers _initialize
+  payloads: _objects _data_plane
+  agreement: _control_agree
+  codec: _control_codec
+  rendezvous: _control_rendezvous
+  stall reports: _stalls
+  where-responder: _where
+  where rendering, SIGUSR1: _where_text _where_signal
+  data transports: _data_tcp _data_device
+  tcp links: _tcp_link
+  tcp socket I/O, job secret: _tcp_io _secret
+  watched calls: _blocking
+  liveness: _watchdog
+  exit handshake: _exit
+  leaving after a peer failure: _peer_loss_exit
+  diagnostics, companion: _diagnostics _companion
+  runtime facades: _calls _process
+  runtime: _runtime
+  coordination client: _coordination
+  pure: _leaves _errors env _flight
 """
-
-from multihost._arrays import (
-    global_array_to_host_local_array as global_array_to_host_local_array,
-    host_local_array_to_global_array as host_local_array_to_global_array,
-)
-from multihost._broadcast import (
-    broadcast_object as broadcast_object,
-    broadcast_one_to_all as broadcast_one_to_all,
-)
-from multihost._digest import (
-    leaf_digests as leaf_digests,
-    tree_digest as tree_digest,
-)
-from multihost._equal import (
-    assert_equal as assert_equal,
-)
-from multihost._errors import (
-    CollectiveTimeoutError as CollectiveTimeoutError,
-    ConsistencyError as ConsistencyError,
-    MultihostError as MultihostError,
-    NotInitializedError as NotInitializedError,
-    ProcessFailureError as ProcessFailureError,
-)
-from multihost._gather import (
-    allgather_object as allgather_object,
-    process_allgather as process_allgather,
-)
-from multihost._preemption import (
-    reached_preemption_sync_point as reached_preemption_sync_point,
-)
-from multihost._initialize import (
-    initialize as initialize,
-)
-from multihost._process import (
-    default_timeout as default_timeout,
-    set_default_timeout as set_default_timeout,
-)
-from multihost._sync import (
-    sync_global_devices as sync_global_devices,
-)
-from multihost._watched import (
-    call_watched as call_watched,
-)
-from multihost._stragglers import (
-    StragglerReport as StragglerReport,
-    straggler_report as straggler_report,
-)
-from multihost._where import (
-    set_stall_report_after as set_stall_report_after,
-    stall_report_after as stall_report_after,
-    where as where,
-)
 
 from multihost import env as env
 from multihost import lowlevel as lowlevel
+from multihost._arrays import (
+    global_array_to_host_local_array as global_array_to_host_local_array,
+)
+from multihost._arrays import (
+    host_local_array_to_global_array as host_local_array_to_global_array,
+)
+from multihost._broadcast import broadcast_object as broadcast_object
+from multihost._broadcast import broadcast_one_to_all as broadcast_one_to_all
+from multihost._digest import leaf_digests as leaf_digests
+from multihost._digest import tree_digest as tree_digest
+from multihost._equal import assert_equal as assert_equal
+from multihost._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from multihost._errors import ConsistencyError as ConsistencyError
+from multihost._errors import MultihostError as MultihostError
+from multihost._errors import NotInitializedError as NotInitializedError
+from multihost._errors import ProcessFailureError as ProcessFailureError
+from multihost._gather import allgather_object as allgather_object
+from multihost._gather import process_allgather as process_allgather
+from multihost._initialize import initialize as initialize
+from multihost._initialize import is_initialized as is_initialized
+from multihost._preemption import (
+    reached_preemption_sync_point as reached_preemption_sync_point,
+)
+from multihost._process import default_timeout as default_timeout
+from multihost._process import set_default_timeout as set_default_timeout
+from multihost._stalls import set_stall_report_after as set_stall_report_after
+from multihost._stalls import stall_report_after as stall_report_after
+from multihost._stragglers import StragglerReport as StragglerReport
+from multihost._stragglers import straggler_report as straggler_report
+from multihost._sync import sync_global_devices as sync_global_devices
+from multihost._watched import call_watched as call_watched
+from multihost._where import where as where
 
 __version__ = '0.1.0'

@@ -96,7 +96,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     payload, headers = _control_agree.agree_and_read_one(header, 0,
                                                          timeout=timeout)
   else:
-    headers = _control_agree.agree(header, timeout=timeout)
+    headers = _control_agree.agree(header, timeout=timeout).headers
   if headers is not None:
     source = _one_source([h.is_source for h in headers], op)
     _control_agree.check_same_leaves(headers)

@@ -1,19 +1,18 @@
 """Control plane: the numbering of collective calls, which keys their barriers and key-value entries.
 
 Every process must call the collectives in the same order, so the same
-number names the same call on every process.
+number names the same call on every process. The counter is the runtime's
+(`_runtime.Runtime.next_call_id`); these are its seams for harnesses.
 """
 
 from __future__ import annotations
 
-import itertools
-
-_counter = itertools.count()
+from multihost import _runtime
 
 
 def next_call_id() -> int:
   """The number of the collective call about to start (0, 1, 2, ...)."""
-  return next(_counter)
+  return _runtime.current().next_call_id()
 
 
 def reset(start: int) -> None:
@@ -22,5 +21,4 @@ def reset(start: int) -> None:
   For harnesses that realign processes after some of them left collectives
   unmatched (the pytest plugin does, between tests).
   """
-  global _counter
-  _counter = itertools.count(start)
+  _runtime.current().reset_calls(start)

@@ -26,7 +26,6 @@ link), which takes the companion with it.
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import select
 import signal
@@ -43,23 +42,50 @@ _START_TIMEOUT_S = 60.0
 _CRASH_GRACE_S = 20.0
 _EXIT_WAIT_S = 10.0
 
-_proc: subprocess.Popen[bytes] | None = None
+class Companion:
+  """Process 0's companion process, which hosts the coordination service."""
 
+  def __init__(self, proc: subprocess.Popen[bytes]):
+    self.proc: subprocess.Popen[bytes] | None = proc
 
-def is_host() -> bool:
-  """True on process 0 while its companion hosts the service."""
-  return _proc is not None and _proc.poll() is None
+  def alive(self) -> bool:
+    """True while the companion hosts the service."""
+    return self.proc is not None and self.proc.poll() is None
+
+  def finish(self) -> None:
+    """Process 0 leaves normally: disconnects, then lets the companion stop the service.
+
+    The runtime's exit sequence runs it after the watchdog's exit handshake,
+    so once the others have left.
+    """
+    proc, self.proc = self.proc, None
+    if proc is None:
+      return
+    try:
+      import jax  # pylint: disable=g-import-not-at-top
+      if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+    finally:
+      try:
+        proc.stdin.write(_DONE)
+        proc.stdin.close()
+      except OSError:
+        pass
+      try:
+        proc.wait(_EXIT_WAIT_S)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(_EXIT_WAIT_S)
 
 
 def start(bind_address: str, num_processes: int, *, heartbeat_timeout: int,
-          shutdown_timeout: int) -> None:
+          shutdown_timeout: int) -> Companion:
   """Starts the companion hosting the service at `bind_address`; returns once it listens.
 
   Raises:
     RuntimeError: it did not start within `_START_TIMEOUT_S` (its output is
       in the message).
   """
-  global _proc
   argv = [sys.executable, '-m', 'multihost._companion', bind_address,
           str(num_processes), str(heartbeat_timeout), str(shutdown_timeout)]
   proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -82,14 +108,11 @@ def start(bind_address: str, num_processes: int, *, heartbeat_timeout: int,
           f'{_env.COMPANION_SERVICE} to host the service in process 0.')
     seen += chunk
   proc.stdout.close()
-  _proc = proc
-  # Registered before the watchdog's exit handler, so it runs after it
-  # (atexit is last-in, first-out): once the others have left.
-  atexit.register(_finish)
+  return Companion(proc)
 
 
-def host_service(kwargs: dict, environ) -> None:
-  """For `initialize(**kwargs)`: resolves the cluster's parameters into `kwargs`; on process 0, starts the companion.
+def start_for_job(kwargs: dict, environ) -> Companion | None:
+  """For `initialize(**kwargs)`: resolves the cluster's parameters into `kwargs`; on process 0, starts the companion (returned).
 
   `kwargs` are those of `jax.distributed.initialize`; afterwards they name
   the coordinator, the process count and this process's index explicitly.
@@ -109,36 +132,14 @@ def host_service(kwargs: dict, environ) -> None:
   kwargs.update(coordinator_address=address, num_processes=count,
                 process_id=index)
   if index != 0:
-    return
+    return None
   port = address.rsplit(':', 1)[1]
   bind = (kwargs.get('coordinator_bind_address') or
           environ.get(_env.COORDINATOR_BIND) or f'[::]:{port}')
-  start(bind, count,
-        heartbeat_timeout=int(kwargs.get('heartbeat_timeout_seconds', 100)),
-        shutdown_timeout=int(kwargs.get('shutdown_timeout_seconds', 300)))
-
-
-def _finish() -> None:
-  """Process 0 leaves normally: disconnects, then lets the companion stop the service."""
-  global _proc
-  proc, _proc = _proc, None
-  if proc is None:
-    return
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.distributed.is_initialized():
-      jax.distributed.shutdown()
-  finally:
-    try:
-      proc.stdin.write(_DONE)
-      proc.stdin.close()
-    except OSError:
-      pass
-    try:
-      proc.wait(_EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait(_EXIT_WAIT_S)
+  return start(
+      bind, count,
+      heartbeat_timeout=int(kwargs.get('heartbeat_timeout_seconds', 100)),
+      shutdown_timeout=int(kwargs.get('shutdown_timeout_seconds', 300)))
 
 
 def main(argv: list[str] | None = None) -> int:

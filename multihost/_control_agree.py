@@ -5,7 +5,8 @@ structure, the leaf shapes and dtypes, the options every process must share,
 and small payloads inline). The calls below are named for what they do:
 
 * `agree`: one barrier proves every header equal (the fast path); when it
-  does not, a full exchange returns every process's header to explain why.
+  does not, a full exchange returns every process's header to explain why
+  (an `Agreement`).
 * `agree_and_read_one`: the same, and the source's inline payload is read.
 * `agree_and_gather`: the same, and every process's inline payload is read.
 * `full_exchange`: every process's header, always (for calls whose headers
@@ -27,10 +28,12 @@ from multihost import _control_rendezvous
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _leaves
+from multihost import _runtime
 
 # Payloads up to this many bytes per process travel inside the header, through
-# the coordination service's key-value store (about 45 MB/s, ~0.2 ms per RPC):
-# for small payloads that beats compiling and running a device collective.
+# the coordination service's key-value store (slow for bulk data, but one RPC
+# away): for small payloads that beats compiling and running a device
+# collective.
 INLINE_BYTES = 64 * 1024
 
 # A shard's (start, stop) per dimension of its global array.
@@ -69,23 +72,40 @@ class Header:
     what = (self.op, self.tree, self.paths, specs, self.name,
             self.default_source, self.tiled, self.layouts, digests)
     # repr of plain tuples, not the wire codec or dataclass reprs: the digest
-    # is only compared, never decoded, and this is deterministic and ~3x
+    # is only compared, never decoded, and this is deterministic and
     # cheaper (it is on every call's fast path).
     return hashlib.sha256(repr(what).encode()).digest()[:16]
 
 
-def agree(header: Header, *, timeout: float) -> list[Header] | None:
-  """None if every process passed an equal header; else every process's header.
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+  """What `agree` found.
 
-  Collective: every process must call this, in the same order.
+  Attributes:
+    agreed: every process passed an equal header (one barrier proved it).
+    headers: every process's header when `agreed` is False (the caller
+      explains the difference from them, or finds none); None otherwise.
   """
-  meeting = _control_rendezvous.Rendezvous(header.op, header.name)
+  agreed: bool
+  headers: list[Header] | None = None
+
+
+def agree(header: Header, *, timeout: float,
+          runtime: _runtime.Runtime | None = None) -> Agreement:
+  """Whether every process passed an equal header; if not, every process's header.
+
+  Collective: every process must call this, in the same order. `runtime`
+  (here and below) is the process's runtime, by default the current one.
+  """
+  meeting = _meet(runtime, header.op, header.name)
   if meeting.try_agreement(header.agreement(), timeout=timeout):
-    return None
-  return _exchange_headers(meeting, header, timeout)
+    return Agreement(agreed=True)
+  return Agreement(agreed=False,
+                   headers=_exchange_headers(meeting, header, timeout))
 
 
-def agree_and_read_one(header: Header, source: int, *, timeout: float
+def agree_and_read_one(header: Header, source: int, *, timeout: float,
+                       runtime: _runtime.Runtime | None = None
                        ) -> tuple[bytes | None, list[Header] | None]:
   """`agree`, and on agreement the `source`'s inline payload.
 
@@ -95,7 +115,7 @@ def agree_and_read_one(header: Header, source: int, *, timeout: float
     (the source's payload, None) when every header agreed (the source gets
     its own); else (None, every process's header).
   """
-  meeting = _control_rendezvous.Rendezvous(header.op)
+  meeting = _meet(runtime, header.op)
   mine = meeting.me == source
   if meeting.try_agreement(header.agreement(), timeout=timeout,
                            publish=(header.payload or b'') if mine else None):
@@ -104,7 +124,8 @@ def agree_and_read_one(header: Header, source: int, *, timeout: float
 
 
 def agree_and_gather(header: Header, *, timeout: float,
-                     publish: bytes | None = None
+                     publish: bytes | None = None,
+                     runtime: _runtime.Runtime | None = None
                      ) -> tuple[list[bytes] | None, list[Header] | None]:
   """`agree`, and on agreement every process's inline payload.
 
@@ -121,7 +142,7 @@ def agree_and_gather(header: Header, *, timeout: float,
     (what every process shared, None) when every header agreed; else
     (None, every process's header).
   """
-  meeting = _control_rendezvous.Rendezvous(header.op)
+  meeting = _meet(runtime, header.op)
   if publish is None:
     publish = header.payload or b''
   if meeting.try_agreement(header.agreement(), timeout=timeout,
@@ -130,7 +151,8 @@ def agree_and_gather(header: Header, *, timeout: float,
   return None, _exchange_headers(meeting, header, timeout)
 
 
-def full_exchange(header: Header, *, timeout: float) -> list[Header]:
+def full_exchange(header: Header, *, timeout: float,
+                  runtime: _runtime.Runtime | None = None) -> list[Header]:
   """Every process's header, checked to name the same operation.
 
   Collective: every process must call this, in the same order.
@@ -140,12 +162,18 @@ def full_exchange(header: Header, *, timeout: float) -> list[Header]:
   barrier, so when the fields every process must share agree, one barrier
   and one read return every header; otherwise the full exchange does.
   """
-  meeting = _control_rendezvous.Rendezvous(header.op)
+  meeting = _meet(runtime, header.op)
   message = _control_codec.encode(header)
   if meeting.try_agreement(header.agreement(), timeout=timeout,
                            publish=message):
-    return _decode_headers(header.op, meeting.read_all())
+    return _decode_headers(meeting, meeting.read_all())
   return _exchange_headers(meeting, header, timeout, message)
+
+
+def _meet(runtime: _runtime.Runtime | None, op: str,
+          name: str = '') -> _control_rendezvous.Rendezvous:
+  return _control_rendezvous.Rendezvous(runtime or _runtime.current(), op,
+                                        name)
 
 
 def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
@@ -153,21 +181,24 @@ def _exchange_headers(meeting: _control_rendezvous.Rendezvous, header: Header,
                       ) -> list[Header]:
   if message is None:
     message = _control_codec.encode(header)
-  return _decode_headers(header.op, meeting.exchange(message, timeout=timeout))
+  return _decode_headers(meeting, meeting.exchange(message, timeout=timeout))
 
 
-def _decode_headers(op: str, messages: list[bytes]) -> list[Header]:
+def _decode_headers(meeting: _control_rendezvous.Rendezvous,
+                    messages: list[bytes]) -> list[Header]:
+  me = meeting.me
   headers = [_control_codec.decode(Header, m, where=(
-      f'{_diagnostics.prefix()} {op}: process {p}')) for p, m in
+      f'{_diagnostics.prefix(me)} {meeting.op}: process {p}')) for p, m in
              enumerate(messages)]
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:
-    raise _diagnostics.different_collectives(ops)
+    raise _diagnostics.different_collectives(ops, me=me)
   return headers
 
 
 def check_same_options(headers: list[Header],
-                       fields: tuple[str, ...] = ('tiled', 'layouts')) -> None:
+                       fields: tuple[str, ...] = ('tiled', 'layouts'), *,
+                       me: int | None = None) -> None:
   """Raises ConsistencyError unless all headers agree on the call's options.
 
   The options are what shapes the result besides the leaves (by default
@@ -183,14 +214,19 @@ def check_same_options(headers: list[Header],
     if field == 'layouts':
       by_process = '(the global leaves are sharded differently)'
     raise _errors.ConsistencyError(
-        f'{_diagnostics.prefix()} {headers[0].op}: the option {field!r} '
+        f'{_diagnostics.prefix(me)} {headers[0].op}: the option {field!r} '
         f'differs across processes (processes {differing} differ from the '
         f'rest): {by_process}. Every process must pass the same options, or '
         'the processes would return results of different shapes.')
 
 
-def check_same_leaves(headers: list[Header], what: str = '') -> None:
-  """Raises ConsistencyError unless all headers have the same tree and specs."""
+def check_same_leaves(headers: list[Header], what: str = '', *,
+                      me: int | None = None) -> None:
+  """Raises ConsistencyError unless all headers have the same tree and specs.
+
+  `me` is this process's index (default: the current runtime's), for the
+  message's prefix.
+  """
   first = (headers[0].tree, headers[0].paths, headers[0].specs)
   if all((h.tree, h.paths, h.specs) == first for h in headers[1:]):
     return
@@ -198,7 +234,7 @@ def check_same_leaves(headers: list[Header], what: str = '') -> None:
   signature = [hash((h.tree, h.paths, h.specs)) for h in headers]
   differing = _diagnostics.minority(signature)
   op = headers[0].op
-  message = (f'{_diagnostics.prefix()} {op}: the inputs differ across '
+  message = (f'{_diagnostics.prefix(me)} {op}: the inputs differ across '
              f'processes (processes {differing} differ from the rest): '
              f'{_leaves.first_difference(by_process)}.')
   if what:

@@ -17,13 +17,13 @@ import hashlib
 import hmac
 import time
 
-from multihost import _calls
+from multihost import _blocking
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
-from multihost import _flight
-from multihost import _process
+from multihost import _runtime
 from multihost import _secret
+from multihost import _stalls
 from multihost import _watchdog
 from multihost import _where
 
@@ -40,15 +40,13 @@ _SERVICE_TICK_S = 1.0
 # After a fallback, this many calls take the full exchange directly: a peer
 # that runs more than the window behind then costs one window, not one per
 # call. Every process counts the same calls, so they all agree on the path.
+# (The count left is the runtime's `backoff`.)
 _BACKOFF_CALLS = 8
-_backoff = 0
-# When this process's last call ended. A process that starts a call more
-# than the fast window after that may be the one the others waited for: it
-# first reads whether they already fell back (one read, only then), and if
-# so joins their full exchange at once instead of waiting out a window at a
-# barrier no one else will reach. Measured at 3 processes, the last 2 s
-# late: a first late all-gather took 3.0 s, not 2.0 s, without this.
-_last_end: float | None = None
+# The runtime's `last_end` is when this process's last call ended. A process
+# that starts a call more than the fast window after that may be the one the
+# others waited for: it first reads whether they already fell back (one
+# read, only then), and if so joins their full exchange at once instead of
+# waiting out a window at a barrier no one else will reach.
 
 _FELL_BACK = b'F'
 # A directory beside a call's messages: a key there says a process timed out.
@@ -66,22 +64,24 @@ class Rendezvous:
   returned True, else `exchange`.
   """
 
-  __slots__ = ('op', 'me', 'count', 'call', 'prefix', 'start', '_may_agree',
-               '_fell_back', '_window', 'record')
+  __slots__ = ('rt', 'client', 'op', 'me', 'count', 'call', 'prefix', 'start',
+               '_may_agree', '_fell_back', '_window', 'record')
 
-  def __init__(self, op: str, name: str = ''):
-    global _backoff
-    _watchdog.check(op)  # A peer known to be gone: raise at once.
+  def __init__(self, rt: _runtime.Runtime, op: str, name: str = ''):
+    self.rt = rt
+    self.client: _coordination.Client = (
+        rt.client or _coordination.require_client())
+    _watchdog.of(rt).check(op)  # A peer known to be gone: raise at once.
     self.op = op
-    self.me = _process.process_index()
-    self.count = _process.process_count()
-    self.call = _calls.next_call_id()
+    self.me = rt.index
+    self.count = rt.count
+    self.call = rt.next_call_id()
     self.prefix = f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
     self.start = time.monotonic()
-    self.record = _flight.begin(op, self.call, self.start, name)
-    _where.ensure_started()
-    self._may_agree = _backoff == 0
-    _backoff = max(0, _backoff - 1)
+    self.record = rt.flight.begin(op, self.call, self.start, name)
+    _where.of(rt).ensure_started()
+    self._may_agree = rt.backoff == 0
+    rt.backoff = max(0, rt.backoff - 1)
     self._fell_back = False
     self._window = FAST_WINDOW_S
 
@@ -103,31 +103,31 @@ class Rendezvous:
       self._fell_back = True
       return False
     if publish is not None:
-      _publish(self.prefix, self.me, _DIRECT + publish, self.op, timeout)
+      self._publish(_DIRECT + publish, timeout)
     window = self._window = min(FAST_WINDOW_S, timeout)
     try:
       # Directly, not under the failure watchdog: the window bounds it,
       # and a failed peer is then caught by the full exchange.
-      _coordination.wait_at_barrier(f'{self.prefix}a{agreement.hex()}', window)
+      self.client.wait_at_barrier(f'{self.prefix}a{agreement.hex()}', window)
     except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-      failure = _named(e, self.op, self.prefix,
+      failure = _named(self.rt, e, self.op, self.prefix,
                        waited=time.monotonic() - self.start, timeout=timeout)
       if isinstance(failure, _errors.ProcessFailureError):
         raise failure from e
       self._fell_back = True
       return False
-    _flight.end(self.record)
+    self.record.end = time.monotonic()
     self._ended()
     return True
 
   def read_all(self) -> list[bytes]:
     """After agreement: what each process published (every process did)."""
-    return [m[1:] for m in _read_everyone(self.prefix, self.count, self.op)]
+    return [m[1:] for m in self._read_everyone()]
 
   def read_one(self, process: int) -> bytes:
     """After agreement: what `process` published."""
     key = self.prefix + str(process)
-    return _open(key, _coordination.kv_get(key, self._window), self.op)[1:]
+    return self._open(key, self.client.kv_get(key, self._window))[1:]
 
   def exchange(self, message: bytes, *, timeout: float) -> list[bytes]:
     """The full exchange: publishes `message`, meets everyone, reads all messages.
@@ -136,9 +136,9 @@ class Rendezvous:
       CollectiveTimeoutError: a process did not arrive in time (named).
       ProcessFailureError: a peer is gone.
     """
-    global _backoff
+    rt = self.rt
     flag = _FELL_BACK if self._fell_back else _DIRECT
-    _publish(self.prefix, self.me, flag + message, self.op, timeout)
+    self._publish(flag + message, timeout)
     waited = time.monotonic() - self.start
     # A process that timed out here leaves a mark, so that a latecomer
     # raises at once instead of waiting its whole timeout at a barrier no
@@ -146,8 +146,8 @@ class Rendezvous:
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
     gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
-    if _coordination.kv_dir(gave_up):
-      _backoff = _BACKOFF_CALLS
+    if self.client.kv_dir(gave_up):
+      rt.backoff = _BACKOFF_CALLS
       raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
                                       timeout=timeout)
     remaining = timeout - waited
@@ -156,27 +156,28 @@ class Rendezvous:
     try:
       barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),
               waited_before=waited, total_timeout=timeout,
-              published=self.prefix)
+              published=self.prefix, runtime=rt)
     except _errors.CollectiveTimeoutError:
-      _backoff = _BACKOFF_CALLS
+      rt.backoff = _BACKOFF_CALLS
       try:
-        _coordination.kv_set(gave_up + str(self.me), b'')
+        self.client.kv_set(gave_up + str(self.me), b'')
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
-    _flight.end(self.record)
-    messages = _read_everyone(self.prefix, self.count, self.op)
+    self.record.end = time.monotonic()
+    messages = self._read_everyone()
     if any(m[:1] == _FELL_BACK for m in messages):
-      _backoff = _BACKOFF_CALLS
+      rt.backoff = _BACKOFF_CALLS
     self._ended()
     return [m[1:] for m in messages]
 
   def _late_to_a_fallback(self) -> bool:
     """Whether this process, come late, finds the others in the exchange."""
-    if _last_end is not None and self.start - _last_end <= FAST_WINDOW_S:
+    last_end = self.rt.last_end
+    if last_end is not None and self.start - last_end <= FAST_WINDOW_S:
       return False
     try:
-      messages = _read(self.prefix, self.count, self.op, flags=True)
+      messages = self._read(flags=True)
     except Exception:  # noqa: BLE001
       # E.g. a forged message: the read after the barrier raises it on every
       # process, so that every process names it; here it only says "go on".
@@ -185,10 +186,51 @@ class Rendezvous:
                for p, m in enumerate(messages) if p != self.me)
 
   def _ended(self) -> None:
-    """Once every process met: drops old keys, notes when (`_last_end`)."""
-    global _last_end
-    _cleanup(self.call, self.me)
-    _last_end = time.monotonic()
+    """Once every process met: drops old keys, notes when (`last_end`)."""
+    call = self.call
+    if self.me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
+      self.client.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
+    self.rt.last_end = time.monotonic()
+
+  def _publish(self, value: bytes, timeout: float) -> None:
+    """Puts `value` under this process's key, authenticated with the job secret."""
+    key = self.prefix + str(self.me)
+    secret = _secret.job_secret(self.op, timeout=timeout, runtime=self.rt)
+    self.client.kv_set(key, _mac(secret, key, value) + value)
+
+  def _open(self, key: str, stored: bytes) -> bytes:
+    """The value under `key`, if a process of this job wrote it there; else raises."""
+    secret = _secret.job_secret(self.op, timeout=1.0, runtime=self.rt)
+    value = stored[_MAC:]
+    if len(stored) < _MAC + 1 or not hmac.compare_digest(
+        stored[:_MAC], _mac(secret, key, value)):
+      raise _diagnostics.forged_message(self.op, key, me=self.me)
+    return value
+
+  def _read_everyone(self) -> list[bytes]:
+    """After a completed barrier: every process's message, flag included."""
+    messages = self._read(flags=True)
+    missing = [p for p, m in enumerate(messages) if m is None]
+    if missing:  # Cannot happen after a completed barrier; never hide it.
+      raise _diagnostics.messages_missing(self.op, missing, me=self.me)
+    return [m for m in messages if m is not None]  # all of them
+
+  def _read(self, flags: bool = False) -> list[bytes | None]:
+    """Each process's authenticated message under the call's prefix (None: none yet).
+
+    Only the keys `prefix + str(p)` of processes 0..count-1 are read; any
+    other key under the prefix was planted there, and raises.
+    """
+    prefix = self.prefix
+    messages: list[bytes | None] = [None] * self.count
+    expected = {prefix + str(p): p for p in range(self.count)}
+    for key, stored in self.client.kv_dir(prefix):
+      if key not in expected:
+        raise _diagnostics.forged_message(self.op, key, planted=True,
+                                          me=self.me)
+      value = self._open(key, stored)
+      messages[expected[key]] = value if flags else value[1:]
+    return messages
 
 
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:
@@ -196,57 +238,10 @@ def _mac(secret: bytes, key: str, value: bytes) -> bytes:
                      hashlib.sha256)[:_MAC]
 
 
-def _publish(prefix: str, me: int, value: bytes, op: str,
-             timeout: float) -> None:
-  """Puts `value` under this process's key, authenticated with the job secret."""
-  key = prefix + str(me)
-  _coordination.kv_set(key, _mac(_secret.job_secret(op, timeout), key, value) + value)
-
-
-def _open(key: str, stored: bytes, op: str) -> bytes:
-  """The value under `key`, if a process of this job wrote it there; else raises."""
-  secret = _secret.job_secret(op, 1.0)
-  value = stored[_MAC:]
-  if len(stored) < _MAC + 1 or not hmac.compare_digest(
-      stored[:_MAC], _mac(secret, key, value)):
-    raise _diagnostics.forged_message(op, key)
-  return value
-
-
-def _read_everyone(prefix: str, count: int, op: str) -> list[bytes]:
-  """After a completed barrier: every process's message, flag included."""
-  messages = _read(prefix, count, op, flags=True)
-  missing = [p for p, m in enumerate(messages) if m is None]
-  if missing:  # Cannot happen after a completed barrier; never hide it.
-    raise _diagnostics.messages_missing(op, missing)
-  return [m for m in messages if m is not None]  # all of them
-
-
-def _read(prefix: str, count: int, op: str,
-          flags: bool = False) -> list[bytes | None]:
-  """Each process's authenticated message under `prefix` (None: none yet).
-
-  Only the keys `prefix + str(p)` of processes 0..count-1 are read; any
-  other key under `prefix` was planted there, and raises.
-  """
-  messages: list[bytes | None] = [None] * count
-  expected = {prefix + str(p): p for p in range(count)}
-  for key, stored in _coordination.kv_dir(prefix):
-    if key not in expected:
-      raise _diagnostics.forged_message(op, key, planted=True)
-    value = _open(key, stored, op)
-    messages[expected[key]] = value if flags else value[1:]
-  return messages
-
-
-def _cleanup(call: int, me: int) -> None:
-  if me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
-    _coordination.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
-
-
 def barrier(barrier_id: str, op: str, *, timeout: float,
             waited_before: float = 0.0, total_timeout: float | None = None,
-            published: str | None = None) -> None:
+            published: str | None = None,
+            runtime: _runtime.Runtime | None = None) -> None:
   """Waits at a coordination-service barrier, watched, with its failures named.
 
   Collective: every process must call this, in the same order.
@@ -259,55 +254,59 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
     waited_before: seconds the collective already waited.
     total_timeout: the collective's whole timeout (default: `timeout`).
     published: the key directory in which the processes published.
+    runtime: the process's runtime (default: the current one).
 
   Raises:
     CollectiveTimeoutError: naming the processes that did not arrive.
     ProcessFailureError: naming processes the service reports as gone.
   """
+  rt = runtime or _runtime.current()
+  client = rt.client
   start = time.monotonic()
   where = published or barrier_id
-  stall = _where.watch_stall(  # The slow path: a lock, no RPC.
+  stall = _stalls.arm(  # The slow path: a lock, no RPC.
       op, started=start - waited_before, until=start + timeout,
-      missing=lambda: _absent(where))
+      missing=lambda: _absent(rt, where), runtime=rt)
   try:
-    # In a worker thread, so that a peer's death raises here within the
+    # In a step thread, so that a peer's death raises here within the
     # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
-    _watchdog.call(op, _coordination.wait_at_barrier, barrier_id, timeout)
+    _blocking.call(op, client.wait_at_barrier, barrier_id, timeout,
+                   runtime=rt)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    _where.stall_done(stall)
+    _stalls.disarm(stall, runtime=rt)
     raise _where.with_whereabouts(_named(
-        e, op, where,
+        rt, e, op, where,
         waited=time.monotonic() - start + waited_before,
-        timeout=timeout if total_timeout is None else total_timeout)) from e
-  _where.stall_done(stall)
+        timeout=timeout if total_timeout is None else total_timeout),
+        runtime=rt) from e
+  _stalls.disarm(stall, runtime=rt)
 
 
-def _named(error: BaseException, op: str, where: str, *, waited: float,
-           timeout: float) -> _errors.MultihostError:
+def _named(rt: _runtime.Runtime, error: BaseException, op: str, where: str, *,
+           waited: float, timeout: float) -> _errors.MultihostError:
   """The named error for a coordination-service failure (see `_diagnostics`)."""
   published = None
   if where.endswith('/'):
-    published = lambda: _published(where)  # noqa: E731
+    published = lambda: _published(rt, where)  # noqa: E731
   return _diagnostics.coordination_failure(
-      error, op, me=_process.process_index(),
-      count=_process.process_count(), waited=waited, timeout=timeout,
-      known=_watchdog.known_failure(op, waited=waited, cause=error),
+      error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
+      known=_watchdog.of(rt).known_failure(op, waited=waited, cause=error),
       tasks=_coordination.tasks_in(str(error)), published=published)
 
 
-def _absent(where: str) -> list[int]:
+def _absent(rt: _runtime.Runtime, where: str) -> list[int]:
   """The processes without a message under `where` (none known if it is no directory)."""
   if not where.endswith('/'):
     return []
-  present = set(_published(where))
-  return [p for p in range(_process.process_count()) if p not in present]
+  present = set(_published(rt, where))
+  return [p for p in range(rt.count) if p not in present]
 
 
-def _published(prefix: str) -> list[int]:
+def _published(rt: _runtime.Runtime, prefix: str) -> list[int]:
   """The processes with a message under `prefix` (none if the store is gone)."""
   try:
-    expected = {prefix + str(p): p for p in range(_process.process_count())}
-    return [expected[key] for key, _ in _coordination.kv_dir(prefix)
+    expected = {prefix + str(p): p for p in range(rt.count)}
+    return [expected[key] for key, _ in rt.client.kv_dir(prefix)
             if key in expected]
   except Exception:  # noqa: BLE001
     return []

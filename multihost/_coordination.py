@@ -11,7 +11,10 @@ changes this file alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import re
+from typing import Protocol
+from typing import runtime_checkable
 
 from jax._src import distributed as _distributed  # No public client: see above.
 
@@ -20,12 +23,108 @@ from multihost import _errors
 _TASK_RE = re.compile(r'task:(\d+)')
 
 
-def client():
-  """Returns the coordination-service client, or None without jax.distributed."""
+@runtime_checkable
+class Client(Protocol):
+  """What the rest of `multihost` needs of the coordination service, per process.
+
+  `JaxClient` is the real one; tests use an in-memory fake
+  (tests/fake_coordination.py) whose threads stand for processes. Errors
+  are the service's own (on JAX, `jax.errors.JaxRuntimeError`): their text
+  starts with the status (`DEADLINE_EXCEEDED`, `NOT_FOUND`, `UNAVAILABLE`)
+  and names processes as `task:N`, which `_diagnostics` parses.
+  """
+
+  def kv_set(self, key: str, value: bytes) -> None:
+    """Sets `key` (replacing any value)."""
+
+  def kv_get(self, key: str, timeout: float) -> bytes:
+    """The value of `key`, waiting up to `timeout` seconds for it to be set."""
+
+  def kv_try_get(self, key: str) -> bytes | None:
+    """The value of `key`, or None when it is not set."""
+
+  def kv_dir(self, prefix: str) -> list[tuple[str, bytes]]:
+    """All (key, value) pairs under `prefix` (which should end with '/')."""
+
+  def kv_delete(self, key: str) -> None:
+    """Deletes `key`, or the whole directory when `key` ends with '/'."""
+
+  def kv_increment(self, key: str, by: int) -> int:
+    """Atomically adds `by` to the counter at `key` (created at 0); returns the new value."""
+
+  def wait_at_barrier(self, barrier_id: str, timeout: float,
+                      process_ids: Sequence[int] | None = None) -> None:
+    """Blocks until every process (or each of `process_ids`) reaches `barrier_id`.
+
+    On a timeout, raises with `DEADLINE_EXCEEDED` and the processes that did
+    not arrive as `task:N`; every process waiting there gets the same error.
+    """
+
+  def live_processes(self, process_ids: Sequence[int]) -> list[int]:
+    """The subset of `process_ids` that the service sees alive."""
+
+
+def _ms(timeout: float) -> int:
+  return max(1, int(timeout * 1000))
+
+
+class JaxClient:
+  """`Client` on JAX's coordination-service client (`jax.distributed`'s)."""
+
+  __slots__ = ('raw',)
+
+  def __init__(self, raw):
+    self.raw = raw
+
+  def kv_set(self, key: str, value: bytes) -> None:
+    self.raw.key_value_set_bytes(key, value, allow_overwrite=True)
+
+  def kv_get(self, key: str, timeout: float) -> bytes:
+    return self.raw.blocking_key_value_get_bytes(key, _ms(timeout))
+
+  def kv_try_get(self, key: str) -> bytes | None:
+    try:
+      return self.raw.key_value_try_get_bytes(key)
+    except Exception as e:  # noqa: BLE001  The client raises JaxRuntimeError.
+      if 'NOT_FOUND' in str(e):
+        return None
+      raise
+
+  def kv_dir(self, prefix: str) -> list[tuple[str, bytes]]:
+    return self.raw.key_value_dir_get_bytes(prefix)
+
+  def kv_delete(self, key: str) -> None:
+    self.raw.key_value_delete(key)
+
+  def kv_increment(self, key: str, by: int) -> int:
+    return self.raw.key_value_increment(key, by)
+
+  def wait_at_barrier(self, barrier_id: str, timeout: float,
+                      process_ids: Sequence[int] | None = None) -> None:
+    if process_ids is None:
+      self.raw.wait_at_barrier(barrier_id, _ms(timeout))
+    else:
+      self.raw.wait_at_barrier(barrier_id, _ms(timeout), list(process_ids))
+
+  def live_processes(self, process_ids: Sequence[int]) -> list[int]:
+    # A rendezvous: the service answers only once every process it considers
+    # alive has asked too, so every process must poll it (the failure
+    # watchdog in `_watchdog` does).
+    return sorted(self.raw.get_live_nodes(list(process_ids)))
+
+
+def raw_client():
+  """JAX's own client object, or None without jax.distributed (compared by identity)."""
   return _distributed.global_state.client
 
 
-def require_client():
+def client() -> JaxClient | None:
+  """The coordination-service client of `jax.distributed`, or None without it."""
+  raw = _distributed.global_state.client
+  return None if raw is None else JaxClient(raw)
+
+
+def require_client() -> JaxClient:
   c = client()
   if c is None:
     raise _errors.NotInitializedError(
@@ -35,8 +134,8 @@ def require_client():
   return c
 
 
-def hosts_service() -> bool:
-  """True on the process that hosts the coordination service (process 0)."""
+def runs_service() -> bool:
+  """True on the process that runs the coordination service (process 0, by JAX's default)."""
   return _distributed.global_state.service is not None
 
 
@@ -45,52 +144,24 @@ def tasks_in(message: str) -> list[int]:
   return sorted({int(m) for m in _TASK_RE.findall(message)})
 
 
-def wait_at_barrier(barrier_id: str, timeout_s: float,
-                    process_ids: list[int] | None = None) -> None:
-  """Blocks until every process (or `process_ids`) reaches `barrier_id`.
+# The same calls on `jax.distributed`'s client, for the seams in `lowlevel`.
 
-  Raises the client's own exception (usually `jax.errors.JaxRuntimeError`)
-  on a timeout or a failed peer; callers name it, see `_control_rendezvous` and `_diagnostics`.
-  """
-  ms = max(1, int(timeout_s * 1000))
-  if process_ids is None:
-    require_client().wait_at_barrier(barrier_id, ms)
-  else:
-    require_client().wait_at_barrier(barrier_id, ms, list(process_ids))
+
+def wait_at_barrier(barrier_id: str, timeout: float,
+                    process_ids: list[int] | None = None) -> None:
+  require_client().wait_at_barrier(barrier_id, timeout, process_ids)
 
 
 def kv_set(key: str, value: bytes) -> None:
-  require_client().key_value_set_bytes(key, value, allow_overwrite=True)
+  require_client().kv_set(key, value)
 
 
-def kv_get(key: str, timeout_s: float) -> bytes:
-  return require_client().blocking_key_value_get_bytes(
-      key, max(1, int(timeout_s * 1000)))
-
-
-def kv_increment(key: str, by: int) -> int:
-  """Atomically adds `by` to the counter at `key` (created at 0); returns the new value."""
-  return require_client().key_value_increment(key, by)
+def kv_get(key: str, timeout: float) -> bytes:
+  return require_client().kv_get(key, timeout)
 
 
 def kv_dir(prefix: str) -> list[tuple[str, bytes]]:
-  """All (key, value) pairs under `prefix` (which should end with '/')."""
-  return require_client().key_value_dir_get_bytes(prefix)
-
-
-def kv_delete(key: str) -> None:
-  """Deletes `key`, or the whole directory when `key` ends with '/'."""
-  require_client().key_value_delete(key)
-
-
-def live_processes(process_ids: list[int]) -> list[int]:
-  """The subset of `process_ids` that the coordination service sees alive.
-
-  A rendezvous: the service answers only once every process it considers
-  alive has asked too, so every process must poll it (the failure watchdog
-  in `_watchdog` does).
-  """
-  return sorted(require_client().get_live_nodes(list(process_ids)))
+  return require_client().kv_dir(prefix)
 
 
 # Hosting the service outside the controllers (in a launcher) makes the death

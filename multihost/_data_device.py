@@ -13,7 +13,7 @@ import functools
 import jax
 import numpy as np
 
-from multihost import _watchdog
+from multihost import _blocking
 
 _AXIS = 'processes'
 
@@ -85,7 +85,7 @@ def allgather(buffer: np.ndarray, length: int, *, op: str,
   same `length` (>= every buffer's size).
   """
   row = _row(buffer, bucket(length))
-  return _watchdog.call(op, _run, _gather_fn(), row, timeout=timeout)
+  return _blocking.call(op, _run, _gather_fn(), row, timeout=timeout)
 
 
 def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
@@ -99,5 +99,5 @@ def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
   """
   source = np.zeros(0, np.uint8) if buffer is None else buffer
   row = _row(source, bucket(length))
-  out = _watchdog.call(op, _run, _sum_fn(), row, timeout=timeout)
+  out = _blocking.call(op, _run, _sum_fn(), row, timeout=timeout)
   return out.reshape(-1)[:length]

@@ -27,8 +27,8 @@ def carries_small_payloads() -> bool:
   """Whether small payloads of arrays travel here rather than in the headers.
 
   Over TCP, once the agreement barrier has passed, a small payload takes one
-  hop per process (tens of microseconds on an open connection), where the
-  key-value store takes one or two more RPCs (~0.3 ms each). A device
+  hop per process on an open connection, where the key-value store takes
+  one or two more RPCs. A device
   collective is slower than those RPCs, so with it small payloads stay in
   the headers.
   """

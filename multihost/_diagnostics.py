@@ -10,11 +10,11 @@ knows, which processes published) in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
-import jax
+from collections.abc import Callable
+from collections.abc import Iterable
 
 from multihost import _errors
+from multihost import _runtime
 
 # What to do now, as every message of the same kind says it.
 RESTART = 'save what you can and restart the job.'
@@ -26,7 +26,9 @@ BUG = 'This is a bug in multihost; please report it.'
 
 def prefix(index: int | None = None) -> str:
   """'[process=N]' for this process (or for `index`), the start of every message."""
-  return f'[process={jax.process_index() if index is None else index}]'
+  if index is None:
+    return _runtime.current().prefix
+  return f'[process={index}]'
 
 
 def shorten(message: object, limit: int = 400) -> str:
@@ -114,12 +116,12 @@ def coordination_failure(
       f'{waited:.1f} s: {shorten(message)}')
 
 
-def forged_message(op: str, key: str, *,
-                   planted: bool = False) -> _errors.MultihostError:
+def forged_message(op: str, key: str, *, planted: bool = False,
+                   me: int | None = None) -> _errors.MultihostError:
   what = ('is not the key of any process of this call' if planted else
           'failed authentication with the job secret')
   return _errors.MultihostError(
-      f'{prefix()} {op}: the control message under key {key!r} of the '
+      f'{prefix(me)} {op}: the control message under key {key!r} of the '
       f'coordination service {what}: someone who reached the coordination '
       'service planted or altered it. Nothing in it was decoded. Restart the '
       'job, and firewall the coordination service (see the README\'s "Trust '
@@ -137,16 +139,18 @@ def arrived_late(op: str, *, me: int, waited: float,
       operation=op, missing=[me], waited=waited)
 
 
-def messages_missing(op: str, missing: list[int]) -> _errors.MultihostError:
+def messages_missing(op: str, missing: list[int], *,
+                     me: int | None = None) -> _errors.MultihostError:
   """A completed barrier whose messages are not all in the key-value store."""
   return _errors.MultihostError(
-      f'{prefix()} {op}: the barrier completed but the messages of processes '
+      f'{prefix(me)} {op}: the barrier completed but the messages of processes '
       f'{missing} are missing from the coordination service. {BUG}')
 
 
-def different_collectives(ops: list[str]) -> _errors.ConsistencyError:
+def different_collectives(ops: list[str], *,
+                          me: int | None = None) -> _errors.ConsistencyError:
   return _errors.ConsistencyError(
-      f'{prefix()} processes called different collectives at the same point: '
+      f'{prefix(me)} processes called different collectives at the same point: '
       f'{groups(ops)}. Every process must call the same multihost '
       'collectives in the same order.')
 
@@ -199,10 +203,10 @@ def step_timeout(op: str, *, me: int, waited: float,
 # --- The TCP data plane ----------------------------------------------------
 
 
-def transfer_timeout(op: str, peer: int,
-                     what: str) -> _errors.CollectiveTimeoutError:
+def transfer_timeout(op: str, peer: int, what: str, *,
+                     me: int | None = None) -> _errors.CollectiveTimeoutError:
   return _errors.CollectiveTimeoutError(
-      f'{prefix()} {op}: timed out waiting for process {peer} {what}. It may '
+      f'{prefix(me)} {op}: timed out waiting for process {peer} {what}. It may '
       'be stuck or slow; pass a larger timeout= if the transfer is '
       'legitimately this slow.', operation=op, missing=[peer])
 
@@ -297,71 +301,3 @@ def name_barrier(message: str, name: str) -> str:
   if f'{op}:' in message:
     return message.replace(f'{op}:', f'{op}({name!r}):', 1)
   return f'{message} (barrier {name!r})'
-
-
-def _frames(report: dict, limit: int) -> str:
-  """The main thread's innermost `limit` frames, innermost first: 'f (file:line) <- g (file:line)'."""
-  main = next((t for t in report['threads'] if t['main']), None)
-  if main is None or not main['frames']:
-    return 'main thread: no Python frames'
-  frames = main['frames'][::-1][:limit]
-  return 'main thread in ' + ' <- '.join(
-      f'{func} ({path}:{line})' for path, line, func in frames)
-
-
-def _collectives(report: dict) -> str:
-  last = report.get('last')
-  parts = ['last completed collective: ' + (
-      'none' if last is None else
-      f'{last["label"]}, finished {last["ago"]:.1f} s ago')]
-  now_in = report.get('now_in')
-  if now_in is not None:
-    parts.append(f'now waiting in {now_in["label"]} for '
-                 f'{now_in["for"]:.1f} s')
-  else:
-    parts.append('not in a collective')
-  return '; '.join(parts)
-
-
-def whereabouts(reports: dict[int, dict | None], timeout: float) -> str:
-  """One sentence per process of `reports`: its main thread's innermost frames and its last collective."""
-  parts = []
-  for p, report in sorted(reports.items()):
-    if report is None:
-      parts.append(f'process {p}: not answering within {timeout:g} s '
-                   '(likely dead, or wedged in C++)')
-    else:
-      parts.append(f'process {p}: {_frames(report, 4)}; '
-                   f'{_collectives(report)}')
-  return 'Where they are: ' + '. '.join(parts) + '.'
-
-
-def stall_line(op: str, *, waited: float, reports: dict[int, dict | None],
-               timeout: float) -> str:
-  """The one line a collective still waiting after the stall threshold logs."""
-  if not reports:
-    return (f'{prefix()} {op}: still waiting after {waited:g} s (every '
-            'process has arrived; a device transfer or the service is '
-            'slow).')
-  return (f'{prefix()} {op}: still waiting after {waited:g} s for '
-          f'process(es) {sorted(reports)}. {whereabouts(reports, timeout)}')
-
-
-def where_text(reports: dict[int, dict | None], *, timeout: float,
-               title: str = '') -> str:
-  """The full report of `reports`: per process, its collectives and every thread's innermost frames."""
-  lines = []
-  for p, report in sorted(reports.items()):
-    head = f'{prefix(p)} where{" (" + title + ")" if title else ""}:'
-    if report is None:
-      lines.append(f'{head} not answering within {timeout:g} s (likely dead, '
-                   'or wedged in C++)')
-      continue
-    lines.append(f'{head} pid {report["pid"]} on {report["host"]}; '
-                 f'{_collectives(report)}')
-    for thread in report['threads']:
-      lines.append(f'{prefix(p)}   thread {thread["name"]!r}'
-                   f'{" (main)" if thread["main"] else ""}, innermost first:')
-      for path, line, func in thread['frames'][::-1]:
-        lines.append(f'{prefix(p)}     {path}:{line} {func}')
-  return '\n'.join(lines)

@@ -70,7 +70,7 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
   if has_global:
     headers = _control_agree.full_exchange(header, timeout=timeout)
   else:
-    headers = _control_agree.agree(header, timeout=timeout)
+    headers = _control_agree.agree(header, timeout=timeout).headers
     if headers is None:
       return
   prefix = f'{fail_message} ' if fail_message else ''

@@ -36,41 +36,43 @@ class Record:
     return f'{self.op}{name} (call {self.call})'
 
 
-_ring: collections.deque[Record] = collections.deque(maxlen=RING)
+class Recorder:
+  """One process's ring of its last RING calls (see the module docstring)."""
 
+  __slots__ = ('_ring',)
 
-def begin(op: str, call: int, start: float, name: str = '') -> Record:
-  """Records the start of call `call` of collective `op` (at `start`)."""
-  record = Record(op, name, call, start)
-  _ring.append(record)
-  return record
+  def __init__(self):
+    self._ring: collections.deque[Record] = collections.deque(maxlen=RING)
 
+  def begin(self, op: str, call: int, start: float, name: str = '') -> Record:
+    """Records the start of call `call` of collective `op` (at `start`)."""
+    record = Record(op, name, call, start)
+    self._ring.append(record)
+    return record
 
-def end(record: Record) -> None:
-  """Records that every process met in `record`'s call."""
-  record.end = time.monotonic()
+  @staticmethod
+  def end(record: Record) -> None:
+    """Records that every process met in `record`'s call."""
+    record.end = time.monotonic()
 
+  def records(self) -> list[Record]:
+    """The last RING calls, oldest first (a copy)."""
+    return list(self._ring)
 
-def records() -> list[Record]:
-  """The last RING calls, oldest first (a copy)."""
-  return list(_ring)
+  def last_completed(self) -> Record | None:
+    """The most recent call that completed, or None."""
+    for record in reversed(self._ring):
+      if record.end is not None:
+        return record
+    return None
 
+  def in_progress(self) -> Record | None:
+    """The call this process is waiting in (the newest, if it has not completed)."""
+    ring = self._ring
+    if ring and ring[-1].end is None:
+      return ring[-1]
+    return None
 
-def last_completed() -> Record | None:
-  """The most recent call that completed, or None."""
-  for record in reversed(_ring):
-    if record.end is not None:
-      return record
-  return None
-
-
-def in_progress() -> Record | None:
-  """The call this process is waiting in (the newest, if it has not completed)."""
-  if _ring and _ring[-1].end is None:
-    return _ring[-1]
-  return None
-
-
-def waits() -> dict[int, float]:
-  """Call number -> seconds this process waited in it, for the completed calls in the ring."""
-  return {r.call: r.end - r.start for r in _ring if r.end is not None}
+  def waits(self) -> dict[int, float]:
+    """Call number -> seconds this process waited in it, for the completed calls in the ring."""
+    return {r.call: r.end - r.start for r in self._ring if r.end is not None}

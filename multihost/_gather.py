@@ -83,7 +83,8 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     payloads, headers = _control_agree.agree_and_gather(header,
                                                         timeout=timeout)
   else:
-    payloads, headers = None, _control_agree.agree(header, timeout=timeout)
+    payloads, headers = None, _control_agree.agree(
+        header, timeout=timeout).headers
   if headers is None:
     if inline:
       received = [np.frombuffer(p, np.uint8) for p in payloads]

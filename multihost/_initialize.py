@@ -1,9 +1,11 @@
-"""Runtime: `initialize()`, which brings up `jax.distributed` and the failure watchdog."""
+"""Runtime: `initialize()`, which brings up `jax.distributed`, builds the runtime on its client and starts the failure watchdog."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import os
 import socket
+from typing import Any
 
 from absl import logging
 import jax
@@ -11,6 +13,7 @@ import jax
 from multihost import _companion
 from multihost import _coordination
 from multihost import _diagnostics
+from multihost import _runtime
 from multihost import _watchdog
 from multihost import _where
 from multihost import env as _env
@@ -19,21 +22,27 @@ from multihost import env as _env
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None,
-               *,
-               local_device_ids: int | list[int] | None = None,
+               local_device_ids: int | Sequence[int] | None = None,
                cluster_detection_method: str | None = None,
+               initialization_timeout: int = 300,
+               heartbeat_timeout_seconds: int | None = None,
+               shutdown_timeout_seconds: int = 300,
                coordinator_bind_address: str | None = None,
-               initialization_timeout: float = 300,
+               slice_index: int | None = None,
+               partition_index: int | None = None,
+               *,
+               detect_failures: bool | None = None,
                heartbeat_timeout: float | None = None,
-               shutdown_timeout: float = 300,
-               detect_failures: bool | None = None) -> None:
+               shutdown_timeout: float | None = None) -> None:
   """Initializes `jax.distributed`; safe to call when it is already initialized.
 
-  Arguments are taken, in order, from: this call; the environment that
-  `multihost.launch` sets (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-  `JAX_PROCESS_ID`); a cluster that JAX auto-detects (Slurm, Open MPI,
-  Kubernetes, ...). With none of these and no cluster, it does nothing and
-  the program runs as a single controller.
+  Takes every argument of `jax.distributed.initialize`, by the same name and
+  position; its own options are keyword-only. Arguments are taken, in
+  order, from: this call; the environment that `multihost.launch` sets
+  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
+  cluster that JAX auto-detects (Slurm, Open MPI, Kubernetes, ...). With
+  none of these and no cluster, it does nothing and the program runs as a
+  single controller.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -41,28 +50,52 @@ def initialize(coordinator_address: str | None = None,
     process_id: this controller's index.
     local_device_ids: restricts this process to these local devices.
     cluster_detection_method: passed to `jax.distributed.initialize`.
+    initialization_timeout: seconds to wait for every process to connect.
+    heartbeat_timeout_seconds: seconds without a heartbeat before the
+      coordination service declares a process dead. Default:
+      $MULTIHOST_HEARTBEAT_TIMEOUT, else 10 s with failure detection on
+      (JAX's default, 100 s, without).
+    shutdown_timeout_seconds: seconds the shutdown barrier waits (with
+      failure detection on: how long process 0 waits at exit for the
+      others).
     coordinator_bind_address: where process 0's service listens. Default:
       the host of coordinator_address (never all interfaces).
-    initialization_timeout: seconds to wait for every process to connect.
-    heartbeat_timeout: seconds without a heartbeat before the coordination
-      service declares a process dead. Default: $MULTIHOST_HEARTBEAT_TIMEOUT,
-      else 10 s with failure detection on (JAX's default, 100 s, without).
-    shutdown_timeout: seconds the shutdown barrier waits (with failure
-      detection on: how long process 0 waits at exit for the others).
+    slice_index: passed to `jax.distributed.initialize` (deprecated there in
+      favour of `partition_index`).
+    partition_index: passed to `jax.distributed.initialize`.
     detect_failures: turn on JAX's `jax_enable_recoverability` and start a
       watchdog, so that when a peer dies every surviving process raises
       `ProcessFailureError` naming it (within about heartbeat_timeout + 1 s)
       instead of being aborted by JAX. Default: on, unless
       $MULTIHOST_DETECT_FAILURES=0 or $JAX_ENABLE_RECOVERABILITY is set false.
+    heartbeat_timeout: the same as `heartbeat_timeout_seconds` (kept for
+      programs written against earlier versions; pass one of the two).
+    shutdown_timeout: the same as `shutdown_timeout_seconds` (likewise).
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
   """
+  if heartbeat_timeout is not None:
+    if heartbeat_timeout_seconds is not None:
+      raise ValueError(
+          'initialize() got heartbeat_timeout='
+          f'{heartbeat_timeout!r} and heartbeat_timeout_seconds='
+          f'{heartbeat_timeout_seconds!r}; pass only '
+          'heartbeat_timeout_seconds.')
+    heartbeat_timeout_seconds = heartbeat_timeout
+  if shutdown_timeout is not None:
+    if shutdown_timeout_seconds != 300:
+      raise ValueError(
+          f'initialize() got shutdown_timeout={shutdown_timeout!r} and '
+          f'shutdown_timeout_seconds={shutdown_timeout_seconds!r}; pass only '
+          'shutdown_timeout_seconds.')
+    shutdown_timeout_seconds = shutdown_timeout
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', _diagnostics.prefix())
-    _watchdog.ensure_started()
-    _where.ensure_started()
+    rt = _runtime.current()
+    _watchdog.of(rt).ensure_started()
+    _where.of(rt).ensure_started()
     return
   env = os.environ
   coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
@@ -88,49 +121,68 @@ def initialize(coordinator_address: str | None = None,
     logging.info('No cluster or coordinator found: running as a single '
                  'controller without jax.distributed.')
     return
-  kwargs = dict(
+  kwargs: dict[str, Any] = dict(
       coordinator_address=coordinator_address,
       num_processes=num_processes,
       process_id=process_id,
       local_device_ids=local_device_ids,
       cluster_detection_method=cluster_detection_method,
       initialization_timeout=int(initialization_timeout),
-      shutdown_timeout_seconds=int(shutdown_timeout),
+      shutdown_timeout_seconds=int(shutdown_timeout_seconds),
   )
-  if heartbeat_timeout is None and env.get(_env.HEARTBEAT):
-    heartbeat_timeout = float(env[_env.HEARTBEAT])
+  if slice_index is not None:
+    kwargs['slice_index'] = slice_index
+  if partition_index is not None:
+    kwargs['partition_index'] = partition_index
+  heartbeat = heartbeat_timeout_seconds
+  if heartbeat is None and env.get(_env.HEARTBEAT):
+    heartbeat = float(env[_env.HEARTBEAT])
   detect = _detect_failures(detect_failures)
   if detect:
     # Must be set before jax.distributed.initialize (the service reads it).
     jax.config.update('jax_enable_recoverability', True)
-    if heartbeat_timeout is None:
-      heartbeat_timeout = _env.DEFAULT_HEARTBEAT_S
-  if heartbeat_timeout is not None:
-    kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat_timeout))
+    if heartbeat is None:
+      heartbeat = _env.DEFAULT_HEARTBEAT_S
+  if heartbeat is not None:
+    kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat))
   if (coordinator_bind_address is None and process_id == 0 and
       coordinator_address and not env.get(_env.COORDINATOR_BIND) and
       env.get(_env.EXTERNAL_SERVICE, '') != '1'):
     coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
+  companion = None
   if (detect and env.get(_env.COMPANION_SERVICE, '') == '1' and
       env.get(_env.EXTERNAL_SERVICE, '') != '1'):
-    _companion.host_service(kwargs, env)  # Process 0: starts it.
-    _coordination.initialize_without_service(**kwargs)
+    companion = _companion.start_for_job(kwargs, env)  # Process 0: starts it.
+    try:
+      _coordination.initialize_without_service(**kwargs)
+    except BaseException:
+      if companion is not None:
+        companion.finish()
+      raise
   elif env.get(_env.EXTERNAL_SERVICE, '') == '1':
     # A launcher hosts the coordination service (see
     # `_coordination.start_service`): process 0 must not start another.
     _coordination.initialize_without_service(**kwargs)
   else:
     jax.distributed.initialize(**kwargs)
+  rt = _runtime.current()  # The runtime on JAX's new client.
+  if companion is not None:
+    rt.companion = companion
+    rt.exit_steps['companion'] = companion.finish
   if detect:
-    _watchdog.start(heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
-                   shutdown_timeout=shutdown_timeout)
-  # After the watchdog: its exit handler then runs after the reporter's.
-  _where.ensure_started()
-  logging.info('%s jax.distributed initialized: %d processes, %d local '
-               'devices.', _diagnostics.prefix(), jax.process_count(),
-               jax.local_device_count())
+    _watchdog.of(rt).start(
+        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+        shutdown_timeout=shutdown_timeout_seconds)
+  _where.of(rt).ensure_started()
+  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
+              rt.count, jax.local_device_count())
+
+
+def is_initialized() -> bool:
+  """Whether `jax.distributed` is initialized (by `initialize()` or by the program)."""
+  return jax.distributed.is_initialized()
 
 
 def _bind_address(coordinator_address: str) -> str:

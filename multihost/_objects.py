@@ -39,7 +39,7 @@ def dumps(obj: Any) -> bytes:
 def seal(op: str, data: bytes, timeout: float) -> bytes:
   """A fresh nonce and the MAC of `data` under the job secret."""
   nonce = secrets.token_bytes(_NONCE)
-  secret = _secret.job_secret(op, timeout)
+  secret = _secret.job_secret(op, timeout=timeout)
   return nonce + hmac.digest(secret, nonce + data, hashlib.sha256)
 
 
@@ -56,7 +56,7 @@ def check_size(op: str, process: int, size: int) -> None:
 def loads(op: str, process: int, data: bytes, sealed: bytes | None,
           timeout: float) -> Any:
   """Unpickles `process`'s `data` if its seal checks; raises otherwise."""
-  secret = _secret.job_secret(op, timeout)
+  secret = _secret.job_secret(op, timeout=timeout)
   ok = sealed is not None and len(sealed) > _NONCE and hmac.compare_digest(
       sealed[_NONCE:], hmac.digest(secret, sealed[:_NONCE] + data,
                                    hashlib.sha256))

@@ -20,18 +20,14 @@ import hmac
 import os
 import secrets
 import stat
-import threading
 
-from multihost import _coordination
+from multihost import _blocking
 from multihost import _diagnostics
 from multihost import _errors
-from multihost import _process
-from multihost import _watchdog
+from multihost import _runtime
 from multihost import env
 
 _KEY = 'multihost_secret/job'
-_lock = threading.Lock()
-_cached: tuple[str | None, tuple[bytes, bytes]] | None = None
 
 
 def configured() -> bytes | None:
@@ -66,38 +62,45 @@ def _fingerprint(secret: bytes) -> bytes:
   return hmac.digest(secret, b'multihost fingerprint', hashlib.sha256)[:8]
 
 
-def job_keys(timeout: float, op: str = 'job secret') -> tuple[bytes, bytes]:
-  """(job id, secret), the same on every process (agreed once, then cached).
+def job_keys(op: str = 'job secret', *, timeout: float,
+             runtime: _runtime.Runtime | None = None) -> tuple[bytes, bytes]:
+  """(job id, secret), the same on every process (agreed once per runtime, then kept).
 
   Raises:
     ProcessFailureError: process 0 is gone (while waiting for its job id).
   """
-  global _cached
-  service = _coordination.coordinator_address()
-  with _lock:
-    if _cached is None or _cached[0] != service:  # a new jax.distributed
-      _cached = (service, _agree(timeout, op))
-    return _cached[1]
+  rt = runtime or _runtime.current()
+  keys = rt.job_keys
+  if keys is None:
+    with rt.secret_lock:
+      keys = rt.job_keys
+      if keys is None:
+        keys = rt.job_keys = _agree(rt, op, timeout)
+  return keys
 
 
-def job_secret(op: str, timeout: float) -> bytes:
+def job_secret(op: str, *, timeout: float,
+               runtime: _runtime.Runtime | None = None) -> bytes:
   """The job secret for collective `op` (as `job_keys`), the client's errors raised as a timeout on process 0.
 
   Raises:
     MultihostError: as `job_keys`.
     CollectiveTimeoutError: process 0 did not publish the job id in time.
   """
+  rt = runtime or _runtime.current()
   try:
-    return job_keys(timeout, op)[1]
+    return job_keys(op, timeout=timeout, runtime=rt)[1]
   except _errors.MultihostError:
     raise
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id') from e
+    raise _diagnostics.transfer_timeout(op, 0, 'to publish the job id',
+                                        me=rt.index) from e
 
 
-def _agree(timeout: float, op: str) -> tuple[bytes, bytes]:
+def _agree(rt: _runtime.Runtime, op: str,
+           timeout: float) -> tuple[bytes, bytes]:
   mine = configured()
-  me = _process.process_index()
+  me = rt.index
   if me == 0:
     job = secrets.token_bytes(16)
     if mine is None:
@@ -106,9 +109,9 @@ def _agree(timeout: float, op: str) -> tuple[bytes, bytes]:
     else:
       secret = mine
       value = job + b'F' + _fingerprint(secret)
-    _coordination.kv_set(_KEY, value)
+    rt.client.kv_set(_KEY, value)
     return job, secret
-  value = _watchdog.call(op, _coordination.kv_get, _KEY, timeout)
+  value = _blocking.call(op, rt.client.kv_get, _KEY, timeout, runtime=rt)
   job, mode, rest = value[:16], value[16:17], value[17:]
   if mode == b'K':
     if mine is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from multihost import _flight
 from multihost import _gather
+from multihost import _runtime
 
 # A process is consistently last when it came last in at least this share of
 # at least _MIN_CALLS compared collectives.
@@ -96,6 +96,6 @@ def straggler_report(*, timeout: float | None = None) -> StragglerReport:
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
-  waits = _flight.waits()
+  waits = _runtime.current().flight.waits()
   everyone = _gather.allgather_object(waits, timeout=timeout)
   return StragglerReport.from_waits(everyone)

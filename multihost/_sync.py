@@ -36,7 +36,7 @@ def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
   try:
     headers = _control_agree.agree(
         _control_agree.Header('sync_global_devices', name=name),
-        timeout=timeout)
+        timeout=timeout).headers
   except _errors.MultihostError as e:  # Name the barrier.
     raise _diagnostics.retell(e, _diagnostics.name_barrier(str(e), name)) from e
   if headers is None:

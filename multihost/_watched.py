@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
+from multihost import _blocking
 from multihost import _process
-from multihost import _watchdog
 
 T = TypeVar('T')
 
@@ -40,5 +41,5 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
     ProcessFailureError: a peer failed before `fn` returned.
     CollectiveTimeoutError: `fn` did not return within `timeout`.
   """
-  return _watchdog.call(op, fn, *args,
+  return _blocking.call(op, fn, *args,
                         timeout=_process.resolve_timeout(timeout))

@@ -15,12 +15,12 @@ from multihost import _diagnostics
 from multihost import _watchdog
 
 
-def wait_at_barrier(barrier_id: str, timeout_s: float) -> None:
+def wait_at_barrier(barrier_id: str, timeout: float) -> None:
   """Waits at a raw coordination-service barrier (no agreement, no watchdog).
 
   Collective: every process must call this with the same `barrier_id`.
   """
-  _coordination.wait_at_barrier(barrier_id, timeout_s)
+  _coordination.wait_at_barrier(barrier_id, timeout)
 
 
 def start_service(address: str, num_processes: int, *,
@@ -60,9 +60,9 @@ def key_value_set(key: str, value: bytes) -> None:
   _coordination.kv_set(key, value)
 
 
-def key_value_get(key: str, timeout_s: float) -> bytes:
-  """The value of `key` in the coordination service's store, waiting up to `timeout_s`."""
-  return _coordination.kv_get(key, timeout_s)
+def key_value_get(key: str, timeout: float) -> bytes:
+  """The value of `key` in the coordination service's store, waiting up to `timeout` seconds."""
+  return _coordination.kv_get(key, timeout)
 
 
 def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:

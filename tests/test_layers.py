@@ -1,32 +1,35 @@
-"""multihost's private modules form layers: imports go down only, with no cycle."""
+"""multihost's private modules form layers: imports go down only, with no cycle.
+
+The layers are read from the map in multihost/__init__.py's docstring, the
+one source of the layer map (README's Layout lists the same modules).
+"""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
+
+import multihost
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Top to bottom, as in multihost/__init__.py's docstring. A module may import
-# modules of its own layer or below (public modules may use one another).
-_LAYERS = [
-    ['__init__', 'lowlevel', 'testing', 'launch', 'netns'],
-    ['_broadcast', '_gather', '_sync', '_equal', '_digest', '_arrays',
-     '_preemption', '_watched', '_initialize', '_stragglers'],
-    ['_objects', '_data_plane'],
-    ['_control_agree'],
-    ['_control_codec'],
-    ['_control_rendezvous'],
-    ['_where'],
-    ['_calls', '_flight'],
-    ['_data_tcp', '_data_device'],
-    ['_secret'],
-    ['_watchdog', '_peer_loss_exit'],
-    ['_diagnostics', '_companion'],
-    ['_coordination'],
-    ['_process'],
-    ['_leaves', '_errors', 'env'],
-]
+_LAYER_LINE = re.compile(r'^  (\w[\w ,/-]*): (.+)$')
+_CONTINUATION = re.compile(r'^    (\w.*)$')
+
+
+def _layers() -> list[list[str]]:
+  """The layer map of multihost/__init__.py's docstring, top to bottom."""
+  layers: list[list[str]] = []
+  for line in (multihost.__doc__ or '').splitlines():
+    if m := _LAYER_LINE.match(line):
+      layers.append(m.group(2).split())
+    elif layers and (m := _CONTINUATION.match(line)) and ':' not in line:
+      layers[-1].extend(m.group(1).split())
+  return layers
+
+
+_LAYERS = _layers()
 _RANK = {name: rank for rank, names in enumerate(_LAYERS) for name in names}
 
 
@@ -53,8 +56,23 @@ def _imports() -> dict[str, set[str]]:
   return graph
 
 
+def test_the_docstring_map_names_each_module_once():
+  names = [n for layer in _LAYERS for n in layer]
+  assert len(_LAYERS) > 5 and len(names) == len(set(names))
+
+
 def test_every_module_has_a_layer():
   assert sorted(set(_imports()) - set(_RANK)) == []
+  assert sorted(set(_RANK) - set(_imports())) == []
+
+
+def test_readme_layout_lists_the_same_modules():
+  text = (ROOT / 'README.md').read_text()
+  layout = text.split('## Layout', 1)[1].split('```')[1]
+  block = layout.split('\nrecovery/', 1)[0]
+  listed = set(re.findall(r'(?<![/\w])(_?\w+)\.py\b', block))
+  listed |= {'launch'} if 'launch/' in block else set()
+  assert sorted(listed ^ set(_RANK)) == []
 
 
 def test_imports_go_down_only():

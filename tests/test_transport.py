@@ -35,9 +35,9 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
   import jax
   import numpy as np
   import multihost
-  from multihost import _data_tcp
+  from multihost import _tcp_link
   me = jax.process_index()
-  plane = _data_tcp._get_plane('test', time.monotonic() + 30)
+  plane = _tcp_link.get_plane('test', time.monotonic() + 30)
   if me == 1:
     plane.listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(); refuses
     plane.listener.close()
@@ -56,8 +56,8 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
 
 
 def _published_address(process: int) -> tuple[str, str]:
-  from multihost import _data_tcp
+  from multihost import _tcp_link
   from multihost import lowlevel
-  value = lowlevel.key_value_get(_data_tcp._ADDRESS_KEY.format(process), 5)
+  value = lowlevel.key_value_get(_tcp_link.ADDRESS_KEY.format(process), 5)
   host, port = value.decode().rsplit('|', 1)
   return host, port

@@ -1,0 +1,105 @@
+"""Failure: the exit handshake, by which a process leaves the job without being reported failed or aborting the others.
+
+With recoverability on, JAX's shutdown barrier no longer holds process 0
+back, and when process 0 exits the coordination service goes with it and
+the C++ client aborts every process still connected. So every other
+process records its exit and disconnects at once, and process 0 (or the
+process whose companion runs the service) waits, up to the watchdog's
+`shutdown_timeout`, until its watchdog has seen every other process leave
+or fail.
+
+No thread of ours may still be inside a C++ call when the interpreter
+finalizes: a daemon thread that returns from C++ then is unwound by force,
+which aborts the process. Disconnecting ends the coordination-service
+calls, and peers that leave end a gloo collective; if a thread is still
+inside one a few seconds later, the process leaves with `os._exit(1)`.
+
+`leave` is the watchdog's step of `Runtime.shutdown`; it reads the
+watchdog's state (`rt.watchdog`) and makes no import of it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from multihost import _coordination
+from multihost import _diagnostics
+from multihost import _runtime
+
+# How long abandoned collectives get to return at exit.
+_EXIT_GRACE_S = 5.0
+# Where each process records a normal exit in the key-value store.
+EXIT_DIR = 'multihost_exit/'
+# How often process 0 looks again while it waits for the others.
+_LOOK_S = 0.5
+
+
+def exited_processes(client: _coordination.Client) -> list[int]:
+  """The processes that recorded a normal exit (none if the store is gone)."""
+  try:
+    return [int(k.rsplit('/', 1)[1]) for k, _ in client.kv_dir(EXIT_DIR)]
+  except Exception:  # noqa: BLE001
+    return []
+
+
+def leave(rt: _runtime.Runtime) -> None:
+  """Leaves the job cleanly: records the exit; the process running the service waits for the others."""
+  watchdog = rt.watchdog
+  if watchdog is None or not watchdog.running or not rt.connected():
+    return
+  me = watchdog.me
+  try:
+    companion = rt.companion
+    serving = rt.runs_service or (companion is not None and
+                                   companion.alive())
+    if serving:
+      rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
+      _wait_for_others_to_leave(rt)
+      watchdog.stop_polling()
+    else:
+      watchdog.stop_polling()
+      rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
+    if not serving or watchdog.abandoned or watchdog.thread.is_alive():
+      # Disconnect now: before process 0 goes, and to end our calls in
+      # flight. (Otherwise JAX's own atexit does it.)
+      rt.disconnect()
+  except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
+    rt.log.warning('multihost: exit handshake failed: %s',
+                   _diagnostics.shorten(e, 300))
+  watchdog.stopping = True
+  watchdog.running = False
+  deadline = time.monotonic() + _EXIT_GRACE_S
+  watchdog.thread.join(max(0.0, deadline - time.monotonic()))
+  steps = list(watchdog.abandoned_steps)
+  for step in steps:
+    while not step.done and time.monotonic() < deadline:
+      time.sleep(0.01)
+  if watchdog.thread.is_alive() or not all(s.done for s in steps):
+    rt.log.error('multihost: leaving with os._exit(1): a collective '
+                 'abandoned after a peer failed is still running in C++, and '
+                 'a normal exit would abort or hang on it.')
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _wait_for_others_to_leave(rt: _runtime.Runtime) -> None:
+  watchdog = rt.watchdog
+  deadline = time.monotonic() + watchdog.shutdown_timeout
+  others = set(range(watchdog.count)) - {watchdog.me}
+  with watchdog.cond:
+    while True:
+      left = watchdog.exited | set(watchdog.failed)
+      if (others <= left or watchdog.service_lost
+          or not watchdog.thread.is_alive()):
+        return
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        break
+      watchdog.cond.wait(min(remaining, _LOOK_S))
+  rt.log.warning('multihost: exiting after %.0f s although process(es) %s '
+                 'have not exited; the JAX runtime will abort them when the '
+                 'coordination service stops with this process.',
+                 watchdog.shutdown_timeout, sorted(others - left))

@@ -1,0 +1,160 @@
+"""Data plane: socket I/O of the TCP transport (exact reads, resumable sends, watched slices, background senders).
+
+Every socket wait of a transfer is sliced (`SLICE_S`): between slices the
+failure watchdog is checked, so a peer cut off or frozen (its socket
+silent, not closed) raises `ProcessFailureError` once the watchdog names it.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+from multihost import _watchdog
+
+# Socket waits of a transfer are sliced: between slices the failure watchdog
+# is checked, so a peer cut off or frozen (its socket silent, not closed)
+# raises ProcessFailureError once the watchdog names it.
+SLICE_S = 0.25
+
+
+def close(conn: socket.socket) -> None:
+  try:
+    conn.close()
+  except OSError:
+    pass
+
+
+def family(host: str) -> int:
+  return socket.AF_INET6 if ':' in host else socket.AF_INET
+
+
+def tune(conn: socket.socket) -> None:
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    try:
+      conn.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+    except OSError:
+      pass
+
+
+def recv_exact(conn: socket.socket, n: int,
+                watch: tuple[str, float] | None = None) -> bytes:
+  buf = bytearray(n)
+  recv_into(conn, memoryview(buf), watch)
+  return bytes(buf)
+
+
+def recv_into(conn: socket.socket, view: memoryview,
+               watch: tuple[str, float] | None = None) -> None:
+  """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""
+  got = 0
+  while got < len(view):
+    k = _watched(conn.recv_into, view[got:], watch)
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+
+
+def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+  view = memoryview(view).cast('B')
+  sent = 0
+  while sent < len(view):
+    sent += _watched(conn.send, view[sent:], watch)
+
+
+def _watched(io, view, watch: tuple[str, float] | None) -> int:
+  """`io(view)`, retried after each socket-timeout slice until `watch`'s deadline.
+
+  Between slices, raises `ProcessFailureError` once the watchdog knows a
+  peer is gone, and `socket.timeout` at the deadline. (A timed-out send or
+  recv moved no bytes, so retrying it is safe.)
+  """
+  if watch is None:
+    return io(view)
+  op, deadline = watch
+  while True:
+    try:
+      return io(view)
+    except TimeoutError:
+      _watchdog.of().check(op)
+      if time.monotonic() >= deadline:
+        raise
+
+
+class Sender:
+  """Sends (socket, frame, view) jobs in order on a background thread."""
+
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
+    self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._run, daemon=True,
+                                   name='multihost-transport-send')
+    self.thread.start()
+
+  def _run(self) -> None:
+    while True:
+      job = self.jobs.get()
+      if job is None:
+        return
+      conn, view = job
+      if self.error is None:
+        try:
+          send_all(conn, view, self.watch)
+        except BaseException as e:  # noqa: BLE001
+          self.error = e
+
+  def send(self, conn, view) -> None:
+    self.jobs.put((conn, view))
+
+  def finish(self, deadline: float) -> BaseException | None:
+    self.jobs.put(None)
+    self.thread.join(max(deadline - time.monotonic(), 0.001))
+    if self.thread.is_alive():
+      return TimeoutError('sending did not finish in time')
+    return self.error
+
+  def close(self, deadline: float) -> None:
+    """Waits for the queued sends; raises what sending raised."""
+    error = self.finish(deadline)
+    if error is not None:
+      raise error
+
+
+class DirectSender:
+  """`Sender`'s interface, sending on the calling thread.
+
+  For messages that fit in any socket buffer (`DIRECT_BYTES`): a send then
+  never waits for the peer to read, so a ring of processes that all send
+  before they receive cannot deadlock, and no thread is started per call.
+  """
+
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
+    self.error: BaseException | None = None
+
+  def send(self, conn, view) -> None:
+    send_all(conn, view, self.watch)
+
+  def finish(self, deadline: float) -> BaseException | None:
+    del deadline
+    return None
+
+  def close(self, deadline: float) -> None:
+    del deadline
+
+
+# At most this many payload bytes per message are sent on the calling thread:
+# with the frame header they fit in the smallest default socket buffers
+# (tcp_wmem/tcp_rmem start at 16 KiB and 128 KiB), even where raising the
+# buffers (`tune`) was refused.
+DIRECT_BYTES = 8 << 10
+
+
+def sender(watch: tuple[str, float], largest: int) -> Sender | DirectSender:
+  return (DirectSender(watch) if largest <= DIRECT_BYTES
+          else Sender(watch))

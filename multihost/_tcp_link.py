@@ -1,0 +1,316 @@
+"""Data plane: the TCP transport's links (listener, handshake proving the job secret, per-direction frame MACs) and the plane that holds them.
+
+Connections are opened on first use: every process listens on an ephemeral
+port of the interface that reaches the coordinator, publishes its address in
+the coordination service's key-value store, and the lower-numbered process
+of each pair connects. Both sides prove the job secret (HMAC over both
+nonces and the job id) before a link is kept; every frame header after that
+carries a MAC under the link's key for its direction and a frame number, so
+injected, replayed or reordered frames are refused. The plane is the
+runtime's (`Runtime.plane`), made on the first transfer.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+import threading
+import time
+
+from multihost import _diagnostics
+from multihost import _errors
+from multihost import _runtime
+from multihost import _secret
+from multihost import _tcp_io
+from multihost import _watchdog
+
+ADDRESS_KEY = 'multihost_transport/{}'
+
+# Handshake (the lower index connects): hello = magic, connector, acceptor,
+# connector's nonce; the acceptor answers its nonce and its proof; the
+# connector answers its proof; the acceptor answers one byte (accepted).
+_HELLO = struct.Struct('<4sII16s')
+
+_MAGIC = b'MHT2'
+
+_NONCE = 16
+
+_MAC = 16
+
+_ACCEPTED = b'\x01'
+
+_HANDSHAKE_S = 5.0  # an accepted connection must authenticate within this
+
+_MAX_HANDSHAKES = 32  # concurrent; more pending connections are closed
+
+# A frame header: call id, byte count, frame number on this link and
+# direction, then a MAC of those under the link's key for that direction.
+_FRAME = struct.Struct('<QQQ')
+
+_FRAME_SIZE = _FRAME.size + _MAC
+
+
+def _proof(secret: bytes, label: bytes, job: bytes, low: int, high: int,
+           nonces: bytes) -> bytes:
+  message = label + job + struct.pack('<II', low, high) + nonces
+  return hmac.digest(secret, message, hashlib.sha256)
+
+
+class Link:
+  """An authenticated connection: its socket and a MAC key per direction."""
+
+  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received')
+
+  def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+    self.sock = sock
+    self.send_key = send_key
+    self.recv_key = recv_key
+    self.sent = 0
+    self.received = 0
+
+  def frame(self, call: int, length: int) -> bytes:
+    """The next frame header to send (the caller sends frames in this order)."""
+    head = _FRAME.pack(call, length, self.sent)
+    self.sent += 1
+    return head + hmac.digest(self.send_key, head, hashlib.sha256)[:_MAC]
+
+  def read_frame(self, call: int, length: int, op: str, peer: int,
+                 watch: tuple[str, float] | None = None) -> None:
+    """Reads the next frame header; raises unless it is authentic and expected."""
+    got = _tcp_io.recv_exact(self.sock, _FRAME_SIZE, watch)
+    head, mac = got[:_FRAME.size], got[_FRAME.size:]
+    want_mac = hmac.digest(self.recv_key, head, hashlib.sha256)[:_MAC]
+    if not hmac.compare_digest(mac, want_mac):
+      raise _diagnostics.forged_frame(op, peer, 'failed authentication')
+    got_call, got_length, number = _FRAME.unpack(head)
+    if number != self.received:
+      raise _diagnostics.forged_frame(
+          op, peer, f'is frame {number} where frame {self.received} was due '
+          '(a replayed or reordered frame)')
+    self.received += 1
+    if (got_call, got_length) != (call, length):
+      raise _diagnostics.out_of_step(op, peer, (got_call, got_length),
+                                     (call, length))
+
+
+class Plane:
+  """This process's listener and its connections to peers."""
+
+  def __init__(self, rt: _runtime.Runtime, timeout: float, op: str):
+    self.rt = rt
+    self.me = rt.index
+    self.count = rt.count
+    self.job, self.secret = _secret.job_keys(op, timeout=timeout, runtime=rt)
+    self.seq = 0  # Transfers so far: every process counts the same ones.
+    self.broken: str | None = None
+    self.lock = threading.Condition()
+    self.conns: dict[int, Link] = {}
+    self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+    host = _local_host(rt)
+    self.listener = socket.socket(_tcp_io.family(host), socket.SOCK_STREAM)
+    self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self.listener.bind((host, 0))
+    # The kernel's largest backlog: a port scan of a few hundred connections
+    # must not fill the accept queue, where the SYN of a peer's real connect
+    # would be dropped and sent again only a second later.
+    self.listener.listen(socket.SOMAXCONN)
+    port = self.listener.getsockname()[1]
+    threading.Thread(target=self._accept, name='multihost-transport',
+                     daemon=True).start()
+    rt.client.kv_set(ADDRESS_KEY.format(self.me), f'{host}|{port}'.encode())
+
+  def _accept(self) -> None:
+    """Accepts connections for ever; each handshake runs on its own thread."""
+    while True:
+      try:
+        conn, _ = self.listener.accept()
+      except OSError as e:
+        if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+          return  # the listener was closed
+        # Out of file descriptors or memory, or a connection aborted before
+        # it was accepted: back off and keep listening.
+        time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
+                                       errno.ENOBUFS, errno.ENOMEM) else 0.001)
+        continue
+      if not self.handshakes.acquire(blocking=False):
+        _tcp_io.close(conn)
+        continue
+      try:
+        threading.Thread(target=self._handshake, args=(conn,), daemon=True,
+                         name='multihost-transport-handshake').start()
+      except RuntimeError:
+        self.handshakes.release()
+        _tcp_io.close(conn)
+
+  def _handshake(self, conn: socket.socket) -> None:
+    """Authenticates a connecting peer; keeps the connection only if it proves itself."""
+    keep = False
+    try:
+      conn.settimeout(_HANDSHAKE_S)
+      magic, peer, target, nonce = _HELLO.unpack(
+          _tcp_io.recv_exact(conn, _HELLO.size))
+      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me or
+          peer in self.conns):
+        return
+      mine = secrets.token_bytes(_NONCE)
+      nonces = nonce + mine
+      conn.sendall(mine + _proof(self.secret, b'accept', self.job, peer,
+                                 self.me, nonces))
+      theirs = _tcp_io.recv_exact(conn, hashlib.sha256().digest_size)
+      if not hmac.compare_digest(theirs, _proof(
+          self.secret, b'connect', self.job, peer, self.me, nonces)):
+        return
+      with self.lock:
+        if peer in self.conns:
+          return  # the first valid connection wins
+        conn.sendall(_ACCEPTED)
+        _tcp_io.tune(conn)
+        self.conns[peer] = Link(
+            conn, *_link_keys(self.secret, self.job, peer, self.me, nonces,
+                              connector=False))
+        keep = True
+        self.lock.notify_all()
+    except (OSError, struct.error, ValueError):
+      pass
+    finally:
+      self.handshakes.release()
+      if not keep:
+        _tcp_io.close(conn)
+
+  def _connect(self, peer: int, remaining: float, op: str) -> Link:
+    """Opens and authenticates a connection to the higher-numbered `peer`."""
+    start = time.monotonic()
+    value = self.rt.client.kv_get(ADDRESS_KEY.format(peer), remaining)
+    host, port = value.decode().rsplit('|', 1)
+    remaining = max(remaining - (time.monotonic() - start), 0.001)
+    try:
+      conn = socket.create_connection((host, int(port)), timeout=remaining)
+    except OSError as e:
+      raise _unreachable(op, peer, f'{host}:{port}', e) from e
+    try:
+      nonce = secrets.token_bytes(_NONCE)
+      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
+      reply = _tcp_io.recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
+      nonces = nonce + reply[:_NONCE]
+      if not hmac.compare_digest(reply[_NONCE:], _proof(
+          self.secret, b'accept', self.job, self.me, peer, nonces)):
+        raise _errors.MultihostError(
+            f'{self.rt.prefix} the listener at {host}:{port} (published '
+            f'as process {peer}\'s) did not prove the job secret: it is not '
+            f'process {peer} of this job. Check that every process has the '
+            'same job secret and that nothing else took the address.')
+      conn.sendall(_proof(self.secret, b'connect', self.job, self.me, peer,
+                          nonces))
+      if _tcp_io.recv_exact(conn, 1) != _ACCEPTED:
+        raise ConnectionResetError('the peer refused the handshake')
+    except BaseException:
+      _tcp_io.close(conn)
+      raise
+    _tcp_io.tune(conn)
+    return Link(conn, *_link_keys(self.secret, self.job, self.me, peer,
+                                   nonces, connector=True))
+
+  def conn(self, peer: int, deadline: float, op: str) -> Link:
+    with self.lock:
+      if peer in self.conns:
+        return self.conns[peer]
+    if self.me < peer:
+      remaining = max(deadline - time.monotonic(), 0.001)
+      try:
+        link = self._connect(peer, remaining, op)
+      except _errors.MultihostError:
+        raise
+      except (OSError, TimeoutError) as e:
+        raise peer_error(op, peer, e) from e
+      except Exception as e:  # noqa: BLE001
+        raise peer_error(op, peer, e, waiting=True) from e
+      with self.lock:
+        self.conns[peer] = link
+      return link
+    with self.lock:
+      while peer not in self.conns:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise _diagnostics.connect_timeout(op, peer, None)
+        self.lock.wait(min(remaining, 0.5))
+        _watchdog.of(self.rt).check(op)
+      return self.conns[peer]
+
+
+def _link_keys(secret: bytes, job: bytes, low: int, high: int, nonces: bytes,
+               *, connector: bool) -> tuple[bytes, bytes]:
+  """(send key, receive key) of a link, one key per direction."""
+  up = _proof(secret, b'frames low->high', job, low, high, nonces)
+  down = _proof(secret, b'frames high->low', job, low, high, nonces)
+  return (up, down) if connector else (down, up)
+
+
+def get_plane(op: str, deadline: float,
+               runtime: _runtime.Runtime | None = None) -> Plane:
+  """The runtime's plane (made on first use), with the sequence number of this transfer advanced."""
+  rt = runtime or _runtime.current()
+  with rt.lock:
+    if rt.plane is None:
+      try:
+        rt.plane = Plane(rt, max(deadline - time.monotonic(), 0.001), op)
+      except _errors.MultihostError:
+        raise
+      except Exception as e:  # noqa: BLE001
+        raise _diagnostics.transfer_timeout(op, 0,
+                                            'to publish the job id') from e
+    plane = rt.plane
+  if plane.broken:
+    raise _diagnostics.plane_broken(op, plane.broken)
+  plane.seq += 1
+  return plane
+
+
+def break_plane(plane: Plane, error: BaseException) -> None:
+  """Closes every connection: bytes of a failed transfer may be in flight."""
+  plane.broken = f'{type(error).__name__}: {error}'
+  with plane.lock:
+    for link in plane.conns.values():
+      _tcp_io.close(link.sock)
+
+
+def _local_host(rt: _runtime.Runtime) -> str:
+  """The address of the interface that reaches the coordinator."""
+  address = rt.service_address or '127.0.0.1:0'
+  host = address.rsplit(':', 1)[0].strip('[]')
+  try:
+    probe = socket.socket(_tcp_io.family(host), socket.SOCK_DGRAM)
+    probe.connect((host, 9))
+    return probe.getsockname()[0]
+  except OSError:
+    return '127.0.0.1'
+
+
+def _unreachable(op: str, peer: int, address: str,
+                 error: OSError) -> _errors.MultihostError:
+  """A named error for a connection to `peer` that could not be opened."""
+  if isinstance(error, (socket.timeout, TimeoutError)):
+    return _diagnostics.connect_timeout(op, peer, address)
+  dead = list(_watchdog.of().failed_within_bound())
+  if dead:  # refused because the peer is gone
+    return _diagnostics.connection_failure(op, peer, error, dead)
+  return _diagnostics.cannot_connect(op, peer, address, error)
+
+
+def peer_error(op: str, peer: int, error: BaseException,
+                waiting: bool = False) -> _errors.MultihostError:
+  """A named error for a failed transfer with `peer`."""
+  if isinstance(error, _errors.MultihostError):
+    return error
+  if isinstance(error, (socket.timeout, TimeoutError)) or waiting:
+    return _diagnostics.transfer_timeout(op, peer,
+                                         'to send or receive its part')
+  # The watchdog names the dead process within its bound; wait for it.
+  watchdog = _watchdog.of()
+  dead = list(watchdog.failed_within_bound())
+  if not dead and watchdog.running:  # every process is alive
+    return _diagnostics.connection_cut(op, peer, error)
+  return _diagnostics.connection_failure(op, peer, error, dead or [peer])
