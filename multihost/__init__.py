@@ -68,6 +68,9 @@ from multihost._stragglers import StragglerReport as StragglerReport
 from multihost._stragglers import straggler_report as straggler_report
 from multihost._sync import sync_global_devices as sync_global_devices
 from multihost._watched import call_watched as call_watched
+from multihost._watchdog import (
+    set_exit_on_peer_failure as set_exit_on_peer_failure,
+)
 from multihost._where import where as where
 
 __version__ = '0.1.0'

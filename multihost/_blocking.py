@@ -79,16 +79,20 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     wd.abandoned_steps.append(step)
   waited = time.monotonic() - start_time
   if not step.done:
+    wd.step_failed = op  # A peer is stuck or gone (see `_exit`).
     if wd.gone():
       raise wd.failure_error(op, waited=waited)
     raise _diagnostics.step_timeout(op, me=wd.me, waited=waited,
-                                    timeout=timeout)
+                                    timeout=timeout,
+                                    source=rt.timeout_source(timeout))
   if step.error is not None:
     if _is_peer_loss(step.error):
+      wd.step_failed = op
       wd.wait_for_named_failure()
       raise wd.failure_error(op, waited=time.monotonic() - start_time,
                              cause=step.error) from step.error
     raise step.error
+  wd.step_failed = None
   return step.result
 
 

@@ -13,6 +13,7 @@ data that a peer will not receive with the same shapes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
@@ -35,8 +36,6 @@ _BLOCK = 64
 # full exchange. The service checks barrier deadlines about once a second,
 # so a shorter window would not fail faster.
 FAST_WINDOW_S = 1.0
-# The service fails a barrier up to this long after its deadline.
-_SERVICE_TICK_S = 1.0
 # After a fallback, this many calls take the full exchange directly: a peer
 # that runs more than the window behind then costs one window, not one per
 # call. Every process counts the same calls, so they all agree on the path.
@@ -54,6 +53,24 @@ _FELL_BACK = b'F'
 _GAVE_UP = '.gave-up/'
 _DIRECT = b'D'
 _MAC = 16  # bytes of HMAC-SHA256(job secret, key + flag + message)
+
+
+def _ends_on_error(step):
+  """A step of `Rendezvous` whose exception also ends the call's flight record.
+
+  So that a process that raised is no longer reported as waiting in the
+  call, and its exit handshake knows its last call failed (see `_exit`).
+  """
+
+  @functools.wraps(step)
+  def wrapped(self, *args, **kwargs):
+    try:
+      return step(self, *args, **kwargs)
+    except BaseException as e:
+      self.rt.flight.fail(self.record, e)
+      raise
+
+  return wrapped
 
 
 class Rendezvous:
@@ -85,6 +102,7 @@ class Rendezvous:
     self._fell_back = False
     self._window = FAST_WINDOW_S
 
+  @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
                     publish: bytes | None = None) -> bool:
     """Whether every process passed the same `agreement` bytes (one barrier).
@@ -120,15 +138,18 @@ class Rendezvous:
     self._ended()
     return True
 
+  @_ends_on_error
   def read_all(self) -> list[bytes]:
     """After agreement: what each process published (every process did)."""
     return [m[1:] for m in self._read_everyone()]
 
+  @_ends_on_error
   def read_one(self, process: int) -> bytes:
     """After agreement: what `process` published."""
     key = self.prefix + str(process)
     return self._open(key, self.client.kv_get(key, self._window))[1:]
 
+  @_ends_on_error
   def exchange(self, message: bytes, *, timeout: float) -> list[bytes]:
     """The full exchange: publishes `message`, meets everyone, reads all messages.
 
@@ -146,21 +167,26 @@ class Rendezvous:
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
     gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
-    if self.client.kv_dir(gave_up):
+    marks = self.client.kv_dir(gave_up)
+    if marks:
       rt.backoff = _BACKOFF_CALLS
-      raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
-                                      timeout=timeout)
+      raise _diagnostics.arrived_late(
+          self.op, me=self.me, waited=waited, timeout=timeout,
+          late_by=_late_by(marks, self.start),
+          source=rt.timeout_source(timeout))
+    # The whole time left: the service fails a barrier up to a second after
+    # its deadline, never before, so a timeout is never early.
     remaining = timeout - waited
-    if remaining >= 2 * _SERVICE_TICK_S:  # Raise within the timeout, not
-      remaining -= _SERVICE_TICK_S        # up to a service tick after it.
     try:
       barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),
               waited_before=waited, total_timeout=timeout,
               published=self.prefix, runtime=rt)
     except _errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
-      try:
-        self.client.kv_set(gave_up + str(self.me), b'')
+      try:  # When it started the call (wall clock): the latecomer says
+        # how late it came.
+        started = time.time() - (time.monotonic() - self.start)
+        self.client.kv_set(gave_up + str(self.me), repr(started).encode())
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
@@ -233,6 +259,23 @@ class Rendezvous:
     return messages
 
 
+def _late_by(marks: list[tuple[str, bytes]], start: float) -> float | None:
+  """How much later than the last of those that gave up this process started the call.
+
+  By the hosts' wall clocks (each mark holds when its process started);
+  None if no mark says when.
+  """
+  times = []
+  for _, value in marks:
+    try:
+      times.append(float(value))
+    except ValueError:  # An older or foreign mark; it only sets a message.
+      pass
+  if not times:
+    return None
+  return time.time() - (time.monotonic() - start) - max(times)
+
+
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:
   return hmac.digest(secret, key.encode() + b'\0' + value,
                      hashlib.sha256)[:_MAC]
@@ -291,7 +334,8 @@ def _named(rt: _runtime.Runtime, error: BaseException, op: str, where: str, *,
   return _diagnostics.coordination_failure(
       error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
       known=_watchdog.of(rt).known_failure(op, waited=waited, cause=error),
-      tasks=_coordination.tasks_in(str(error)), published=published)
+      tasks=_coordination.tasks_in(str(error)), published=published,
+      source=rt.timeout_source(timeout))
 
 
 def _absent(rt: _runtime.Runtime, where: str) -> list[int]:

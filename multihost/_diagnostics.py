@@ -20,7 +20,21 @@ from multihost import _runtime
 RESTART = 'save what you can and restart the job.'
 SAME_ORDER = ('Check that every process calls the same collectives in the '
               'same order')
-LARGER_TIMEOUT = ('pass a larger timeout= (or multihost.set_default_timeout())')
+_LARGER_TIMEOUT = {
+    'argument': 'pass a larger timeout=',
+    'setter': ('pass a larger value to multihost.set_default_timeout(), which '
+               'set this timeout (or a larger timeout= to this call)'),
+    'environment': ('set a larger $MULTIHOST_TIMEOUT, which set this timeout '
+                    '(or pass a larger timeout= to this call)'),
+    'default': ('pass a larger timeout= (the default is 300 s; '
+                'multihost.set_default_timeout() or $MULTIHOST_TIMEOUT '
+                'change it for every collective)'),
+}
+
+
+def larger_timeout(source: str = 'argument') -> str:
+  """The advice to raise a timeout, naming what set it (see `Runtime.timeout_source`)."""
+  return _LARGER_TIMEOUT.get(source, _LARGER_TIMEOUT['argument'])
 BUG = 'This is a bug in multihost; please report it.'
 
 
@@ -65,6 +79,7 @@ def coordination_failure(
     error: BaseException, op: str, *, me: int, count: int, waited: float,
     timeout: float, known: _errors.ProcessFailureError | None,
     tasks: list[int], published: Callable[[], Iterable[int]] | None = None,
+    source: str = 'argument',
 ) -> _errors.MultihostError:
   """Names a coordination-service error of collective `op`.
 
@@ -79,6 +94,7 @@ def coordination_failure(
     tasks: the processes the service's message names (`task:N`).
     published: the processes that published their message (asked only when
       the service's message names nobody).
+    source: what set `timeout` (see `larger_timeout`).
   """
   if isinstance(error, _errors.MultihostError):  # Already named (watchdog).
     return error
@@ -105,11 +121,12 @@ def coordination_failure(
     missing = [p for p in range(count) if p not in present]
   if 'DEADLINE_EXCEEDED' in message or waited >= timeout * 0.99:
     if not missing:
-      return arrived_late(op, me=me, waited=waited, timeout=timeout)
+      return arrived_late(op, me=me, waited=waited, timeout=timeout,
+                          source=source)
     return _errors.CollectiveTimeoutError(
         f'{prefix(me)} {op}: timed out after {waited:.1f} s (timeout='
         f'{timeout:g} s) waiting for process(es) {missing} to arrive. '
-        f'{SAME_ORDER}, or {LARGER_TIMEOUT}.',
+        f'{SAME_ORDER}, or {larger_timeout(source)}.',
         operation=op, missing=missing, waited=waited)
   return _errors.MultihostError(
       f'{prefix(me)} {op}: the coordination-service barrier failed after '
@@ -128,14 +145,29 @@ def forged_message(op: str, key: str, *, planted: bool = False,
       'model").')
 
 
-def arrived_late(op: str, *, me: int, waited: float,
-                 timeout: float) -> _errors.CollectiveTimeoutError:
-  """This process reached a collective the others had already given up on."""
+def arrived_late(op: str, *, me: int, waited: float, timeout: float,
+                 late_by: float | None = None,
+                 source: str = 'argument') -> _errors.CollectiveTimeoutError:
+  """This process reached a collective the others had already given up on.
+
+  Args:
+    op: the collective.
+    me: this process's index.
+    waited: seconds this process spent in the collective.
+    timeout: the collective's timeout.
+    late_by: seconds by which this process started the collective after
+      the others (by the hosts' wall clocks), when known.
+    source: what set `timeout` (see `larger_timeout`).
+  """
+  if late_by is None:
+    when = 'it got there after they gave up'
+  else:
+    when = f'it got there {late_by:.1f} s after them'
   return _errors.CollectiveTimeoutError(
       f'{prefix(me)} {op}: this process arrived late: the other '
-      f'processes had already given up waiting (timeout={timeout:g} s) '
-      f'when it got there after {waited:.1f} s more. Find what delayed '
-      f'process {me}, or pass a larger timeout=.',
+      f'processes had already given up waiting for it (timeout={timeout:g} '
+      f's); {when}. Find what delayed process {me}, or '
+      f'{larger_timeout(source)}.',
       operation=op, missing=[me], waited=waited)
 
 
@@ -189,14 +221,14 @@ def process_failure(op: str, *, me: int, failed: list[int],
       operation=op, failed=failed + exited)
 
 
-def step_timeout(op: str, *, me: int, waited: float,
-                 timeout: float) -> _errors.CollectiveTimeoutError:
+def step_timeout(op: str, *, me: int, waited: float, timeout: float,
+                 source: str = 'argument') -> _errors.CollectiveTimeoutError:
   """A watched blocking step (a device collective) that did not complete."""
   return _errors.CollectiveTimeoutError(
       f'{prefix(me)} {op}: the device collective did not complete in '
       f'{waited:.1f} s (timeout={timeout:g} s), and the coordination '
       'service still sees every process alive. A process may be stuck or '
-      'very slow; pass a larger timeout= if the transfer is legitimately '
+      f'very slow; {larger_timeout(source)} if the transfer is legitimately '
       'this slow.', operation=op, waited=waited)
 
 

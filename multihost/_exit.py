@@ -14,8 +14,19 @@ which aborts the process. Disconnecting ends the coordination-service
 calls, and peers that leave end a gloo collective; if a thread is still
 inside one a few seconds later, the process leaves with `os._exit(1)`.
 
+The process running the service does not wait when this process is
+leaving after an error (`_leaving_after_error`): its last collective or
+watched step raised a timeout or a failure here (the peers it waited for
+are stuck, late or gone), or the program is ending with an uncaught
+exception. Waiting would hold the whole job for `shutdown_timeout` on a
+peer that may never come; instead the service stops with this process, so
+the others end at once (JAX's client aborts them) and a launcher reports
+this process's error as the first.
+
 `leave` is the watchdog's step of `Runtime.shutdown`; it reads the
-watchdog's state (`rt.watchdog`) and makes no import of it.
+watchdog's state (`rt.watchdog`) and makes no import of it. It first
+cancels the watchdog's exit-on-peer-failure policy: the process is leaving
+anyway.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ def exited_processes(client: _coordination.Client) -> list[int]:
 def leave(rt: _runtime.Runtime) -> None:
   """Leaves the job cleanly: records the exit; the process running the service waits for the others."""
   watchdog = rt.watchdog
+  if watchdog is not None:
+    watchdog.peer_loss.cancel()
   if watchdog is None or not watchdog.running or not rt.connected():
     return
   me = watchdog.me
@@ -56,7 +69,11 @@ def leave(rt: _runtime.Runtime) -> None:
                                    companion.alive())
     if serving:
       rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
-      _wait_for_others_to_leave(rt)
+      error = _leaving_after_error(rt)
+      if error is None:
+        _wait_for_others_to_leave(rt)
+      else:
+        _say_not_waiting(rt, error)
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
@@ -83,6 +100,52 @@ def leave(rt: _runtime.Runtime) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
+
+
+def _leaving_after_error(rt: _runtime.Runtime) -> str | None:
+  """Why this process leaves after an error (see the module docstring), or None."""
+  failed = rt.flight.last_failed()
+  if failed is not None:
+    return f'{failed.label()} raised {failed.error} here'
+  step = rt.watchdog.step_failed
+  if step is not None:
+    return f'{step} raised here'
+  if rt.uncaught is not None:
+    return f'the program is ending with {rt.uncaught}'
+  return None
+
+
+def note_uncaught_exceptions() -> None:
+  """Chains a `sys.excepthook` that notes, for the exit handshake, that the program ends with an exception.
+
+  The interpreter calls it for an uncaught exception before the atexit
+  handlers run. (Not `sys.last_value`: pytest sets it for every failed test,
+  which is no reason for a worker to leave early.) Installed once.
+  """
+  previous = sys.excepthook
+  if getattr(previous, '_multihost_notes', False):
+    return
+
+  def hook(kind, value, tb):
+    try:
+      _runtime.current().uncaught = kind.__name__
+    finally:
+      previous(kind, value, tb)
+
+  hook._multihost_notes = True  # pylint: disable=protected-access
+  sys.excepthook = hook
+
+
+def _say_not_waiting(rt: _runtime.Runtime, why: str) -> None:
+  watchdog = rt.watchdog
+  with watchdog.cond:
+    others = set(range(watchdog.count)) - {watchdog.me}
+    still = sorted(others - watchdog.exited - set(watchdog.failed))
+  if still:
+    rt.log.warning('multihost: leaving without waiting for process(es) %s '
+                   'to exit, because %s; the coordination service stops '
+                   'with this process, and the JAX runtime aborts them.',
+                   still, why)
 
 
 def _wait_for_others_to_leave(rt: _runtime.Runtime) -> None:

@@ -45,11 +45,14 @@ EXIT_ORDER = ('where', 'handshake', 'companion')
 class Settings:
   """What the program set (None: the environment's or the default value)."""
 
-  __slots__ = ('default_timeout', 'stall_report_after')
+  __slots__ = ('default_timeout', 'stall_report_after', 'exit_on_peer_failure')
 
   def __init__(self):
     self.default_timeout: float | None = None
     self.stall_report_after: float | None = None
+    # `multihost.set_exit_on_peer_failure`'s arguments (enabled, grace,
+    # before_exit), applied to each watchdog's policy.
+    self.exit_on_peer_failure: tuple[bool, float | None, Any] | None = None
 
 
 class Logger:
@@ -123,6 +126,9 @@ class Runtime:
     # The exit sequence's steps, by name, set by the parts that need one;
     # `shutdown` runs them in EXIT_ORDER.
     self.exit_steps: dict[str, Callable[[], None]] = {}
+    # The type of the uncaught exception ending the program, if any (noted
+    # by `_exit.note_uncaught_exceptions`, read by the exit handshake).
+    self.uncaught: str | None = None
 
   @property
   def index(self) -> int:
@@ -159,6 +165,24 @@ class Runtime:
       return self.settings.default_timeout
     return _env.number(_env.TIMEOUT, DEFAULT_TIMEOUT_S, unit='seconds',
                        example='60')
+
+  def timeout_source(self, timeout: float) -> str:
+    """What set `timeout`, as advice names it: 'setter', 'environment', 'default' or 'argument'.
+
+    A value equal to the default timeout is taken to be the default (a
+    collective passes on its resolved timeout, not whether it was given).
+    """
+    try:
+      default = self.default_timeout()
+    except ValueError:  # A bad $MULTIHOST_TIMEOUT: not what set this one.
+      return 'argument'
+    if timeout != default:
+      return 'argument'
+    if self.settings.default_timeout is not None:
+      return 'setter'
+    if _env.get(_env.TIMEOUT):
+      return 'environment'
+    return 'default'
 
   def resolve_timeout(self, timeout: float | None) -> float:
     if timeout is None:

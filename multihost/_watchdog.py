@@ -21,6 +21,12 @@ So, with recoverability on (`multihost.initialize()` turns it on):
 * At exit, the handshake of `_exit` uses what the watchdog saw: a peer that
   exits normally is reported as "exited", not "failed", and process 0 waits
   for the others to leave before it takes the service down with it.
+* When it sees a peer fail, it starts the policy of `_peer_loss_exit`
+  (`peer_loss`): unless a `ProcessFailureError` reaches the program within
+  the grace period (every error made here counts as delivered), the process
+  logs where its main thread is and leaves with exit status 75, because it
+  is stuck in a call Python cannot interrupt (a jitted step's collective).
+  `set_exit_on_peer_failure` and $MULTIHOST_EXIT_ON_PEER_FAILURE set it.
 
 Process 0 is special when it hosts the coordination service (JAX's
 default): when it dies, the C++ client of every other process aborts the
@@ -35,17 +41,26 @@ $MULTIHOST_EXTERNAL_SERVICE=1), process 0's death is an ordinary failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _exit
+from multihost import _peer_loss_exit
 from multihost import _runtime
+from multihost import env as _env
 
 POLL_INTERVAL_S = 0.5
 DEFAULT_HEARTBEAT_S = 100.0  # JAX's default heartbeat_timeout_seconds
+# Beyond the heartbeat timeout: up to two polls (one in flight when the
+# service drops the process, the next that sees it) and a second for the
+# service's own heartbeat check.
+DETECTION_SLACK_S = 2 * POLL_INTERVAL_S + 1.0
 
 
 class Watchdog:
@@ -70,14 +85,26 @@ class Watchdog:
     self.pending: set[Any] = set()
     self.abandoned = False
     self.abandoned_steps: list[Any] = []
+    # The op of the last watched step that raised a timeout or a failure
+    # here (None once a later one completed); read by the exit handshake.
+    self.step_failed: str | None = None
+    # Leaving after a peer failure (see `_peer_loss_exit`), and what renders
+    # this process's main thread for its last line: `_where` sets a
+    # where-report; until then, a plain stack.
+    self.peer_loss = _peer_loss_exit.PeerLossExit()
+    configure_peer_loss(self.peer_loss, runtime.settings)
+    self.describe: Callable[[], str] = _main_thread_stack
 
   def gone(self) -> bool:
     """Whether a peer (or the service) is known to be gone."""
     return bool(self.failed or self.exited or self.service_lost)
 
   def detection_bound(self) -> float:
-    """Seconds within which the watchdog reports a peer that was killed."""
-    return self.heartbeat_timeout + 2 * POLL_INTERVAL_S + 1.0
+    """Seconds within which the watchdog reports a peer that was killed.
+
+    README's failure section gives it as heartbeat timeout + DETECTION_SLACK_S.
+    """
+    return self.heartbeat_timeout + DETECTION_SLACK_S
 
   def start(self, *, heartbeat_timeout: float,
             shutdown_timeout: float = 300.0) -> bool:
@@ -109,8 +136,12 @@ class Watchdog:
                                      name='multihost-watchdog', daemon=True)
       self.thread.start()
     rt.exit_steps['handshake'] = lambda: _exit.leave(rt)
+    if rt.raw is not None:  # The process's own runtime, not a test's.
+      _exit.note_uncaught_exceptions()
     rt.log.info('multihost failure watchdog started: a killed peer is '
-                'reported within about %.1f s.', self.detection_bound())
+                'reported within %.1f s (heartbeat timeout %g s + %g s).',
+                self.detection_bound(), self.heartbeat_timeout,
+                DETECTION_SLACK_S)
     return True
 
   def ensure_started(self) -> bool:
@@ -135,6 +166,9 @@ class Watchdog:
       failed = sorted(self.failed)
       exited = sorted(self.exited - set(self.failed))
       service_lost = self.service_lost
+    # Every caller raises it to the program, which then has control: this
+    # process need not leave by itself.
+    self.peer_loss.delivered()
     return _diagnostics.process_failure(
         op, me=self.me, failed=failed, exited=exited,
         service_lost=service_lost, waited=waited,
@@ -168,7 +202,10 @@ class Watchdog:
         self.detection_bound() if self.running else 0.0)
     while not self.failed_processes() and time.monotonic() < deadline:
       time.sleep(0.05)
-    return self.failed_processes()
+    failed = self.failed_processes()
+    if failed:  # The callers raise a ProcessFailureError naming them.
+      self.peer_loss.delivered()
+    return failed
 
   def stop_polling(self) -> None:
     """Stops the watchdog; it finishes its current liveness query first."""
@@ -224,7 +261,65 @@ class Watchdog:
           rt.log.error('multihost watchdog: process(es) %s failed (no '
                        'heartbeat for %.0f s). Every collective now raises '
                        'ProcessFailureError.', dead, self.heartbeat_timeout)
+          self.peer_loss.failure_seen(sorted(self.failed), prefix=rt.prefix,
+                                      describe=self.describe)
       time.sleep(POLL_INTERVAL_S)
+
+
+def _main_thread_stack() -> str:
+  """The main thread's innermost frames on one line (without `_where`)."""
+  frame = sys._current_frames().get(threading.main_thread().ident)  # pylint: disable=protected-access
+  if frame is None:
+    return 'main thread: no Python frames'
+  stack = traceback.extract_stack(frame)[-6:][::-1]
+  return 'main thread in ' + ' <- '.join(
+      f'{f.name} ({f.filename.rsplit("/", 1)[-1]}:{f.lineno})' for f in stack)
+
+
+def configure_peer_loss(policy: _peer_loss_exit.PeerLossExit,
+                        settings: _runtime.Settings) -> None:
+  """Applies the program's setting, else $MULTIHOST_EXIT_ON_PEER_FAILURE, to `policy`."""
+  if settings.exit_on_peer_failure is not None:
+    enabled, grace, before_exit = settings.exit_on_peer_failure
+  else:
+    enabled, grace, before_exit = (
+        not _env.is_off(_env.EXIT_ON_PEER_FAILURE), None, None)
+  policy.configure(enabled=enabled, grace=grace, before_exit=before_exit)
+
+
+def set_exit_on_peer_failure(
+    enabled: bool = True, *, grace: float | None = None,
+    before_exit: Callable[[list[int]], None] | None = None) -> None:
+  """Sets whether this process leaves by itself, with exit status 75, when a peer fails while it cannot be told.
+
+  When the failure watchdog sees a peer die and, within `grace` seconds, no
+  multihost call raises `ProcessFailureError` here (the main thread is stuck
+  in a call Python cannot interrupt, such as a jitted step's device
+  collective waiting for the dead peer), the process runs `before_exit`,
+  logs one line naming the failed processes and where its main thread is,
+  flushes its logs and leaves with `os._exit(75)` (BSD's EX_TEMPFAIL), so
+  that a launcher or a scheduler can restart the job. On by default (off
+  with $MULTIHOST_EXIT_ON_PEER_FAILURE=0). Our own collectives raise
+  `ProcessFailureError` as before, which cancels the exit.
+
+  Args:
+    enabled: whether to leave (False: stay, as a process without failure
+      detection would).
+    grace: seconds between seeing the failure and leaving (default 7; the
+      failure is seen within the heartbeat timeout + 2 s of the death).
+    before_exit: called with the list of failed process indices right before
+      leaving, e.g. to write host-local state; it may run for up to 60 s.
+
+  Raises:
+    ValueError: `grace` is negative.
+    TypeError: `before_exit` is not callable.
+  """
+  rt = _runtime.current()
+  # Checked (and applied to the running watchdog) before it is kept.
+  of(rt).peer_loss.configure(enabled=enabled, grace=grace,
+                             before_exit=before_exit)
+  rt.settings.exit_on_peer_failure = (bool(enabled), of(rt).peer_loss.grace,
+                                      before_exit)
 
 
 def of(runtime: _runtime.Runtime | None = None) -> Watchdog:

@@ -36,6 +36,7 @@ import traceback
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
+from multihost import _watchdog
 from multihost import _where_signal
 from multihost import _where_text
 
@@ -74,6 +75,7 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
   now = time.monotonic()
   last = rt.flight.last_completed()
   current = rt.flight.in_progress()
+  failed = rt.flight.last_failed()
   return {
       'process': _index(rt),
       'pid': os.getpid(),
@@ -83,6 +85,9 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
                                          'ago': now - last.end},
       'now_in': None if current is None else {
           'label': current.label(), 'for': now - current.start},
+      'raised': None if failed is None else {
+          'label': failed.label(), 'error': failed.error,
+          'ago': now - failed.failed_at},
   }
 
 
@@ -282,6 +287,10 @@ def of(runtime: _runtime.Runtime | None = None) -> Responder:
       if rt.where is None:
         rt.where = Responder(rt)
       responder = rt.where
+    # The line a process logs as it leaves after a peer failure (see
+    # `_peer_loss_exit`) tells where its main thread is, as reports do.
+    _watchdog.of(rt).describe = lambda: _where_text.main_thread(
+        local_report(rt))
   return responder
 
 

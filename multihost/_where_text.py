@@ -26,6 +26,10 @@ def _collectives(report: dict) -> str:
   parts = ['last completed collective: ' + (
       'none' if last is None else
       f'{last["label"]}, finished {last["ago"]:.1f} s ago')]
+  raised = report.get('raised')
+  if raised is not None:
+    parts.append(f'then {raised["label"]} raised {raised["error"]} here '
+                 f'{raised["ago"]:.1f} s ago')
   now_in = report.get('now_in')
   if now_in is not None:
     parts.append(f'now waiting in {now_in["label"]} for '
@@ -46,6 +50,11 @@ def whereabouts(reports: dict[int, dict | None], timeout: float) -> str:
       parts.append(f'process {p}: {_frames(report, 4)}; '
                    f'{_collectives(report)}')
   return 'Where they are: ' + '. '.join(parts) + '.'
+
+
+def main_thread(report: dict) -> str:
+  """This process's main thread and collectives on one line (for the line it logs as it leaves)."""
+  return f'{_frames(report, 6)}; {_collectives(report)}.'
 
 
 def stall_line(op: str, *, waited: float, reports: dict[int, dict | None],

@@ -47,6 +47,9 @@ MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
 # process 0 (`multihost._companion`): a crash of process 0's trainer is then
 # an ordinary failure, also outside the launcher.
 COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
+# Set to 0 so that a process whose peer failed never leaves by itself (see
+# `multihost.set_exit_on_peer_failure`, which overrides it).
+EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.

@@ -10,19 +10,23 @@ the real service's timing).
 
 from __future__ import annotations
 
+import re
 import time
 
 import fake_coordination as fake
 import pytest
 
+import multihost.env
 from multihost import _control_agree
 from multihost import _coordination
 from multihost import _errors
 from multihost import _exit
 from multihost import _leaves
+from multihost import _peer_loss_exit
 from multihost import _runtime
 from multihost import _watchdog
 from multihost import _where
+from multihost import _where_text
 
 Header = _control_agree.Header
 
@@ -33,9 +37,14 @@ def job(request):
   count = getattr(request, 'param', 3)
   service, rts = fake.runtimes(count)
   for rt in rts:  # As multihost.initialize() does.
+    # Threads stand for processes here: none may leave with os._exit(75)
+    # (the tests of that policy give it an exit function of their own).
+    rt.settings.exit_on_peer_failure = (False, None, None)
     _watchdog.of(rt).start(heartbeat_timeout=2)
     _where.of(rt).ensure_started()
   yield service, rts
+  for rt in rts:
+    _watchdog.of(rt).peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -87,10 +96,24 @@ def test_a_timeout_names_the_missing_process(job):
     # Where the missing process is, from its responder.
     assert 'Where they are: process 2: main thread in' in str(e)
   for _, seconds in results[:2]:
-    assert 2.0 < seconds < 2.5 + 2.0
+    assert 2.5 <= seconds < 2.5 + 2.0
 
 
-def test_a_late_process_is_told_it_arrived_late(job):
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_timeout_never_fires_before_its_bound(job):
+  # 4 s: after the fast path's 1 s window, the full exchange's barrier gets
+  # the 3 s left, which the service must be asked for whole (it fails a
+  # barrier at its deadline or up to a second later, never before).
+  _, rts = job
+  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=4, runtime=rt))
+  error, seconds = results[0]
+  assert isinstance(error, _errors.CollectiveTimeoutError), error
+  assert 4.0 <= seconds < 4.0 + 1.5, seconds
+  assert 'timed out after 4.0 s (timeout=4 s)' in str(error)
+
+
+def test_a_late_process_is_told_it_arrived_late_and_by_how_much(job):
   _, rts = job
   results = fake.run(
       rts, lambda rt: _control_agree.agree(
@@ -103,7 +126,138 @@ def test_a_late_process_is_told_it_arrived_late(job):
   assert list(late.missing) == [2]
   assert str(late).startswith('[process=2] sync_global_devices: this process '
                               'arrived late')
+  # It started the call 3 s after the others (the delay), not "0.0 s more".
+  m = re.search(r'it got there ([\d.]+) s after them', str(late))
+  assert m, str(late)
+  assert 2.9 <= float(m.group(1)) < 3.5, str(late)
   assert seconds < 0.8  # at once, not after its own timeout
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+@pytest.mark.parametrize('source', ['argument', 'setter', 'environment'])
+def test_the_timeout_advice_names_what_set_the_timeout(job, source,
+                                                       monkeypatch):
+  _, rts = job
+  rt = rts[0]
+  if source == 'setter':
+    rt.settings.default_timeout = 1.5
+  elif source == 'environment':
+    monkeypatch.setenv(multihost.env.TIMEOUT, '1.5')
+  timeout = rt.resolve_timeout(1.5 if source == 'argument' else None)
+  results = fake.run([rt], lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=timeout, runtime=rt))
+  message = str(results[0][0])
+  advice = {'argument': 'or pass a larger timeout=.',
+            'setter': 'pass a larger value to multihost.set_default_timeout(), '
+                      'which set this timeout',
+            'environment': 'set a larger $MULTIHOST_TIMEOUT, which set this '
+                           'timeout'}
+  assert advice[source] in message, message
+  for other in set(advice) - {source}:
+    assert advice[other] not in message, message
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_after_a_timeout_the_where_report_no_longer_says_waiting(job):
+  _, rts = job
+  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=1.5, runtime=rt))
+  assert isinstance(results[0][0], _errors.CollectiveTimeoutError)
+  # Process 1 asks where process 0 is, as a SIGUSR1 or multihost.where() does.
+  report = _where.ask([0], runtime=rts[1])[0]
+  text = _where_text.where_text({0: report}, timeout=1.5)
+  assert 'now waiting in' not in text, text
+  assert 'not in a collective' in text, text
+  assert ("sync_global_devices('x') (call 0) raised CollectiveTimeoutError "
+          'here') in text, text
+
+
+def _policy(rt, grace):
+  """Gives `rt`'s watchdog a leave-on-peer-failure policy that records the exit instead."""
+  exits = []
+  wd = _watchdog.of(rt)
+  wd.peer_loss = _peer_loss_exit.PeerLossExit(exit_fn=exits.append)
+  wd.peer_loss.configure(enabled=True, grace=grace)
+  return exits
+
+
+def _wait_for(predicate, timeout):
+  deadline = time.monotonic() + timeout
+  while not predicate() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return predicate()
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_peer_failure_that_reaches_no_call_makes_the_process_leave(
+    job, caplog):
+  # Process 0's main thread is elsewhere (a jitted step, here this test):
+  # no multihost call raises, so after the grace it leaves with status 75
+  # and one line naming process 1 and where its main thread is.
+  service, rts = job
+  fake.run(rts, lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='warm'), timeout=10, runtime=rt))
+  exits = _policy(rts[0], grace=0.3)
+  service.kill(1)
+  assert _wait_for(lambda: exits, 5), 'process 0 did not leave'
+  assert exits == [75]
+  lines = [r.getMessage() for r in caplog.records
+           if 'leaving with exit status 75' in r.getMessage()]
+  assert len(lines) == 1, caplog.text
+  line = lines[0]
+  assert line.startswith('[process=0] ') and 'process(es) [1] failed' in line
+  assert 'main thread in ' in line and 'test_control_fake.py' in line, line
+  assert ("last completed collective: sync_global_devices('warm') (call 0)"
+          in line), line
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_peer_failure_raised_by_a_collective_does_not_make_it_leave(job):
+  service, rts = job
+  # A grace longer than the fast path's unwatched 1 s window (7 s by
+  # default), within which the collective raises.
+  exits = _policy(rts[0], grace=1.5)
+  service.kill(1)
+  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
+  assert isinstance(results[0][0], _errors.ProcessFailureError)
+  time.sleep(2.0)  # Past the grace.
+  assert exits == []
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_the_exit_handshake_cancels_leaving_on_a_peer_failure(job):
+  service, rts = job
+  exits = _policy(rts[0], grace=0.5)
+  rts[0].watchdog.shutdown_timeout = 1.0
+  service.kill(1)
+  assert _wait_for(lambda: rts[0].watchdog.failed, 5)
+  _exit.leave(rts[0])  # The normal exit sequence, inside the grace.
+  time.sleep(1.0)
+  assert exits == []
+
+
+@pytest.mark.parametrize('why', ['timeout', 'uncaught', 'none'])
+def test_the_service_host_does_not_wait_for_peers_after_an_error(job, why):
+  # Processes 1 and 2 never leave. Process 0, which runs the service, waits
+  # for them at exit (up to shutdown_timeout) only if it is not leaving
+  # after an error: its last collective timed out waiting for them, or the
+  # program ends with an uncaught exception.
+  _, rts = job
+  host = rts[0]
+  host.watchdog.shutdown_timeout = 4.0
+  if why == 'timeout':
+    fake.run([host], lambda rt: _control_agree.agree(
+        Header('sync_global_devices', name='x'), timeout=1.5, runtime=rt))
+  elif why == 'uncaught':
+    host.uncaught = 'ValueError'
+  start = time.monotonic()
+  _exit.leave(host)
+  took = time.monotonic() - start
+  if why == 'none':
+    assert took >= 4.0, took  # It waited for them.
+  else:
+    assert took < 2.0, took
 
 
 def test_a_planted_message_is_refused_on_every_process(job):
