@@ -37,6 +37,7 @@ import time
 
 from multihost import _coordination
 from multihost import _diagnostics
+from multihost import _peer_loss_exit
 from multihost import _runtime
 
 # How long abandoned collectives get to return at exit.
@@ -63,6 +64,7 @@ def leave(rt: _runtime.Runtime) -> None:
   if watchdog is None or not watchdog.running or not rt.connected():
     return
   me = watchdog.me
+  cut_short = False
   try:
     companion = rt.companion
     serving = rt.runs_service or (companion is not None and
@@ -73,7 +75,7 @@ def leave(rt: _runtime.Runtime) -> None:
       if error is None:
         _wait_for_others_to_leave(rt)
       else:
-        _say_not_waiting(rt, error)
+        cut_short = _say_not_waiting(rt, error)
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
@@ -99,6 +101,15 @@ def leave(rt: _runtime.Runtime) -> None:
                  'a normal exit would abort or hang on it.')
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(1)
+  if cut_short and rt.uncaught not in (None, 'KeyboardInterrupt'):
+    # The service's own shutdown (JAX's atexit) would wait up to 5 s for
+    # the connections of the peers it is about to abort. An uncaught
+    # exception's exit status is 1, so this process can give it at once.
+    rt.log.warning('multihost: leaving with exit status 1 (the uncaught %s) '
+                   'without the coordination service\'s graceful shutdown.',
+                   rt.uncaught)
+    _peer_loss_exit.flush_logs()
     os._exit(1)
 
 
@@ -136,7 +147,8 @@ def note_uncaught_exceptions() -> None:
   sys.excepthook = hook
 
 
-def _say_not_waiting(rt: _runtime.Runtime, why: str) -> None:
+def _say_not_waiting(rt: _runtime.Runtime, why: str) -> bool:
+  """Logs that this process leaves before the others; whether any were still there."""
   watchdog = rt.watchdog
   with watchdog.cond:
     others = set(range(watchdog.count)) - {watchdog.me}
@@ -146,6 +158,7 @@ def _say_not_waiting(rt: _runtime.Runtime, why: str) -> None:
                    'to exit, because %s; the coordination service stops '
                    'with this process, and the JAX runtime aborts them.',
                    still, why)
+  return bool(still)
 
 
 def _wait_for_others_to_leave(rt: _runtime.Runtime) -> None:

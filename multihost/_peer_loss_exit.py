@@ -135,7 +135,7 @@ class PeerLossExit:
         'collective waiting for the dead peer). Restart the job (python -m '
         'multihost.launch --max_restarts=N does). %s', prefix, EXIT_STATUS,
         failed, waited, where)
-    _flush_logs()
+    flush_logs()
     self._exit_fn(EXIT_STATUS)
 
   def _run_hook(self, hook: Callable[[list[int]], None], failed: list[int],
@@ -161,7 +161,8 @@ class PeerLossExit:
                     type(outcome[0]).__name__, outcome[0])
 
 
-def _flush_logs() -> None:
+def flush_logs() -> None:
+  """Flushes every log handler and the standard streams (before an `os._exit`)."""
   for handler in list(std_logging.getLogger().handlers) + list(
       logging.get_absl_logger().handlers):
     try:

@@ -1,0 +1,95 @@
+"""Leaving promptly after a failure, with real controllers: the survivor of a peer killed in a jitted step, and a process whose collective raised.
+
+* bin/train.py at 2x2 under `launch.Controllers` with a long grace period:
+  SIGKILL process 1 mid-run, and process 0, stuck in the jitted step's
+  gloo collective where no exception can reach it, leaves by itself with
+  exit status 75 within heartbeat + 10 s, logging one line that names
+  process 1 and where its main thread was (`_peer_loss_exit`).
+* `python -m multihost.launch --num_processes=2`: process 1 sleeps 40 s
+  while process 0 raises from `sync_global_devices('x', timeout=5)`; the
+  launch ends within 15 s (process 0 does not wait at exit for the stuck
+  peer) and names process 0 as the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from multihost import env as env_lib
+from multihost import launch
+
+from _helpers import ROOT, alive, program
+
+PY = sys.executable
+TRAIN = str(ROOT / 'bin' / 'train.py')
+HEARTBEAT_S = 3
+
+
+def _train_and_kill_1(tmp_path, attempt):
+  """One run: bin/train.py at 2x2, SIGKILL process 1 mid-run; (result, seconds until process 0 was gone)."""
+  args = [PY, TRAIN, f'--checkpoint_dir={tmp_path / f"ckpt{attempt}"}',
+          '--steps=1000000', '--save_every=1000000', '--width=2048',
+          '--samples=256', '--batch_size=64', '--progress_every=0.5',
+          '--straggler_every=0']
+  env = {**os.environ, env_lib.HEARTBEAT: str(HEARTBEAT_S)}
+  # The launcher's grace period outlasts the bound: process 0 must leave by
+  # itself, not be stopped.
+  with launch.Controllers(args, num_processes=2, devices_per_process=2,
+                          env=env, cwd=ROOT, grace_period=120) as cluster:
+    for i in range(2):
+      assert cluster.wait_for_output(i, ' step ', timeout=120), (
+          i, cluster.outputs[i][-3000:])
+    time.sleep(1.0)  # Well inside the training loop.
+    killed_at = time.monotonic()
+    cluster.kill(1, signal.SIGKILL)
+    pid = cluster.pids[0]
+    deadline = killed_at + HEARTBEAT_S + 10 + 30
+    while alive(pid) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    took = time.monotonic() - killed_at
+    result = cluster.wait(timeout=60)
+  return result, took
+
+
+def test_a_survivor_stuck_in_a_jitted_step_leaves_with_status_75(tmp_path):
+  # Gloo sometimes tells a ring neighbour at once ("Connection closed by
+  # peer", a JaxRuntimeError out of the step, which ends the program by
+  # itself); the stuck case, which this drill is about, is the usual one.
+  for attempt in range(3):
+    result, took = _train_and_kill_1(tmp_path, attempt)
+    out = result.outputs[0]
+    if not (result.returncodes[0] == 1 and 'JaxRuntimeError' in out):
+      break
+  assert result.returncodes[1] == -signal.SIGKILL, result.summary
+  assert result.returncodes[0] == 75, (result.summary, out[-4000:])
+  assert took < HEARTBEAT_S + 10, (took, out[-4000:])
+  lines = [l for l in out.splitlines() if 'leaving with exit status 75' in l]
+  assert len(lines) == 1, out[-4000:]
+  line = lines[0]
+  assert '[process=0]' in line and 'process(es) [1] failed' in line, line
+  assert 'main thread in ' in line and 'train.py' in line, line
+  assert 'last completed collective:' in line, line
+  assert 'stopped by the launcher' not in result.summary, result.summary
+
+
+def test_a_timeout_on_process_0_ends_the_launch_without_waiting_for_a_stuck_peer():
+  command = [PY, '-m', 'multihost.launch', '--num_processes=2',
+             '--timeout=120', '--', *program('raise_at_timeout')]
+  start = time.monotonic()
+  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                        timeout=150, check=False)
+  took = time.monotonic() - start
+  out = proc.stdout + proc.stderr
+  assert proc.returncode != 0, out[-4000:]
+  # 5 s of timeout and startup, not 40 s of process 1's sleep.
+  assert took < 15, (took, out[-4000:])
+  assert 'CollectiveTimeoutError' in out, out[-4000:]
+  assert re.search(r'\[p0\] .*<- failed first', out), out[-4000:]
+  assert re.search(r'leaving without waiting for process\(es\) \[1\]', out), (
+      out[-4000:])
+
