@@ -65,7 +65,7 @@ def initialize(coordinator_address: str | None = None,
     partition_index: passed to `jax.distributed.initialize`.
     detect_failures: turn on JAX's `jax_enable_recoverability` and start a
       watchdog, so that when a peer dies every surviving process raises
-      `ProcessFailureError` naming it (within about heartbeat_timeout + 1 s)
+      `ProcessFailureError` naming it (within heartbeat_timeout + 2 s)
       instead of being aborted by JAX. Default: on, unless
       $MULTIHOST_DETECT_FAILURES=0 or $JAX_ENABLE_RECOVERABILITY is set false.
     heartbeat_timeout: the same as `heartbeat_timeout_seconds` (kept for

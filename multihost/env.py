@@ -78,7 +78,7 @@ CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
                    'PMI_RANK')
 
 # With failure detection on, a killed peer is reported within about this many
-# seconds (plus ~1 s); JAX's own default (100 s) is meant for large TPU jobs.
+# seconds (plus 2 s); JAX's own default (100 s) is meant for large TPU jobs.
 DEFAULT_HEARTBEAT_S = 10
 
 _OFF = ('0', 'false', 'no', 'off')
