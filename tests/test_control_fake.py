@@ -10,6 +10,8 @@ the real service's timing).
 
 from __future__ import annotations
 
+import logging
+import pathlib
 import re
 import time
 
@@ -376,3 +378,26 @@ def test_the_process_running_the_service_leaves_last(job):
   assert left[0] >= max(left[1], left[2])  # process 0 waited for them
   host = rts[0].watchdog
   assert host.exited == {1, 2} and not host.failed
+
+
+def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
+  caplog.set_level(logging.INFO)
+  text = (pathlib.Path(__file__).resolve().parent.parent /
+          'README.md').read_text()
+  m = re.search(r'within the heartbeat timeout \+ (\d+) s: (\d+) s by\s+default',
+                text)
+  assert m, 'README no longer states the detection bound'
+  slack, bound = float(m.group(1)), float(m.group(2))
+  service, rts = fake.runtimes(2)
+  rt = rts[0]
+  rt.settings.exit_on_peer_failure = (False, None, None)
+  wd = _watchdog.of(rt)
+  try:
+    assert wd.start(heartbeat_timeout=multihost.env.DEFAULT_HEARTBEAT_S)
+    assert wd.detection_bound() == bound
+    assert slack == _watchdog.DETECTION_SLACK_S
+    assert (f'reported within {bound:.1f} s (heartbeat timeout '
+            f'{multihost.env.DEFAULT_HEARTBEAT_S:g} s + {slack:g} s)'
+            ) in caplog.text
+  finally:
+    fake.stop(rts)
