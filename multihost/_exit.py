@@ -14,14 +14,16 @@ which aborts the process. Disconnecting ends the coordination-service
 calls, and peers that leave end a gloo collective; if a thread is still
 inside one a few seconds later, the process leaves with `os._exit(1)`.
 
-The process running the service does not wait when this process is
-leaving after an error (`_leaving_after_error`): its last collective or
-watched step raised a timeout or a failure here (the peers it waited for
-are stuck, late or gone), or the program is ending with an uncaught
-exception. Waiting would hold the whole job for `shutdown_timeout` on a
-peer that may never come; instead the service stops with this process, so
-the others end at once (JAX's client aborts them) and a launcher reports
-this process's error as the first.
+The process running the service never waits for a peer known to be stuck
+or late, and waits only briefly for the others, when it is leaving after an
+error (`_leaving_after_error`): its last collective or watched step raised
+a timeout (the processes it named are stuck or late; the others timed out
+too, and get `_EXIT_GRACE_S` to leave) or a failure (the other survivors
+see it too, and get the watchdog's detection bound), or the program is
+ending with an uncaught exception (`_EXIT_GRACE_S`). Waiting the whole
+`shutdown_timeout` would hold the job on a peer that may never come;
+instead the service stops with this process, JAX's client aborts those
+still there, and a launcher reports this process's error as the first.
 
 `leave` is the watchdog's step of `Runtime.shutdown`; it reads the
 watchdog's state (`rt.watchdog`) and makes no import of it. It first
@@ -73,9 +75,13 @@ def leave(rt: _runtime.Runtime) -> None:
       rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
       error = _leaving_after_error(rt)
       if error is None:
-        _wait_for_others_to_leave(rt)
+        _wait_for_others_to_leave(rt, watchdog.shutdown_timeout)
       else:
-        cut_short = _say_not_waiting(rt, error)
+        why, stuck, within = error
+        # Peers that are not stuck leave soon (they raised too, or will):
+        # waiting for them spares them JAX's abort.
+        _wait_for_others_to_leave(rt, within, but=stuck, warn=False)
+        cut_short = _say_not_waiting(rt, why)
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
@@ -102,7 +108,8 @@ def leave(rt: _runtime.Runtime) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
-  if cut_short and rt.uncaught not in (None, 'KeyboardInterrupt'):
+  if (cut_short and rt.uncaught not in (None, 'KeyboardInterrupt') and
+      rt.raw is not None):  # The process's own runtime, not a test's.
     # The service's own shutdown (JAX's atexit) would wait up to 5 s for
     # the connections of the peers it is about to abort. An uncaught
     # exception's exit status is 1, so this process can give it at once.
@@ -113,16 +120,26 @@ def leave(rt: _runtime.Runtime) -> None:
     os._exit(1)
 
 
-def _leaving_after_error(rt: _runtime.Runtime) -> str | None:
-  """Why this process leaves after an error (see the module docstring), or None."""
+def _leaving_after_error(rt: _runtime.Runtime
+                         ) -> tuple[str, set[int], float] | None:
+  """Why this process leaves after an error (see the module docstring), or None.
+
+  Returns:
+    (why, the peers known to be stuck or late, how long to wait for the
+    others), or None when it leaves normally.
+  """
+  watchdog = rt.watchdog
   failed = rt.flight.last_failed()
   if failed is not None:
-    return f'{failed.label()} raised {failed.error} here'
-  step = rt.watchdog.step_failed
-  if step is not None:
-    return f'{step} raised here'
+    why = f'{failed.label()} raised {failed.error} here'
+    if failed.missing:  # A timeout: the others timed out too.
+      return why, set(failed.missing), _EXIT_GRACE_S
+    return why, set(), watchdog.detection_bound()  # They see it too.
+  if watchdog.step_failed is not None:
+    return (f'{watchdog.step_failed} raised here', set(),
+            watchdog.detection_bound())
   if rt.uncaught is not None:
-    return f'the program is ending with {rt.uncaught}'
+    return f'the program is ending with {rt.uncaught}', set(), _EXIT_GRACE_S
   return None
 
 
@@ -161,10 +178,13 @@ def _say_not_waiting(rt: _runtime.Runtime, why: str) -> bool:
   return bool(still)
 
 
-def _wait_for_others_to_leave(rt: _runtime.Runtime) -> None:
+def _wait_for_others_to_leave(rt: _runtime.Runtime, timeout: float, *,
+                              but: set[int] = frozenset(),
+                              warn: bool = True) -> None:
+  """Waits up to `timeout` s until every other process (except `but`) left or failed."""
   watchdog = rt.watchdog
-  deadline = time.monotonic() + watchdog.shutdown_timeout
-  others = set(range(watchdog.count)) - {watchdog.me}
+  deadline = time.monotonic() + timeout
+  others = set(range(watchdog.count)) - {watchdog.me} - set(but)
   with watchdog.cond:
     while True:
       left = watchdog.exited | set(watchdog.failed)
@@ -175,7 +195,9 @@ def _wait_for_others_to_leave(rt: _runtime.Runtime) -> None:
       if remaining <= 0:
         break
       watchdog.cond.wait(min(remaining, _LOOK_S))
+  if not warn:
+    return
   rt.log.warning('multihost: exiting after %.0f s although process(es) %s '
                  'have not exited; the JAX runtime will abort them when the '
                  'coordination service stops with this process.',
-                 watchdog.shutdown_timeout, sorted(others - left))
+                 timeout, sorted(others - left))

@@ -23,11 +23,13 @@ RING = 64
 class Record:
   """One collective call: op, barrier name, call number, start and end (time.monotonic()).
 
-  `error` is the name of the exception the call raised here, and `failed_at`
-  when (then `end` stays None: the processes did not all meet).
+  `error` is the name of the exception the call raised here, `failed_at`
+  when, and `missing` the processes a timeout waited for in vain (then `end`
+  stays None: the processes did not all meet).
   """
 
-  __slots__ = ('op', 'name', 'call', 'start', 'end', 'error', 'failed_at')
+  __slots__ = ('op', 'name', 'call', 'start', 'end', 'error', 'failed_at',
+               'missing')
 
   def __init__(self, op: str, name: str, call: int, start: float):
     self.op = op
@@ -37,6 +39,7 @@ class Record:
     self.end: float | None = None
     self.error: str | None = None
     self.failed_at: float | None = None
+    self.missing: tuple[int, ...] = ()  # Of a timeout: who did not come.
 
   def label(self) -> str:
     """'sync_global_devices('step 3') (call 12)', or 'process_allgather (call 13)'."""
@@ -69,6 +72,7 @@ class Recorder:
     if record.end is None and record.error is None:
       record.error = type(error).__name__
       record.failed_at = time.monotonic()
+      record.missing = tuple(getattr(error, 'missing', None) or ())
 
   def records(self) -> list[Record]:
     """The last RING calls, oldest first (a copy)."""
