@@ -265,6 +265,124 @@ def test_the_service_host_does_not_wait_for_peers_after_an_error(job, why):
     assert took < 2.0, took
 
 
+def test_a_planted_message_is_refused_on_every_process(job):
+  service, rts = job
+  # Someone who reached the service writes a key into the first call's
+  # directory that belongs to no process.
+  service.client(99).kv_set('multihost/0/0/7', b'not a message')
+  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+      Header('process_allgather', payload=b'row %d' % rt.index),
+      timeout=10, runtime=rt))
+  for p, e in enumerate(_errors_of(results, _errors.MultihostError)):
+    assert str(e).startswith(f'[process={p}] process_allgather: the control '
+                             "message under key 'multihost/0/0/7'")
+    assert 'is not the key of any process of this call' in str(e)
+
+
+def test_an_altered_message_fails_authentication_on_every_process(job):
+  service, rts = job
+
+  def flip(key, value, process):
+    if key == 'multihost/0/0/1':
+      return value[:-1] + bytes([value[-1] ^ 1])
+    return value
+
+  service.tamper = flip
+  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+      Header('process_allgather', payload=b'row %d' % rt.index),
+      timeout=10, runtime=rt))
+  for p, e in enumerate(_errors_of(results, _errors.MultihostError)):
+    assert str(e).startswith(f'[process={p}] process_allgather: the control '
+                             "message under key 'multihost/0/0/1'")
+    assert 'failed authentication with the job secret' in str(e)
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_disagreement_raises_consistency_error_on_every_process(job):
+  _, rts = job
+
+  def call(rt):
+    spec = _leaves.LeafSpec((2 + rt.index,), 'float32')
+    header = Header('process_allgather', tree='PyTreeDef(*)', paths=('',),
+                    specs=(spec,))
+    outcome = _control_agree.agree(header, timeout=10, runtime=rt)
+    assert not outcome.agreed  # not on the fast path
+    headers = outcome.headers
+    _control_agree.check_same_leaves(headers, me=rt.index)
+
+  results = fake.run(rts, call)
+  for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
+    message = str(e)
+    assert message.startswith(f'[process={p}] process_allgather: the inputs '
+                              'differ across processes (processes [1] differ '
+                              'from the rest)')
+    assert 'float32[2] but process 1 has float32[3]' in message
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_different_collectives_raise_consistency_error_everywhere(job):
+  _, rts = job
+  ops = ['sync_global_devices', 'process_allgather']
+  results = fake.run(rts, lambda rt: _control_agree.agree(
+      Header(ops[rt.index]), timeout=10, runtime=rt))
+  for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
+    assert str(e).startswith(f'[process={p}] processes called different '
+                             'collectives at the same point: process [0]: '
+                             "'sync_global_devices'; process [1]: "
+                             "'process_allgather'")
+
+
+def test_a_dead_peer_raises_process_failure_error(job):
+  service, rts = job
+  warm = fake.run(rts, lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='warm'), timeout=10, runtime=rt))
+  assert [out for out, _ in warm] == [_control_agree.Agreement(True)] * 3
+  service.kill(2)
+  survivors = rts[:2]
+  results = fake.run(survivors, lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
+  for p, e in enumerate(_errors_of(results, _errors.ProcessFailureError)):
+    assert list(e.failed) == [2]
+    assert str(e).startswith(f'[process={p}] sync_global_devices: '
+                             'process(es) [2] failed')
+  for _, seconds in results:
+    assert seconds < 5.0  # the watchdog's bound, not the 20 s timeout
+  # Every later collective raises at once.
+  start = time.monotonic()
+  later = fake.run(survivors, lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='y'), timeout=20, runtime=rt))
+  _errors_of(later, _errors.ProcessFailureError)
+  assert time.monotonic() - start < 0.5
+
+
+def test_a_peer_that_left_is_named_as_exited_not_failed(job):
+  _, rts = job
+  _exit.leave(rts[2])  # Process 2's exit handshake (not the service's host).
+  results = fake.run(rts[:2], lambda rt: _control_agree.agree(
+      Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
+  for p, e in enumerate(_errors_of(results, _errors.ProcessFailureError)):
+    assert str(e).startswith(f'[process={p}] sync_global_devices: '
+                             'process(es) [2] exited before this collective')
+    assert 'failed' not in str(e).split('.')[0]
+  for _, seconds in results:
+    assert seconds < 5.0
+
+
+def test_the_process_running_the_service_leaves_last(job):
+  _, rts = job
+  left = {}
+
+  def leave(rt):
+    _exit.leave(rt)
+    left[rt.index] = time.monotonic()
+
+  results = fake.run(rts, leave, delays={1: 0.5, 2: 1.5})
+  assert [out for out, _ in results] == [None, None, None]
+  assert left[0] >= max(left[1], left[2])  # process 0 waited for them
+  host = rts[0].watchdog
+  assert host.exited == {1, 2} and not host.failed
+
+
 def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
   caplog.set_level(logging.INFO)
   text = (pathlib.Path(__file__).resolve().parent.parent /
