@@ -268,7 +268,8 @@ class Watchdog:
 
 def _main_thread_stack() -> str:
   """The main thread's innermost frames on one line (without `_where`)."""
-  frame = sys._current_frames().get(threading.main_thread().ident)  # pylint: disable=protected-access
+  frames = sys._current_frames()  # pylint: disable=protected-access
+  frame = frames.get(threading.main_thread().ident)
   if frame is None:
     return 'main thread: no Python frames'
   stack = traceback.extract_stack(frame)[-6:][::-1]

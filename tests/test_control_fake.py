@@ -387,8 +387,8 @@ def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
   caplog.set_level(logging.INFO)
   text = (pathlib.Path(__file__).resolve().parent.parent /
           'README.md').read_text()
-  m = re.search(r'within the heartbeat timeout \+ (\d+) s: (\d+) s by\s+default',
-                text)
+  m = re.search(
+      r'within the heartbeat timeout \+ (\d+) s: (\d+) s by\s+default', text)
   assert m, 'README no longer states the detection bound'
   slack, bound = float(m.group(1)), float(m.group(2))
   service, rts = fake.runtimes(2)

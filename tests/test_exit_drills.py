@@ -77,7 +77,7 @@ def test_a_survivor_stuck_in_a_jitted_step_leaves_with_status_75(tmp_path):
   assert 'stopped by the launcher' not in result.summary, result.summary
 
 
-def test_a_timeout_on_process_0_ends_the_launch_without_waiting_for_a_stuck_peer():
+def test_a_timeout_on_process_0_ends_the_launch_without_its_stuck_peer():
   command = [PY, '-m', 'multihost.launch', '--num_processes=2',
              '--timeout=120', '--', *program('raise_at_timeout')]
   start = time.monotonic()
