@@ -331,11 +331,15 @@ def _named(rt: _runtime.Runtime, error: BaseException, op: str, where: str, *,
   published = None
   if where.endswith('/'):
     published = lambda: _published(rt, where)  # noqa: E731
-  return _diagnostics.coordination_failure(
+  watchdog = _watchdog.of(rt)
+  named = _diagnostics.coordination_failure(
       error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
-      known=_watchdog.of(rt).known_failure(op, waited=waited, cause=error),
+      known=watchdog.known_failure(op, waited=waited, cause=error),
       tasks=_coordination.tasks_in(str(error)), published=published,
       source=rt.timeout_source(timeout))
+  if isinstance(named, _errors.ProcessFailureError):
+    watchdog.peer_loss.delivered()  # Raised to the program (see _watchdog).
+  return named
 
 
 def _absent(rt: _runtime.Runtime, where: str) -> list[int]:
