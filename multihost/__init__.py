@@ -9,7 +9,9 @@ imports one above it (public modules may use one another), and there is no
 import cycle (tests/test_layers.py checks both). Modules _*.py are private.
 
   public              _broadcast, _gather, _sync (sync_global_devices), _equal,
-                      _digest, _arrays, _preemption, _watched, _stragglers;
+                      _digest, _arrays, _preemption, _watched, _stragglers,
+                      _live_devices (JAX's fault-tolerance block, on the
+                      watchdog and barriers of the live processes);
                       _initialize
   control plane       _control_agree: agreement on what every process is about
                         to do (Header; agree, agree_and_read_one,
@@ -62,6 +64,9 @@ from multihost._errors import (
 from multihost._gather import (
     allgather_object as allgather_object,
     process_allgather as process_allgather,
+)
+from multihost._live_devices import (
+    live_devices as live_devices,
 )
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,

@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 _LAYERS = [
     ['__init__', 'lowlevel', 'testing', 'launch', 'netns'],
     ['_broadcast', '_gather', '_sync', '_equal', '_digest', '_arrays',
-     '_preemption', '_watched', '_initialize', '_stragglers'],
+     '_preemption', '_watched', '_initialize', '_stragglers',
+     '_live_devices'],
     ['_objects', '_data_plane'],
     ['_control_agree'],
     ['_control_codec'],
