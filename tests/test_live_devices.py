@@ -26,6 +26,7 @@ import pytest
 import multihost
 from multihost import launch
 from multihost import netns
+from topologies import topologies
 
 HEARTBEAT_S = 3
 # The watchdog's bound (heartbeat + 2 polls + 1 s) plus a barrier window
@@ -194,6 +195,45 @@ _OK, _WHY = netns.available()
 def test_a_peer_killed_on_another_netns_host(tmp_path):
   result, killed_at = _drill(tmp_path, 'between', hosts='netns')
   assert _check_survivors(result, killed_at) == 3
+
+
+# --- Late and missing processes (in the pytest plugin's controllers) --------
+
+
+@topologies('3x1', timeout=240)
+def test_a_late_process_joins_and_one_that_never_comes_is_named(topology):
+  pid = jax.process_index()
+  late = 2.5
+  # Late at the exit: the others' barrier windows expire and are retried; the
+  # late process joins the barrier they wait at, at once.
+  start = time.monotonic()
+  with multihost.live_devices(jax.devices()) as devices:
+    if pid == 2:
+      time.sleep(late)
+  took = time.monotonic() - start
+  assert devices == jax.devices(), devices
+  assert took < late + 0.8, took
+  # Later than the timeout at the entry: the others name it and where it is;
+  # it finds that they gave up and raises at once.
+  start = time.monotonic()
+  if pid == 2:
+    time.sleep(5)
+    with pytest.raises(multihost.CollectiveTimeoutError, match='arrived late'):
+      with multihost.live_devices(jax.devices(), timeout=2):
+        pass
+    assert time.monotonic() - start < 5 + 2.5
+  else:
+    with pytest.raises(multihost.CollectiveTimeoutError) as info:
+      with multihost.live_devices(jax.devices(), timeout=2):
+        pass
+    assert time.monotonic() - start < 2 + 2.5
+    assert info.value.missing == (2,), str(info.value)
+    message = str(info.value)
+    assert 'live_devices: timed out' in message, message
+    assert 'Where they are: process 2: main thread in' in message, message
+  # In step again.
+  with multihost.live_devices(jax.devices()) as devices:
+    assert devices == jax.devices()
 
 
 # --- One process -----------------------------------------------------------
