@@ -63,6 +63,8 @@ _RETRY_S = 0.1
 # Barrier ids cycle over this many blocks: the service keeps every id it has
 # seen, and a block's barrier is done before the id comes round again.
 _IDS = 8
+# Keys are grouped by this many blocks; a group is deleted two groups later.
+_GROUP = 16
 _MAC = 16  # bytes of HMAC-SHA256(job secret, key + status)
 
 _HANG_ADVICE = (
@@ -201,7 +203,7 @@ class _Block:
     if _process.process_count() == 1:
       return False
     me = _process.process_index()
-    status = b'' if exc is None else (
+    status = b'' if exc is None else (  # b'': nothing published
         f'{type(exc).__name__}: {_diagnostics.shorten(exc, 300)}'.encode())
     live, statuses = _meet(self._n, 'exit', self.live, timeout=self._timeout,
                            status=status)
@@ -253,13 +255,17 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
   me = _process.process_index()
   start = time.monotonic()
   deadline = start + timeout
-  messages = f'{_ROOT}/{n}/{phase}/'
-  gave_up = f'{_ROOT}/{n}/{phase}.gave-up/'
-  if phase == 'enter' and n >= 2 and me == min(candidates):
-    _coordination.kv_delete(f'{_ROOT}/{n - 2}/')  # Nobody reads it now.
-  key = messages + str(me)
+  group = f'{_ROOT}/{n // _GROUP}/'
+  statuses_dir = f'{group}{n}/{phase}/'  # a status for each body that raised
+  here = f'{group}{n}/{phase}.here/'  # who waits, once a window expired
+  gave_up = f'{group}{n}/{phase}.gave-up/'
+  if (phase == 'enter' and n % _GROUP == 0 and n >= 2 * _GROUP
+      and me == min(candidates)):
+    _coordination.kv_delete(f'{_ROOT}/{n // _GROUP - 2}/')  # Nobody reads it.
   secret = _secret.job_secret(_OP, timeout)
-  _coordination.kv_set(key, _mac(secret, key, status) + status)
+  if status:
+    key = statuses_dir + str(me)
+    _coordination.kv_set(key, _mac(secret, key, status) + status)
   stall = None
   while True:
     live = frozenset(candidates - set(_watchdog.failed_processes())) | {me}
@@ -270,8 +276,7 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
         _coordination.kv_set(gave_up + str(me), b'')
       except Exception:  # noqa: BLE001  The service may be gone.
         pass
-      missing = [p for p in sorted(live)
-                 if p not in _published(messages, live)]
+      missing = sorted(live - _published(here, live))
       raise _where.with_whereabouts(_timed_out(phase, n, missing,
                                                time.monotonic() - start,
                                                timeout))
@@ -282,11 +287,11 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
       break
     except Exception:  # The client raises JaxRuntimeError.  # noqa: BLE001
       pass  # A window passed (or the live sets differed): look again.
-    if stall is None:
+    if stall is None:  # The slow path: say who is here, watch for a stall.
+      _coordination.kv_set(here + str(me), b'')
       stall = _where.watch_stall(
           f'{_OP} ({phase} of block {n})', started=start, until=deadline,
-          missing=lambda: [p for p in sorted(live)
-                           if p not in _published(messages, live)])
+          missing=lambda: sorted(live - _published(here, live)))
     if _coordination.kv_dir(gave_up):
       _where.stall_done(stall)
       raise _diagnostics.arrived_late(f'{_OP} ({phase} of block {n})', me=me,
@@ -295,13 +300,14 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
     time.sleep(max(0.0, _RETRY_S - (time.monotonic() - attempt)))
   _where.stall_done(stall)
   statuses = {}
-  for k, stored in _coordination.kv_dir(messages):
-    p = _process_of(k, messages)
-    if p in live:
-      value = stored[_MAC:]
-      if not hmac.compare_digest(stored[:_MAC], _mac(secret, k, value)):
-        raise _diagnostics.forged_message(_OP, k)
-      statuses[p] = value
+  if phase == 'exit':  # Every status was published before the barrier.
+    for k, stored in _coordination.kv_dir(statuses_dir):
+      p = _process_of(k, statuses_dir)
+      if p in live:
+        value = stored[_MAC:]
+        if not hmac.compare_digest(stored[:_MAC], _mac(secret, k, value)):
+          raise _diagnostics.forged_message(_OP, k)
+        statuses[p] = value
   return live, statuses
 
 
@@ -326,13 +332,13 @@ def _process_of(key: str, prefix: str) -> int | None:
   return int(rest) if key.startswith(prefix) and rest.isdigit() else None
 
 
-def _published(messages: str, live: frozenset[int]) -> set[int]:
-  """The processes of `live` with a message under `messages` (none if the store is gone)."""
+def _published(prefix: str, live: frozenset[int]) -> frozenset[int]:
+  """The processes of `live` with a key under `prefix` (none if the store is gone)."""
   try:
-    return {p for k, _ in _coordination.kv_dir(messages)
-            if (p := _process_of(k, messages)) in live}
+    return frozenset(p for k, _ in _coordination.kv_dir(prefix)
+                     if (p := _process_of(k, prefix)) in live)
   except Exception:  # noqa: BLE001
-    return set()
+    return frozenset()
 
 
 def _timed_out(phase: str, n: int, missing: list[int], waited: float,
