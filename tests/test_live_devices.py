@@ -226,7 +226,9 @@ def test_a_late_process_joins_and_one_that_never_comes_is_named(topology):
     with pytest.raises(multihost.CollectiveTimeoutError) as info:
       with multihost.live_devices(jax.devices(), timeout=2):
         pass
-    assert time.monotonic() - start < 2 + 2.5
+    # The timeout, the service's deadline tick (up to 1 s), and asking the
+    # late process where it is (up to 1.5 s).
+    assert time.monotonic() - start < 2 + 4.0
     assert info.value.missing == (2,), str(info.value)
     message = str(info.value)
     assert 'live_devices: timed out' in message, message
