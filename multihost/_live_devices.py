@@ -79,7 +79,8 @@ class _State:
 
   def __init__(self):
     self.lock = threading.Lock()
-    self.block = 0
+    self.blocks: dict[frozenset[int], int] = {}  # per set of processes
+    self.unwatched_warned = False
     self.last_live: frozenset[int] | None = None
     self.active: _Block | None = None
     self.warner: threading.Thread | None = None
@@ -150,6 +151,7 @@ class _Block:
     self._timeout = timeout
     self._devices: list[jax.Device] = []
     self._n = -1
+    self._who = ''
     self.live: frozenset[int] = frozenset()
     self.warned: set[int] = set()
 
@@ -175,10 +177,16 @@ class _Block:
       return self._devices
     _watchdog.ensure_started()
     _where.ensure_started()
+    if not _watchdog.is_running():
+      _warn_unwatched()
+    # Numbered per set of processes: those of another set do not count
+    # these blocks.
     with _state.lock:
-      self._n = _state.block
-      _state.block += 1
-    live, _ = _meet(self._n, 'enter', processes, timeout=self._timeout)
+      self._n = _state.blocks.get(processes, 0)
+      _state.blocks[processes] = self._n + 1
+    self._who = _digest(processes)
+    live, _ = _meet(self._who, self._n, 'enter', processes,
+                    timeout=self._timeout)
     previous = _state.last_live
     _state.last_live = _merge(previous, processes, live)
     self.live = live
@@ -205,8 +213,8 @@ class _Block:
     me = _process.process_index()
     status = b'' if exc is None else (  # b'': nothing published
         f'{type(exc).__name__}: {_diagnostics.shorten(exc, 300)}'.encode())
-    live, statuses = _meet(self._n, 'exit', self.live, timeout=self._timeout,
-                           status=status)
+    live, statuses = _meet(self._who, self._n, 'exit', self.live,
+                           timeout=self._timeout, status=status)
     _state.last_live = _merge(_state.last_live, self.live, live)
     gone = sorted(self.live - live)
     if gone:
@@ -241,9 +249,10 @@ def _merge(previous: frozenset[int] | None, asked: frozenset[int],
   return live | ((previous or frozenset()) - asked)
 
 
-def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
-          status: bytes = b'') -> tuple[frozenset[int], dict[int, bytes]]:
-  """The barrier of block `n`'s `phase` over the live `candidates`; returns (who met, each one's status).
+def _meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
+          timeout: float, status: bytes = b''
+          ) -> tuple[frozenset[int], dict[int, bytes]]:
+  """The barrier of block `n` (of the processes `who`) at `phase`, over the live `candidates`; returns (who met, each one's status).
 
   Collective: every live process of `candidates` must call this, in the
   same order.
@@ -255,13 +264,14 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
   me = _process.process_index()
   start = time.monotonic()
   deadline = start + timeout
-  group = f'{_ROOT}/{n // _GROUP}/'
+  group = f'{_ROOT}/{who}/{n // _GROUP}/'
   statuses_dir = f'{group}{n}/{phase}/'  # a status for each body that raised
   here = f'{group}{n}/{phase}.here/'  # who waits, once a window expired
   gave_up = f'{group}{n}/{phase}.gave-up/'
   if (phase == 'enter' and n % _GROUP == 0 and n >= 2 * _GROUP
       and me == min(candidates)):
-    _coordination.kv_delete(f'{_ROOT}/{n // _GROUP - 2}/')  # Nobody reads it.
+    # Nobody reads that group now.
+    _coordination.kv_delete(f'{_ROOT}/{who}/{n // _GROUP - 2}/')
   secret = _secret.job_secret(_OP, timeout)
   if status:
     key = statuses_dir + str(me)
@@ -272,17 +282,18 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
     remaining = deadline - time.monotonic()
     if remaining <= 0:
       _where.stall_done(stall)
-      try:
-        _coordination.kv_set(gave_up + str(me), b'')
+      missing = sorted(live - _published(here, live))
+      try:  # Who this process gave up on, for those still waiting.
+        _coordination.kv_set(gave_up + str(me),
+                             ','.join(map(str, missing)).encode())
       except Exception:  # noqa: BLE001  The service may be gone.
         pass
-      missing = sorted(live - _published(here, live))
       raise _where.with_whereabouts(_timed_out(phase, n, missing,
                                                time.monotonic() - start,
                                                timeout))
     attempt = time.monotonic()
     try:
-      _coordination.wait_at_barrier(_barrier_id(phase, n, live),
+      _coordination.wait_at_barrier(_barrier_id(who, phase, n, live),
                                     min(WINDOW_S, remaining), sorted(live))
       break
     except Exception:  # The client raises JaxRuntimeError.  # noqa: BLE001
@@ -292,11 +303,15 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
       stall = _where.watch_stall(
           f'{_OP} ({phase} of block {n})', started=start, until=deadline,
           missing=lambda: sorted(live - _published(here, live)))
-    if _coordination.kv_dir(gave_up):
+    given_up_on = _given_up_on(gave_up)
+    if given_up_on is not None:  # Another process timed out: so does this.
       _where.stall_done(stall)
-      raise _diagnostics.arrived_late(f'{_OP} ({phase} of block {n})', me=me,
-                                      waited=time.monotonic() - start,
-                                      timeout=timeout)
+      waited = time.monotonic() - start
+      if me in given_up_on:  # It gave up on this one: it came too late.
+        raise _diagnostics.arrived_late(f'{_OP} ({phase} of block {n})',
+                                        me=me, waited=waited, timeout=timeout)
+      raise _where.with_whereabouts(_timed_out(
+          phase, n, sorted(given_up_on), waited, timeout))
     time.sleep(max(0.0, _RETRY_S - (time.monotonic() - attempt)))
   _where.stall_done(stall)
   statuses = {}
@@ -311,15 +326,18 @@ def _meet(n: int, phase: str, candidates: frozenset[int], *, timeout: float,
   return live, statuses
 
 
-def _barrier_id(phase: str, n: int, live: frozenset[int]) -> str:
-  """The barrier of block `n`'s `phase` among `live`.
+def _digest(processes: frozenset[int]) -> str:
+  return hashlib.sha256(repr(sorted(processes)).encode()).hexdigest()[:12]
+
+
+def _barrier_id(who: str, phase: str, n: int, live: frozenset[int]) -> str:
+  """The barrier of block `n` of `who` at `phase` among `live`.
 
   The service fixes a barrier id's processes at its first use (another set
   is refused), so the id names the set: processes that see different live
   sets wait at different barriers, and retry once their views agree.
   """
-  members = hashlib.sha256(repr(sorted(live)).encode()).hexdigest()[:12]
-  return f'{_ROOT}/{phase}/{n % _IDS}/{members}'
+  return f'{_ROOT}/{who}/{phase}/{n % _IDS}/{_digest(live)}'
 
 
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:
@@ -330,6 +348,15 @@ def _mac(secret: bytes, key: str, value: bytes) -> bytes:
 def _process_of(key: str, prefix: str) -> int | None:
   rest = key[len(prefix):]
   return int(rest) if key.startswith(prefix) and rest.isdigit() else None
+
+
+def _given_up_on(gave_up: str) -> frozenset[int] | None:
+  """The processes given up on by those that timed out; None if none did."""
+  marks = _coordination.kv_dir(gave_up)
+  if not marks:
+    return None
+  return frozenset(int(p) for _, value in marks
+                   for p in value.decode().split(',') if p.isdigit())
 
 
 def _published(prefix: str, live: frozenset[int]) -> frozenset[int]:
@@ -352,6 +379,18 @@ def _timed_out(phase: str, n: int, missing: list[int], waited: float,
       f'collective over a dead process\'s device) or slow. '
       f'{_diagnostics.SAME_ORDER}, or {_diagnostics.LARGER_TIMEOUT}.',
       operation=_OP, missing=missing, waited=waited)
+
+
+def _warn_unwatched() -> None:
+  if _state.unwatched_warned:
+    return
+  _state.unwatched_warned = True
+  logging.warning(
+      '%s %s: failure detection is off (jax_enable_recoverability is off, or '
+      'multihost.initialize(detect_failures=False)): when a process dies, JAX '
+      'aborts the others at its heartbeat timeout, so no block can raise '
+      'ProcessFailureError. Call multihost.initialize() at the start of the '
+      'program.', _diagnostics.prefix(), _OP)
 
 
 def _start_warner() -> None:

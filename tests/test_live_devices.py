@@ -236,6 +236,15 @@ def test_a_late_process_joins_and_one_that_never_comes_is_named(topology):
   # In step again.
   with multihost.live_devices(jax.devices()) as devices:
     assert devices == jax.devices()
+  # Blocks of a subset of the processes: the others do not take part, nor
+  # count them, and are in step for the next block of everyone.
+  pair = [d for d in jax.devices() if d.process_index < 2]
+  if pid < 2:
+    for _ in range(3):
+      with multihost.live_devices(pair, timeout=20) as devices:
+        assert devices == pair
+  with multihost.live_devices(jax.devices(), timeout=20) as devices:
+    assert devices == jax.devices()
 
 
 # --- One process -----------------------------------------------------------
