@@ -122,7 +122,9 @@ def live_devices(devices: Iterable[jax.Device], *,
   `multihost.initialize()` (it turns on `jax_enable_recoverability`; without
   it JAX aborts the survivors). A block's body that is inside a device
   collective over a process that dies may never return on CPU (gloo): this
-  process then logs an error saying so. Processes do not rejoin.
+  process then logs an error saying so. Processes do not rejoin. Blocks
+  are counted per set of processes of `devices`, so processes that have no
+  device in a block need not enter it.
 
   Args:
     devices: the devices to run on (e.g. `jax.devices()`); at least one of
