@@ -13,7 +13,7 @@ Modules _*.py are private.
 
   semi-public: __init__ lowlevel testing launch netns
   public: _broadcast _gather _sync _equal _digest _arrays _preemption
-    _watched _stragglers _initialize
+    _watched _stragglers _initialize _live_devices
   payloads: _objects _data_plane
   agreement: _control_agree
   codec: _control_codec
@@ -57,6 +57,7 @@ from multihost._gather import allgather_object as allgather_object
 from multihost._gather import process_allgather as process_allgather
 from multihost._initialize import initialize as initialize
 from multihost._initialize import is_initialized as is_initialized
+from multihost._live_devices import live_devices as live_devices
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
 )

@@ -131,8 +131,11 @@ def _with_global_leaves(leaves, paths, op: str, tiled: bool):
     if _leaves.is_global(x):
       if not tiled:
         raise ValueError(
-            f'{op}: leaf {path} is a global jax.Array that is not fully '
-            f'addressable (shape {x.shape}, sharding {x.sharding}). Its '
+            # JAX's words first (code may match them), then which leaf.
+            f'{op}: Gathering global non-fully-addressable arrays only '
+            f'supports tiled=True: leaf {path} is a global jax.Array that is '
+            f'not fully addressable (shape {x.shape}, sharding '
+            f'{x.sharding}). Its '
             'processes hold parts of one value, not one value each, so it '
             'cannot be stacked: pass tiled=True to get its full global '
             'value.')

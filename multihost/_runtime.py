@@ -120,6 +120,7 @@ class Runtime:
     self.stalls: Any = None  # _stalls.Stalls
     self.plane: Any = None  # _data_tcp's plane
     self.companion: Any = None  # _companion.Companion (process 0)
+    self.live_blocks: Any = None  # _live_devices.Blocks
     # The exit sequence's steps, by name, set by the parts that need one;
     # `shutdown` runs them in EXIT_ORDER.
     self.exit_steps: dict[str, Callable[[], None]] = {}
