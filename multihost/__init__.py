@@ -14,6 +14,7 @@ Modules _*.py are private.
   semi-public: __init__ lowlevel testing launch netns
   public: _broadcast _gather _sync _equal _digest _arrays _preemption
     _watched _stragglers _initialize _live_devices
+  live barrier: _live_barrier
   payloads: _objects _data_plane
   agreement: _control_agree
   codec: _control_codec
