@@ -129,7 +129,8 @@ class Checkpoints:
       if local_directory is not None:
         self.local = _local.LocalTier(
             local_directory, directory=self.directory,
-            every=local_save_every or save_every, keep=local_keep)
+            every=(save_every if local_save_every is None
+                   else local_save_every), keep=local_keep)
     except BaseException:
       if self._lock is not None:
         self._lock.release()

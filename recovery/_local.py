@@ -151,6 +151,7 @@ class LocalTier:
     self.last_saved: int | None = None
     self.restored_bytes_from_peers = 0
     self.saves = 0
+    self.save_seconds = 0.0  # spent by `save` on the calling thread
     self.peer_bytes_sent = 0
 
   # -- save ------------------------------------------------------------------
@@ -166,7 +167,7 @@ class LocalTier:
     Raises:
       multihost.ConsistencyError: the controllers hold different states.
     """
-    step = state.step
+    step, t0 = state.step, time.monotonic()
     raw = state.to_tree()
     tree = _leaves.storable(raw)
     digests = _consistency.check_consistent(
@@ -212,6 +213,14 @@ class LocalTier:
                                       own + peer_blocks)
     self.last_saved = step
     self.saves += 1
+    spent = time.monotonic() - t0
+    self.save_seconds += spent
+    logging.info(
+        '%s Local save of step %d to %s: %d own and %d peer bytes, %d bytes '
+        'sent to a peer, %.3f s on the training thread (the files are written '
+        'in the background).', _prefix(), step, self.local,
+        sum(b.nbytes for _, b in own), sum(b.nbytes for _, b in peer_blocks),
+        sum(b.nbytes for _, b in sends), spent)
 
   def _successor_of(self, host: str) -> str | None:
     order = self.host_order
