@@ -108,9 +108,10 @@ def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
   # A write killed before its rename: a temporary folder with data only.
   (own / '7.tmp-dead').mkdir()
   (own / '7.tmp-dead' / 'data.bin').write_bytes(b'x' * 16)
-  # A committed-looking folder without its marker.
+  # A complete-looking folder without its commit marker.
   (own / '8').mkdir()
-  (own / '8' / 'manifest.json').write_text('{}')
+  for name in ('manifest.json', 'data.bin'):
+    (own / '8' / name).write_bytes((own / '5' / name).read_bytes())
   stored = _local_folder.scan(str(tmp_path))
   assert [s.step for s in stored] == [5]
   np.testing.assert_array_equal(
@@ -174,11 +175,15 @@ def test_a_damaged_local_step_falls_back_to_the_persistent_tier(
   assert 'failed its digest check' in caplog.text
 
 
-def test_another_sharding_takes_the_persistent_tier(tmp_path, monkeypatch):
+@pytest.mark.parametrize('devices', [
+    pytest.param(lambda d: d[:2], id='fewer-devices'),
+    pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
+def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
+                                                     devices):
   _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
   _delete_persistent(tmp_path, 11)
   _, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
-                   sharding=_sharded(jax.devices()[:2]),
+                   sharding=_sharded(devices(jax.devices())),
                    monkeypatch=monkeypatch)
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
 
@@ -262,11 +267,25 @@ def test_sigkill_restarts_from_the_local_tier_bitwise_equal(
   assert {tier for _, tier, _, _ in resumed.values()} == {'local'}
   peers = {p: b for p, (_, _, b, _) in resumed.items()}
   if '--drill_wipe_local' in extra:
-    # Host 1's folder is gone: its half of the weights and momentum (4 of
-    # 8 float32 each) and every replicated leaf come from host 0.
+    # Host 1's folder is gone: its half of the weights and momentum (its
+    # peer copies on host 0) and every replicated leaf come from host 0.
     assert peers[0] == 0 and peers[1] > 2 * 4 * 4, peers
   else:
     assert peers == {0: 0, 1: 0}
+  # Host 1's newest local step holds its own half of the weights and, with
+  # --shard_params, host 0's half as a peer copy (host 1 is host 0's
+  # successor in the ring, and host 0 is host 1's).
+  newest = max(_local_folder.scan(str(tmp_path / 'local1')),
+               key=lambda s: s.step)
+  blocks = {k[1] for k in newest.entries if k[0] == 'user/weights'}
+  if '--shard_params' in extra:
+    # 4 devices, 2 of the 8 weights each: host 1 holds [4, 8).
+    assert blocks == {((0, 2),), ((2, 4),), ((4, 6),), ((6, 8),)}, blocks
+    assert sorted(map(str, newest.manifest['peer_keys'])) == sorted(
+        str([leaf, [[a, a + 2]]]) for leaf in ('user/momentum', 'user/weights')
+        for a in (0, 2))
+  else:
+    assert blocks == {((0, 8),)}, blocks
   killed = float(re.search(r'SIGKILLs itself after step \d+ at (\d+\.\d+)',
                            out).group(1))
   metrics = [json.loads(line) for line in
