@@ -326,8 +326,7 @@ def main(argv):
       if metrics is not None:
         metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
                                   'ids': record.ids.tolist(),
-                                  'digest': digest,
-                                  'time': time.time()}) + '\n')
+                                  'digest': digest}) + '\n')
         metrics.flush()
     if (record.step == _DRILL_KILL_AFTER.value and first_attempt
         and pid == _DRILL_KILL_PROCESS.value):
