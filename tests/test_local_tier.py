@@ -216,19 +216,26 @@ STEPS = 30
 KILL_AFTER = 17
 
 
-def _drill(tmp_path, *extra, kill=True):
-  """bin/train.py on 2 simulated hosts under --max_restarts=1."""
+def _drill(tmp_path, *extra, kill=True, one_host=False):
+  """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one."""
   args = [f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
           '--save_every=50', f'--local_save_every={K}',
           f'--metrics_out={tmp_path}/metrics.jsonl', *extra]
   if kill:
     args.append(f'--drill_kill_after_step={KILL_AFTER}')
-  command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
-             f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
-             '$JAX_PROCESS_ID ' + ' '.join(args))
+  if one_host:  # Both processes share the host's folder.
+    command = (f'exec "{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local '
+               + ' '.join(args))
+  else:
+    command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+               f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
+               '$JAX_PROCESS_ID ' + ' '.join(args))
+  env = {k: v for k, v in os.environ.items()
+         if k != recovery.HOST_ID_VARIABLE}
   result = launch.launch(['sh', '-c', command], num_processes=2,
                          devices_per_process=2, grace_period=1,
-                         kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT)
+                         kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,
+                         env=env)
   assert result.ok, result.summary + '\n' + '\n'.join(
       o[-3000:] for o in result.outputs)
   out = '\n'.join(o for a in result.attempts for o in a.outputs)
@@ -250,46 +257,60 @@ def uninterrupted(tmp_path_factory):
   return digest
 
 
-@pytest.mark.parametrize('extra', [
-    pytest.param(['--shard_params', '--drill_wipe_local'], id='replaced-host'),
-    pytest.param([], id='replicated')])
-def test_sigkill_restarts_from_the_local_tier_bitwise_equal(
-    tmp_path, uninterrupted, extra):
-  result, out, digest = _drill(tmp_path, *extra)
+def test_sigkill_restarts_from_a_replaced_host_s_peer_bitwise_equal(
+    tmp_path, uninterrupted):
+  # Process 1 deletes its host's local folder, then SIGKILLs itself.
+  result, out, digest = _drill(tmp_path, '--shard_params',
+                               '--drill_wipe_local')
   assert result.restart_count == 1
   assert digest == uninterrupted
   resumed = _resumed(out)
-  assert set(resumed) == {0, 1}, out[-3000:]
-  steps = {step for step, _, _, _ in resumed.values()}
-  assert steps == {15}  # the newest local step before the kill
+  assert {p: r[:2] for p, r in resumed.items()} == {
+      0: (15, 'local'), 1: (15, 'local')}, out[-3000:]
   assert KILL_AFTER - 15 <= 2 * K
-  assert {tier for _, tier, _, _ in resumed.values()} == {'local'}
-  peers = {p: b for p, (_, _, b, _) in resumed.items()}
-  if '--drill_wipe_local' in extra:
-    # Host 1's folder is gone: its half of the weights and momentum (its
-    # peer copies on host 0) and every replicated leaf come from host 0.
-    assert peers[0] == 0 and peers[1] > 2 * 4 * 4, peers
-  else:
-    assert peers == {0: 0, 1: 0}
-  # Host 1's newest local step holds its own half of the weights and, with
-  # --shard_params, host 0's half as a peer copy (host 1 is host 0's
-  # successor in the ring, and host 0 is host 1's).
+  # Host 1's half of the weights and momentum (its peer copies on host 0)
+  # and every replicated leaf came from host 0.
+  peers = {p: r[2] for p, r in resumed.items()}
+  assert peers[0] == 0 and peers[1] == 320, peers
+  # Host 1's newest local step (written after the restart) holds its own
+  # blocks and host 0's as a peer copy: host 0 is host 1's successor in the
+  # ring, as host 1 is host 0's. 4 devices, 2 of the 8 weights each.
   newest = max(_local_folder.scan(str(tmp_path / 'local1')),
                key=lambda s: s.step)
   blocks = {k[1] for k in newest.entries if k[0] == 'user/weights'}
-  if '--shard_params' in extra:
-    # 4 devices, 2 of the 8 weights each: host 1 holds [4, 8).
-    assert blocks == {((0, 2),), ((2, 4),), ((4, 6),), ((6, 8),)}, blocks
-    assert sorted(map(str, newest.manifest['peer_keys'])) == sorted(
-        str([leaf, [[a, a + 2]]]) for leaf in ('user/momentum', 'user/weights')
-        for a in (0, 2))
-  else:
-    assert blocks == {((0, 8),)}, blocks
+  assert blocks == {((0, 2),), ((2, 4),), ((4, 6),), ((6, 8),)}, blocks
+  assert sorted(map(str, newest.manifest['peer_keys'])) == sorted(
+      str([leaf, [[a, a + 2]]]) for leaf in ('user/momentum', 'user/weights')
+      for a in (0, 2))
+  _report('replaced host', out, resumed, peers)
+  assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
+                 for pid in a.pids)
+
+
+def test_sigkill_restarts_two_processes_sharing_one_host_s_folder(
+    tmp_path, uninterrupted):
+  result, out, digest = _drill(tmp_path, '--shard_params', one_host=True)
+  assert digest == uninterrupted
+  resumed = _resumed(out)
+  assert {p: r[:3] for p, r in resumed.items()} == {
+      0: (15, 'local', 0), 1: (15, 'local', 0)}, out[-3000:]
+  # One host: each process wrote its own shards in its own subfolder, the
+  # replicated leaves were written once (by process 0), nothing was copied.
+  stored = {(s.manifest['process'], s.step): s
+            for s in _local_folder.scan(str(tmp_path / 'local'))}
+  assert {k[1] for k in stored} == {25, 30}
+  one = stored[(1, 30)]
+  assert set(one.entries) == {(leaf, ((a, a + 2),)) for a in (4, 6)
+                              for leaf in ('user/weights', 'user/momentum')}
+  assert one.manifest['peer_keys'] == []
+  assert ('data/order', ()) in stored[(0, 30)].entries
+  _report('one host', out, resumed, {0: 0, 1: 0})
+
+
+def _report(what, out, resumed, peers):
   killed = float(re.search(r'SIGKILLs itself after step \d+ at (\d+\.\d+)',
                            out).group(1))
   # Restored on every process, about to train again.
   again = max(at for _, _, _, at in resumed.values())
-  print(f'drill {extra}: kill to training again {again - killed:.1f} s, '
+  print(f'drill {what}: kill to training again {again - killed:.1f} s, '
         f'{KILL_AFTER - 15} steps lost, bytes from peers {peers}')
-  assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
-                 for pid in a.pids)
