@@ -296,6 +296,10 @@ def main(argv):
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
 
+  if _LOCAL_SAVE_EVERY.value and not _LOCAL_DIR.value:
+    raise app.UsageError(
+        f'--local_save_every={_LOCAL_SAVE_EVERY.value} needs '
+        '--local_checkpoint_dir (the host-local folder of the local tier).')
   if _SHARD_PARAMS.value and _WIDTH.value % count:
     raise app.UsageError(
         f'--shard_params needs --width={_WIDTH.value} to be a multiple of the '

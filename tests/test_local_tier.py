@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 
 import jax
@@ -91,7 +93,6 @@ def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
 
 
 def _delete_persistent(tmp_path, step):
-  import shutil  # pylint: disable=import-outside-toplevel
   shutil.rmtree(tmp_path / 'ckpt' / str(step))
 
 
@@ -314,3 +315,13 @@ def _report(what, out, resumed, peers):
   again = max(at for _, _, _, at in resumed.values())
   print(f'drill {what}: kill to training again {again - killed:.1f} s, '
         f'{KILL_AFTER - 15} steps lost, bytes from peers {peers}')
+
+
+def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
+  proc = subprocess.run(
+      [PY, TRAIN, f'--checkpoint_dir={tmp_path}', '--local_save_every=3'],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  assert '--local_save_every=3 needs --local_checkpoint_dir' in proc.stderr
