@@ -32,6 +32,7 @@ DURATION = '/multihost/collective/duration_secs'
 WAIT = '/multihost/collective/wait_secs'
 BYTES = '/multihost/collective/bytes'
 EVENT = '/multihost/event/duration_secs'
+EVENT_BYTES = '/multihost/event/bytes'
 
 
 def recorded(op: str, nbytes: Callable[..., int] | None = None):
@@ -81,22 +82,30 @@ def _finish(flight, op: str, begun: int, start: float, size: int,
   monitoring.record_scalar(BYTES, size, op=op)
 
 
-def record_event(name: str, start: float, end: float, **args: Any) -> None:
+def record_event(name: str, start: float, end: float | None = None,
+                 **args: Any) -> None:
   """Records a span of this process (e.g. a checkpoint save) on its trace and in `jax.monitoring`.
 
   Not a collective: only this process records it. It appears on this
   process's track of the merged trace (`multihost.launch --trace`,
   `multihost.write_trace`) with `args`, and is reported as
-  /multihost/event/duration_secs with metadata name=`name`.
+  /multihost/event/duration_secs with metadata name=`name`; with a
+  `bytes` argument also as the scalar /multihost/event/bytes with metadata
+  name=`name`, tier=`args['tier']` ('' when not given).
 
   Args:
-    name: what happened ('checkpoint save', 'restore', ...).
+    name: what happened ('checkpoint save', 'checkpoint restore', ...).
     start: when it began, time.monotonic() seconds.
-    end: when it ended, time.monotonic() seconds.
+    end: when it ended, time.monotonic() seconds (default: now).
     **args: details shown with the event (JSON-able values).
   """
+  if end is None:
+    end = time.monotonic()
   _runtime.current().flight.event(name, start, end, args)
   monitoring.record_event_duration_secs(EVENT, end - start, name=name)
+  if 'bytes' in args:
+    monitoring.record_scalar(EVENT_BYTES, args['bytes'], name=name,
+                             tier=str(args.get('tier', '')))
 
 
 def result_bytes(result: Any, *args: Any, **kwargs: Any) -> int:

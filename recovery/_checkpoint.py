@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 from absl import logging
 import jax
 import numpy as np
-
+from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
@@ -174,7 +175,7 @@ class Checkpoints:
       multihost.ConsistencyError: the controllers hold different states.
       CheckpointError: the save could not be started.
     """
-    step = state.step
+    step, start = state.step, time.monotonic()
     if not force and step % self.save_every:
       return False
     if step == self._pending or step in self._committed:
@@ -202,6 +203,7 @@ class Checkpoints:
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._pending = step
+    _record_event('checkpoint save', start, step=step, reason=reason)
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -297,6 +299,7 @@ class Checkpoints:
       CheckpointCorruptError: the restored state fails the digest check.
       multihost.ConsistencyError: the controllers restored different states.
     """
+    start = time.monotonic()
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -334,6 +337,8 @@ class Checkpoints:
       raise CheckpointCorruptError(
           f'{_prefix()} Checkpoint folder {step} holds a state at step '
           f'{state.step}. {self._fallback_hint(step)}')
+    _record_event('checkpoint restore', start, step=step, tier='shared',
+                  bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
     logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
                  'digest %s...) from %s onto %d processes, %d devices.',
                  _prefix(), step, state.epoch, state.cursor,
