@@ -55,13 +55,14 @@ def divergence(dumps: Sequence[Mapping[str, Any]], num_processes: int
                ) -> str | None:
   """The first call where the processes disagreed or one stopped arriving, in one line; None if none.
 
-  As torch's flight-recorder analyser does: walk the call numbers every
-  ring still covers, in order; at each, the processes that recorded it
-  must have the same op and barrier name, and every process must have
-  arrived. A process arrived if it recorded the call or completed a later
-  one, or if any process's record of the call completed (the barrier let
-  it out, so all were there). A process with no dump is assumed present
-  only where the barrier proves it.
+  As torch's flight-recorder analyser does: walk the call numbers the
+  rings hold, in order; at each, the processes that recorded it must have
+  the same op and barrier name, and every process must have arrived. A
+  process arrived if it recorded the call or a later one, or if any
+  process's record of the call completed (the barrier let it out, so all
+  were there): a call older than a process's ring is not held against it.
+  A process with no dump is assumed present only where a barrier proves
+  it.
 
   Args:
     dumps: the processes' dumps of one attempt (at most one per process).
@@ -71,12 +72,7 @@ def divergence(dumps: Sequence[Mapping[str, Any]], num_processes: int
     return None
   by_process = {d['process']: {r['call']: r for r in d['records']}
                 for d in dumps}
-  covered = [min(calls) for calls in by_process.values() if calls]
-  if not covered:
-    return None
-  first = max(covered)  # Every ring holds every call from here on.
-  calls = sorted({c for calls in by_process.values() for c in calls
-                  if c >= first})
+  calls = sorted({c for calls in by_process.values() for c in calls})
   for call in calls:
     here = {p: calls_[call] for p, calls_ in by_process.items()
             if call in calls_}
@@ -169,8 +165,11 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
   for d in dumps:
     by_attempt.setdefault(d.get('attempt', 0), []).append(d)
   offsets = {k: clock_offsets(ds) for k, ds in by_attempt.items()}
-  times = [r['start'] for d in dumps for r in d['records']]
-  times += [e['start'] for d in dumps for e in d['events']]
+  def offset(d):
+    return offsets[d.get('attempt', 0)].get(d['process'], 0.0)
+
+  times = [r['start'] - offset(d) for d in dumps for r in d['records']]
+  times += [e['start'] - offset(d) for d in dumps for e in d['events']]
   times += [a['start'] for a in attempts]
   times += [f['stopped'] for f in failures.values() if f.get('stopped')]
   t0 = min(times, default=0.0)
