@@ -46,8 +46,8 @@ def ring_size() -> int:
   except ValueError:
     size = 0
   if size < 1:
-    raise ValueError(f'${_env.FLIGHT_RING}={text!r} is not a positive number of '
-                     'calls. Set it to e.g. 256, or unset it.')
+    raise ValueError(f'${_env.FLIGHT_RING}={text!r} is not a positive '
+                     'number of calls. Set it to e.g. 256, or unset it.')
   return size
 
 

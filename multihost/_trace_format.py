@@ -12,8 +12,7 @@ median, over the calls both recorded as completed, of p's barrier exit
 minus the reference's. Each event is drawn at its time minus its process's
 offset.
 
-The trace (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
-one track (`pid`) per process, with a thread for its collectives (`X`
+The trace (Chrome's trace-event format, which Perfetto also reads): one track (`pid`) per process, with a thread for its collectives (`X`
 events: op, barrier name, call, bytes, wait and move ms), a thread for its
 other events (checkpoint saves, restores, ...), and a counter of how late
 it arrived at each call (the straggler statistic: its wait's shortfall

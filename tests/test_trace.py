@@ -250,3 +250,23 @@ def test_after_a_sigkill_the_trace_holds_the_survivors_and_marks_the_dead(
   assert 'killed by SIGKILL' in mark['name']
   assert mark['args']['last_line'] == 'ROUND 2'
   assert 'never arrived at call 9' in mark['args']['seen_by_others']
+
+
+def test_restarts_appear_on_the_launcher_track_with_each_attempts_calls(
+    tmp_path):
+  path = tmp_path / 'run.json'
+  result = launch.launch(program('traced', 1, 'die'), num_processes=2,
+                         timeout=120, trace=path, max_restarts=1,
+                         env={env_lib.HEARTBEAT: '3'})
+  assert len(result.attempts) == 2, result.summary
+  trace = json.loads(path.read_text())
+  _check_format(trace, 2)
+  attempts = [e for e in trace['traceEvents'] if e.get('cat') == 'attempt']
+  assert [e['name'] for e in attempts] == ['attempt 0', 'attempt 1 (restart)']
+  assert all(e['pid'] == 2 for e in attempts)  # the launcher's track
+  assert attempts[0]['ts'] < attempts[1]['ts']
+  survivor = sorted((e['args']['attempt'], e['args']['call'])
+                    for e in trace['traceEvents']
+                    if e.get('cat') == 'collective' and e['pid'] == 0)
+  assert survivor == [(0, 0), (0, 1), (0, 2), (0, 3),
+                      (1, 0), (1, 1), (1, 2), (1, 3)]
