@@ -99,6 +99,23 @@ def test_the_merged_trace_aligns_clocks_and_marks_the_failed_process():
       "call 3 (sync_global_devices('after'))")
   assert [e['name'] for e in events if e.get('cat') == 'event'] == [
       'checkpoint save']
+  # Process 0 waited 0.5 s at every call, process 1 too: no one came last.
+  labels = {e['pid']: e['args']['labels'] for e in events
+            if e['name'] == 'process_labels'}
+  assert labels == {0: 'attempt 0: last to 0 of 3 calls, mean lag 0.00 ms',
+                    1: 'attempt 0: last to 0 of 3 calls, mean lag 0.00 ms'}
+
+
+def test_the_straggler_statistic_per_process():
+  a = _agreed(0, range(4))
+  b = _agreed(1, range(4))
+  for r in b['records'][:3]:
+    r['start'] += 0.2  # came 0.2 s late to calls 0-2: waited 0.2 s less
+  lags = _trace_format.straggler_lags([a, b])
+  assert lags[1] == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2, 3: 0.0})
+  assert _trace_format.straggler_labels(lags) == {
+      0: 'last to 0 of 4 calls, mean lag 0.00 ms',
+      1: 'last to 3 of 4 calls, mean lag 150.00 ms'}
 
 
 # --- The recorder ------------------------------------------------------------
