@@ -317,12 +317,15 @@ def main(argv):
                       jax.random.key(_SEED.value))
 
   metrics = None
+  checked = [time.monotonic()]  # When the straggler check last ran.
 
   def on_step(state, record):
     every = _STRAGGLER_EVERY.value
     if every and jax.process_count() > 1 and record.step % every == 0:
       report = multihost.straggler_report()  # Every process, same step.
-      if pid == 0 and report.consistently_last is not None:
+      step_s, checked[0] = (time.monotonic() - checked[0]) / every, \
+          time.monotonic()
+      if pid == 0 and report.matters(step_seconds=step_s):
         logging.warning('%s step %d: %s', prefix, record.step,
                         report.summary())
     if _METRICS_OUT.value:

@@ -11,6 +11,7 @@ import numpy as np
 from multihost import _control_agree
 from multihost import _data_plane
 from multihost import _leaves
+from multihost import _metrics
 from multihost import _objects
 from multihost import _process
 
@@ -22,6 +23,7 @@ PyTree = Any
 _INLINE_TOTAL = 4 * _control_agree.INLINE_BYTES
 
 
+@_metrics.recorded('process_allgather', _metrics.result_bytes)
 def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                       timeout: float | None = None) -> PyTree:
   """Gathers `in_tree` from every process; returns numpy arrays.
@@ -230,6 +232,7 @@ def _assemble(parts_of_leaf, spec, tiled, bounds_by_process):
   return _leaves.finish(out, spec)
 
 
+@_metrics.recorded('allgather_object')
 def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   """Returns every process's picklable `obj`, as a list in process order.
 

@@ -48,6 +48,13 @@ MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
 # an ordinary failure, also outside the launcher.
 COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 
+# Calls (and events) each process's flight recorder keeps (default 64); see
+# `multihost._flight`.
+FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
+# Set by `multihost.launch --trace`: the folder where each controller writes
+# its flight recorder at exit (process-N.json), for the launcher to merge.
+TRACE_DIR = 'MULTIHOST_TRACE_DIR'
+
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
 PYTEST_WORKER = 'MULTIHOST_PYTEST_WORKER'

@@ -10,7 +10,7 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
-
+from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
@@ -203,7 +203,7 @@ class Checkpoints:
       multihost.ConsistencyError: the controllers hold different states.
       CheckpointError: the save could not be started.
     """
-    step = state.step
+    step, start = state.step, time.monotonic()
     if self.local is not None and self.local.due(step):
       self.local.save(state)
     if not force and step % self.save_every:
@@ -233,6 +233,7 @@ class Checkpoints:
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._pending = step
+    _record_event('checkpoint save', start, step=step, reason=reason)
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -330,6 +331,7 @@ class Checkpoints:
       CheckpointCorruptError: the restored state fails the digest check.
       multihost.ConsistencyError: the controllers restored different states.
     """
+    start = time.monotonic()
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -367,6 +369,8 @@ class Checkpoints:
       raise CheckpointCorruptError(
           f'{_prefix()} Checkpoint folder {step} holds a state at step '
           f'{state.step}. {self._fallback_hint(step)}')
+    _record_event('checkpoint restore', start, step=step, tier='shared',
+                  bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
     logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
                  'digest %s...) from %s onto %d processes, %d devices.',
                  _prefix(), step, state.epoch, state.cursor,
@@ -435,6 +439,8 @@ class Checkpoints:
       if got is not None:
         state, fetched = got
         self.resumed_from, self.resumed_tier = state.step, 'local'
+        _record_event('checkpoint restore', t0, step=state.step,
+                      tier='local', bytes=fetched)
         logging.info(
             '%s Restored local step %d (epoch %d, cursor %d) from %s in '
             '%.2f s; %d bytes came from peers (this process); the newest '

@@ -4,7 +4,7 @@ Usage:
 
   python -m multihost.launch --num_processes=2 --devices_per_process=2 \\
       [--timeout=SECONDS] [--grace_period=SECONDS] [--max_restarts=N] \\
-      [--host_service] [--hosts=netns] -- python train.py --flag
+      [--host_service] [--hosts=netns] [--trace=PATH] -- python train.py --flag
 
 Each controller gets an environment in which both `multihost.initialize()`
 and a bare `jax.distributed.initialize()` work unchanged (see `child_env`):
@@ -22,7 +22,7 @@ hosts JAX's coordination service, dies first, the summary says so and does
 not blame the survivors that the JAX runtime then aborted. `--timeout`
 bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
 launcher are forwarded to the controllers, which are then killed; nothing is
-left running.
+left running. `--trace=PATH` writes the run's timeline (see `_trace`).
 
 The same machinery is a library, for tests and the pytest plugin:
 
@@ -55,6 +55,8 @@ Modules (one job each):
                    attempts and service hosting
   _run.py          `launch()`: Controllers to the end, signals, summary
   _cli.py          the one command line (`main`), also behind bin/launch.py
+  _trace.py        `--trace`: the controllers' flight-recorder dumps merged
+                   into one timeline, and the summary's divergence line
 """
 
 from __future__ import annotations
