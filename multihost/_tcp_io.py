@@ -66,8 +66,15 @@ def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
 
 def open_at_peer(conn: socket.socket) -> bool:
   """Whether the peer has not closed `conn` (bytes waiting count as open)."""
+  # Python waits for a socket with a timeout to be readable before its recv,
+  # whatever the flags: peek with the socket non-blocking.
+  timeout = conn.gettimeout()
   try:
-    return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b''
+    conn.setblocking(False)
+    try:
+      return conn.recv(1, socket.MSG_PEEK) != b''
+    finally:
+      conn.settimeout(timeout)
   except (BlockingIOError, InterruptedError):
     return True
   except OSError:
