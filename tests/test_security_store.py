@@ -234,3 +234,72 @@ def test_what_the_store_shows_does_not_give_the_secret_to_a_word_list(secret):
   for word in words[:3]:
     _secret.derive(word.encode(), job)
   assert (time.monotonic() - start) / 3 > 0.005
+
+
+# --- Strangers at a data-plane port ------------------------------------------
+
+
+@pytest.fixture
+def plane(secret, monkeypatch):
+  """Process 1's data-plane listener (of 2), with a 1 s handshake deadline."""
+  del secret
+  monkeypatch.setattr(_tcp_link, '_HANDSHAKE_S', 1.0)
+  _, rts = fake.runtimes(2)
+  fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
+  p = _tcp_link.Plane(rts[1], 5.0, 'test')
+  yield p, _tcp_link.read_address(
+      rts[1].job_keys[1], 1,
+      rts[1].client.kv_try_get(_tcp_link.ADDRESS_KEY.format(1)), 'test')
+  p.listener.close()
+  fake.stop(rts)
+
+
+def _closed_within(s, seconds: float) -> bool:
+  """Whether the listener closes `s` within `seconds` (we send nothing)."""
+  s.settimeout(seconds)
+  try:
+    return s.recv(64) == b''
+  except TimeoutError:
+    return False
+  except OSError:
+    return True
+
+
+def test_a_handshake_trickling_a_byte_at_a_time_is_cut_at_its_deadline(plane):
+  import socket  # noqa: PLC0415
+  _, address = plane
+  s = socket.create_connection(address, timeout=5)
+  start = time.monotonic()
+  try:
+    cut = False
+    while time.monotonic() - start < 4.0 and not cut:
+      try:
+        s.sendall(b'M')  # less than a hello, one byte every 0.3 s
+      except OSError:
+        cut = True
+        break
+      cut = _closed_within(s, 0.3)
+    took = time.monotonic() - start
+  finally:
+    s.close()
+  assert cut and took < 1.9, (cut, took)  # the 1 s deadline, not per recv
+
+
+def test_strangers_past_the_cap_cut_the_oldest_not_the_newcomer(plane):
+  import socket  # noqa: PLC0415
+  p, address = plane
+  held = [socket.create_connection(address, timeout=5)
+          for _ in range(_tcp_link._PER_SOURCE)]
+  try:
+    deadline = time.monotonic() + 2
+    while len(p.pending) < _tcp_link._PER_SOURCE:
+      assert time.monotonic() < deadline, len(p.pending)
+      time.sleep(0.01)
+    newcomer = socket.create_connection(address, timeout=5)
+    held.append(newcomer)
+    assert _closed_within(held[0], 0.5)  # the oldest stranger
+    assert not _closed_within(newcomer, 0.2)  # a peer would go on from here
+    assert not any(_closed_within(s, 0.01) for s in held[1:-1])
+  finally:
+    for s in held:
+      s.close()
