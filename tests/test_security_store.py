@@ -303,3 +303,36 @@ def test_strangers_past_the_cap_cut_the_oldest_not_the_newcomer(plane):
   finally:
     for s in held:
       s.close()
+
+
+def test_after_a_failed_transfer_the_next_one_opens_new_links(secret):
+  del secret
+  _, rts = fake.runtimes(2)
+  planes = []
+  try:
+    fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
+    planes = [_tcp_link.Plane(rt, 5.0, 'test') for rt in rts]
+
+    def transfer(rt):
+      plane = planes[rt.index]
+      link = plane.conn(1 - rt.index, time.monotonic() + 10, 'test')
+      link.sock.settimeout(5)
+      if rt.index == 0:
+        link.sock.sendall(link.frame(7, 0))
+      else:
+        link.read_frame(7, 0, 'test', 0)
+      return link
+
+    first = [out for out, _ in fake.run(rts, transfer)]
+    assert all(isinstance(l, _tcp_link.Link) for l in first), first
+    # Process 0's transfer failed: it closes its links (bytes may be in
+    # flight). Process 1 did not notice and keeps its end.
+    _tcp_link.break_plane(planes[0], RuntimeError('cut'))
+    time.sleep(0.1)
+    second = [out for out, _ in fake.run(rts, transfer)]
+    assert all(isinstance(l, _tcp_link.Link) for l in second), second
+    assert second[0] is not first[0] and second[1] is not first[1]
+  finally:
+    for p in planes:
+      p.listener.close()
+    fake.stop(rts)
