@@ -312,14 +312,17 @@ class Responder:
     """
     rt = self.runtime
     try:
-      key = _key(rt, _POLL_S)
-      found = []
+      later = []
       for name, stored in rt.client.kv_dir(f'{_DIR}req/'):
         number = name.rsplit('/', 1)[1]
-        if (number.isdigit() and int(number) > n and
-            _unseal(key, name, stored, _MAX_REQUEST) is not None):
-          found.append(int(number))
-      return min(found, default=n)
+        if number.isdigit() and int(number) > n:
+          later.append((int(number), name, stored))
+      if not later:  # The usual idle poll: no job key needed.
+        return n
+      key = _key(rt, _POLL_S)
+      return min((number for number, name, stored in later
+                  if _unseal(key, name, stored, _MAX_REQUEST) is not None),
+                 default=n)
     except Exception:  # noqa: BLE001
       return n
 

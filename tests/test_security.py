@@ -148,7 +148,7 @@ def test_initialize_binds_the_coordinator_to_its_own_host_only():
 
 def test_a_readable_secret_file_is_refused(tmp_path):
   secret = tmp_path / 'secret'
-  secret.write_text('0123456789abcdef')
+  secret.write_text('0123456789abcdef' * 4)  # 64 bytes: long enough
   secret.chmod(0o644)
   # The two runs differ only in the file's mode.
   env = {env_lib.JOB_SECRET_FILE: str(secret), env_lib.TIMEOUT: '20'}

@@ -213,7 +213,6 @@ def test_a_secret_file_link_flipped_between_600_and_644_is_never_used(
 
 
 def test_what_the_store_shows_does_not_give_the_secret_to_a_word_list(secret):
-  service, rts = fake.runtimes(2)
   words = [w * 8 for w in ('hunter2', 'password', 'letmein')] + [secret]
   published = []
   for _ in range(2):  # two runs with the same secret
