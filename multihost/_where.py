@@ -245,6 +245,14 @@ class Responder:
         rt.log.warning('multihost: no where-reporter (%s).',
                        _diagnostics.shorten(e, 200))
         return False
+      if _index(rt) == 0:
+        # Process 0 draws the job id now: a peer's timeout error can then ask
+        # for process 0's whereabouts even if process 0 never got as far as
+        # a collective that needed the job key.
+        try:
+          _secret.job_keys('where', timeout=_POLL_S, runtime=rt)
+        except Exception:  # noqa: BLE001  The first collective raises it.
+          pass
       self.started = True
       self.thread = threading.Thread(target=self._serve, args=(first,),
                                      name='multihost-where', daemon=True)
