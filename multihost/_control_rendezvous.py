@@ -53,7 +53,11 @@ _FELL_BACK = b'F'
 # (Not inside the call's directory, where only the processes' keys belong.)
 _GAVE_UP = '.gave-up/'
 _DIRECT = b'D'
-_MAC = 16  # bytes of HMAC-SHA256(job secret, key + flag + message)
+_GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `_gave_up`)
+# Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
+# derived from the secret and this job's random id (`_secret`), so a
+# message recorded in another run with the same secret does not verify.
+_MAC = 16
 
 
 class Rendezvous:
@@ -146,7 +150,7 @@ class Rendezvous:
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
     gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
-    if self.client.kv_dir(gave_up):
+    if self._gave_up(gave_up):
       rt.backoff = _BACKOFF_CALLS
       raise _diagnostics.arrived_late(self.op, me=self.me, waited=waited,
                                       timeout=timeout)
@@ -160,7 +164,9 @@ class Rendezvous:
     except _errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
       try:
-        self.client.kv_set(gave_up + str(self.me), b'')
+        key = gave_up + str(self.me)
+        secret = _secret.job_secret(self.op, timeout=1.0, runtime=rt)
+        self.client.kv_set(key, _mac(secret, key, _GAVE_UP_MARK))
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
@@ -170,6 +176,19 @@ class Rendezvous:
       rt.backoff = _BACKOFF_CALLS
     self._ended()
     return [m[1:] for m in messages]
+
+  def _gave_up(self, gave_up: str) -> list[int]:
+    """The processes whose authentic gave-up mark is under `gave_up`.
+
+    A mark that fails authentication, or names no process of this job, was
+    planted by someone who reaches the store: it is ignored, so it cannot
+    make every process raise a timeout that did not happen.
+    """
+    secret = _secret.job_secret(self.op, timeout=1.0, runtime=self.rt)
+    marks = {gave_up + str(p): p for p in range(self.count)}
+    return [marks[key] for key, stored in self.client.kv_dir(gave_up)
+            if key in marks and hmac.compare_digest(
+                stored, _mac(secret, key, _GAVE_UP_MARK))]
 
   def _late_to_a_fallback(self) -> bool:
     """Whether this process, come late, finds the others in the exchange."""
