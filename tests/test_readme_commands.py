@@ -108,22 +108,23 @@ def run_block(block: str, tmp: pathlib.Path) -> tuple[int, str]:
   clone.mkdir(exist_ok=True)
   if not (clone / 'bin').exists():
     (clone / 'bin').symlink_to(ROOT / 'bin')
-  proc = subprocess.Popen(
-      ['bash', '-euo', 'pipefail', '-c', script(block, tmp)], cwd=clone,
-      env=_env(tmp), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  log = tmp / 'block.log'
+  with open(log, 'wb') as out:
+    # A file, not a pipe: a process the block left in the background would
+    # hold a pipe open after the block's own exit.
+    proc = subprocess.Popen(
+        ['bash', '-euo', 'pipefail', '-c', script(block, tmp)], cwd=clone,
+        env=_env(tmp), stdin=subprocess.DEVNULL, stdout=out,
+        stderr=subprocess.STDOUT, start_new_session=True)
   try:
-    out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
-    rc = proc.returncode
+    rc = proc.wait(timeout=BLOCK_TIMEOUT_S)
   except subprocess.TimeoutExpired:
     rc = 124
-    _kill_group(proc.pid)
-    out, _ = proc.communicate(timeout=30)
   finally:
-    # Whatever the block left in the background (its own process group).
+    # Whatever the block left running (its own process group).
     _kill_group(proc.pid)
     proc.wait(timeout=30)
-  return rc, out
+  return rc, log.read_text()
 
 
 def _kill_group(pgid: int) -> None:
