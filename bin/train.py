@@ -260,7 +260,7 @@ def _flag_advice(e: recovery.CheckpointError) -> str:
 
 
 def _fail(message: str, code: int = 2) -> None:
-  logging.error('%s', message)
+  # One line, on stderr (where absl's log lines go too).
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
 
@@ -269,9 +269,11 @@ def main(argv):
   del argv  # Unused.
   if not _ORBAX_INFO.value:
     recovery.quiet_orbax_logs()
+  recovery.quiet_third_party_noise()
   if multihost.env.NUM_CPU_DEVICES not in os.environ:
     jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
-  multihost.initialize()
+  with recovery.cpp_warnings_hidden():  # JAX's advice at the service start
+    multihost.initialize()
   pid = jax.process_index()
   prefix = lowlevel.process_prefix()
   count = jax.device_count()
@@ -343,9 +345,10 @@ def main(argv):
             f'at {time.time():.3f}.', flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
 
-  logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
-               'lr=%g', prefix, jax.process_count(), count, _WIDTH.value,
-               _SAMPLES.value, batch_size, model.lr)
+  if pid == 0:  # The same on every process.
+    logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
+                 'lr=%g', prefix, jax.process_count(), count, _WIDTH.value,
+                 _SAMPLES.value, batch_size, model.lr)
   try:
     with recovery.Checkpoints(directory, save_every=_SAVE_EVERY.value,
                               keep=_KEEP.value,
@@ -412,9 +415,12 @@ def main(argv):
   except (recovery.ReplayMismatchError, recovery.StepCheckError,
           multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')
-  except KeyboardInterrupt:
-    _fail(f'{prefix} Interrupted (Ctrl-C). Committed checkpoints in '
-          f'{directory} are intact; relaunch with --resume.', code=130)
+  except KeyboardInterrupt as e:
+    # The loop's first note: the step reached and the last checkpoint.
+    told = getattr(e, '__notes__', None)
+    what = told[0] if told else f'{prefix} Interrupted (Ctrl-C).'
+    _fail(f'{what} Committed checkpoints in {directory} are intact; '
+          'relaunch with --resume_if_present to continue.', code=130)
   finally:
     if metrics is not None:
       metrics.close()

@@ -8,6 +8,7 @@ stops cleanly at a preemption step agreed by all controllers.
 Modules, each importing only those above it (no cycle;
 tests/test_recovery_layers.py reads this map):
 
+  _quiet.py         binaries' filters for third-party lines that need no action
   _errors.py        every error recovery raises, and the advice its messages end with
   _state.py         the transition state and the epoch sampler
   _leaves.py        any state's leaves as Orbax stores them, and back into the
@@ -50,6 +51,8 @@ from recovery._loop import ResilientLoop as ResilientLoop
 from recovery._loop import RunResult as RunResult
 from recovery._loop import StepRecord as StepRecord
 from recovery._orbax import quiet_orbax_logs as quiet_orbax_logs
+from recovery._quiet import cpp_warnings_hidden as cpp_warnings_hidden
+from recovery._quiet import quiet_third_party_noise as quiet_third_party_noise
 from recovery._replay import ATOL as ATOL
 from recovery._replay import RTOL as RTOL
 from recovery._replay import ReplayStep as ReplayStep
