@@ -20,11 +20,15 @@ requeues; the default on a restart or requeue):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import tempfile
+import time
 
 from absl import app
 from absl import flags
@@ -95,6 +99,36 @@ _STRAGGLER_EVERY = flags.DEFINE_integer(
     '(multihost.straggler_report) and log one line when one process is '
     'consistently last (0: never).', lower_bound=0)
 
+_LOCAL_DIR = flags.DEFINE_string(
+    'local_checkpoint_dir', '',
+    'Host-local folder of the local checkpoint tier (the same path on every '
+    'host, each on its own disk; e.g. a RAM disk): every --local_save_every '
+    'steps each process writes the blocks it holds there, blocks held by one '
+    'host only are copied to a peer host, and a restart restores the newest '
+    'step complete across the hosts when it is at least as new as the '
+    'persistent one. Hosts are told apart by hostname, or by '
+    '$RECOVERY_HOST_ID. Empty: no local tier.')
+_LOCAL_SAVE_EVERY = flags.DEFINE_integer(
+    'local_save_every', 0, 'Local tier: save every K steps (0: '
+    '--save_every).', lower_bound=0)
+_SHARD_PARAMS = flags.DEFINE_boolean(
+    'shard_params', False,
+    'Shard the weights and momentum over all devices (--width must be a '
+    'multiple of the device count), so that no process holds the whole '
+    'state.')
+_DRILL_KILL_AFTER = flags.DEFINE_integer(
+    'drill_kill_after_step', 0,
+    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
+    'or 0), process --drill_kill_process SIGKILLs itself after this step, '
+    'before its saves (0: never).', lower_bound=0)
+_DRILL_KILL_PROCESS = flags.DEFINE_integer(
+    'drill_kill_process', 1, 'For fault drills: the process that is killed.',
+    lower_bound=0)
+_DRILL_WIPE_LOCAL = flags.DEFINE_boolean(
+    'drill_wipe_local', False,
+    'For fault drills: the killed process first deletes its host\'s '
+    '--local_checkpoint_dir (a replaced host).')
+
 _ORBAX_INFO = flags.DEFINE_boolean(
     'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
 
@@ -115,9 +149,12 @@ class LinearRegression:
   """The tutorial's fixture: data, targets, jitted step and its host check."""
 
   def __init__(self, mesh: jax.sharding.Mesh, *, width: int, samples: int,
-               batch_size: int):
+               batch_size: int, shard_params: bool = False):
     P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
     self.rep = jax.sharding.NamedSharding(mesh, P())
+    # Sharded parameters: each device holds width / devices of them.
+    self.params = (jax.sharding.NamedSharding(mesh, P('data')) if shard_params
+                   else self.rep)
     self.row = jax.sharding.NamedSharding(mesh, P('data', None))
     self.label = jax.sharding.NamedSharding(mesh, P('data'))
     self.width, self.batch_size = width, batch_size
@@ -129,7 +166,9 @@ class LinearRegression:
     self.lr = learning_rate(width, batch_size)
     lr = self.lr
 
-    @jax.jit
+    params = {'weights': self.params, 'momentum': self.params}
+
+    @functools.partial(jax.jit, out_shardings=(params, self.rep))
     def update(user, batch):
       x, y = batch
       w, velocity = user['weights'], user['momentum']
@@ -145,8 +184,8 @@ class LinearRegression:
 
   def initial_user_state(self) -> dict[str, jax.Array]:
     zeros = np.zeros(self.width, np.float32)
-    return {'weights': self.placed(zeros, self.rep),
-            'momentum': self.placed(zeros, self.rep)}
+    return {'weights': self.placed(zeros, self.params),
+            'momentum': self.placed(zeros, self.params)}
 
   def batch(self, ids: np.ndarray):
     return (self.placed(self.data[ids], self.row),
@@ -221,7 +260,7 @@ def _flag_advice(e: recovery.CheckpointError) -> str:
 
 
 def _fail(message: str, code: int = 2) -> None:
-  logging.error('%s', message)
+  # One line, on stderr (where absl's log lines go too).
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
 
@@ -230,9 +269,11 @@ def main(argv):
   del argv  # Unused.
   if not _ORBAX_INFO.value:
     recovery.quiet_orbax_logs()
+  recovery.quiet_third_party_noise()
   if multihost.env.NUM_CPU_DEVICES not in os.environ:
     jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
-  multihost.initialize()
+  with recovery.cpp_warnings_hidden():  # JAX's advice at the service start
+    multihost.initialize()
   pid = jax.process_index()
   prefix = lowlevel.process_prefix()
   count = jax.device_count()
@@ -257,9 +298,20 @@ def main(argv):
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
 
+  if _LOCAL_SAVE_EVERY.value and not _LOCAL_DIR.value:
+    raise app.UsageError(
+        f'--local_save_every={_LOCAL_SAVE_EVERY.value} needs '
+        '--local_checkpoint_dir (the host-local folder of the local tier).')
+  if _SHARD_PARAMS.value and _WIDTH.value % count:
+    raise app.UsageError(
+        f'--shard_params needs --width={_WIDTH.value} to be a multiple of the '
+        f'device count ({count}).')
   mesh = jax.make_mesh((count,), ('data',))
   model = LinearRegression(mesh, width=_WIDTH.value, samples=_SAMPLES.value,
-                           batch_size=batch_size)
+                           batch_size=batch_size,
+                           shard_params=_SHARD_PARAMS.value)
+  first_attempt = os.environ.get(multihost.env.RESTART_COUNT, '0') in ('',
+                                                                      '0')
   sampler = recovery.EpochSampler(_SAMPLES.value, batch_size)
   loop = recovery.ResilientLoop(model.update, data_fn=model.batch,
                                 sampler=sampler, check_fn=model.check)
@@ -267,30 +319,44 @@ def main(argv):
                       jax.random.key(_SEED.value))
 
   metrics = None
+  checked = [time.monotonic()]  # When the straggler check last ran.
 
   def on_step(state, record):
     every = _STRAGGLER_EVERY.value
     if every and jax.process_count() > 1 and record.step % every == 0:
       report = multihost.straggler_report()  # Every process, same step.
-      if pid == 0 and report.consistently_last is not None:
+      step_s, checked[0] = (time.monotonic() - checked[0]) / every, \
+          time.monotonic()
+      if pid == 0 and report.matters(step_seconds=step_s):
         logging.warning('%s step %d: %s', prefix, record.step,
                         report.summary())
-    if not _METRICS_OUT.value:
-      return
-    digest = recovery.checkpoint_digest(state)  # Every process: may be collective.
-    if metrics is not None:
-      metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
-                                'ids': record.ids.tolist(),
-                                'digest': digest}) + '\n')
-      metrics.flush()
+    if _METRICS_OUT.value:
+      digest = recovery.checkpoint_digest(state)  # Every process: may be collective.
+      if metrics is not None:
+        metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
+                                  'ids': record.ids.tolist(),
+                                  'digest': digest}) + '\n')
+        metrics.flush()
+    if (record.step == _DRILL_KILL_AFTER.value and first_attempt
+        and pid == _DRILL_KILL_PROCESS.value):
+      if _DRILL_WIPE_LOCAL.value and _LOCAL_DIR.value:
+        shutil.rmtree(_LOCAL_DIR.value, ignore_errors=True)
+      print(f'Drill: process {pid} SIGKILLs itself after step {record.step} '
+            f'at {time.time():.3f}.', flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
 
-  logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
-               'lr=%g', prefix, jax.process_count(), count, _WIDTH.value,
-               _SAMPLES.value, batch_size, model.lr)
+  if pid == 0:  # The same on every process.
+    logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
+                 'lr=%g', prefix, jax.process_count(), count, _WIDTH.value,
+                 _SAMPLES.value, batch_size, model.lr)
   try:
     with recovery.Checkpoints(directory, save_every=_SAVE_EVERY.value,
                               keep=_KEEP.value,
-                              async_save=_ASYNC_SAVE.value) as checkpoints:
+                              async_save=_ASYNC_SAVE.value,
+                              local_directory=_LOCAL_DIR.value or None,
+                              local_save_every=(_LOCAL_SAVE_EVERY.value or None
+                                                if _LOCAL_DIR.value else None)
+                              ) as checkpoints:
       state = checkpoints.start(initial, resume=resume)
       resumed = checkpoints.resumed_from is not None
       if state.step > _STEPS.value:
@@ -306,9 +372,14 @@ def main(argv):
           raise app.UsageError(
               f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
               f'writing: {e}') from e
-      if pid == 0 and resumed:
-        print(f'Resumed from step {state.step} (epoch {state.epoch}).',
-              flush=True)
+      if resumed:
+        tier = checkpoints.resumed_tier
+        peers = (checkpoints.local.restored_bytes_from_peers
+                 if tier == 'local' else 0)
+        # Every process: the bytes each fetched from its peers differ.
+        print(f'{prefix} Resumed from step {state.step} (epoch {state.epoch}) '
+              f'from the {tier} tier, {peers} bytes from peers, at '
+              f'{time.time():.3f}.', flush=True)
       result = loop.run(state, until_step=_STEPS.value,
                         checkpoints=checkpoints, on_step=on_step,
                         handle_sigterm=_HANDLE_SIGTERM.value,
@@ -344,9 +415,12 @@ def main(argv):
   except (recovery.ReplayMismatchError, recovery.StepCheckError,
           multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')
-  except KeyboardInterrupt:
-    _fail(f'{prefix} Interrupted (Ctrl-C). Committed checkpoints in '
-          f'{directory} are intact; relaunch with --resume.', code=130)
+  except KeyboardInterrupt as e:
+    # The loop's first note: the step reached and the last checkpoint.
+    told = getattr(e, '__notes__', None)
+    what = told[0] if told else f'{prefix} Interrupted (Ctrl-C).'
+    _fail(f'{what} Committed checkpoints in {directory} are intact; '
+          'relaunch with --resume_if_present to continue.', code=130)
   finally:
     if metrics is not None:
       metrics.close()

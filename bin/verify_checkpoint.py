@@ -5,6 +5,10 @@ as NumPy arrays, checks the stored shapes against the array metadata, the
 state's digest against the one saved with it, and the step number, prints a
 summary and exits 1 when anything is wrong (2 for bad usage).
 
+It prints one line per step and logs only warnings and errors; absl's
+--verbosity=0 adds recovery's INFO lines, --verbosity=1 every line of every
+library (see recovery.quiet_third_party_noise).
+
   python bin/verify_checkpoint.py --checkpoint_dir=/tmp/ckpt
 """
 
@@ -14,6 +18,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 import numpy as np
 
@@ -46,13 +51,23 @@ def check_step(checkpoints: recovery.Checkpoints, step: int) -> str:
 
 def main(argv):
   del argv  # Unused.
+  if not flags.FLAGS['verbosity'].present:
+    # A report, not a run: INFO lines only on request (--verbosity=0).
+    logging.set_verbosity(logging.WARNING)
   recovery.quiet_orbax_logs()
+  recovery.quiet_third_party_noise()
   directory = _CHECKPOINT_DIR.value
   try:
     checkpoints = recovery.Checkpoints(directory, read_only=True)
   except recovery.CheckpointError as e:
     print(f'FAIL: {e}', flush=True)
     sys.exit(1)
+  with checkpoints:  # Closes Orbax's manager before the interpreter exits.
+    sys.exit(verify(checkpoints))
+
+
+def verify(checkpoints: recovery.Checkpoints) -> int:
+  """Prints the folder's summary and a line per step; returns the exit status."""
   steps = checkpoints.steps()
   print(f'Checkpoint folder: {checkpoints.directory}')
   print(f'Committed steps: {steps}')
@@ -61,11 +76,11 @@ def main(argv):
   if _STEP.value is not None:
     if _STEP.value not in steps:
       print(f'FAIL: no committed checkpoint step {_STEP.value}.', flush=True)
-      sys.exit(1)
+      return 1
     steps = [_STEP.value]
   if not steps:
     print('FAIL: no committed checkpoint in this folder.', flush=True)
-    sys.exit(1)
+    return 1
   failures = 0
   for step in steps:
     try:
@@ -75,8 +90,9 @@ def main(argv):
       print(f'step {step}: FAIL {type(e).__name__}: {e}', flush=True)
   if failures:
     print(f'FAIL: {failures} of {len(steps)} checkpoints are bad.', flush=True)
-    sys.exit(1)
+    return 1
   print(f'OK: {len(steps)} checkpoints verified; latest step {steps[-1]}.')
+  return 0
 
 
 if __name__ == '__main__':

@@ -13,7 +13,8 @@ Modules _*.py are private.
 
   semi-public: __init__ lowlevel testing launch netns
   public: _broadcast _gather _sync _equal _digest _arrays _preemption
-    _watched _stragglers _initialize
+    _watched _stragglers _initialize _live_devices _trace
+  live barrier: _live_barrier
   payloads: _objects _data_plane
   agreement: _control_agree
   codec: _control_codec
@@ -29,10 +30,11 @@ Modules _*.py are private.
   exit handshake: _exit
   leaving after a peer failure: _peer_loss_exit
   diagnostics, companion: _diagnostics _companion
+  recording, metrics: _metrics
   runtime facades: _calls _process
   runtime: _runtime
   coordination client: _coordination
-  pure: _leaves _errors env _flight
+  pure: _leaves _errors env _flight _trace_format
 """
 
 from multihost import env as env
@@ -57,6 +59,8 @@ from multihost._gather import allgather_object as allgather_object
 from multihost._gather import process_allgather as process_allgather
 from multihost._initialize import initialize as initialize
 from multihost._initialize import is_initialized as is_initialized
+from multihost._live_devices import live_devices as live_devices
+from multihost._metrics import record_event as record_event
 from multihost._preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
 )
@@ -67,10 +71,11 @@ from multihost._stalls import stall_report_after as stall_report_after
 from multihost._stragglers import StragglerReport as StragglerReport
 from multihost._stragglers import straggler_report as straggler_report
 from multihost._sync import sync_global_devices as sync_global_devices
-from multihost._watched import call_watched as call_watched
+from multihost._trace import write_trace as write_trace
 from multihost._watchdog import (
     set_exit_on_peer_failure as set_exit_on_peer_failure,
 )
+from multihost._watched import call_watched as call_watched
 from multihost._where import where as where
 
 __version__ = '0.1.0'

@@ -10,8 +10,11 @@ import numpy as np
 from multihost import _diagnostics
 
 PyTree = Any
-_NONE_SPEC = ('`None` is not a valid partition spec for {what}. Use '
-              'jax.sharding.PartitionSpec() (jax.P()) to replicate the value.')
+# JAX's words first (code may match them), then which spec was None.
+_NONE_SPEC = ('`None` is not a valid input to the pspecs argument. Please use '
+              'jax.sharding.PartitionSpec() if you wanted to replicate your '
+              'input. ({what} holds None where a PartitionSpec belongs; '
+              'jax.P() replicates the value.)')
 
 
 def host_local_array_to_global_array(local_inputs: PyTree,

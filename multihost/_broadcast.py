@@ -11,6 +11,7 @@ from multihost import _data_plane
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _leaves
+from multihost import _metrics
 from multihost import _objects
 from multihost import _process
 
@@ -22,6 +23,7 @@ _NOT_SOURCE = b'\x00'
 PyTree = Any
 
 
+@_metrics.recorded('broadcast_one_to_all', _metrics.result_bytes)
 def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
                          timeout: float | None = None) -> PyTree:
   """Returns the source process's `in_tree` on every process.
@@ -110,6 +112,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   return _leaves.rebuild(buffer, specs, treedef)
 
 
+@_metrics.recorded('broadcast_object')
 def broadcast_object(obj: Any, is_source: bool | None = None, *,
                      timeout: float | None = None) -> Any:
   """Returns the source process's picklable `obj` on every process.

@@ -117,8 +117,8 @@ def start_for_job(kwargs: dict, environ) -> Companion | None:
   `kwargs` are those of `jax.distributed.initialize`; afterwards they name
   the coordinator, the process count and this process's index explicitly.
   The companion binds where process 0's own service would: the
-  `coordinator_bind_address`, else $JAX_COORDINATOR_BIND_ADDRESS, else every
-  interface at the coordinator's port (JAX's default).
+  `coordinator_bind_address`, else $JAX_COORDINATOR_BIND_ADDRESS, else the
+  coordinator address itself (never every interface, JAX's default).
   """
   address, count, index = _coordination.detect_cluster(
       kwargs.get('coordinator_address'), kwargs.get('num_processes'),
@@ -133,9 +133,8 @@ def start_for_job(kwargs: dict, environ) -> Companion | None:
                 process_id=index)
   if index != 0:
     return None
-  port = address.rsplit(':', 1)[1]
   bind = (kwargs.get('coordinator_bind_address') or
-          environ.get(_env.COORDINATOR_BIND) or f'[::]:{port}')
+          environ.get(_env.COORDINATOR_BIND) or address)
   return start(
       bind, count,
       heartbeat_timeout=int(kwargs.get('heartbeat_timeout_seconds', 100)),

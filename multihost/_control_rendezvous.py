@@ -52,7 +52,11 @@ _FELL_BACK = b'F'
 # (Not inside the call's directory, where only the processes' keys belong.)
 _GAVE_UP = '.gave-up/'
 _DIRECT = b'D'
-_MAC = 16  # bytes of HMAC-SHA256(job secret, key + flag + message)
+_GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `_gave_up`)
+# Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
+# derived from the secret and this job's random id (`_secret`), so a
+# message recorded in another run with the same secret does not verify.
+_MAC = 16
 
 
 def _ends_on_error(step):
@@ -167,7 +171,7 @@ class Rendezvous:
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
     gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
-    marks = self.client.kv_dir(gave_up)
+    marks = self._gave_up(gave_up)
     if marks:
       rt.backoff = _BACKOFF_CALLS
       raise _diagnostics.arrived_late(
@@ -184,9 +188,12 @@ class Rendezvous:
     except _errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
       try:  # When it started the call (wall clock): the latecomer says
-        # how late it came.
-        started = time.time() - (time.monotonic() - self.start)
-        self.client.kv_set(gave_up + str(self.me), repr(started).encode())
+        # how late it came. MAC'd, so a planted mark changes nothing.
+        key = gave_up + str(self.me)
+        started = repr(time.time() - (time.monotonic() - self.start)).encode()
+        secret = _secret.job_secret(self.op, timeout=1.0, runtime=rt)
+        self.client.kv_set(
+            key, _mac(secret, key, _GAVE_UP_MARK + started) + started)
       except Exception:  # noqa: BLE001  The service may be gone; best effort.
         pass
       raise
@@ -196,6 +203,26 @@ class Rendezvous:
       rt.backoff = _BACKOFF_CALLS
     self._ended()
     return [m[1:] for m in messages]
+
+  def _gave_up(self, gave_up: str) -> list[float]:
+    """When each process whose authentic gave-up mark is under `gave_up` started the call (wall clock).
+
+    A mark that fails authentication, or names no process of this job, was
+    planted by someone who reaches the store: it is ignored, so it cannot
+    make every process raise a timeout that did not happen.
+    """
+    secret = _secret.job_secret(self.op, timeout=1.0, runtime=self.rt)
+    keys = {gave_up + str(p) for p in range(self.count)}
+    starts = []
+    for key, stored in self.client.kv_dir(gave_up):
+      mac, started = stored[:_MAC], stored[_MAC:]
+      if key in keys and hmac.compare_digest(
+          mac, _mac(secret, key, _GAVE_UP_MARK + started)):
+        try:
+          starts.append(float(started))
+        except ValueError:
+          pass
+    return starts
 
   def _late_to_a_fallback(self) -> bool:
     """Whether this process, come late, finds the others in the exchange."""
@@ -259,21 +286,15 @@ class Rendezvous:
     return messages
 
 
-def _late_by(marks: list[tuple[str, bytes]], start: float) -> float | None:
+def _late_by(starts: list[float], start: float) -> float | None:
   """How much later than the last of those that gave up this process started the call.
 
   By the hosts' wall clocks (each mark holds when its process started);
-  None if no mark says when.
+  None if there is no mark.
   """
-  times = []
-  for _, value in marks:
-    try:
-      times.append(float(value))
-    except ValueError:  # An older or foreign mark; it only sets a message.
-      pass
-  if not times:
+  if not starts:
     return None
-  return time.time() - (time.monotonic() - start) - max(times)
+  return time.time() - (time.monotonic() - start) - max(starts)
 
 
 def _mac(secret: bytes, key: str, value: bytes) -> bytes:

@@ -12,6 +12,7 @@ from multihost import _digest
 from multihost import _errors
 from multihost import _gather
 from multihost import _leaves
+from multihost import _metrics
 from multihost import _process
 
 PyTree = Any
@@ -19,6 +20,7 @@ PyTree = Any
 _MAX_REPORTED = 8
 
 
+@_metrics.recorded('assert_equal')
 def assert_equal(in_tree: PyTree, fail_message: str = '', *,
                  timeout: float | None = None,
                  show_diff: bool = False) -> None:

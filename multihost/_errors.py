@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax
+from jax.experimental import multihost_utils as _jax_multihost_utils
+
 
 class MultihostError(RuntimeError):
   """Base class for all errors raised by multihost."""
@@ -43,16 +46,41 @@ class CollectiveTimeoutError(MultihostError, TimeoutError):
     self.waited = waited
 
 
-class ProcessFailureError(MultihostError):
+class ProcessFailureError(MultihostError,
+                          _jax_multihost_utils.ProcessFailureError):
   """A peer process died (or became unreachable) during or between collectives.
+
+  Also JAX's `jax.experimental.multihost_utils.ProcessFailureError` (the
+  error of its `live_devices`), so code written against JAX that catches
+  that class catches this one too, and reads `.failed_devices`.
 
   Attributes:
     operation: the collective in progress, or '' between collectives.
     failed: indices of the processes that are gone.
+    failed_devices: the set of their devices, as JAX's attribute of that
+      name: by default every device of `failed` in `jax.devices()`;
+      `multihost.live_devices` passes those among the devices it was given.
   """
 
   def __init__(self, message: str, *, operation: str = '',
-               failed: Iterable[int] = ()):
+               failed: Iterable[int] = (),
+               failed_devices: Iterable[jax.Device] | None = None):
+    # JAX's __init__ is not called: it would replace the message with
+    # 'Devices failed: {...}'. Its one attribute is set here instead.
     super().__init__(message)
     self.operation = operation
     self.failed = tuple(sorted(failed))
+    if failed_devices is None:
+      failed_devices = _devices_of(self.failed)
+    self.failed_devices = set(failed_devices)
+
+
+def _devices_of(processes: tuple[int, ...]) -> set[jax.Device]:
+  """The devices of `processes` (none when JAX has no backend to ask)."""
+  if not processes:
+    return set()
+  try:
+    devices = jax.devices()
+  except Exception:  # noqa: BLE001  An error must not fail to construct.
+    return set()
+  return {d for d in devices if d.process_index in processes}

@@ -11,6 +11,7 @@ import numpy as np
 from multihost import _control_agree
 from multihost import _data_plane
 from multihost import _leaves
+from multihost import _metrics
 from multihost import _objects
 from multihost import _process
 
@@ -22,6 +23,7 @@ PyTree = Any
 _INLINE_TOTAL = 4 * _control_agree.INLINE_BYTES
 
 
+@_metrics.recorded('process_allgather', _metrics.result_bytes)
 def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                       timeout: float | None = None) -> PyTree:
   """Gathers `in_tree` from every process; returns numpy arrays.
@@ -131,8 +133,11 @@ def _with_global_leaves(leaves, paths, op: str, tiled: bool):
     if _leaves.is_global(x):
       if not tiled:
         raise ValueError(
-            f'{op}: leaf {path} is a global jax.Array that is not fully '
-            f'addressable (shape {x.shape}, sharding {x.sharding}). Its '
+            # JAX's words first (code may match them), then which leaf.
+            f'{op}: Gathering global non-fully-addressable arrays only '
+            f'supports tiled=True: leaf {path} is a global jax.Array that is '
+            f'not fully addressable (shape {x.shape}, sharding '
+            f'{x.sharding}). Its '
             'processes hold parts of one value, not one value each, so it '
             'cannot be stacked: pass tiled=True to get its full global '
             'value.')
@@ -227,6 +232,7 @@ def _assemble(parts_of_leaf, spec, tiled, bounds_by_process):
   return _leaves.finish(out, spec)
 
 
+@_metrics.recorded('allgather_object')
 def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   """Returns every process's picklable `obj`, as a list in process order.
 

@@ -14,6 +14,7 @@ from multihost import _companion
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _runtime
+from multihost import _secret
 from multihost import _watchdog
 from multihost import _where
 from multihost import env as _env
@@ -97,6 +98,9 @@ def initialize(coordinator_address: str | None = None,
     _watchdog.of(rt).ensure_started()
     _where.of(rt).ensure_started()
     return
+  # Out of the environment before anything starts a child (the companion,
+  # the program's own subprocesses): children do not inherit the secret.
+  _secret.take_from_environment()
   env = os.environ
   coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
   if num_processes is None and env.get(_env.NUM_PROCESSES):
@@ -145,10 +149,22 @@ def initialize(coordinator_address: str | None = None,
       heartbeat = _env.DEFAULT_HEARTBEAT_S
   if heartbeat is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat))
-  if (coordinator_bind_address is None and process_id == 0 and
-      coordinator_address and not env.get(_env.COORDINATOR_BIND) and
+  if (coordinator_bind_address is None and
+      not env.get(_env.COORDINATOR_BIND) and
       env.get(_env.EXTERNAL_SERVICE, '') != '1'):
-    coordinator_bind_address = _bind_address(coordinator_address)
+    if not explicit:
+      # What jax.distributed.initialize would derive from the cluster
+      # (Slurm, Open MPI, Kubernetes, ...): without a bind address of our
+      # own, JAX's process 0 listens on every interface.
+      address, count, index = _coordination.detect_cluster(
+          coordinator_address, num_processes, process_id,
+          cluster_detection_method)
+      if None not in (address, count, index):
+        coordinator_address, num_processes, process_id = address, count, index
+        kwargs.update(coordinator_address=address, num_processes=count,
+                      process_id=index)
+    if process_id == 0 and coordinator_address:
+      coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
   companion = None

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
+import functools
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -38,8 +40,9 @@ from multihost import _flight
 from multihost import env as _env
 
 DEFAULT_TIMEOUT_S = 300.0
-# The exit sequence (see `Runtime.shutdown`).
-EXIT_ORDER = ('where', 'handshake', 'companion')
+# The exit sequence (see `Runtime.shutdown`). The flight recorder's dump
+# goes first: it only writes a local file, and a later step may block.
+EXIT_ORDER = ('trace', 'where', 'handshake', 'companion')
 
 
 class Settings:
@@ -123,6 +126,7 @@ class Runtime:
     self.stalls: Any = None  # _stalls.Stalls
     self.plane: Any = None  # _data_tcp's plane
     self.companion: Any = None  # _companion.Companion (process 0)
+    self.live_blocks: Any = None  # _live_devices.Blocks
     # The exit sequence's steps, by name, set by the parts that need one;
     # `shutdown` runs them in EXIT_ORDER.
     self.exit_steps: dict[str, Callable[[], None]] = {}
@@ -208,8 +212,20 @@ class Runtime:
     elif hasattr(self.client, 'disconnect'):
       self.client.disconnect()
 
+  def dump_flight(self, folder: str) -> None:
+    """Writes the flight recorder to `folder`/process-N.attempt-K.json (K: the launcher's restart count)."""
+    attempt = int(_env.get(_env.RESTART_COUNT) or 0)
+    try:
+      self.flight.dump(
+          os.path.join(folder, f'process-{self.index}.attempt-{attempt}.json'),
+          self.index, attempt=attempt, count=self.count)
+    except Exception as e:  # noqa: BLE001  Exiting anyway: say why, go on.
+      self.log.warning('Could not write the flight recorder to %s: %s. '
+                       'The trace will mark this process as not dumped.',
+                       folder, e)
+
   def shutdown(self) -> None:
-    """The exit sequence: the where-responder, the watchdog's handshake, the companion.
+    """The exit sequence: the trace dump, the where-responder, the watchdog's handshake, the companion.
 
     In this order: no thread of ours may be inside a key-value get when the
     watchdog's handshake disconnects, and process 0's companion may stop the
@@ -253,6 +269,10 @@ def _rebuild() -> Runtime:
         runs_service=_coordination.runs_service(),
         service_address=_coordination.coordinator_address(),
         settings=old.settings, raw=raw)
+    folder = _env.get(_env.TRACE_DIR)
+    if folder:  # `multihost.launch --trace` merges these dumps.
+      _current.exit_steps['trace'] = functools.partial(_current.dump_flight,
+                                                       folder)
     if not _exit_registered:
       atexit.register(_at_exit)
       _exit_registered = True

@@ -8,9 +8,17 @@ coordination service's key-value store. That last mode keeps out a stranger
 who reaches the data-plane port but not the coordination service; it does
 not keep out one who can read the coordination service's keys.
 
-Process 0 also publishes a random job id (so handshakes of one job never
-authenticate in another that shares the secret) and a fingerprint of its
-secret, so a process with a different secret fails with a clear error.
+A configured secret must have at least `MIN_SECRET_BYTES` bytes; it is taken
+out of the environment once read (`take_from_environment`, which
+`multihost.initialize()` calls), so the controllers' own children do not
+inherit it.
+
+Process 0 publishes a random job id. Every MAC and handshake proof of the
+job is keyed with the job key, derived from the secret and that id by
+scrypt: nothing from another run with the same secret verifies (its job id
+differs), and every guess at the secret from what the store holds costs one
+scrypt. Process 0 also publishes a check value (a MAC under the job key), so
+that a process with a different secret fails with a clear error.
 """
 
 from __future__ import annotations
@@ -29,42 +37,111 @@ from multihost import env
 
 _KEY = 'multihost_secret/job'
 
+# A configured secret shorter than this is refused: the store and the data
+# plane show values keyed by it, from which a short one could be guessed.
+MIN_SECRET_BYTES = 32
+
+_JOB = 16  # bytes of the job id
+
+_CHECK = 16  # bytes of the published check value
+
+# scrypt's cost: 16 MiB and some tens of milliseconds once per process; the
+# same for every guess of whoever tries a word list against the store.
+_SCRYPT = dict(n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
+
+_HOW = ('Make one with `openssl rand -hex 32` (64 characters) and give '
+        'the same value to every process.')
+
+# The secret read from the environment (then removed from it), kept here.
+_taken: bytes | None = None
+
+
+def _checked(value: bytes, where: str) -> bytes:
+  if len(value) < MIN_SECRET_BYTES:
+    raise _errors.MultihostError(
+        f'{where} holds a job secret of {len(value)} bytes; at least '
+        f'{MIN_SECRET_BYTES} are needed, since values keyed by it can be '
+        f'seen by whoever reaches the coordination service. {_HOW}')
+  return value
+
+
+def take_from_environment() -> None:
+  """Reads `MULTIHOST_JOB_SECRET` (if set) and removes it from `os.environ`.
+
+  Children that the controller starts afterwards do not inherit it; this
+  process keeps it for its job keys.
+
+  Raises:
+    MultihostError: the secret is shorter than `MIN_SECRET_BYTES`.
+  """
+  global _taken
+  value = os.environ.pop(env.JOB_SECRET, None)
+  if value:
+    _taken = _checked(value.encode(), env.JOB_SECRET)
+
 
 def configured() -> bytes | None:
-  """The secret the environment provides (variable or file), or None."""
-  value = env.get(env.JOB_SECRET)
-  if value:
-    return value.encode()
+  """The secret the environment provides (variable or file), or None.
+
+  Raises:
+    MultihostError: the secret is too short, or its file is not a regular
+      file of this user with mode 600 (checked on the opened file, which is
+      opened without following a symbolic link).
+  """
+  take_from_environment()
+  if _taken is not None:
+    return _taken
   path = env.get(env.JOB_SECRET_FILE)
   if not path:
     return None
   try:
-    info = os.stat(path)
+    # Not following a link, and the checks on the opened descriptor: a link
+    # or a name swapped between a check and the open cannot slip in a file
+    # other users can read.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC |
+                 os.O_NONBLOCK)
   except OSError as e:
     raise _errors.MultihostError(
-        f'{env.JOB_SECRET_FILE}={path!r} cannot be read ({e}); point it at '
-        'a file that holds the job secret.') from e
-  if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or info.st_uid != os.getuid():
-    raise _errors.MultihostError(
-        f'{env.JOB_SECRET_FILE}={path!r} has mode '
-        f'{stat.filemode(info.st_mode)} (owner uid {info.st_uid}): other users '
-        f'could read the job secret. Run `chmod 600 {path}` as its owner.')
-  with open(path, 'rb') as f:
-    value = f.read().strip()
+        f'{env.JOB_SECRET_FILE}={path!r} cannot be opened ({e}; a symbolic '
+        'link is refused); point it at a regular file that holds the job '
+        'secret.') from e
+  with os.fdopen(fd, 'rb') as f:
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+      raise _errors.MultihostError(
+          f'{env.JOB_SECRET_FILE}={path!r} is not a regular file '
+          f'({stat.filemode(info.st_mode)}); point it at a file that holds '
+          'the job secret.')
+    if (info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or
+        info.st_uid != os.getuid()):
+      raise _errors.MultihostError(
+          f'{env.JOB_SECRET_FILE}={path!r} has mode '
+          f'{stat.filemode(info.st_mode)} (owner uid {info.st_uid}): other '
+          f'users could read the job secret. Run `chmod 600 {path}` as its '
+          'owner.')
+    value = f.read(1 << 16).strip()
   if not value:
     raise _errors.MultihostError(
         f'{env.JOB_SECRET_FILE}={path!r} is empty; write a random secret '
         'into it (e.g. `openssl rand -hex 32`).')
-  return value
+  return _checked(value, f'{env.JOB_SECRET_FILE}={path!r}')
 
 
-def _fingerprint(secret: bytes) -> bytes:
-  return hmac.digest(secret, b'multihost fingerprint', hashlib.sha256)[:8]
+def derive(secret: bytes, job: bytes) -> bytes:
+  """The job key: scrypt of the configured secret, salted with the job id."""
+  return hashlib.scrypt(secret, salt=b'multihost job key\0' + job, **_SCRYPT)
+
+
+def _check(key: bytes) -> bytes:
+  return hmac.digest(key, b'multihost secret check', hashlib.sha256)[:_CHECK]
 
 
 def job_keys(op: str = 'job secret', *, timeout: float,
              runtime: _runtime.Runtime | None = None) -> tuple[bytes, bytes]:
-  """(job id, secret), the same on every process (agreed once per runtime, then kept).
+  """(job id, job key), the same on every process (agreed once per runtime, then kept).
+
+  The job key is what every MAC and proof of this job is keyed with; it
+  differs from one job to the next even with the same configured secret.
 
   Raises:
     ProcessFailureError: process 0 is gone (while waiting for its job id).
@@ -81,7 +158,7 @@ def job_keys(op: str = 'job secret', *, timeout: float,
 
 def job_secret(op: str, *, timeout: float,
                runtime: _runtime.Runtime | None = None) -> bytes:
-  """The job secret for collective `op` (as `job_keys`), the client's errors raised as a timeout on process 0.
+  """The job key for collective `op` (as `job_keys`), the client's errors raised as a timeout on process 0.
 
   Raises:
     MultihostError: as `job_keys`.
@@ -102,17 +179,17 @@ def _agree(rt: _runtime.Runtime, op: str,
   mine = configured()
   me = rt.index
   if me == 0:
-    job = secrets.token_bytes(16)
+    job = secrets.token_bytes(_JOB)
     if mine is None:
-      secret = secrets.token_bytes(32)
-      value = job + b'K' + secret
+      key = secrets.token_bytes(32)
+      value = job + b'K' + key
     else:
-      secret = mine
-      value = job + b'F' + _fingerprint(secret)
+      key = derive(mine, job)
+      value = job + b'F' + _check(key)
     rt.client.kv_set(_KEY, value)
-    return job, secret
+    return job, key
   value = _blocking.call(op, rt.client.kv_get, _KEY, timeout, runtime=rt)
-  job, mode, rest = value[:16], value[16:17], value[17:]
+  job, mode, rest = value[:_JOB], value[_JOB:_JOB + 1], value[_JOB + 1:]
   if mode == b'K':
     if mine is not None:
       raise _errors.MultihostError(
@@ -125,9 +202,10 @@ def _agree(rt: _runtime.Runtime, op: str,
         f'process {me} has no job secret but process 0 has one. Set '
         f'{env.JOB_SECRET} (or {env.JOB_SECRET_FILE}) to the same value on '
         'every process.')
-  if not hmac.compare_digest(_fingerprint(mine), rest):
+  key = derive(mine, job)
+  if not hmac.compare_digest(_check(key), rest):
     raise _errors.MultihostError(
         f'process {me}\'s job secret differs from process 0\'s. Set '
         f'{env.JOB_SECRET} (or {env.JOB_SECRET_FILE}) to the same value on '
         'every process.')
-  return job, mine
+  return job, key

@@ -11,6 +11,10 @@ from multihost import _runtime
 # at least _MIN_CALLS compared collectives.
 _SHARE = 0.75
 _MIN_CALLS = 8
+# The straggler's skew matters when it is at least this share of a step and
+# at least _FLOOR_S: below, it is scheduling noise, not a slow process.
+_STEP_SHARE = 0.05
+_FLOOR_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,22 @@ class StragglerReport:
                              for s, n in zip(skew_sums, last_counts)),
         mean_skew=sum(skews) / calls if calls else 0.0,
         max_skew=max(skews, default=0.0), consistently_last=consistent)
+
+  def matters(self, *, step_seconds: float) -> bool:
+    """Whether a consistent straggler costs a noticeable share of a step (worth a log line).
+
+    True when a process came last consistently and by, on average, at least
+    5% of `step_seconds` and at least 5 ms: sub-millisecond skews are
+    scheduling noise, and a fixed few ms matter only to short steps.
+
+    Args:
+      step_seconds: the training step's duration (e.g. its median).
+    """
+    p = self.consistently_last
+    if p is None:
+      return False
+    return self.skew_when_last[p] >= max(_FLOOR_S,
+                                         _STEP_SHARE * step_seconds)
 
   def summary(self) -> str:
     """One line: the consistent straggler and by how much, or that there is none."""

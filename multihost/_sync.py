@@ -5,9 +5,11 @@ from __future__ import annotations
 from multihost import _control_agree
 from multihost import _diagnostics
 from multihost import _errors
+from multihost import _metrics
 from multihost import _process
 
 
+@_metrics.recorded('sync_global_devices')
 def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
   """Blocks until every process reaches the barrier called `name`.
 

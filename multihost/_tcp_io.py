@@ -47,6 +47,40 @@ def recv_exact(conn: socket.socket, n: int,
   return bytes(buf)
 
 
+def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+  """`n` bytes, all of them by `deadline` (one limit for the lot, not per recv)."""
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+      raise TimeoutError(f'{got} of {n} bytes by the deadline')
+    conn.settimeout(remaining)
+    k = conn.recv_into(view[got:])
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+  return bytes(buf)
+
+
+def open_at_peer(conn: socket.socket) -> bool:
+  """Whether the peer has not closed `conn` (bytes waiting count as open)."""
+  # Python waits for a socket with a timeout to be readable before its recv,
+  # whatever the flags: peek with the socket non-blocking.
+  timeout = conn.gettimeout()
+  try:
+    conn.setblocking(False)
+    try:
+      return conn.recv(1, socket.MSG_PEEK) != b''
+    finally:
+      conn.settimeout(timeout)
+  except (BlockingIOError, InterruptedError):
+    return True
+  except OSError:
+    return False
+
+
 def recv_into(conn: socket.socket, view: memoryview,
                watch: tuple[str, float] | None = None) -> None:
   """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""

@@ -2,12 +2,22 @@
 
 Connections are opened on first use: every process listens on an ephemeral
 port of the interface that reaches the coordinator, publishes its address in
-the coordination service's key-value store, and the lower-numbered process
-of each pair connects. Both sides prove the job secret (HMAC over both
-nonces and the job id) before a link is kept; every frame header after that
-carries a MAC under the link's key for its direction and a frame number, so
-injected, replayed or reordered frames are refused. The plane is the
-runtime's (`Runtime.plane`), made on the first transfer.
+the coordination service's key-value store (with a MAC under the job key, so
+a store writer cannot point a process at a relay), and the lower-numbered
+process of each pair connects. Both sides prove the job secret (HMAC over
+both nonces and the job id) before a link is kept; every frame header after
+that carries a MAC under the link's key for its direction and a frame
+number, so injected, replayed or reordered frames are refused. The plane is
+the runtime's (`Runtime.plane`), made on the first transfer.
+
+Strangers who reach the port cannot hold it: each handshake has one
+deadline (`_HANDSHAKE_S`) for all of its bytes, at most `_PER_SOURCE`
+handshakes from one source address and `_MAX_HANDSHAKES` in all are pending,
+and a new connection past either limit closes the oldest pending one (a
+peer's handshake takes a round trip, a stranger's lasts to its deadline). A
+connector whose handshake was cut tries again until the transfer's
+deadline. After a failed transfer the links are closed and opened afresh by
+the next transfer (new nonces, new keys, frame numbers from 0).
 """
 
 from __future__ import annotations
@@ -45,7 +55,11 @@ _ACCEPTED = b'\x01'
 
 _HANDSHAKE_S = 5.0  # an accepted connection must authenticate within this
 
-_MAX_HANDSHAKES = 32  # concurrent; more pending connections are closed
+_MAX_HANDSHAKES = 32  # pending at once; a new one closes the oldest
+
+_PER_SOURCE = 8  # pending at once from one address; likewise
+
+_RETRY_S = 0.05  # between a connector's attempts after a cut handshake
 
 # A frame header: call id, byte count, frame number on this link and
 # direction, then a MAC of those under the link's key for that direction.
@@ -106,10 +120,11 @@ class Plane:
     self.count = rt.count
     self.job, self.secret = _secret.job_keys(op, timeout=timeout, runtime=rt)
     self.seq = 0  # Transfers so far: every process counts the same ones.
-    self.broken: str | None = None
     self.lock = threading.Condition()
     self.conns: dict[int, Link] = {}
-    self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+    # Accepted connections still in their handshake, oldest first:
+    # connection -> its source address.
+    self.pending: dict[socket.socket, str] = {}
     host = _local_host(rt)
     self.listener = socket.socket(_tcp_io.family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,13 +136,14 @@ class Plane:
     port = self.listener.getsockname()[1]
     threading.Thread(target=self._accept, name='multihost-transport',
                      daemon=True).start()
-    rt.client.kv_set(ADDRESS_KEY.format(self.me), f'{host}|{port}'.encode())
+    rt.client.kv_set(ADDRESS_KEY.format(self.me),
+                     address_record(self.secret, self.me, host, port))
 
   def _accept(self) -> None:
     """Accepts connections for ever; each handshake runs on its own thread."""
     while True:
       try:
-        conn, _ = self.listener.accept()
+        conn, source = self.listener.accept()
       except OSError as e:
         if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
           return  # the listener was closed
@@ -136,39 +152,63 @@ class Plane:
         time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
                                        errno.ENOBUFS, errno.ENOMEM) else 0.001)
         continue
-      if not self.handshakes.acquire(blocking=False):
-        _tcp_io.close(conn)
-        continue
+      self._admit(conn, source[0])
       try:
         threading.Thread(target=self._handshake, args=(conn,), daemon=True,
                          name='multihost-transport-handshake').start()
       except RuntimeError:
-        self.handshakes.release()
+        self._settled(conn)
         _tcp_io.close(conn)
+
+  def _admit(self, conn: socket.socket, source: str) -> None:
+    """Counts `conn` as pending; past a limit, cuts the oldest pending one."""
+    with self.lock:
+      same = [c for c, s in self.pending.items() if s == source]
+      oldest = None
+      if len(same) >= _PER_SOURCE:
+        oldest = same[0]
+      elif len(self.pending) >= _MAX_HANDSHAKES:
+        oldest = next(iter(self.pending))
+      if oldest is not None:
+        del self.pending[oldest]
+        try:  # Wakes its handshake thread, which closes it.
+          oldest.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+      self.pending[conn] = source
+
+  def _settled(self, conn: socket.socket) -> None:
+    with self.lock:
+      self.pending.pop(conn, None)
 
   def _handshake(self, conn: socket.socket) -> None:
     """Authenticates a connecting peer; keeps the connection only if it proves itself."""
     keep = False
+    deadline = time.monotonic() + _HANDSHAKE_S  # for all of its bytes
     try:
-      conn.settimeout(_HANDSHAKE_S)
       magic, peer, target, nonce = _HELLO.unpack(
-          _tcp_io.recv_exact(conn, _HELLO.size))
-      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me or
-          peer in self.conns):
+          _tcp_io.recv_by(conn, _HELLO.size, deadline))
+      if magic != _MAGIC or target != self.me or not 0 <= peer < self.me:
         return
       mine = secrets.token_bytes(_NONCE)
       nonces = nonce + mine
+      conn.settimeout(max(deadline - time.monotonic(), 0.001))
       conn.sendall(mine + _proof(self.secret, b'accept', self.job, peer,
                                  self.me, nonces))
-      theirs = _tcp_io.recv_exact(conn, hashlib.sha256().digest_size)
+      theirs = _tcp_io.recv_by(conn, hashlib.sha256().digest_size, deadline)
       if not hmac.compare_digest(theirs, _proof(
           self.secret, b'connect', self.job, peer, self.me, nonces)):
         return
       with self.lock:
-        if peer in self.conns:
-          return  # the first valid connection wins
+        if self.pending.pop(conn, None) is None:
+          return  # cut as the oldest pending one meanwhile
         conn.sendall(_ACCEPTED)
         _tcp_io.tune(conn)
+        # A proven new connection replaces the old link: the peer closed
+        # its end of that one after a failed transfer.
+        old = self.conns.get(peer)
+        if old is not None:
+          _tcp_io.close(old.sock)
         self.conns[peer] = Link(
             conn, *_link_keys(self.secret, self.job, peer, self.me, nonces,
                               connector=False))
@@ -177,18 +217,33 @@ class Plane:
     except (OSError, struct.error, ValueError):
       pass
     finally:
-      self.handshakes.release()
+      self._settled(conn)
       if not keep:
         _tcp_io.close(conn)
 
   def _connect(self, peer: int, remaining: float, op: str) -> Link:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
-    start = time.monotonic()
+    deadline = time.monotonic() + remaining
     value = self.rt.client.kv_get(ADDRESS_KEY.format(peer), remaining)
-    host, port = value.decode().rsplit('|', 1)
-    remaining = max(remaining - (time.monotonic() - start), 0.001)
+    host, port = read_address(self.secret, peer, value, op)
+    while True:
+      try:
+        return self._connect_once(peer, host, port, deadline, op)
+      except (ConnectionResetError, BrokenPipeError) as e:
+        # Cut during the handshake (e.g. as the oldest pending one while
+        # strangers crowd the port): try again while there is time.
+        if time.monotonic() + _RETRY_S >= deadline:
+          raise _unreachable(op, peer, f'{host}:{port}', e) from e
+        time.sleep(_RETRY_S)
+
+  def _connect_once(self, peer: int, host: str, port: int, deadline: float,
+                    op: str) -> Link:
+    """One attempt of `_connect`."""
+    remaining = max(deadline - time.monotonic(), 0.001)
     try:
-      conn = socket.create_connection((host, int(port)), timeout=remaining)
+      conn = socket.create_connection((host, port), timeout=remaining)
+    except (ConnectionResetError, BrokenPipeError):
+      raise
     except OSError as e:
       raise _unreachable(op, peer, f'{host}:{port}', e) from e
     try:
@@ -206,7 +261,9 @@ class Plane:
       conn.sendall(_proof(self.secret, b'connect', self.job, self.me, peer,
                           nonces))
       if _tcp_io.recv_exact(conn, 1) != _ACCEPTED:
-        raise ConnectionResetError('the peer refused the handshake')
+        raise _errors.MultihostError(
+            f'{self.rt.prefix} process {peer} at {host}:{port} did not accept '
+            'the handshake.')
     except BaseException:
       _tcp_io.close(conn)
       raise
@@ -215,9 +272,14 @@ class Plane:
                                    nonces, connector=True))
 
   def conn(self, peer: int, deadline: float, op: str) -> Link:
+    """The link to `peer`, opened (or awaited) anew if there is none or the peer closed it."""
     with self.lock:
-      if peer in self.conns:
-        return self.conns[peer]
+      link = self.conns.get(peer)
+      if link is not None:
+        if _tcp_io.open_at_peer(link.sock):
+          return link
+        del self.conns[peer]  # The peer dropped it after a failed transfer.
+        _tcp_io.close(link.sock)
     if self.me < peer:
       remaining = max(deadline - time.monotonic(), 0.001)
       try:
@@ -263,18 +325,50 @@ def get_plane(op: str, deadline: float,
         raise _diagnostics.transfer_timeout(op, 0,
                                             'to publish the job id') from e
     plane = rt.plane
-  if plane.broken:
-    raise _diagnostics.plane_broken(op, plane.broken)
   plane.seq += 1
   return plane
 
 
 def break_plane(plane: Plane, error: BaseException) -> None:
-  """Closes every connection: bytes of a failed transfer may be in flight."""
-  plane.broken = f'{type(error).__name__}: {error}'
+  """Closes every link (bytes of a failed transfer may be in flight); the next transfer opens new ones."""
+  del error
   with plane.lock:
     for link in plane.conns.values():
       _tcp_io.close(link.sock)
+    plane.conns.clear()
+
+
+def _address_mac(key: bytes, index: int, text: bytes) -> str:
+  return hmac.digest(key, b'address\0' + ADDRESS_KEY.format(index).encode()
+                     + b'\0' + text, hashlib.sha256)[:_MAC].hex()
+
+
+def address_record(key: bytes, index: int, host: str, port: int) -> bytes:
+  """What process `index` publishes under ADDRESS_KEY: 'host|port|MAC'."""
+  text = f'{host}|{port}'.encode()
+  return text + b'|' + _address_mac(key, index, text).encode()
+
+
+def read_address(key: bytes, index: int, value: bytes,
+                 op: str) -> tuple[str, int]:
+  """(host, port) of process `index`'s record; raises unless it wrote it."""
+  text, _, mac = value.rpartition(b'|')
+  try:
+    ok = hmac.compare_digest(mac.decode(), _address_mac(key, index, text))
+    host, port = text.decode().rsplit('|', 1)
+    port = int(port)
+  except ValueError:
+    ok = False
+  if not ok:
+    raise _errors.MultihostError(
+        f'{_diagnostics.prefix()} {op}: the data-plane address under '
+        f'{ADDRESS_KEY.format(index)!r} failed authentication: it was not '
+        f'written by process {index} of this job (someone who reaches the '
+        'coordination service wrote it, or a process has another job '
+        'secret). Nothing was sent to it. Give every process the same job '
+        'secret, and keep the coordination service\'s port firewalled (see '
+        'the README\'s "Trust model").')
+  return host, port
 
 
 def _local_host(rt: _runtime.Runtime) -> str:

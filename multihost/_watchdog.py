@@ -42,6 +42,7 @@ $MULTIHOST_EXTERNAL_SERVICE=1), process 0's death is an ordinary failure.
 from __future__ import annotations
 
 from collections.abc import Callable
+import os
 import sys
 import threading
 import time
@@ -91,9 +92,19 @@ class Watchdog:
     # Leaving after a peer failure (see `_peer_loss_exit`), and what renders
     # this process's main thread for its last line: `_where` sets a
     # where-report; until then, a plain stack.
-    self.peer_loss = _peer_loss_exit.PeerLossExit()
+    self.peer_loss = _peer_loss_exit.PeerLossExit(exit_fn=self._leave)
     configure_peer_loss(self.peer_loss, runtime.settings)
     self.describe: Callable[[], str] = _main_thread_stack
+
+  def _leave(self, status: int) -> None:
+    """Leaves with `status` at once, after the exit sequence's trace dump (a local file)."""
+    dump = self.runtime.exit_steps.pop('trace', None)
+    if dump is not None:
+      try:
+        dump()
+      except Exception:  # noqa: BLE001  Leaving matters more.
+        pass
+    os._exit(status)
 
   def gone(self) -> bool:
     """Whether a peer (or the service) is known to be gone."""

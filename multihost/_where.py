@@ -11,7 +11,12 @@ The requester writes `multihost_where/req/<n>` naming the processes it asks
 blocked in one key-value get with a 1 s timeout at a time, and the processes
 named answer under `multihost_where/resp/<n>/<process>`. A process that does
 not answer within `ANSWER_WITHIN_S` is reported as not answering: it is then
-likely dead, or wedged in C++ while holding the GIL.
+likely dead, or wedged in C++ while holding the GIL. Requests and answers
+carry a MAC under the job key (`_secret`), are size-capped, and the
+requester deletes them once answered: someone who can write to the store
+but lacks the job secret is not answered, and a request number taken but
+never written (or a counter bumped far ahead) is skipped at the next idle
+poll, to the first authentic request found.
 
 Users of it: a collective that times out puts the missing processes'
 reports into its `CollectiveTimeoutError` (`with_whereabouts`); a
@@ -25,6 +30,8 @@ runs without a coordination service. The reports are rendered by
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -36,6 +43,7 @@ import traceback
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
+from multihost import _secret
 from multihost import _watchdog
 from multihost import _where_signal
 from multihost import _where_text
@@ -44,9 +52,10 @@ from multihost import _where_text
 ANSWER_WITHIN_S = 1.5
 # The responder's key-value get timeout (bounds how long exit waits for it).
 _POLL_S = 1.0
-# After this many empty polls on one request number, check whether its
-# requester died between numbering and writing it (then skip it).
-_SKIP_AFTER_POLLS = 10
+# Largest request and answer read (bytes); larger ones are ignored.
+_MAX_REQUEST = 64 << 10
+_MAX_ANSWER = 4 << 20
+_MAC = 16
 _DIR = 'multihost_where/'
 # Frames kept per thread in a report (innermost).
 _FRAMES = 12
@@ -104,6 +113,28 @@ def _count(rt: _runtime.Runtime) -> int:
   return 1 if rt.client is None else rt.count
 
 
+# --- Authentication ---------------------------------------------------------
+
+
+def _key(rt: _runtime.Runtime, timeout: float) -> bytes:
+  return _secret.job_keys('where', timeout=timeout, runtime=rt)[1]
+
+
+def _seal(key: bytes, name: str, body: bytes) -> bytes:
+  return hmac.digest(key, name.encode() + b'\0' + body,
+                     hashlib.sha256)[:_MAC] + body
+
+
+def _unseal(key: bytes, name: str, stored: bytes, limit: int) -> bytes | None:
+  """The body under `name` if this job wrote it (and it is not too big); else None."""
+  if len(stored) > limit + _MAC or len(stored) < _MAC:
+    return None
+  body = stored[_MAC:]
+  if not hmac.compare_digest(stored, _seal(key, name, body)):
+    return None
+  return body
+
+
 # --- Asking -----------------------------------------------------------------
 
 
@@ -125,24 +156,28 @@ def ask(processes: list[int], *, timeout: float = ANSWER_WITHIN_S,
   client = rt.client
   if client is None:
     return {**reports, **{p: None for p in others}}
+  deadline = time.monotonic() + timeout
   try:
+    key = _key(rt, timeout)
     n = client.kv_increment(_DIR + 'count', 1) - 1
-    client.kv_set(f'{_DIR}req/{n}', json.dumps(
-        {'from': me, 'to': others}).encode())
+    name = f'{_DIR}req/{n}'
+    client.kv_set(name, _seal(key, name, json.dumps(
+        {'from': me, 'to': others}).encode()))
   except Exception:  # The service is gone: nobody can answer.  # noqa: BLE001
     return {**reports, **{p: None for p in others}}
-  deadline = time.monotonic() + timeout
   for p in others:
+    name = f'{_DIR}resp/{n}/{p}'
     try:
-      answer = client.kv_get(f'{_DIR}resp/{n}/{p}',
-                             max(0.001, deadline - time.monotonic()))
-      reports[p] = json.loads(answer)
+      answer = _unseal(key, name, client.kv_get(
+          name, max(0.001, deadline - time.monotonic())), _MAX_ANSWER)
+      reports[p] = None if answer is None else json.loads(answer)
     except Exception:  # Not in time.  # noqa: BLE001
       reports[p] = None
-  try:
-    client.kv_delete(f'{_DIR}resp/{n}/')
-  except Exception:  # noqa: BLE001
-    pass
+  for old in (f'{_DIR}resp/{n}/', f'{_DIR}req/{n}'):
+    try:
+      client.kv_delete(old)
+    except Exception:  # noqa: BLE001
+      pass
   return dict(sorted(reports.items()))
 
 
@@ -215,6 +250,14 @@ class Responder:
         rt.log.warning('multihost: no where-reporter (%s).',
                        _diagnostics.shorten(e, 200))
         return False
+      if _index(rt) == 0:
+        # Process 0 draws the job id now: a peer's timeout error can then ask
+        # for process 0's whereabouts even if process 0 never got as far as
+        # a collective that needed the job key.
+        try:
+          _secret.job_keys('where', timeout=_POLL_S, runtime=rt)
+        except Exception:  # noqa: BLE001  The first collective raises it.
+          pass
       self.started = True
       self.thread = threading.Thread(target=self._serve, args=(first,),
                                      name='multihost-where', daemon=True)
@@ -235,7 +278,9 @@ class Responder:
     try:
       if rt.connected():
         n = rt.client.kv_increment(_DIR + 'count', 1) - 1
-        rt.client.kv_set(f'{_DIR}req/{n}', b'{"to": []}')
+        name = f'{_DIR}req/{n}'
+        key = rt.job_keys[1] if rt.job_keys else b''
+        rt.client.kv_set(name, _seal(key, name, b'{"to": []}'))
     except Exception:  # noqa: BLE001
       pass
     if self.thread is not None:
@@ -245,7 +290,6 @@ class Responder:
     rt = self.runtime
     client = rt.client
     me = _index(rt)
-    idle = 0
     while not self.stopping:
       try:
         value = client.kv_get(f'{_DIR}req/{n}', _POLL_S)
@@ -253,29 +297,47 @@ class Responder:
         if self.stopping or not rt.connected():
           return
         if 'DEADLINE_EXCEEDED' in str(e) or 'NOT_FOUND' in str(e):
-          idle += 1
-          if idle % _SKIP_AFTER_POLLS == 0 and self._skip_gap(n):
-            n += 1  # A requester took number n and never wrote it.
+          n = self._next_request(n)
           continue
         time.sleep(_POLL_S)  # The service is unreachable; keep trying slowly.
         continue
-      idle = 0
       try:
-        request = json.loads(value)
+        name = f'{_DIR}req/{n}'
+        key = _key(rt, _POLL_S)
+        body = _unseal(key, name, value, _MAX_REQUEST)
+        request = {} if body is None else json.loads(body)
         if me in request.get('to', ()):
-          client.kv_set(f'{_DIR}resp/{n}/{me}',
-                        json.dumps(local_report(rt)).encode())
+          name = f'{_DIR}resp/{n}/{me}'
+          answer = json.dumps(local_report(rt)).encode()
+          if len(answer) <= _MAX_ANSWER:
+            client.kv_set(name, _seal(key, name, answer))
       except Exception as e:  # Never let the reporter die.  # noqa: BLE001
         rt.log.warning('multihost: could not answer where-request %d: %s',
                        n, _diagnostics.shorten(e, 200))
       n += 1
 
-  def _skip_gap(self, n: int) -> bool:
-    """Whether request n was numbered but never written while later ones exist."""
+  def _next_request(self, n: int) -> int:
+    """After an idle poll on number n: the first authentic request after it, if any (else n).
+
+    A requester that took number n and never wrote it, or a counter bumped
+    far ahead by someone without the secret, must not leave the responder
+    waiting on a number no request will have.
+    """
+    rt = self.runtime
     try:
-      return self.runtime.client.kv_increment(_DIR + 'count', 0) > n + 1
+      later = []
+      for name, stored in rt.client.kv_dir(f'{_DIR}req/'):
+        number = name.rsplit('/', 1)[1]
+        if number.isdigit() and int(number) > n:
+          later.append((int(number), name, stored))
+      if not later:  # The usual idle poll: no job key needed.
+        return n
+      key = _key(rt, _POLL_S)
+      return min((number for number, name, stored in later
+                  if _unseal(key, name, stored, _MAX_REQUEST) is not None),
+                 default=n)
     except Exception:  # noqa: BLE001
-      return False
+      return n
 
 
 def of(runtime: _runtime.Runtime | None = None) -> Responder:

@@ -51,6 +51,13 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # `multihost.set_exit_on_peer_failure`, which overrides it).
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
+# Calls (and events) each process's flight recorder keeps (default 64); see
+# `multihost._flight`.
+FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
+# Set by `multihost.launch --trace`: the folder where each controller writes
+# its flight recorder at exit (process-N.json), for the launcher to merge.
+TRACE_DIR = 'MULTIHOST_TRACE_DIR'
+
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
 PYTEST_WORKER = 'MULTIHOST_PYTEST_WORKER'

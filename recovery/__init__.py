@@ -8,6 +8,7 @@ stops cleanly at a preemption step agreed by all controllers.
 Modules, each importing only those above it (no cycle;
 tests/test_recovery_layers.py reads this map):
 
+  _quiet.py         binaries' filters for third-party lines that need no action
   _errors.py        every error recovery raises, and the advice its messages end with
   _state.py         the transition state and the epoch sampler
   _leaves.py        any state's leaves as Orbax stores them, and back into the
@@ -20,8 +21,12 @@ tests/test_recovery_layers.py reads this map):
   _lock.py          the run's exclusive, atomically taken lock on its folder
   _orbax.py         Orbax's CheckpointManager as used here: options, items, watched calls
   _meta.py          a checkpoint's meta item: what a save records, what a restore checks
+  _local_folder.py  a host's local checkpoint folder: per-process steps, atomic writes
+  _local.py         the local tier: each host saves what it holds, peer copies,
+                    the agreed restore of the newest step complete somewhere
   _resume.py        how a run begins: resume modes, restarts read from the environment
   _checkpoint.py    Checkpoints: open, save, keep-N, restore and start in one folder
+                    (and its local tier)
   _signals.py       the loop's SIGTERM and Ctrl-C handlers
   _loop.py          the resilient training loop
   _replay.py        the check that a restored run replays the uninterrupted one
@@ -41,10 +46,13 @@ from recovery._errors import FolderNotFreshError as FolderNotFreshError
 from recovery._errors import NothingToResumeError as NothingToResumeError
 from recovery._errors import ReplayMismatchError as ReplayMismatchError
 from recovery._errors import StepCheckError as StepCheckError
+from recovery._local import HOST_ID_VARIABLE as HOST_ID_VARIABLE
 from recovery._loop import ResilientLoop as ResilientLoop
 from recovery._loop import RunResult as RunResult
 from recovery._loop import StepRecord as StepRecord
 from recovery._orbax import quiet_orbax_logs as quiet_orbax_logs
+from recovery._quiet import cpp_warnings_hidden as cpp_warnings_hidden
+from recovery._quiet import quiet_third_party_noise as quiet_third_party_noise
 from recovery._replay import ATOL as ATOL
 from recovery._replay import RTOL as RTOL
 from recovery._replay import ReplayStep as ReplayStep

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 from absl import logging
 import jax
 import numpy as np
-
+from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
 from recovery import _folder
 from recovery import _leaves
+from recovery import _local
 from recovery import _lock
 from recovery import _meta
 from recovery import _orbax
@@ -46,6 +48,15 @@ class Checkpoints:
   shardings read from the checkpoint, so a run can resume on a different
   number of processes or devices.
 
+  With `local_directory`, a second, local tier (`recovery._local`): every
+  `local_save_every` steps each process writes only the blocks it holds to
+  its own host's folder at that path (the same path on every host, each on
+  its own disk), and blocks held by one host only are copied to a peer
+  host. `start` restores the newer of the newest local step complete across
+  all hosts and the newest persistent step, the local one on a tie, and
+  falls back to the persistent tier when the local one cannot be restored
+  (another topology, missing blocks, a failed digest check).
+
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
 
@@ -53,20 +64,33 @@ class Checkpoints:
     directory: the folder's absolute path.
     partial_steps: steps of saves that never committed, found when opened.
     resumed_from: the step `start` restored, or None (fresh, or not started).
+    resumed_tier: 'local' or 'persistent' after a restoring `start`, else None.
+    local: the local tier, or None.
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
                keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False,
+               local_directory: str | os.PathLike | None = None,
+               local_save_every: int | None = None, local_keep: int = 2):
     if save_every < 1 or keep < 1:
       raise ValueError(
           f'save_every and keep must be >= 1; got save_every={save_every}, '
           f'keep={keep}.')
+    if local_directory is None and local_save_every is not None:
+      raise ValueError(
+          f'local_save_every={local_save_every} needs local_directory (the '
+          'host-local folder of the local tier).')
+    if local_directory is not None and read_only:
+      raise ValueError('A read-only Checkpoints has no local tier; pass '
+                       'local_directory=None with read_only=True.')
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = int(save_every)
     self.keep = int(keep)
     self.read_only = read_only
     self.resumed_from: int | None = None
+    self.resumed_tier: str | None = None
+    self.local: _local.LocalTier | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for
 
@@ -102,6 +126,11 @@ class Checkpoints:
     try:
       self._manager = _orbax.manager(self.directory, async_save=async_save,
                                      read_only=read_only)
+      if local_directory is not None:
+        self.local = _local.LocalTier(
+            local_directory, directory=self.directory,
+            every=(save_every if local_save_every is None
+                   else local_save_every), keep=local_keep)
     except BaseException:
       if self._lock is not None:
         self._lock.release()
@@ -174,7 +203,9 @@ class Checkpoints:
       multihost.ConsistencyError: the controllers hold different states.
       CheckpointError: the save could not be started.
     """
-    step = state.step
+    step, start = state.step, time.monotonic()
+    if self.local is not None and self.local.due(step):
+      self.local.save(state)
     if not force and step % self.save_every:
       return False
     if step == self._pending or step in self._committed:
@@ -202,6 +233,7 @@ class Checkpoints:
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._pending = step
+    _record_event('checkpoint save', start, step=step, reason=reason)
     logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
                  reason or 'scheduled', self.directory)
     return True
@@ -257,6 +289,8 @@ class Checkpoints:
 
   def close(self) -> None:
     try:
+      if self.local is not None:
+        self.local.close()
       self.wait()
       self._manager.close()
     finally:
@@ -297,6 +331,7 @@ class Checkpoints:
       CheckpointCorruptError: the restored state fails the digest check.
       multihost.ConsistencyError: the controllers restored different states.
     """
+    start = time.monotonic()
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -334,6 +369,8 @@ class Checkpoints:
       raise CheckpointCorruptError(
           f'{_prefix()} Checkpoint folder {step} holds a state at step '
           f'{state.step}. {self._fallback_hint(step)}')
+    _record_event('checkpoint restore', start, step=step, tier='shared',
+                  bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
     logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
                  'digest %s...) from %s onto %d processes, %d devices.',
                  _prefix(), step, state.epoch, state.cursor,
@@ -363,7 +400,11 @@ class Checkpoints:
                            above 0), else False.
 
     Symlinked steps of this project count as checkpoints (they are read,
-    never deleted); `resumed_from` tells which step was restored.
+    never deleted); `resumed_from` tells which step was restored, and
+    `resumed_tier` from which tier. With a local tier, its newest step
+    complete across all hosts counts too, and is restored when it is at
+    least as new as the persistent one (see the class docstring); a fresh
+    start deletes this folder's older local steps.
 
     Args:
       initial: the fresh initial state, built on the current mesh; it is the
@@ -376,12 +417,48 @@ class Checkpoints:
       ValueError: an unknown mode.
       (and what `restore` raises)
     """
+    persistent = sorted(self._opened.ours + self._opened.linked)
+    local_step, candidates = None, []
+    if (self.local is not None
+        and _resume.mode(resume, self._restarted)[0] is not False):
+      local_step, candidates = self.local.newest()  # collective
     step = _resume.decide(
         resume, restarted=self._restarted, directory=self.directory,
-        steps=sorted(self._opened.ours + self._opened.linked),
+        steps=sorted({*persistent, *candidates}),
         partial_steps=self.partial_steps)
     if step is None:
+      if self.local is not None:
+        self.local.forget()
       return initial
+    newest_persistent = persistent[-1] if persistent else None
+    if local_step is not None and (newest_persistent is None
+                                   or local_step >= newest_persistent):
+      t0 = time.monotonic()
+      got = self.local.restore(initial, candidates=candidates,
+                               not_before=newest_persistent)
+      if got is not None:
+        state, fetched = got
+        self.resumed_from, self.resumed_tier = state.step, 'local'
+        _record_event('checkpoint restore', t0, step=state.step,
+                      tier='local', bytes=fetched)
+        logging.info(
+            '%s Restored local step %d (epoch %d, cursor %d) from %s in '
+            '%.2f s; %d bytes came from peers (this process); the newest '
+            'persistent step is %s.', _prefix(), state.step, state.epoch,
+            state.cursor, self.local.local, time.monotonic() - t0, fetched,
+            newest_persistent)
+        return state
+      if newest_persistent is None:
+        raise CheckpointError(
+            f'{_prefix()} No local step could be restored from '
+            f'{self.local.local} (see the errors above) and {self.directory} '
+            'holds no committed checkpoint. Start fresh in a new folder, or '
+            'fix the local folders.')
+      step = newest_persistent
+      logging.warning('%s Falling back to the persistent tier: step %d.',
+                      _prefix(), step)
     state = self.restore(initial, step=step)
-    self.resumed_from = step
+    self.resumed_from, self.resumed_tier = step, 'persistent'
+    if self.local is not None:
+      self.local.last_saved = step
     return state

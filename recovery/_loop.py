@@ -122,10 +122,11 @@ class ResilientLoop:
     process), so with `handle_sigterm` the loop installs its own SIGTERM
     handler for the duration of the run and treats the signal the same way.
     On Ctrl-C (KeyboardInterrupt) it lets a save in flight commit, then
-    re-raises; the last committed checkpoint is never touched. With several
-    controllers, a Ctrl-C lands at a different point of the loop on each, so
-    an interrupted collective (a save) would leave the others waiting: there
-    the first Ctrl-C is turned into a preemption notice (SIGTERM to this
+    re-raises with notes (the step reached and the last committed
+    checkpoint, then how to continue); the last committed checkpoint is
+    never touched. With several controllers, a Ctrl-C lands at a different
+    point of the loop on each, so an interrupted collective (a save) would
+    leave the others waiting: there the first Ctrl-C is turned into a preemption notice (SIGTERM to this
     process), so that every controller stops at one agreed step and saves it;
     a second Ctrl-C interrupts at once.
 
@@ -177,15 +178,17 @@ class ResilientLoop:
           return RunResult(state=state, preempted=True, last_loss=record.loss)
         now = time.monotonic()
         if now - last_log >= progress_every_s:
-          rate = (state.step - start_step) / (now - t0)
-          logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
-                       state.step, until_step, record.loss, rate)
+          # The loss and step are global: process 0 tells them for all.
+          if jax.process_index() == 0:
+            rate = (state.step - start_step) / (now - t0)
+            logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
+                         state.step, until_step, record.loss, rate)
           last_log = now
       if checkpoints is not None:
         checkpoints.wait()
       return RunResult(state=state, preempted=False,
                        last_loss=None if record is None else record.loss)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
       latest = None
       if checkpoints is not None:
         try:
@@ -194,10 +197,16 @@ class ResilientLoop:
         except Exception:  # pylint: disable=broad-except
           logging.exception('%s Waiting for the save in flight failed.',
                             _prefix())
-      logging.warning(
-          '%s Interrupted (Ctrl-C) after step %d; the last committed '
-          'checkpoint is step %s. %s', _prefix(), state.step, latest,
-          RESUME_TO_CONTINUE)
+      # Notes, not a log line: the interrupt's one message, shown with it
+      # where it is not caught, or by the program that catches it (what
+      # happened first, then how to continue in recovery's terms).
+      told = (f'{_prefix()} Interrupted (Ctrl-C) after step {state.step}; '
+              f'the last committed checkpoint is step {latest}.')
+      if hasattr(interrupt, 'add_note'):
+        interrupt.add_note(told)
+        interrupt.add_note(RESUME_TO_CONTINUE)
+      else:  # Python 3.10: no notes.
+        logging.warning('%s %s', told, RESUME_TO_CONTINUE)
       raise
     finally:
       if sigterm is not None:

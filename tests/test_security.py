@@ -148,7 +148,7 @@ def test_initialize_binds_the_coordinator_to_its_own_host_only():
 
 def test_a_readable_secret_file_is_refused(tmp_path):
   secret = tmp_path / 'secret'
-  secret.write_text('0123456789abcdef')
+  secret.write_text('0123456789abcdef' * 4)  # 64 bytes: long enough
   secret.chmod(0o644)
   # The two runs differ only in the file's mode.
   env = {env_lib.JOB_SECRET_FILE: str(secret), env_lib.TIMEOUT: '20'}
@@ -161,3 +161,24 @@ def test_a_readable_secret_file_is_refused(tmp_path):
                          devices_per_process=1, timeout=120, env=env)
   assert result.ok and not any('REFUSED' in o for o in result.outputs), (
       result.summary + '\n'.join(result.outputs))
+
+
+def test_strangers_trickling_handshakes_do_not_stop_the_data_plane():
+  """The issue's attack: 40 trickling sockets per port, after a broadcast."""
+  result = launch.launch(program('trickle'), num_processes=3,
+                         devices_per_process=1, timeout=180,
+                         env={env_lib.TIMEOUT: '30'})
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert all('GATHERS OK' in out for out in result.outputs), result.outputs
+  opened = int(result.outputs[1].split('OPENED ', 1)[1].split()[0])
+  assert opened >= 3 * 40, opened
+
+
+def test_a_controllers_child_does_not_inherit_the_job_secret():
+  result = launch.launch(program('child_env'), num_processes=2,
+                         devices_per_process=1, timeout=120,
+                         env={env_lib.TIMEOUT: '30'})
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  for out in result.outputs:
+    assert 'CHILD SEES SECRET no' in out, out
+    assert 'GATHERED [0, 1]' in out, out

@@ -59,5 +59,5 @@ def _published_address(process: int) -> tuple[str, str]:
   from multihost import _tcp_link
   from multihost import lowlevel
   value = lowlevel.key_value_get(_tcp_link.ADDRESS_KEY.format(process), 5)
-  host, port = value.decode().rsplit('|', 1)
+  host, port = value.decode().split('|')[:2]  # then its MAC
   return host, port

@@ -4,7 +4,7 @@ Usage:
 
   python -m multihost.launch --num_processes=2 --devices_per_process=2 \\
       [--timeout=SECONDS] [--grace_period=SECONDS] [--max_restarts=N] \\
-      [--host_service] [--hosts=netns] -- python train.py --flag
+      [--host_service] [--hosts=netns] [--trace=PATH] -- python train.py --flag
 
 Each controller gets an environment in which both `multihost.initialize()`
 and a bare `jax.distributed.initialize()` work unchanged (see `child_env`):
@@ -22,7 +22,7 @@ hosts JAX's coordination service, dies first, the summary says so and does
 not blame the survivors that the JAX runtime then aborted. `--timeout`
 bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
 launcher are forwarded to the controllers, which are then killed; nothing is
-left running.
+left running. `--trace=PATH` writes the run's timeline (see `_trace`).
 
 The same machinery is a library, for tests and the pytest plugin:
 
@@ -55,6 +55,8 @@ Modules (one job each):
                    attempts and service hosting
   _run.py          `launch()`: Controllers to the end, signals, summary
   _cli.py          the one command line (`main`), also behind bin/launch.py
+  _trace.py        `--trace`: the controllers' flight-recorder dumps merged
+                   into one timeline, and the summary's divergence line
 """
 
 from __future__ import annotations
@@ -63,19 +65,25 @@ from multihost.launch._cli import main as main
 from multihost.launch._cli import parser as parser
 from multihost.launch._cli import run_cli as run_cli
 from multihost.launch._cli import split_command as split_command
+from multihost.launch._controllers import (
+    DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S,
+)
 from multihost.launch._controllers import Controllers as Controllers
-from multihost.launch._controllers import DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S
 from multihost.launch._environment import child_env as child_env
 from multihost.launch._environment import find_free_port as find_free_port
-from multihost.launch._run import launch as launch
-from multihost.launch._policy import DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S
-from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
+from multihost.launch._evidence import (
+    LOST_SERVICE_MARKER as LOST_SERVICE_MARKER,
+)
 from multihost.launch._evidence import lost_coordinator as lost_coordinator
-from multihost.launch._evidence import LOST_SERVICE_MARKER as LOST_SERVICE_MARKER
-from multihost.launch._report import describe as describe
+from multihost.launch._policy import (
+    DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S,
+)
+from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
+from multihost.launch._report import TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS
 from multihost.launch._report import LaunchResult as LaunchResult
 from multihost.launch._report import Observed as Observed
+from multihost.launch._report import describe as describe
 from multihost.launch._report import report as report
 from multihost.launch._report import signal_name as signal_name
 from multihost.launch._report import status_of as status_of
-from multihost.launch._report import TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS
+from multihost.launch._run import launch as launch

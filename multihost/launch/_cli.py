@@ -30,7 +30,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
       description='Run N JAX controllers of a command on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
             '[--timeout=S] [--grace_period=S] [--max_restarts=N] '
-            '[--host_service] '
+            '[--host_service] [--trace=PATH] '
             '[--hosts=netns] -- COMMAND '
             '[ARGS...]')
   p.add_argument('--num_processes', type=int, required=True,
@@ -55,6 +55,11 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  help='netns: run each controller on a simulated host of '
                  'its own (a network namespace with its own address; needs '
                  'root and `ip`), the coordinator at host 0\'s address')
+  p.add_argument('--trace', default=None, metavar='PATH',
+                 help='write the run\'s timeline to PATH (Chrome trace-event '
+                 'JSON, for ui.perfetto.dev or chrome://tracing): every '
+                 'process\'s collectives and events, failures marked; the '
+                 'summary names the first divergence')
   return p
 
 
@@ -85,13 +90,14 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
                  devices_per_process=args.devices_per_process,
                  timeout=args.timeout, grace_period=args.grace_period,
                  host_service=args.host_service, hosts=args.hosts,
-                 max_restarts=args.max_restarts)
+                 max_restarts=args.max_restarts, trace=args.trace)
 
 
 def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
             grace_period: float, host_service: bool = False,
-            hosts: str | None = None, max_restarts: int = 0) -> int:
+            hosts: str | None = None, max_restarts: int = 0,
+            trace: str | None = None) -> int:
   """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
   try:
     result = _run.launch(
@@ -99,7 +105,8 @@ def run_cli(command: list[str], *, num_processes: int,
         devices_per_process=devices_per_process, timeout=timeout,
         grace_period=grace_period, stream=sys.stdout,
         summary_stream=sys.stderr, forward_signals=True,
-        host_service=host_service, hosts=hosts, max_restarts=max_restarts)
+        host_service=host_service, hosts=hosts, max_restarts=max_restarts,
+        trace=trace)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

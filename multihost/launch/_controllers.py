@@ -212,6 +212,16 @@ class Controllers:
     """Indices of the processes that have not exited."""
     return self._procs.running()
 
+  @property
+  def run_start(self) -> float:
+    """When the run started (time.monotonic())."""
+    return self._start_time
+
+  @property
+  def attempt_starts(self) -> list[float]:
+    """Seconds from the run's start to each attempt's."""
+    return list(self._attempt_starts)
+
   def elapsed(self) -> float:
     """Seconds since `start()` (of all attempts together)."""
     return time.monotonic() - self._start_time

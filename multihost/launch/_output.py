@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
+from typing import TextIO
 
 
 class Output:

@@ -11,7 +11,6 @@ failure is the first error by when it happened: a process's first traceback
 from __future__ import annotations
 
 import dataclasses
-import re
 import signal
 from typing import Any
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import os
+import shutil
+import tempfile
+import time
 from typing import TextIO
 
+from multihost import env as env_lib
 from multihost.launch import _controllers
 from multihost.launch import _policy
 from multihost.launch import _report
+from multihost.launch import _trace
 
 
 def launch(command: collections.abc.Sequence[str], *, num_processes: int,
@@ -22,7 +28,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            kill_wait: float = _policy.DEFAULT_KILL_WAIT_S,
            host_service: bool = False,
            hosts: str | None = None,
-           max_restarts: int = 0) -> _report.LaunchResult:
+           max_restarts: int = 0,
+           trace: str | os.PathLike[str] | None = None) -> _report.LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
   Args:
@@ -45,10 +52,19 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       `Controllers`).
     max_restarts: start every controller again after a failed attempt, up
       to this many times (see `Controllers`).
+    trace: write the run's timeline here (Chrome trace-event JSON): each
+      controller dumps its flight recorder at exit into a folder named by
+      $MULTIHOST_TRACE_DIR, merged here at the end, failures marked; the
+      summary then names the first divergence between the processes' calls.
 
   Returns:
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
   """
+  folder = None
+  if trace is not None:
+    folder = tempfile.mkdtemp(prefix='multihost-trace-')
+    env = {**(env or {}), env_lib.TRACE_DIR: folder}
+  run_wall0, run_mono0 = time.time(), time.monotonic()
   cluster = _controllers.Controllers(
       command, num_processes=num_processes,
       devices_per_process=devices_per_process, env=env, cwd=cwd,
@@ -61,6 +77,18 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
   finally:
     if restore is not None:
       restore()
+  if folder is not None:
+    try:
+      # The run started when the controllers' clock did (`Controllers`).
+      run_wall0 += cluster.run_start - run_mono0
+      line = _trace.write(os.fspath(trace), folder, result,
+                          num_processes=num_processes, run_wall0=run_wall0,
+                          starts=cluster.attempt_starts)
+      note = f'trace: {os.fspath(trace)}' + (f'; {line}' if line else '')
+      result = dataclasses.replace(result,
+                                   summary=f'{result.summary}\n{note}')
+    finally:
+      shutil.rmtree(folder, ignore_errors=True)
   if summary_stream is not None:
     summary_stream.write(result.summary + '\n')
     summary_stream.flush()

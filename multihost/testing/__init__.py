@@ -84,12 +84,14 @@ import pytest
 from multihost import env as env_lib
 from multihost.testing import _marker
 from multihost.testing._marker import BARRIER_TIMEOUT_ENV as BARRIER_TIMEOUT_ENV
-from multihost.testing._marker import DEFAULT_COLLECTIVE_TIMEOUT_S as DEFAULT_COLLECTIVE_TIMEOUT_S
+from multihost.testing._marker import (
+  DEFAULT_COLLECTIVE_TIMEOUT_S as DEFAULT_COLLECTIVE_TIMEOUT_S,
+)
 from multihost.testing._marker import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from multihost.testing._marker import GroupSpec as GroupSpec
 from multihost.testing._marker import MARKER as MARKER
-from multihost.testing._marker import marker_spec as marker_spec
 from multihost.testing._marker import WORKER_ENV as WORKER_ENV
+from multihost.testing._marker import GroupSpec as GroupSpec
+from multihost.testing._marker import marker_spec as marker_spec
 
 
 @pytest.hookimpl(tryfirst=True)

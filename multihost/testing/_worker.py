@@ -82,7 +82,9 @@ class WorkerSession:
     counter, so a test that left collectives unmatched on some process cannot
     pair them with these exchanges.
     """
-    from multihost import _control_rendezvous, _coordination, _process
+    from multihost import _control_rendezvous
+    from multihost import _coordination
+    from multihost import _process
 
     count = _process.process_count()
     if count == 1:

@@ -35,7 +35,7 @@ _FRAME = _FRAME_HEAD + 16
 
 def address(p: int) -> tuple[str, int]:
   host, port = lowlevel.key_value_get(
-      f'multihost_transport/{p}', 10).decode().rsplit('|', 1)
+      f'multihost_transport/{p}', 10).decode().split('|')[:2]
   return host, int(port)
 
 
@@ -165,9 +165,12 @@ def main() -> None:
   proxy = None
   if me == 2:
     proxy = Proxy(address(2))
-    lowlevel.key_value_set(
-        'multihost_transport/2',
-        f'127.0.0.1|{proxy.sock.getsockname()[1]}'.encode())
+    # Process 2 itself points the others at the proxy (signed with its job
+    # key): the proxy stands for someone on the network path.
+    from multihost import _runtime, _tcp_link  # noqa: PLC0415
+    lowlevel.key_value_set('multihost_transport/2', _tcp_link.address_record(
+        _runtime.current().job_keys[1], 2, '127.0.0.1',
+        proxy.sock.getsockname()[1]))
   multihost.sync_global_devices('attacked')
 
   start = time.monotonic()

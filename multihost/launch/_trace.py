@@ -1,0 +1,74 @@
+"""`--trace=PATH`: the controllers' flight-recorder dumps merged into one timeline, and the summary's divergence line."""
+
+from __future__ import annotations
+
+import collections.abc
+import glob
+import json
+import os
+from typing import Any
+
+from multihost import _trace_format
+from multihost.launch import _report
+from multihost.launch import _restarts
+
+
+def read_dumps(folder: str) -> list[dict[str, Any]]:
+  """The dumps the controllers left in `folder` (unreadable ones skipped: their process is marked not dumped)."""
+  dumps = []
+  for path in sorted(glob.glob(os.path.join(folder, 'process-*.json'))):
+    try:
+      with open(path) as f:
+        dumps.append(json.load(f))
+    except (OSError, ValueError):
+      continue
+  return dumps
+
+
+def _last_line(output: str) -> str:
+  lines = [line for line in output.splitlines() if line.strip()]
+  return lines[-1][:200] if lines else ''
+
+
+def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
+                          starts: collections.abc.Sequence[float]):
+  """The trace's failure marks and attempt spans from the run's result (wall-clock times)."""
+  failures: dict[int, dict[str, Any]] = {}
+  attempts = []
+  for k, attempt in enumerate(result.attempts or (result,)):
+    begin = run_wall0 + (starts[k] if k < len(starts) else 0.0)
+    ends = [t for t in attempt.end_times if t is not None]
+    attempts.append({'start': begin, 'end': begin + max(ends, default=0.0),
+                     'cause': _restarts.attempt_cause(attempt)})
+    for p, rc in enumerate(attempt.returncodes):
+      if rc in (0, None) and p != attempt.first_failure:
+        continue
+      how = _report.describe(rc)
+      if p in attempt.stopped:
+        how += ', stopped by the launcher'
+      end = attempt.end_times[p]
+      # A later attempt's mark replaces an earlier one's: the track is the
+      # process's, the attempt is in the mark.
+      failures[p] = {'stopped': None if end is None else begin + end,
+                     'how': how, 'attempt': k,
+                     'last_line': _last_line(attempt.outputs[p])
+                     if p < len(attempt.outputs) else ''}
+  return failures, attempts
+
+
+def write(path: str, folder: str, result: _report.LaunchResult, *,
+          num_processes: int, run_wall0: float,
+          starts: collections.abc.Sequence[float]) -> str | None:
+  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None."""
+  dumps = read_dumps(folder)
+  failures, attempts = failures_and_attempts(result, run_wall0=run_wall0,
+                                             starts=starts)
+  trace = _trace_format.build(dumps, num_processes=num_processes,
+                              failures=failures, attempts=attempts)
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(trace, f)
+  os.replace(tmp, path)
+  last = len(attempts) - 1
+  return _trace_format.divergence(
+      [d for d in dumps if d.get('attempt', 0) == last], num_processes)

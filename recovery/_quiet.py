@@ -1,0 +1,140 @@
+"""Quiet binaries: the third-party lines that tell a user nothing to do.
+
+Each filter drops one known line, by its source and text, and lets
+everything else through, so a real warning or error still shows. With
+absl's `--verbosity=1` (debug) nothing is dropped; `TF_CPP_MIN_LOG_LEVEL=0`
+keeps JAX's C++ warnings too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from absl import logging
+
+# JAX's variable for its C++ log threshold (0 all, 1 warnings, 2 errors).
+CPP_LOG_LEVEL = 'TF_CPP_MIN_LOG_LEVEL'
+_CPP_ERRORS_ONLY = 2
+
+_ORBAX = f'{os.sep}orbax{os.sep}'
+# (where the record comes from, how its format string starts): lines with no
+# action for the user.
+_DROPPED = (
+    # read_only=True is what the caller asked for.
+    (_ORBAX, 'Given directory is read only'),
+    # Logged by each Orbax call that sees the sync point (a save and its
+    # finalize thread); the loop logs the stop once per process.
+    (_ORBAX, '[process=%s][thread=%s] Reached preemption sync point'),
+)
+_installed = False
+
+
+def verbose() -> bool:
+  """True when absl's --verbosity asks for debug lines: nothing is dropped."""
+  return logging.get_verbosity() >= logging.DEBUG
+
+
+def _keep(record) -> bool:
+  """The absl handler's filter: False for a line of `_DROPPED` and kin."""
+  if verbose():
+    return True
+  msg = str(record.msg)
+  for where, start in _DROPPED:
+    if where in record.pathname and msg.startswith(start):
+      return False
+  # JAX says at INFO that it found no TPU on a machine that has none.
+  if (record.levelno < logging.converter.STANDARD_WARNING and
+      msg.startswith('Unable to initialize backend')):
+    return False
+  # After one read of a damaged checkpoint failed, Orbax stops waiting for
+  # the others; their TensorStore errors (the same damage, already reported
+  # as a CheckpointError) are then logged as never retrieved, one per leaf.
+  if record.name == 'asyncio' and msg.startswith(
+      'Task exception was never retrieved'):
+    error = record.exc_info[1] if record.exc_info else None
+    if error is not None and 'tensorstore_spec' in str(error):
+      return False
+  return True
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+  """TensorStore's callback into an event loop Orbax has already closed.
+
+  TensorStore completes a read that Orbax no longer awaits and calls the
+  loop's `call_soon_threadsafe` from its own thread: no Python frame of
+  ours or of Orbax is on that stack, only asyncio's.
+  """
+  if not (unraisable.exc_type is RuntimeError and
+          str(unraisable.exc_value) == 'Event loop is closed'):
+    return False
+  tb = unraisable.exc_traceback
+  if tb is None:
+    return False
+  while tb is not None:
+    if f'{os.sep}asyncio{os.sep}' not in tb.tb_frame.f_code.co_filename:
+      return False
+    tb = tb.tb_next
+  return True
+
+
+def quiet_third_party_noise() -> None:
+  """Drops the JAX, Orbax, asyncio and TensorStore lines that need no action.
+
+  For binaries (it changes process-wide hooks); calling it again does
+  nothing more. Dropped: Orbax's "Given directory is read only" and its
+  "Reached preemption sync point" (the loop logs the stop), JAX's INFO that
+  a TPU backend is absent, and after a failed read of a damaged checkpoint
+  (reported as a `CheckpointError`) asyncio's "Task exception was never
+  retrieved" and TensorStore's "RuntimeError: Event loop is closed" for the
+  reads still in flight. Any other line shows as before; with absl's
+  `--verbosity=1` every line shows.
+  """
+  global _installed
+  if _installed:
+    return
+  _installed = True
+  logging.get_absl_handler().addFilter(_keep)
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if verbose() or not _is_closed_loop_callback(unraisable):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
+def _set_cpp_level(level: int) -> bool:
+  try:
+    from jaxlib import utils  # pylint: disable=g-import-not-at-top
+    utils.absl_set_min_log_level(level)
+  except (ImportError, AttributeError):  # Another jaxlib: the line shows.
+    return False
+  return True
+
+
+@contextlib.contextmanager
+def cpp_warnings_hidden():
+  """JAX's C++ logs show errors only, inside the block (warnings hidden).
+
+  For `multihost.initialize()`: with recoverability on, starting the
+  coordination service logs the C++ advice "... should invoke
+  `WaitAtBarrier` explicitly at the end of the program", which `multihost`
+  does for you at exit. Errors still show. Outside the block the threshold
+  is $TF_CPP_MIN_LOG_LEVEL again (JAX's default, 1: warnings and errors).
+  With TF_CPP_MIN_LOG_LEVEL=0 or absl's --verbosity=1 nothing is hidden.
+  """
+  try:
+    level = int(os.environ.get(CPP_LOG_LEVEL, '1'))
+  except ValueError:
+    level = 1
+  if level == 0 or level >= _CPP_ERRORS_ONLY or verbose():
+    yield
+    return
+  hidden = _set_cpp_level(_CPP_ERRORS_ONLY)
+  try:
+    yield
+  finally:
+    if hidden:
+      _set_cpp_level(level)

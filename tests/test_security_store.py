@@ -1,0 +1,337 @@
+"""Attacks through the key-value store and on the job secret, on an in-memory coordination service (threads stand for processes).
+
+Whoever reaches the coordination service can write any key. These tests
+play that writer: a planted gave-up mark, a control message recorded in
+another run with the same secret, a forged data-plane address, where-
+requests from a process without the secret, a bumped request counter; and
+the secret's own checks (its file, its length, what the store shows of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import threading
+import time
+
+import fake_coordination as fake
+import pytest
+
+from multihost import _control_agree
+from multihost import _control_rendezvous
+from multihost import _errors
+from multihost import _secret
+from multihost import _tcp_link
+from multihost import _watchdog
+from multihost import _where
+from multihost import env as env_lib
+
+Header = _control_agree.Header
+SECRET = 'ab' * 32
+
+
+@pytest.fixture
+def secret(monkeypatch):
+  """A configured job secret (as the launcher gives one), for this test only."""
+  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setenv(env_lib.JOB_SECRET, SECRET)
+  yield SECRET
+  monkeypatch.setattr(_secret, '_taken', None)
+
+
+def _job(count=3):
+  service, rts = fake.runtimes(count)
+  for rt in rts:
+    _watchdog.of(rt).start(heartbeat_timeout=2)
+    _where.of(rt).ensure_started()
+  return service, rts
+
+
+def _gather(rts, timeout=10):
+  return fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+      Header('process_allgather', payload=b'row %d' % rt.index),
+      timeout=timeout, runtime=rt))
+
+
+# --- Control messages are bound to the job ---------------------------------
+
+
+def test_a_message_recorded_in_another_run_with_the_same_secret_is_refused(
+    secret):
+  del secret
+  _, run_a = _job()
+  try:
+    assert not any(isinstance(o, Exception) for o, _ in _gather(run_a))
+    recorded = run_a[0].client.kv_try_get('multihost/0/0/0')
+    assert recorded is not None
+  finally:
+    fake.stop(run_a)
+  service, run_b = _job()
+  try:
+    # Run B's process 0's message of the same call replaced by run A's.
+    service.tamper = lambda key, value, p: (
+        recorded if key == 'multihost/0/0/0' else value)
+    results = _gather(run_b)
+    for p, (e, _) in enumerate(results):
+      assert isinstance(e, _errors.MultihostError), (p, e)
+      assert 'failed authentication with the job secret' in str(e), e
+  finally:
+    fake.stop(run_b)
+
+
+def test_a_planted_gave_up_mark_does_not_make_anyone_arrive_late(secret):
+  del secret
+  service, rts = _job()
+  try:
+    writer = service.client(99)
+    # Beside the first call's messages: one for a process that does not
+    # exist, one for process 1 without its MAC.
+    for key in ('multihost/0/0.gave-up/7', 'multihost/0/0.gave-up/1'):
+      writer.kv_set(key, b'')
+
+    def exchange(rt):
+      return _control_rendezvous.Rendezvous(rt, 'process_allgather').exchange(
+          b'row %d' % rt.index, timeout=10)
+
+    results = fake.run(rts, exchange)
+    for p, (out, _) in enumerate(results):
+      assert out == [b'row 0', b'row 1', b'row 2'], (p, out)
+  finally:
+    fake.stop(rts)
+
+
+# --- Data-plane addresses --------------------------------------------------
+
+
+def test_a_data_plane_address_written_by_a_store_writer_is_refused():
+  key = os.urandom(32)
+  real = _tcp_link.address_record(key, 2, '10.0.0.3', 4242)
+  assert _tcp_link.read_address(key, 2, real, 'op') == ('10.0.0.3', 4242)
+  relay = b'127.0.0.1|5555'  # as the store held before: no MAC
+  moved = real.replace(b'10.0.0.3|4242', b'127.0.0.1|5555')  # MAC kept
+  other = _tcp_link.address_record(key, 1, '127.0.0.1', 5555)  # another's
+  for forged in (relay, moved, other, b'', b'|||'):
+    with pytest.raises(_errors.MultihostError,
+                       match="'multihost_transport/2' failed authentication"):
+      _tcp_link.read_address(key, 2, forged, 'process_allgather')
+
+
+# --- Where-requests ----------------------------------------------------------
+
+
+def test_a_process_without_the_secret_gets_no_stacks_and_silences_no_one(
+    secret):
+  del secret
+  service, rts = _job(2)
+  try:
+    for rt in rts:
+      _secret.job_keys(timeout=5, runtime=rt)
+    outsider = fake.runtimes(2)[1][1]
+    outsider.client = service.client(1)
+    outsider.job_keys = (rts[1].job_keys[0], b'w' * 32)  # a wrong secret
+    assert _where.ask([0], timeout=2.5, runtime=outsider) == {0: None}
+    # An 8 MiB request, correctly numbered, without a MAC: not answered.
+    writer = service.client(1)
+    n = writer.kv_increment('multihost_where/count', 1) - 1
+    writer.kv_set(f'multihost_where/req/{n}', json.dumps(
+        {'to': [0], 'pad': 'x' * (8 << 20)}).encode())
+    time.sleep(1.5)
+    assert writer.kv_try_get(f'multihost_where/resp/{n}/0') is None
+    # One counter increment far ahead: a later real request is answered.
+    writer.kv_increment('multihost_where/count', 1_000_000)
+    report = _where.ask([0], timeout=4, runtime=rts[1])[0]
+    assert report is not None and report['process'] == 0
+    # The requester deleted its request and the answers.
+    left = [k for k, _ in writer.kv_dir('multihost_where/')
+            if k.startswith(('multihost_where/resp/',
+                             f'multihost_where/req/{n + 1}'))]
+    assert left == [], left
+  finally:
+    fake.stop(rts)
+
+
+# --- The secret ----------------------------------------------------------------
+
+
+def test_a_short_secret_is_refused_with_how_to_make_one(monkeypatch):
+  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setenv(env_lib.JOB_SECRET, 'hunter2')
+  with pytest.raises(_errors.MultihostError) as e:
+    _secret.configured()
+  assert 'of 7 bytes; at least 32' in str(e.value), e.value
+  assert 'openssl rand -hex 32' in str(e.value), e.value
+  # What the launcher makes for its controllers is long enough.
+  made = env_lib.job_secret_env({})[env_lib.JOB_SECRET]
+  assert len(made.encode()) >= _secret.MIN_SECRET_BYTES
+
+
+def test_a_secret_file_link_flipped_between_600_and_644_is_never_used(
+    tmp_path, monkeypatch):
+  private, public = tmp_path / 'private', tmp_path / 'public'
+  private.write_text('p' * 64)
+  private.chmod(0o600)
+  public.write_text('o' * 64)
+  public.chmod(0o644)
+  link = tmp_path / 'secret'
+  link.symlink_to(private)
+  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.delenv(env_lib.JOB_SECRET, raising=False)
+  monkeypatch.setenv(env_lib.JOB_SECRET_FILE, str(link))
+  stop = threading.Event()
+
+  def flip():
+    spare = tmp_path / 'spare'
+    while not stop.is_set():
+      for target in (public, private):
+        spare.unlink(missing_ok=True)
+        spare.symlink_to(target)
+        os.replace(spare, link)
+
+  flipper = threading.Thread(target=flip, daemon=True)
+  flipper.start()
+  used, refused = [], 0
+  try:
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+      try:
+        used.append(_secret.configured())
+      except _errors.MultihostError as e:
+        assert 'a symbolic link is refused' in str(e), e
+        refused += 1
+  finally:
+    stop.set()
+    flipper.join(5)
+  assert used == [] and refused > 0, (len(used), refused)
+  # A regular file of mode 600 is used.
+  monkeypatch.setenv(env_lib.JOB_SECRET_FILE, str(private))
+  assert _secret.configured() == b'p' * 64
+  private.chmod(0o640)
+  with pytest.raises(_errors.MultihostError, match='chmod 600'):
+    _secret.configured()
+
+
+def test_what_the_store_shows_does_not_give_the_secret_to_a_word_list(secret):
+  words = [w * 8 for w in ('hunter2', 'password', 'letmein')] + [secret]
+  published = []
+  for _ in range(2):  # two runs with the same secret
+    service, rts = fake.runtimes(2)
+    fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
+    published.append(service.store['multihost_secret/job'])
+  assert published[0] != published[1]  # a fresh job id and check per job
+  value = published[0]
+  job, check = value[:16], value[17:]
+  for word in words:  # the fast guesses: no scrypt
+    w = word.encode()
+    for guess in (hmac.digest(w, b'multihost fingerprint', hashlib.sha256),
+                  hmac.digest(w, b'multihost secret check', hashlib.sha256),
+                  hmac.digest(w, job, hashlib.sha256)):
+      assert guess[:len(check)] != check and guess[:8] not in value
+  # Each guess that could match costs one scrypt of the job id.
+  start = time.monotonic()
+  for word in words[:3]:
+    _secret.derive(word.encode(), job)
+  assert (time.monotonic() - start) / 3 > 0.005
+
+
+# --- Strangers at a data-plane port ------------------------------------------
+
+
+@pytest.fixture
+def plane(secret, monkeypatch):
+  """Process 1's data-plane listener (of 2), with a 1 s handshake deadline."""
+  del secret
+  monkeypatch.setattr(_tcp_link, '_HANDSHAKE_S', 1.0)
+  _, rts = fake.runtimes(2)
+  fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
+  p = _tcp_link.Plane(rts[1], 5.0, 'test')
+  yield p, _tcp_link.read_address(
+      rts[1].job_keys[1], 1,
+      rts[1].client.kv_try_get(_tcp_link.ADDRESS_KEY.format(1)), 'test')
+  p.listener.close()
+  fake.stop(rts)
+
+
+def _closed_within(s, seconds: float) -> bool:
+  """Whether the listener closes `s` within `seconds` (we send nothing)."""
+  s.settimeout(seconds)
+  try:
+    return s.recv(64) == b''
+  except TimeoutError:
+    return False
+  except OSError:
+    return True
+
+
+def test_a_handshake_trickling_a_byte_at_a_time_is_cut_at_its_deadline(plane):
+  import socket  # noqa: PLC0415
+  _, address = plane
+  s = socket.create_connection(address, timeout=5)
+  start = time.monotonic()
+  try:
+    cut = False
+    while time.monotonic() - start < 4.0 and not cut:
+      try:
+        s.sendall(b'M')  # less than a hello, one byte every 0.3 s
+      except OSError:
+        cut = True
+        break
+      cut = _closed_within(s, 0.3)
+    took = time.monotonic() - start
+  finally:
+    s.close()
+  assert cut and took < 1.9, (cut, took)  # the 1 s deadline, not per recv
+
+
+def test_strangers_past_the_cap_cut_the_oldest_not_the_newcomer(plane):
+  import socket  # noqa: PLC0415
+  p, address = plane
+  held = [socket.create_connection(address, timeout=5)
+          for _ in range(_tcp_link._PER_SOURCE)]
+  try:
+    deadline = time.monotonic() + 2
+    while len(p.pending) < _tcp_link._PER_SOURCE:
+      assert time.monotonic() < deadline, len(p.pending)
+      time.sleep(0.01)
+    newcomer = socket.create_connection(address, timeout=5)
+    held.append(newcomer)
+    assert _closed_within(held[0], 0.5)  # the oldest stranger
+    assert not _closed_within(newcomer, 0.2)  # a peer would go on from here
+    assert not any(_closed_within(s, 0.01) for s in held[1:-1])
+  finally:
+    for s in held:
+      s.close()
+
+
+def test_after_a_failed_transfer_the_next_one_opens_new_links(secret):
+  del secret
+  _, rts = fake.runtimes(2)
+  planes = []
+  try:
+    fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
+    planes = [_tcp_link.Plane(rt, 5.0, 'test') for rt in rts]
+
+    def transfer(rt):
+      plane = planes[rt.index]
+      link = plane.conn(1 - rt.index, time.monotonic() + 10, 'test')
+      link.sock.settimeout(5)
+      if rt.index == 0:
+        link.sock.sendall(link.frame(7, 0))
+      else:
+        link.read_frame(7, 0, 'test', 0)
+      return link
+
+    first = [out for out, _ in fake.run(rts, transfer)]
+    assert all(isinstance(l, _tcp_link.Link) for l in first), first
+    # Process 0's transfer failed: it closes its links (bytes may be in
+    # flight). Process 1 did not notice and keeps its end.
+    _tcp_link.break_plane(planes[0], RuntimeError('cut'))
+    time.sleep(0.1)
+    second = [out for out, _ in fake.run(rts, transfer)]
+    assert all(isinstance(l, _tcp_link.Link) for l in second), second
+    assert second[0] is not first[0] and second[1] is not first[1]
+  finally:
+    for p in planes:
+      p.listener.close()
+    fake.stop(rts)
