@@ -21,10 +21,9 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-import multihost
-
 from bench.harness import Case
 from bench.harness import format_size
+import multihost
 
 # What --ops may name.
 OPS = ('sync_global_devices', 'broadcast_one_to_all', 'process_allgather',

@@ -20,7 +20,6 @@ import numpy as np
 import multihost
 from multihost import lowlevel  # The raw coordination-service barrier.
 
-
 SMALL_BYTES = 1 << 20  # Payloads up to this take Settings.small_repeats.
 
 

@@ -20,16 +20,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-import multihost
-import recovery
-
 from bench import harness
-from bench.harness import barrier
-from bench.harness import ms
 from bench.harness import Row
 from bench.harness import Settings
+from bench.harness import barrier
+from bench.harness import ms
 from bench.harness import slowest
 from bench.harness import slowest_one
+import multihost
+import recovery
 
 
 def recovery_rows(width: int, repeats: int, sharded: bool, parent: str,

@@ -14,15 +14,14 @@ import socket
 import jax
 import numpy as np
 
-import multihost
-from multihost import lowlevel  # The raw coordination-service barrier.
-
 from bench.collectives import global_rows
 from bench.collectives import process_mesh
-from bench.harness import format_size
 from bench.harness import Row
 from bench.harness import Settings
+from bench.harness import format_size
 from bench.harness import time_reference
+import multihost
+from multihost import lowlevel  # The raw coordination-service barrier.
 
 
 def reference_rows(sizes: list[int], repeats: int, tcp_bytes: int,

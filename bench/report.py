@@ -10,10 +10,9 @@ import subprocess
 
 import jax
 
-import multihost
-
 from bench.harness import Row
 from bench.harness import Settings
+import multihost
 
 
 def fmt(value: float | None, digits: int = 2) -> str:

@@ -13,7 +13,9 @@ import time
 
 import jax
 import numpy as np
+
 import multihost
+
 
 def status(field):
   for line in open('/proc/self/status'):
@@ -26,7 +28,8 @@ shape = (mb << 20) // 4 // 1024, 1024
 mesh = jax.make_mesh((jax.device_count(),), ('x',))
 sh = jax.sharding.NamedSharding(mesh, jax.P(*[None if a == 'None' else a for a in sys.argv[2:]]) if len(sys.argv) > 2 else jax.P('x'))
 def cb(idx):
-  rows = np.arange(shape[0], dtype=np.float32)[idx[0]]; cols = np.arange(1024, dtype=np.float32)[idx[1]]
+  rows = np.arange(shape[0], dtype=np.float32)[idx[0]]
+  cols = np.arange(1024, dtype=np.float32)[idx[1]]
   return (rows[:, None] * 3 + cols[None, :])
 x = jax.make_array_from_callback(shape, sh, cb)
 jax.block_until_ready(x)
@@ -34,7 +37,9 @@ multihost.tree_digest({'w': x})  # warm
 times = []
 for _ in range(3):
   multihost.sync_global_devices('t')
-  t0 = time.perf_counter(); d = multihost.tree_digest({'w': x}); times.append(time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  d = multihost.tree_digest({'w': x})
+  times.append(time.perf_counter() - t0)
 multihost.sync_global_devices('m')
 open('/proc/self/clear_refs', 'w').write('5')
 before = status('VmRSS')

@@ -73,6 +73,7 @@ from bench import collectives
 from bench import harness
 from bench import reference
 from bench import report
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _SIZES = flags.DEFINE_list(

@@ -18,6 +18,7 @@ the project imports it.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import sys
 
@@ -221,9 +222,7 @@ def main(argv):
     raise app.UsageError('Pass exactly one of --metrics=FILE or --bench=FILE.')
   if not _OUT.value:
     raise app.UsageError('Pass --out=PNG, the picture to write.')
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
+  if importlib.util.find_spec('matplotlib') is None:
     sys.exit('bin/plot.py needs matplotlib, an optional extra: '
              'pip install -e ".[plot]"')
   path = _METRICS.value or _BENCH.value

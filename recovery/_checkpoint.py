@@ -10,6 +10,7 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
+
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short

@@ -7,13 +7,13 @@ path (so the child needs no PYTHONPATH or working directory of its own).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import os
 import pathlib
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROGRAMS = pathlib.Path(__file__).resolve().parent / 'programs'

@@ -8,15 +8,15 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils as jax_mhu
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from topologies import topologies as topology_params
 
 import multihost
 import multihost.env
 import multihost.lowlevel
-from topologies import topologies as topology_params
 
 topologies = topology_params('2x4', '4x1', timeout=240)
 

@@ -18,7 +18,6 @@ import time
 import fake_coordination as fake
 import pytest
 
-import multihost.env
 from multihost import _control_agree
 from multihost import _coordination
 from multihost import _errors
@@ -29,6 +28,7 @@ from multihost import _runtime
 from multihost import _watchdog
 from multihost import _where
 from multihost import _where_text
+import multihost.env
 
 Header = _control_agree.Header
 

@@ -20,10 +20,12 @@ import subprocess
 import sys
 import time
 
+from _helpers import ROOT
+from _helpers import alive
+from _helpers import program
+
 from multihost import env as env_lib
 from multihost import launch
-
-from _helpers import ROOT, alive, program
 
 PY = sys.executable
 TRAIN = str(ROOT / 'bin' / 'train.py')

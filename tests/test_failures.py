@@ -19,13 +19,12 @@ import re
 import signal
 import time
 
+from _helpers import program
 import pytest
 
-import multihost.env
-from multihost import lowlevel
 from multihost import launch
-
-from _helpers import program
+from multihost import lowlevel
+import multihost.env
 
 HEARTBEAT_S = 3
 # Detection is bounded by the heartbeat timeout plus the watchdog's poll

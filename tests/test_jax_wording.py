@@ -15,9 +15,9 @@ import jax
 from jax.experimental import multihost_utils as jax_mhu
 import numpy as np
 import pytest
+from topologies import topologies
 
 import multihost
-from topologies import topologies
 
 two_hosts = topologies('2x2', timeout=240)
 

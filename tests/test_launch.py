@@ -11,14 +11,13 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from multihost import launch
-
 from _helpers import alive
 from _helpers import program
 from _helpers import read_pids
 from _helpers import stop
+import pytest
+
+from multihost import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED_NAME = '000_ceec6835a23a2fd6.txt'

@@ -12,9 +12,9 @@ import pytest
 
 from multihost import launch
 from multihost.launch import _environment
+from multihost.launch import _evidence
 from multihost.launch import _policy
 from multihost.launch import _restarts
-from multihost.launch import _evidence
 
 KILL = -signal.SIGKILL
 ABRT = -signal.SIGABRT

@@ -22,11 +22,11 @@ import time
 import jax
 from jax.experimental import multihost_utils as jax_mhu
 import pytest
+from topologies import topologies
 
 import multihost
 from multihost import launch
 from multihost import netns
-from topologies import topologies
 
 HEARTBEAT_S = 3
 # The watchdog's bound (heartbeat + 2 polls + 1 s) plus a barrier window

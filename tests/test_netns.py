@@ -8,14 +8,13 @@ import signal
 import subprocess
 import time
 
+from _helpers import program
+from _helpers import stop
+from _helpers import wait_all
 import pytest
 
 from multihost import env as mh_env
 from multihost import netns
-
-from _helpers import program
-from _helpers import stop
-from _helpers import wait_all
 
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
@@ -110,7 +109,7 @@ def test_teardown_when_the_body_raises_and_processes_inside_are_killed():
     with netns.SimulatedHosts(3) as net:
       proc = subprocess.Popen(net.command(2, ['sleep', '600']))
       assert _ours()[0]
-      1 / 0
+      raise ZeroDivisionError  # The body fails.
   assert proc.wait(timeout=30) == -signal.SIGKILL
   assert _ours() == ([], [])
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 
+from _helpers import program
+from _helpers import stop
 import pytest
 
 from multihost import env as mh_env
 from multihost import netns
-
-from _helpers import program
-from _helpers import stop
 
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')

@@ -13,16 +13,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import sys
+import time
 
+from _helpers import program
 import pytest
 
 from multihost import env as mh_env
-from multihost import netns
 from multihost import launch
-
-from _helpers import program
+from multihost import netns
 
 _OK, _WHY = netns.available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')

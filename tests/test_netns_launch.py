@@ -8,15 +8,14 @@ import socket
 import subprocess
 import sys
 
+from _helpers import program
+from _helpers import stop
 import numpy as np
 import pytest
 
 import multihost
-from multihost import netns
 from multihost import launch
-
-from _helpers import program
-from _helpers import stop
+from multihost import netns
 
 _OK, _WHY = netns.available()
 _needs_hosts = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import signal
 
+from _helpers import program
+
 from multihost import launch
 
-from _helpers import program
 
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step():
   with launch.Controllers(program('preemption_loop'), num_processes=3,

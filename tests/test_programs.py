@@ -6,10 +6,9 @@ import importlib.util
 import subprocess
 import sys
 
-import pytest
-
 from _helpers import PROGRAMS
 from _helpers import program
+import pytest
 
 _NAMES = sorted(p.stem for p in PROGRAMS.glob('*.py') if p.stem != '__init__')
 

@@ -6,17 +6,16 @@ import ast
 import subprocess
 import sys
 
-import pytest
-
-from multihost import env as env_lib
-from multihost import launch
-
 from _helpers import clean_env
 from _helpers import kill_alive
 from _helpers import program
 from _helpers import read_pids
 from _helpers import stop
 from _helpers import wait_gone
+import pytest
+
+from multihost import env as env_lib
+from multihost import launch
 
 
 def _run(mode):

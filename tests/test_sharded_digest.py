@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from topologies import topologies as topology_params
 
 import multihost
-from topologies import topologies as topology_params
 
 topologies = topology_params('2x2', '4x1', '1x4', timeout=300)
 
@@ -148,6 +148,7 @@ def test_tree_digest_of_256_mib_sharded_over_2_processes_stays_bounded():
 def test_checkpoint_of_256_mib_sharded_over_2_processes_stays_bounded(
     multihost_tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   import recovery  # pylint: disable=import-outside-toplevel
   recovery.quiet_orbax_logs()
   n = 64 * _MiB

@@ -7,10 +7,9 @@ import time
 import zlib
 
 import jax
+from jax.experimental import multihost_utils as jax_mhu
 import numpy as np
 import pytest
-
-from jax.experimental import multihost_utils as jax_mhu
 
 import multihost
 from multihost import env as env_lib
@@ -199,6 +198,7 @@ def test_jax_internals_confined_to_one_module():
 
 def test_public_names_match_jax_multihost_utils():
   import inspect
+
   from jax.experimental import multihost_utils as jax_mhu
   for name in ('broadcast_one_to_all', 'process_allgather',
                'sync_global_devices', 'assert_equal',

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from _helpers import program
 from jax import monitoring
 import numpy as np
 import pytest
@@ -14,8 +15,6 @@ from multihost import _metrics
 from multihost import _trace_format
 from multihost import env as env_lib
 from multihost import launch
-
-from _helpers import program
 
 
 def _record(call, op='sync_global_devices', name='', start=0.0, end=None,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 
+from _helpers import program
 import pytest
 
 from multihost import env as env_lib
 from multihost import launch
 
-from _helpers import program
 
 @pytest.mark.parametrize('transport', ['tcp', 'device'])
 def test_large_payloads_over_each_transport(transport):
@@ -32,8 +32,10 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
   # Process 1's data-plane port refuses connections, as behind a firewall
   # that lets only the coordinator's port through.
   import time
+
   import jax
   import numpy as np
+
   import multihost
   from multihost import _tcp_link
   me = jax.process_index()

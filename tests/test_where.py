@@ -23,12 +23,11 @@ import sys
 import threading
 import time
 
+from _helpers import program
 import pytest
 
 import multihost
 from multihost import env as env_lib
-
-from _helpers import program
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 4.0  # of the collectives that time out

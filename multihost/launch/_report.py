@@ -256,7 +256,6 @@ def doing_at(run: Observed, index: int, when: float,
 def summary(run: Observed, *, first: int | None, code: int) -> str:
   """The human-readable account of a run: one line per process, then who is to blame and why."""
   rcs = run.returncodes
-  n = len(rcs)
   stopped = run.stopped
   raised = run.raised()
   out = [_header(run, code)]

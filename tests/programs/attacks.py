@@ -167,7 +167,8 @@ def main() -> None:
     proxy = Proxy(address(2))
     # Process 2 itself points the others at the proxy (signed with its job
     # key): the proxy stands for someone on the network path.
-    from multihost import _runtime, _tcp_link  # noqa: PLC0415
+    from multihost import _runtime  # noqa: PLC0415
+    from multihost import _tcp_link  # noqa: PLC0415
     lowlevel.key_value_set('multihost_transport/2', _tcp_link.address_record(
         _runtime.current().job_keys[1], 2, '127.0.0.1',
         proxy.sock.getsockname()[1]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
+import numpy as np
 
 
 def main() -> None:
