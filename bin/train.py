@@ -336,6 +336,9 @@ def main(argv):
         metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
                                   'ids': record.ids.tolist(),
                                   'digest': digest}) + '\n')
+        if record.step % _SAVE_EVERY.value == 0:  # A save began (bin/plot.py).
+          metrics.write(json.dumps({'event': 'save', 'step': record.step}) +
+                        '\n')
         metrics.flush()
     if (record.step == _DRILL_KILL_AFTER.value and first_attempt
         and pid == _DRILL_KILL_PROCESS.value):
@@ -372,6 +375,11 @@ def main(argv):
           raise app.UsageError(
               f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
               f'writing: {e}') from e
+      if metrics is not None and resumed:  # bin/plot.py marks it.
+        restarted = int(os.environ.get(multihost.env.RESTART_COUNT) or 0) > 0
+        metrics.write(json.dumps({'event': 'restart' if restarted else 'resume',
+                                  'step': state.step, 'tier':
+                                  checkpoints.resumed_tier}) + '\n')
       if resumed:
         tier = checkpoints.resumed_tier
         peers = (checkpoints.local.restored_bytes_from_peers

@@ -42,6 +42,8 @@ NOT_RUN = {
     'bin/bench.py': 'the full benchmark takes minutes; tests/test_bench.py '
                     'runs it on small sizes',
     '--num_processes=N': 'a synopsis (N, K, S are placeholders)',
+    'bin/plot.py': 'regenerates the committed pictures in docs/; '
+                   'tests/test_plot.py draws both kinds from files it writes',
 }
 # A command's start -> why it is dropped from a block that runs.
 SKIPPED_COMMANDS = {

@@ -102,6 +102,8 @@ def _metrics(path: pathlib.Path) -> dict[int, dict]:
   out = {}
   for line in path.read_text().splitlines():
     rec = json.loads(line)
+    if 'event' in rec:  # A save or resume mark (for bin/plot.py).
+      continue
     if rec['step'] in out:
       assert out[rec['step']] == rec, f'step {rec["step"]} differs on replay'
     out[rec['step']] = rec
