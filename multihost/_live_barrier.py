@@ -16,6 +16,7 @@ from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _process
+from multihost import _runtime
 from multihost import _secret
 from multihost import _stalls
 from multihost import _watchdog
@@ -172,5 +173,6 @@ def timed_out(phase: str, n: int, missing: list[int], waited: float,
       f'process(es) {missing}, which the coordination service still sees '
       f'alive. A process may be stuck in the block\'s body (e.g. in a device '
       f'collective over a dead process\'s device) or slow. '
-      f'{_diagnostics.SAME_ORDER}, or {_diagnostics.LARGER_TIMEOUT}.',
+      f'{_diagnostics.SAME_ORDER}, or '
+      f'{_diagnostics.larger_timeout(_runtime.current().timeout_source(timeout))}.',
       operation=_OP, missing=missing, waited=waited)
