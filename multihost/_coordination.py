@@ -237,3 +237,9 @@ def initialize_without_service(**kwargs) -> None:
 def coordinator_address() -> str | None:
   """'host:port' of the coordination service, or None without jax.distributed."""
   return _distributed.global_state.coordinator_address
+
+
+def backends_started() -> bool:
+  """Whether JAX has created its backends (and with them its thread pools)."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  return xla_bridge.backends_are_initialized()

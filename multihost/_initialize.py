@@ -168,21 +168,21 @@ def initialize(coordinator_address: str | None = None,
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
   companion = None
-  if (detect and env.get(_env.COMPANION_SERVICE, '') == '1' and
-      env.get(_env.EXTERNAL_SERVICE, '') != '1'):
+  external = env.get(_env.EXTERNAL_SERVICE, '') == '1'
+  if detect and not external and _companion.enabled():
     companion = _companion.start_for_job(kwargs, env)  # Process 0: starts it.
-    try:
-      _coordination.initialize_without_service(**kwargs)
-    except BaseException:
-      if companion is not None:
-        companion.finish()
-      raise
-  elif env.get(_env.EXTERNAL_SERVICE, '') == '1':
-    # A launcher hosts the coordination service (see
-    # `_coordination.start_service`): process 0 must not start another.
-    _coordination.initialize_without_service(**kwargs)
-  else:
-    jax.distributed.initialize(**kwargs)
+  try:
+    with _companion.cpp_advice_hidden():  # JAX's advice at the service start
+      if companion is not None or external:
+        # The companion (or a launcher) hosts the coordination service (see
+        # `_coordination.start_service`): process 0 must not start another.
+        _coordination.initialize_without_service(**kwargs)
+      else:
+        jax.distributed.initialize(**kwargs)
+  except BaseException:
+    if companion is not None:
+      companion.finish()
+    raise
   rt = _runtime.current()  # The runtime on JAX's new client.
   if companion is not None:
     rt.companion = companion

@@ -302,10 +302,12 @@ def _blame(run: Observed, first: int,
   out = []
   collateral = [i for i in range(n) if i != first and
                 rcs[i] not in (None, 0) and i not in stopped]
-  # Process 0 hosts the coordination service: when it died (not only
-  # raised) before the others failed, their failures followed from its.
+  # Where process 0 hosts the coordination service (its companion process
+  # is off): when it died (not only raised) before the others were aborted,
+  # their failures followed from its.
   end0 = run.end_times[0]
-  died_first = (first == 0 and n > 1 and not run.host_service and
+  aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
+  died_first = (first == 0 and n > 1 and not run.host_service and bool(aborts) and
                 0 not in stopped and end0 is not None and
                 all(run.end_times[i] is None or
                     run.end_times[i] >= end0 - _ABORT_RACE_S
@@ -314,17 +316,13 @@ def _blame(run: Observed, first: int,
     out.append(
         f'Process 0, which hosts the JAX coordination service, died '
         f'first: {how}.')
-    if collateral:
-      aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
-      detail = (' (SIGABRT)' if aborts == collateral else
-                ' (' + ', '.join(f'p{i}: {describe(rcs[i])}'
-                                 for i in collateral) + ')')
-      out.append(
-          f'The JAX runtime then aborted the other processes {collateral}'
-          f'{detail} because their coordination service was gone; they '
-          'are not the cause. Look at the output of process 0 ([p0]).')
-    else:
-      out.append('Look at the output of process 0 ([p0]).')
+    detail = (' (SIGABRT)' if aborts == collateral else
+              ' (' + ', '.join(f'p{i}: {describe(rcs[i])}'
+                               for i in collateral) + ')')
+    out.append(
+        f'The JAX runtime then aborted the other processes {collateral}'
+        f'{detail} because their coordination service was gone; they '
+        'are not the cause. Look at the output of process 0 ([p0]).')
   else:
     out.append(f'First failure: process {first} ({how}). Look at its '
                f'output ([p{first}]).')
