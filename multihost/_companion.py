@@ -42,6 +42,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -316,6 +317,26 @@ def _set_cpp_level(level: int) -> bool:
   except (ImportError, AttributeError):  # Another jaxlib: the line shows.
     return False
   return True
+
+
+def await_service(address: str, timeout: float) -> bool:
+  """Waits until something listens at `address` ('host:port'); False after `timeout` s.
+
+  For the processes other than 0: JAX's client that connects before the
+  service listens retries only about a second later, so each waits here,
+  probing every few milliseconds, and connects once the service is up.
+  """
+  host, _, port = address.rpartition(':')
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      with socket.create_connection((host.strip('[]'), int(port)),
+                                    timeout=1.0):
+        return True
+    except (OSError, ValueError):
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(0.005)
 
 
 def start_for_job(kwargs: dict, environ) -> Companion | None:

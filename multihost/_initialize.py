@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import os
 import socket
+import time
 from typing import Any
 
 from absl import logging
@@ -171,6 +172,12 @@ def initialize(coordinator_address: str | None = None,
   external = env.get(_env.EXTERNAL_SERVICE, '') == '1'
   if detect and not external and _companion.enabled():
     companion = _companion.start_for_job(kwargs, env)  # Process 0: starts it.
+  address, index = kwargs['coordinator_address'], kwargs['process_id']
+  if address and index not in (None, 0):
+    waited = time.monotonic()
+    _companion.await_service(address, kwargs['initialization_timeout'])
+    kwargs['initialization_timeout'] = max(1, int(
+        kwargs['initialization_timeout'] - (time.monotonic() - waited)))
   try:
     with _companion.cpp_advice_hidden():  # JAX's advice at the service start
       if companion is not None or external:

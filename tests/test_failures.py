@@ -6,10 +6,11 @@ process's output: it raised `ProcessFailureError` naming the dead process,
 within the watchdog's bound (heartbeat timeout + ~1 s; 3 s here), and exited
 non-zero; the run's status is non-zero and nothing is left running.
 
-Process 0 is different: it hosts JAX's coordination service, and when it
-dies JAX's C++ client aborts every other process (SIGABRT) about a
-millisecond later, before Python can run. That test checks that this is what
-happens and that the launcher's summary says so.
+Process 0 is different where it hosts JAX's coordination service itself
+($MULTIHOST_COMPANION_SERVICE=0): when it dies JAX's C++ client aborts every
+other process (SIGABRT) about a millisecond later, before Python can run.
+That test checks that this is what happens and that the launcher's summary
+says so.
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def test_a_peer_killed_between_collectives_fails_the_next_one_at_once():
 
 
 def test_sigkill_of_process_0_aborts_the_others_and_the_launcher_says_so():
-  with _start(3, 'allgather', 'small') as cluster:
+  # Without the companion (opted out), process 0 hosts the service itself.
+  with _start(3, 'allgather', 'small',
+              extra_env={multihost.env.COMPANION_SERVICE: '0'}) as cluster:
     _wait_all(cluster, 'LOOPING', range(3))
     cluster.kill(0, signal.SIGKILL)
     result = cluster.wait(timeout=60)

@@ -109,8 +109,11 @@ def test_timeout_stops_everything_and_names_who_was_running():
 
 
 def test_coordinator_death_is_blamed_on_process_0_not_the_survivors():
+  # Process 0 hosts the service itself (its companion opted out).
   with launch.Controllers(program('barrier_without_0'), num_processes=3,
-                          grace_period=5) as cluster:
+                          grace_period=5,
+                          env={**os.environ,
+                               'MULTIHOST_COMPANION_SERVICE': '0'}) as cluster:
     pids = cluster.pids
     for i in range(3):
       assert cluster.wait_for_output(i, 'ready', timeout=60), cluster.outputs
