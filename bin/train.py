@@ -24,14 +24,12 @@ import functools
 import json
 import math
 import os
-import shutil
-import signal
 import sys
 import tempfile
 import time
 
+import _train_flags as F  # bin/_train_flags.py: the flags, the drill.
 from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -40,97 +38,6 @@ import numpy as np
 import multihost
 from multihost import lowlevel
 import recovery
-
-_STEPS = flags.DEFINE_integer('steps', 20, 'Train until this step.',
-                              lower_bound=1)
-_CHECKPOINT_DIR = flags.DEFINE_string(
-    'checkpoint_dir', '',
-    'Checkpoint folder, shared by all processes. Default (single controller '
-    'only): a fresh temporary folder, whose path is printed.')
-_SAVE_EVERY = flags.DEFINE_integer('save_every', 5, 'Save every N steps.',
-                                   lower_bound=1)
-_KEEP = flags.DEFINE_integer('keep', 3, 'Keep the last K checkpoints.',
-                             lower_bound=1)
-_RESUME = flags.DEFINE_boolean(
-    'resume', False,
-    'Continue from the latest checkpoint in --checkpoint_dir (an error if '
-    'there is none). --noresume: start fresh (an error if the folder holds a '
-    'checkpoint). Without either, a folder that holds a checkpoint is an '
-    'error, except on a restart or requeue ($MULTIHOST_RESTART_COUNT or '
-    '$SLURM_RESTART_COUNT above 0), which resumes if present.')
-_RESUME_IF_PRESENT = flags.DEFINE_boolean(
-    'resume_if_present', False,
-    'Continue from the latest checkpoint in --checkpoint_dir if there is '
-    'one, else start fresh.')
-_VERIFY_REPLAY = flags.DEFINE_integer(
-    'verify_replay', 0,
-    'After training, restore the last checkpoint and check that K more steps '
-    'from it replay the uninterrupted run (ids, losses, state). 0: off.',
-    lower_bound=0)
-_WIDTH = flags.DEFINE_integer('width', 8, 'Number of model weights.',
-                              lower_bound=1)
-_SAMPLES = flags.DEFINE_integer('samples', 64, 'Number of training samples.',
-                                lower_bound=1)
-_BATCH_SIZE = flags.DEFINE_integer(
-    'batch_size', 8, 'Global batch size; a multiple of the device count.',
-    lower_bound=1)
-_SEED = flags.DEFINE_integer('seed', 17, 'Seed of the data-order PRNG key.')
-_METRICS_OUT = flags.DEFINE_string(
-    'metrics_out', '',
-    'Process 0 writes one JSON object per step: step, loss, ids (the sample '
-    'ids of the batch), digest (of the state after the step). --resume '
-    'appends to the file.')
-_NUM_CPU_DEVICES = flags.DEFINE_integer(
-    'num_cpu_devices', 4,
-    'Virtual CPU devices per process when $JAX_NUM_CPU_DEVICES is unset.',
-    lower_bound=1)
-_HANDLE_SIGTERM = flags.DEFINE_boolean(
-    'handle_sigterm', True,
-    'Single controller: on SIGTERM save and exit 0, as multi-controller runs '
-    'do. False: SIGTERM kills the process (its default action).')
-_ASYNC_SAVE = flags.DEFINE_boolean('async_save', True,
-                                   'Commit checkpoints in the background.')
-_PROGRESS_EVERY = flags.DEFINE_float(
-    'progress_every', 5.0, 'Seconds between progress lines (step, loss, '
-    'steps/s).')
-_STRAGGLER_EVERY = flags.DEFINE_integer(
-    'straggler_every', 100, 'Every this many steps, compare when the '
-    'processes arrived at their recent collectives '
-    '(multihost.straggler_report) and log one line when one process is '
-    'consistently last (0: never).', lower_bound=0)
-
-_LOCAL_DIR = flags.DEFINE_string(
-    'local_checkpoint_dir', '',
-    'Host-local folder of the local checkpoint tier (the same path on every '
-    'host, each on its own disk; e.g. a RAM disk): every --local_save_every '
-    'steps each process writes the blocks it holds there, blocks held by one '
-    'host only are copied to a peer host, and a restart restores the newest '
-    'step complete across the hosts when it is at least as new as the '
-    'persistent one. Hosts are told apart by hostname, or by '
-    '$RECOVERY_HOST_ID. Empty: no local tier.')
-_LOCAL_SAVE_EVERY = flags.DEFINE_integer(
-    'local_save_every', 0, 'Local tier: save every K steps (0: '
-    '--save_every).', lower_bound=0)
-_SHARD_PARAMS = flags.DEFINE_boolean(
-    'shard_params', False,
-    'Shard the weights and momentum over all devices (--width must be a '
-    'multiple of the device count), so that no process holds the whole '
-    'state.')
-_DRILL_KILL_AFTER = flags.DEFINE_integer(
-    'drill_kill_after_step', 0,
-    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
-    'or 0), process --drill_kill_process SIGKILLs itself after this step, '
-    'before its saves (0: never).', lower_bound=0)
-_DRILL_KILL_PROCESS = flags.DEFINE_integer(
-    'drill_kill_process', 1, 'For fault drills: the process that is killed.',
-    lower_bound=0)
-_DRILL_WIPE_LOCAL = flags.DEFINE_boolean(
-    'drill_wipe_local', False,
-    'For fault drills: the killed process first deletes its host\'s '
-    '--local_checkpoint_dir (a replaced host).')
-
-_ORBAX_INFO = flags.DEFINE_boolean(
-    'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
 
 BASE_LR = 0.04
 MOMENTUM = 0.8
@@ -233,14 +140,14 @@ def _close(name: str, actual, desired, slack) -> None:
 
 def _resume_mode() -> bool | str | None:
   """recovery's resume mode from --resume / --noresume / --resume_if_present."""
-  if _RESUME_IF_PRESENT.value:
-    if _RESUME.present:
+  if F.RESUME_IF_PRESENT.value:
+    if F.RESUME.present:
       raise app.UsageError(
           '--resume_if_present cannot be combined with --resume or '
           '--noresume; pass one of them.')
     return recovery.IF_PRESENT
   # Not given: recovery's default (fresh, or resume if present on a restart).
-  return _RESUME.value if _RESUME.present else None
+  return F.RESUME.value if F.RESUME.present else None
 
 
 def _flag_advice(e: recovery.CheckpointError) -> str:
@@ -267,62 +174,61 @@ def _fail(message: str, code: int = 2) -> None:
 
 def main(argv):
   del argv  # Unused.
-  if not _ORBAX_INFO.value:
+  if not F.ORBAX_INFO.value:
     recovery.quiet_orbax_logs()
   recovery.quiet_third_party_noise()
   if multihost.env.NUM_CPU_DEVICES not in os.environ:
-    jax.config.update('jax_num_cpu_devices', _NUM_CPU_DEVICES.value)
-  with recovery.cpp_warnings_hidden():  # JAX's advice at the service start
-    multihost.initialize()
+    jax.config.update('jax_num_cpu_devices', F.NUM_CPU_DEVICES.value)
+  multihost.initialize()
   pid = jax.process_index()
   prefix = lowlevel.process_prefix()
   count = jax.device_count()
-  batch_size = _BATCH_SIZE.value
+  batch_size = F.BATCH_SIZE.value
   if batch_size % count:
     raise app.UsageError(
         f'--batch_size={batch_size} must be a multiple of the device count '
         f'({count}), since the batch is sharded over all devices.')
-  if batch_size > _SAMPLES.value:
+  if batch_size > F.SAMPLES.value:
     raise app.UsageError(
-        f'--batch_size={batch_size} exceeds --samples={_SAMPLES.value}.')
-  directory = _CHECKPOINT_DIR.value
+        f'--batch_size={batch_size} exceeds --samples={F.SAMPLES.value}.')
+  directory = F.CHECKPOINT_DIR.value
   if not directory:
     if jax.process_count() > 1:
       raise app.UsageError(
           'A multi-controller run needs --checkpoint_dir, a folder shared by '
           'every process.')
-    if _RESUME.value:
+    if F.RESUME.value:
       raise app.UsageError('--resume needs --checkpoint_dir.')
     directory = tempfile.mkdtemp(prefix='multihost-train-')
   resume = _resume_mode()
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
 
-  if _LOCAL_SAVE_EVERY.value and not _LOCAL_DIR.value:
+  if F.LOCAL_SAVE_EVERY.value and not F.LOCAL_DIR.value:
     raise app.UsageError(
-        f'--local_save_every={_LOCAL_SAVE_EVERY.value} needs '
+        f'--local_save_every={F.LOCAL_SAVE_EVERY.value} needs '
         '--local_checkpoint_dir (the host-local folder of the local tier).')
-  if _SHARD_PARAMS.value and _WIDTH.value % count:
+  if F.SHARD_PARAMS.value and F.WIDTH.value % count:
     raise app.UsageError(
-        f'--shard_params needs --width={_WIDTH.value} to be a multiple of the '
+        f'--shard_params needs --width={F.WIDTH.value} to be a multiple of the '
         f'device count ({count}).')
   mesh = jax.make_mesh((count,), ('data',))
-  model = LinearRegression(mesh, width=_WIDTH.value, samples=_SAMPLES.value,
+  model = LinearRegression(mesh, width=F.WIDTH.value, samples=F.SAMPLES.value,
                            batch_size=batch_size,
-                           shard_params=_SHARD_PARAMS.value)
+                           shard_params=F.SHARD_PARAMS.value)
   first_attempt = os.environ.get(multihost.env.RESTART_COUNT, '0') in ('',
                                                                       '0')
-  sampler = recovery.EpochSampler(_SAMPLES.value, batch_size)
+  sampler = recovery.EpochSampler(F.SAMPLES.value, batch_size)
   loop = recovery.ResilientLoop(model.update, data_fn=model.batch,
                                 sampler=sampler, check_fn=model.check)
   initial = loop.init(model.initial_user_state(),
-                      jax.random.key(_SEED.value))
+                      jax.random.key(F.SEED.value))
 
   metrics = None
   checked = [time.monotonic()]  # When the straggler check last ran.
 
   def on_step(state, record):
-    every = _STRAGGLER_EVERY.value
+    every = F.STRAGGLER_EVERY.value
     if every and jax.process_count() > 1 and record.step % every == 0:
       report = multihost.straggler_report()  # Every process, same step.
       step_s, checked[0] = (time.monotonic() - checked[0]) / every, \
@@ -330,50 +236,44 @@ def main(argv):
       if pid == 0 and report.matters(step_seconds=step_s):
         logging.warning('%s step %d: %s', prefix, record.step,
                         report.summary())
-    if _METRICS_OUT.value:
+    if F.METRICS_OUT.value:
       digest = recovery.checkpoint_digest(state)  # Every process: may be collective.
       if metrics is not None:
         metrics.write(json.dumps({'step': record.step, 'loss': record.loss,
                                   'ids': record.ids.tolist(),
                                   'digest': digest}) + '\n')
-        if record.step % _SAVE_EVERY.value == 0:  # A save began (bin/plot.py).
+        if record.step % F.SAVE_EVERY.value == 0:  # A save began (bin/plot.py).
           metrics.write(json.dumps({'event': 'save', 'step': record.step}) +
                         '\n')
         metrics.flush()
-    if (record.step == _DRILL_KILL_AFTER.value and first_attempt
-        and pid == _DRILL_KILL_PROCESS.value):
-      if _DRILL_WIPE_LOCAL.value and _LOCAL_DIR.value:
-        shutil.rmtree(_LOCAL_DIR.value, ignore_errors=True)
-      print(f'Drill: process {pid} SIGKILLs itself after step {record.step} '
-            f'at {time.time():.3f}.', flush=True)
-      os.kill(os.getpid(), signal.SIGKILL)
+    F.drill(record.step, pid, first_attempt=first_attempt)
 
   if pid == 0:  # The same on every process.
     logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
-                 'lr=%g', prefix, jax.process_count(), count, _WIDTH.value,
-                 _SAMPLES.value, batch_size, model.lr)
+                 'lr=%g', prefix, jax.process_count(), count, F.WIDTH.value,
+                 F.SAMPLES.value, batch_size, model.lr)
   try:
-    with recovery.Checkpoints(directory, save_every=_SAVE_EVERY.value,
-                              keep=_KEEP.value,
-                              async_save=_ASYNC_SAVE.value,
-                              local_directory=_LOCAL_DIR.value or None,
-                              local_save_every=(_LOCAL_SAVE_EVERY.value or None
-                                                if _LOCAL_DIR.value else None)
+    with recovery.Checkpoints(directory, save_every=F.SAVE_EVERY.value,
+                              keep=F.KEEP.value,
+                              async_save=F.ASYNC_SAVE.value,
+                              local_directory=F.LOCAL_DIR.value or None,
+                              local_save_every=(F.LOCAL_SAVE_EVERY.value or None
+                                                if F.LOCAL_DIR.value else None)
                               ) as checkpoints:
       state = checkpoints.start(initial, resume=resume)
       resumed = checkpoints.resumed_from is not None
-      if state.step > _STEPS.value:
+      if state.step > F.STEPS.value:
         raise recovery.CheckpointError(
             f'{prefix} The latest checkpoint in {directory} is at step '
-            f'{state.step}, beyond --steps={_STEPS.value}. Pass a larger '
+            f'{state.step}, beyond --steps={F.STEPS.value}. Pass a larger '
             '--steps to continue training.')
-      if _METRICS_OUT.value and pid == 0:
+      if F.METRICS_OUT.value and pid == 0:
         try:
           # A resumed run continues the file; a fresh run starts it anew.
-          metrics = open(_METRICS_OUT.value, 'a' if resumed else 'w')
+          metrics = open(F.METRICS_OUT.value, 'a' if resumed else 'w')
         except OSError as e:
           raise app.UsageError(
-              f'--metrics_out={_METRICS_OUT.value} cannot be opened for '
+              f'--metrics_out={F.METRICS_OUT.value} cannot be opened for '
               f'writing: {e}') from e
       if metrics is not None and resumed:  # bin/plot.py marks it.
         restarted = int(os.environ.get(multihost.env.RESTART_COUNT) or 0) > 0
@@ -388,10 +288,10 @@ def main(argv):
         print(f'{prefix} Resumed from step {state.step} (epoch {state.epoch}) '
               f'from the {tier} tier, {peers} bytes from peers, at '
               f'{time.time():.3f}.', flush=True)
-      result = loop.run(state, until_step=_STEPS.value,
+      result = loop.run(state, until_step=F.STEPS.value,
                         checkpoints=checkpoints, on_step=on_step,
-                        handle_sigterm=_HANDLE_SIGTERM.value,
-                        progress_every_s=_PROGRESS_EVERY.value)
+                        handle_sigterm=F.HANDLE_SIGTERM.value,
+                        progress_every_s=F.PROGRESS_EVERY.value)
       state = result.state
       digest = recovery.checkpoint_digest(state)
       last_loss = result.last_loss
@@ -406,10 +306,10 @@ def main(argv):
         print(f'Finished step {state.step} (epoch {state.epoch}) '
               f'digest {digest} checkpoints {checkpoints.steps()} '
               f'{trained}', flush=True)
-      if _VERIFY_REPLAY.value:
+      if F.VERIFY_REPLAY.value:
         restored = checkpoints.restore(initial, step=state.step)
         replay = recovery.verify_replay(loop, state, restored,
-                                        _VERIFY_REPLAY.value)
+                                        F.VERIFY_REPLAY.value)
         if pid == 0:
           print(f'Replay check passed: {len(replay)} steps from checkpoint '
                 f'step {state.step}: sample ids identical, losses and state '
