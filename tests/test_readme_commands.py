@@ -42,6 +42,8 @@ NOT_RUN = {
     'bin/bench.py': 'the full benchmark takes minutes; tests/test_bench.py '
                     'runs it on small sizes',
     '--num_processes=N': 'a synopsis (N, K, S are placeholders)',
+    'docs/restart.sbatch': 'a Slurm job and a 2000-step run; tests/test_slurm_'
+                           'restarts.py runs the recipe with a stand-in srun',
     'bin/plot.py': 'regenerates the committed pictures in docs/; '
                    'tests/test_plot.py draws both kinds from files it writes',
 }
