@@ -36,7 +36,8 @@ Python code can run; a Python `missed_heartbeat_callback` cannot replace that
 abort in jaxlib 0.10.2 (its status argument fails to convert: std::bad_cast,
 then std::terminate). The launcher reports it (process 0 died first). When a
 launcher hosts the service instead (`_coordination.start_service` and
-$MULTIHOST_EXTERNAL_SERVICE=1), process 0's death is an ordinary failure.
+$MULTIHOST_EXTERNAL_SERVICE=1), or process 0's companion does (the default,
+`_companion`), process 0's death is an ordinary failure.
 """
 
 from __future__ import annotations

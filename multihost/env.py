@@ -43,9 +43,10 @@ JOB_SECRET_FILE = 'MULTIHOST_JOB_SECRET_FILE'
 # The largest pickled object (bytes) `broadcast_object`/`allgather_object`
 # accept from a peer (default 1 GiB).
 MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
-# Set to 1 to host the coordination service in a companion process of
-# process 0 (`multihost._companion`): a crash of process 0's trainer is then
-# an ordinary failure, also outside the launcher.
+# Set to 0 so that process 0 hosts the coordination service itself (plain
+# JAX: its death aborts the others). Otherwise a companion process of
+# process 0 hosts it (`multihost._companion`): a crash of process 0's
+# trainer is then an ordinary failure, also outside the launcher.
 COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # Set to 0 so that a process whose peer failed never leaves by itself (see
 # `multihost.set_exit_on_peer_failure`, which overrides it).

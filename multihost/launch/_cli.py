@@ -48,9 +48,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  'again, up to N times (torchrun\'s --max-restarts); each '
                  'gets MULTIHOST_RESTART_COUNT=0, 1, ...')
   p.add_argument('--host_service', action='store_true',
-                 help='host the coordination service in the launcher, '
-                 'so that a death of process 0 is reported like any '
-                 'other (the command must use multihost.initialize())')
+                 help='host the coordination service in the launcher '
+                 'instead of in process 0\'s companion process (the command '
+                 'must use multihost.initialize())')
   p.add_argument('--hosts', choices=[_environment.NETNS], default=None,
                  help='netns: run each controller on a simulated host of '
                  'its own (a network namespace with its own address; needs '

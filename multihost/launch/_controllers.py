@@ -64,9 +64,9 @@ class Controllers:
     kill_wait: seconds between SIGTERM and SIGKILL when stopping.
     port: the coordinator port (default: a free one, fresh each attempt).
     host_service: host JAX's coordination service in this (launcher)
-      process instead of in process 0, so that the death of process 0 is an
-      ordinary failure the others raise `ProcessFailureError` for, rather
-      than one that makes JAX abort them. The controllers must call
+      process instead of in process 0's companion process (either way the
+      death of process 0 is an ordinary failure the others raise
+      `ProcessFailureError` for). The controllers must call
       `multihost.initialize()` (not a bare `jax.distributed.initialize()`).
     heartbeat_timeout: with host_service, seconds without heartbeats before
       the service declares a controller dead.
