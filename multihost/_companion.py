@@ -108,6 +108,19 @@ class Companion:
       time.sleep(0.01)
     return True
 
+  def release(self) -> None:
+    """Process 0 leaves at once after an error: the service ends now, without its graceful shutdown.
+
+    The others are then aborted by JAX's client, as when process 0 hosts
+    the service itself and leaves with `os._exit`; a process sleeping
+    outside any collective would otherwise keep the service up.
+    """
+    fd, self._done_fd = self._done_fd, None
+    if fd is not None:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(self.pid, signal.SIGKILL)
+      os.close(fd)
+
   def finish(self) -> None:
     """Process 0 leaves normally: disconnects, then lets the companion stop the service.
 

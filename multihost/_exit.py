@@ -116,6 +116,8 @@ def leave(rt: _runtime.Runtime) -> None:
     rt.log.warning('multihost: leaving with exit status 1 (the uncaught %s) '
                    'without the coordination service\'s graceful shutdown.',
                    rt.uncaught)
+    if rt.companion is not None:  # Its service stops as process 0's would.
+      rt.companion.release()
     _peer_loss_exit.flush_logs()
     os._exit(1)
 

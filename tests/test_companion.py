@@ -65,6 +65,12 @@ def _companion(logs) -> int:
   return int(pid), forked == 'True'
 
 
+def _no_advice(logs):
+  # The service's C++ advice to call WaitAtBarrier (multihost does) is hidden.
+  for log in logs:
+    assert 'WaitAtBarrier' not in log.read_text(errors='replace')
+
+
 @pytest.fixture
 def cleanup():
   pids = []
@@ -81,6 +87,7 @@ def test_normal_exit_takes_the_forked_companion_with_it(tmp_path, cleanup):
   assert os.readlink(f'/proc/{pid}/fd/1') == '/dev/null'  # No pipe kept.
   assert wait_all(procs, 120) == [0] * N, [l.read_text()[-2000:] for l in logs]
   assert wait_gone(pid, 2), f'companion {pid} outlived process 0'
+  _no_advice(logs)
 
 
 def test_sigkill_of_process_0_raises_on_the_others_and_the_companion_leaves(
@@ -123,3 +130,4 @@ def test_opting_out_hosts_the_service_in_process_0(tmp_path, cleanup):
   assert _companion(logs) == (-1, False)
   assert wait_all(procs, 120) == [0] * N, [l.read_text()[-2000:] for l in logs]
   assert not any(alive(p.pid) for p in procs)
+  _no_advice(logs)
