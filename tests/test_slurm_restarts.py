@@ -85,8 +85,11 @@ def test_a_sigkilled_task_is_restarted_by_the_recipe_bitwise_equal(tmp_path):
   assert f'Drill: process 1 SIGKILLs itself after step {KILL_AFTER}' in log
   assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
           '(restart 1 of 2).') in run.stderr, run.stderr[-3000:]
-  resumed = {int(s) for s in re.findall(r'Resumed from step (\d+)', log)}
-  assert resumed == {15}, log[-3000:]
-  assert KILL_AFTER - 15 <= 2 * K
+  # Every process resumed from the same step: the newest committed save
+  # (step 15's asynchronous commit may not have finished at the kill).
+  resumed = re.findall(r'\[process=(\d)\] Resumed from step (\d+)', log)
+  assert sorted(p for p, _ in resumed) == ['0', '1'], log[-3000:]
+  (step,) = {int(s) for _, s in resumed}
+  assert step % K == 0 and 0 < KILL_AFTER - step <= 2 * K, log[-3000:]
   assert 'attempt 1 failed' not in run.stderr
   assert _digest(log) == _digest(reference.stdout + reference.stderr)
