@@ -54,9 +54,10 @@ class Checkpoints:
   its own host's folder at that path (the same path on every host, each on
   its own disk), and blocks held by one host only are copied to a peer
   host. `start` restores the newer of the newest local step complete across
-  all hosts and the newest persistent step, the local one on a tie, and
-  falls back to the persistent tier when the local one cannot be restored
-  (another topology, missing blocks, a failed digest check).
+  all hosts and the newest persistent step, the local one on a tie; when
+  a local step cannot be restored (another topology, missing blocks, a
+  failed digest check) it tries the older ones down to the newest
+  persistent step, then falls back to the persistent tier.
 
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
