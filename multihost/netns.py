@@ -9,6 +9,15 @@ CPU collectives) resolves the hostname to pick its own address, and would
 otherwise pick 127.0.0.1. Faults: `cut(i)`/`restore(i)` take host i's link
 down and up; `delay(i, ms)` adds latency where the kernel has `sch_netem`.
 
+Per-host local disks: with `private_folder=PATH` (or
+$MULTIHOST_NETNS_PRIVATE_FOLDER, so that `python -m multihost.launch
+--hosts=netns` gets it too), every program on host i also runs in a mount
+namespace of its own, where PATH is a bind mount of `host_folder(i)`
+(`PATH.host<i>`, created when needed): the same path on every host, on
+different "disks", as separate machines have. Wiping `host_folder(i)` from
+outside replaces host i's disk. Nothing stays mounted once the programs
+exit: the mounts live in their private namespaces only.
+
 Needs root, `ip` and `unshare`; `available()` says whether it can work here.
 JAX-free and standard-library only.
 
@@ -50,6 +59,8 @@ PREFIX = 'mhh-'
 """Every namespace this module creates is named `mhh-<pid>-<n>-...`."""
 
 DEFAULT_SUBNET = '10.213.0.0/24'
+PRIVATE_FOLDER_VARIABLE = 'MULTIHOST_NETNS_PRIVATE_FOLDER'
+"""The default of `SimulatedHosts(private_folder=...)` when set and not empty."""
 _CMD_TIMEOUT = 30
 _counter = itertools.count()
 _live: set[SimulatedHosts] = set()
@@ -177,11 +188,27 @@ class SimulatedHosts:
     subnet: an IPv4 network for the hosts' addresses (host i gets the
       (i+1)-th address). Default: a /24 in 10.0.0.0/8 no route or address
       on this machine overlaps. It exists only inside these namespaces.
+    private_folder: an absolute path that each host sees as a folder of its
+      own, `host_folder(i)` (see the module docstring). Default:
+      $MULTIHOST_NETNS_PRIVATE_FOLDER, else none.
   """
 
-  def __init__(self, n: int, *, subnet: str | None = None):
+  def __init__(self, n: int, *, subnet: str | None = None,
+               private_folder: str | os.PathLike[str] | None = None):
     if not 1 <= n <= 250:
       raise ValueError(f'SimulatedHosts needs 1 <= n <= 250; got n={n}.')
+    if private_folder is None:
+      private_folder = os.environ.get(PRIVATE_FOLDER_VARIABLE, '').strip()
+    private_folder = os.fspath(private_folder) if private_folder else None
+    if private_folder is not None and (
+        not os.path.isabs(private_folder)
+        or os.path.normpath(private_folder) == '/'):
+      raise ValueError(
+          f'private_folder (${PRIVATE_FOLDER_VARIABLE}) must be an absolute '
+          f'path other than /; got {private_folder!r}. Pass a folder such '
+          'as /tmp/run/local.')
+    self.private_folder = (os.path.normpath(private_folder)
+                           if private_folder is not None else None)
     self.n = n
     self._subnet_arg = subnet
     self.subnet: ipaddress.IPv4Network | None = None
@@ -268,6 +295,16 @@ class SimulatedHosts:
     self._check(i)
     return self.hosts[i]
 
+  def host_folder(self, i: int) -> str:
+    """The folder host i sees at `private_folder` (its own "disk")."""
+    if self.private_folder is None:
+      raise HostsError(f'{self.name}: these simulated hosts have no private '
+                       'folder; pass SimulatedHosts(n, private_folder=PATH) '
+                       f'or set ${PRIVATE_FOLDER_VARIABLE}.')
+    if not 0 <= i < self.n:
+      raise IndexError(f'{self.name}: no host {i}; hosts are 0..{self.n - 1}.')
+    return f'{self.private_folder}.host{i}'
+
   def _port(self, i: int) -> str:
     return f'p{i}'
 
@@ -281,12 +318,20 @@ class SimulatedHosts:
   def command(self, i: int, argv: list[str]) -> list[str]:
     """`argv` run inside host i, with hostname = host i's address.
 
-    The prefix `exec`s all the way down, so a `subprocess.Popen` of the
-    result has the pid of `argv`'s process (signals reach it directly).
+    With a private folder, also in a mount namespace of its own where
+    `private_folder` is a bind mount of `host_folder(i)`. The prefix
+    `exec`s all the way down, so a `subprocess.Popen` of the result has the
+    pid of `argv`'s process (signals reach it directly).
     """
-    return ['ip', 'netns', 'exec', self.namespace(i),
-            'unshare', '--uts', 'sh', '-c', 'hostname "$0" && exec "$@"',
-            self.address(i), *argv]
+    prefix = ['ip', 'netns', 'exec', self.namespace(i), 'unshare', '--uts']
+    if self.private_folder is None:
+      return [*prefix, 'sh', '-c', 'hostname "$0" && exec "$@"',
+              self.address(i), *argv]
+    # A private mount namespace: the bind mount never reaches the root one.
+    return [*prefix, '--mount', '--propagation', 'private', 'sh', '-c',
+            'hostname "$0" && mkdir -p "$1" "$2" && mount --bind "$1" "$2" '
+            '&& shift 2 && exec "$@"', self.address(i), self.host_folder(i),
+            self.private_folder, *argv]
 
   # --- faults -------------------------------------------------------------
 

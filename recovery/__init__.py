@@ -19,12 +19,18 @@ tests/test_recovery_layers.py reads this map):
                     and foreign entries, crashed-save leftovers; what may be deleted
   _shared_folder.py the check that every process sees the checkpoint folder
   _lock.py          the run's exclusive, atomically taken lock on its folder
-  _orbax.py         Orbax's CheckpointManager as used here: options, items, watched calls
+  _orbax.py         Orbax's CheckpointManager as used here: options, items,
+                    watched calls, keep-N's deletes
   _meta.py          a checkpoint's meta item: what a save records, what a restore checks
   _local_folder.py  a host's local checkpoint folder: per-process steps, atomic writes
+  _local_layout.py  where a state's blocks live: hosts, block keys, topology,
+                    arrays assembled from blocks
+  _local_restore.py the local tier's restore: the newest complete local step that
+                    passes its checks, older ones next, blocks fetched from peers
   _local.py         the local tier: each host saves what it holds, peer copies,
-                    the agreed restore of the newest step complete somewhere
-  _resume.py        how a run begins: resume modes, restarts read from the environment
+                    the inventory of local steps across hosts
+  _resume.py        how a run begins: resume modes, restarts read from the
+                    environment, the tier and step, the fallback
   _checkpoint.py    Checkpoints: open, save, keep-N, restore and start in one folder
                     (and its local tier)
   _signals.py       the loop's SIGTERM and Ctrl-C handlers

@@ -54,9 +54,10 @@ class Checkpoints:
   its own host's folder at that path (the same path on every host, each on
   its own disk), and blocks held by one host only are copied to a peer
   host. `start` restores the newer of the newest local step complete across
-  all hosts and the newest persistent step, the local one on a tie, and
-  falls back to the persistent tier when the local one cannot be restored
-  (another topology, missing blocks, a failed digest check).
+  all hosts and the newest persistent step, the local one on a tie; when
+  a local step cannot be restored (another topology, missing blocks, a
+  failed digest check) it tries the older ones down to the newest
+  persistent step, then falls back to the persistent tier.
 
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
@@ -258,35 +259,10 @@ class Checkpoints:
     return steps[-1] if steps else None
 
   def _prune(self) -> None:
-    """Keeps the newest `keep` of `_committed`; deletes only real folders inside.
-
-    Every process holds the same `_committed`, so all delete the same steps,
-    or all skip the (collective) delete together. Right before each delete,
-    every process checks that the step is still a real folder directly
-    inside the real checkpoint folder; one that became a symlink (or moved
-    out) is dropped from keep-N, untouched. Processes that disagreed on
-    that check would fail Orbax's delete barrier with a CheckpointError, so
-    a disagreement deletes nothing anywhere but process 0's checked step.
-    """
-    if self.read_only:
-      return
-    for step in self._committed[:-self.keep]:
-      self._committed.remove(step)
-      if not _folder.inside(self.directory, str(step)):
-        logging.warning(
-            '%s Not deleting old checkpoint step %d: %s is now a symlink or '
-            'lies outside the folder (real path %s); left untouched.',
-            _prefix(), step, os.path.join(self.directory, str(step)),
-            os.path.realpath(os.path.join(self.directory, str(step))))
-        continue
-      # Orbax's delete meets the other processes: watched.
-      _orbax.watched(
-          f'delete checkpoint step {step}',
-          functools.partial(self._manager.delete, step),
-          lambda e, step=step: (
-              f'{_prefix()} Deleting old checkpoint step {step} in '
-              f'{self.directory} failed: {type(e).__name__}: {_short(e)}. '
-              'Newer steps are untouched; remove it by hand if it remains.'))
+    """Keeps the newest `keep` of `_committed` (`_orbax.prune`)."""
+    if not self.read_only:
+      _orbax.prune(self._manager, self.directory, self._committed,
+                   keep=self.keep)
 
   def close(self) -> None:
     try:
@@ -418,48 +394,4 @@ class Checkpoints:
       ValueError: an unknown mode.
       (and what `restore` raises)
     """
-    persistent = sorted(self._opened.ours + self._opened.linked)
-    local_step, candidates = None, []
-    if (self.local is not None
-        and _resume.mode(resume, self._restarted)[0] is not False):
-      local_step, candidates = self.local.newest()  # collective
-    step = _resume.decide(
-        resume, restarted=self._restarted, directory=self.directory,
-        steps=sorted({*persistent, *candidates}),
-        partial_steps=self.partial_steps)
-    if step is None:
-      if self.local is not None:
-        self.local.forget()
-      return initial
-    newest_persistent = persistent[-1] if persistent else None
-    if local_step is not None and (newest_persistent is None
-                                   or local_step >= newest_persistent):
-      t0 = time.monotonic()
-      got = self.local.restore(initial, candidates=candidates,
-                               not_before=newest_persistent)
-      if got is not None:
-        state, fetched = got
-        self.resumed_from, self.resumed_tier = state.step, 'local'
-        _record_event('checkpoint restore', t0, step=state.step,
-                      tier='local', bytes=fetched)
-        logging.info(
-            '%s Restored local step %d (epoch %d, cursor %d) from %s in '
-            '%.2f s; %d bytes came from peers (this process); the newest '
-            'persistent step is %s.', _prefix(), state.step, state.epoch,
-            state.cursor, self.local.local, time.monotonic() - t0, fetched,
-            newest_persistent)
-        return state
-      if newest_persistent is None:
-        raise CheckpointError(
-            f'{_prefix()} No local step could be restored from '
-            f'{self.local.local} (see the errors above) and {self.directory} '
-            'holds no committed checkpoint. Start fresh in a new folder, or '
-            'fix the local folders.')
-      step = newest_persistent
-      logging.warning('%s Falling back to the persistent tier: step %d.',
-                      _prefix(), step)
-    state = self.restore(initial, step=step)
-    self.resumed_from, self.resumed_tier = step, 'persistent'
-    if self.local is not None:
-      self.local.last_saved = step
-    return state
+    return _resume.begin(self, initial, resume=resume)

@@ -12,23 +12,15 @@ thread; the training step only waits for the (collective) consistency check,
 the copy to host memory and the peer exchange.
 
 A restore gathers every host's list of committed local steps and the blocks
-each holds, takes the newest step from which every process can rebuild its
-part of the target on this topology, fetches what a host lacks from the
-holders, then checks the digests as a persistent restore does. Every
-decision is taken from gathered facts, so all processes take the same one;
-any failure returns None on every process, and the caller falls back to the
-persistent tier.
+each holds (`newest`), then restores the newest one that is complete on
+this topology and passes its checks (`_local_restore`).
 """
 
 from __future__ import annotations
 
 from concurrent import futures
-import functools
-import hashlib
 import os
-import socket
 import time
-from typing import Any
 
 from absl import logging
 import jax
@@ -38,80 +30,13 @@ import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery import _consistency
-from recovery import _digest
 from recovery import _leaves
 from recovery import _local_folder
+from recovery import _local_layout as _layout
+from recovery import _local_restore
 from recovery import _meta
-from recovery._local_folder import EntryKey
+from recovery._local_layout import HOST_ID_VARIABLE as HOST_ID_VARIABLE
 from recovery._state import TransitionState
-
-PyTree = Any
-
-# Overrides the host name that tells hosts apart, for containers whose
-# hostnames repeat, and for drills that simulate several hosts on one.
-HOST_ID_VARIABLE = 'RECOVERY_HOST_ID'
-
-
-def host_id() -> str:
-  """This process's host: $RECOVERY_HOST_ID, else the hostname."""
-  return os.environ.get(HOST_ID_VARIABLE, '').strip() or socket.gethostname()
-
-
-def _index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
-  return tuple((s.indices(n)[0], s.indices(n)[1])
-               for s, n in zip(index, shape, strict=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _array_layout(sharding: jax.sharding.Sharding,
-                  shape: tuple[int, ...]) -> tuple[dict, tuple]:
-  """({index key: processes holding it}, (device id, process, key) sorted)."""
-  holders: dict[tuple, set[int]] = {}
-  placed = []
-  for device, index in sharding.devices_indices_map(shape).items():
-    key = _index_key(index, shape)
-    holders.setdefault(key, set()).add(device.process_index)
-    placed.append((device.id, device.process_index, key))
-  return ({k: frozenset(v) for k, v in holders.items()}, tuple(sorted(placed)))
-
-
-def _is_placed(x: Any) -> bool:
-  """Whether a storable (or abstract) leaf is a global array on a sharding."""
-  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and getattr(
-      x, 'sharding', None) is not None
-
-
-def _named_leaves(tree) -> list[tuple[str, Any]]:
-  return [(_digest.path_name(p), x)
-          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def topology(tree) -> str:
-  """A digest of where each placed leaf's blocks live (devices, processes).
-
-  Equal for a saving run and a restoring run on the same topology and
-  shardings; an elastic restore (other processes, devices or shardings)
-  differs, and takes the persistent tier.
-  """
-  h = hashlib.sha256(f'{jax.process_count()}/{jax.device_count()}'.encode())
-  for name, x in _named_leaves(tree):
-    if _is_placed(x):
-      h.update(repr((name, tuple(x.shape),
-                     _array_layout(x.sharding, tuple(x.shape))[1])).encode())
-  return h.hexdigest()
-
-
-def _needed(tree, process: int) -> set[EntryKey]:
-  """The blocks `process` needs to rebuild its part of `tree`."""
-  out = set()
-  for name, x in _named_leaves(tree):
-    if _is_placed(x):
-      for _, p, key in _array_layout(x.sharding, tuple(x.shape))[1]:
-        if p == process:
-          out.add((name, key))
-    else:
-      out.add((name, ()))
-  return out
 
 
 class LocalTier:
@@ -135,7 +60,7 @@ class LocalTier:
     os.makedirs(_local_folder.process_folder(self.local, self.me),
                 exist_ok=True)
     _local_folder.remove_tmp(self.local, self.me)
-    self.hosts: list[str] = list(multihost.allgather_object(host_id()))
+    self.hosts: list[str] = list(multihost.allgather_object(_layout.host_id()))
     order: list[str] = []
     for h in self.hosts:
       if h not in order:
@@ -150,6 +75,7 @@ class LocalTier:
     self._writing: futures.Future | None = None
     self.last_saved: int | None = None
     self.restored_bytes_from_peers = 0
+    self.inventory: dict[int, dict] = {}  # by `newest`: step -> what is where
     self.saves = 0
     self.save_seconds = 0.0  # spent by `save` on the calling thread
     self.peer_bytes_sent = 0
@@ -174,12 +100,12 @@ class LocalTier:
         tree, what=f'Before the local save of step {step}')
     meta = _meta.build(state, raw, tree, digests, reason='local')
     own, sends, peers_needed = [], [], False
-    for name, x in _named_leaves(tree):
-      if _is_placed(x):
-        holders, _ = _array_layout(x.sharding, tuple(x.shape))
+    for name, x in _layout.named_leaves(tree):
+      if _layout.is_placed(x):
+        holders, _ = _layout.array_layout(x.sharding, tuple(x.shape))
         mine = {}
         for shard in x.addressable_shards:
-          mine.setdefault(_index_key(shard.index, tuple(x.shape)), shard.data)
+          mine.setdefault(_layout.index_key(shard.index, tuple(x.shape)), shard.data)
       else:
         holders = {(): frozenset(range(len(self.hosts)))}
         mine = {(): x}
@@ -205,7 +131,7 @@ class LocalTier:
           if p != self.me and self._successor_of(self.hosts[p]) == self.host:
             peer_blocks.extend(blocks)
     manifest = {'directory': self.directory, 'host': self.host,
-                'topology': topology(tree), 'meta': meta,
+                'topology': _layout.topology(tree), 'meta': meta,
                 'peer_keys': [[k[0], [list(i) for i in k[1]]]
                               for k, _ in peer_blocks]}
     self.wait()
@@ -298,7 +224,6 @@ class LocalTier:
       info['keys'] |= set(s.entries)
     inventories = multihost.allgather_object({'host': self.host,
                                               'steps': mine})
-    self._inventories = inventories
     by_host: dict[str, dict] = {}
     for inv in inventories:
       by_host.setdefault(inv['host'], inv['steps'])
@@ -314,141 +239,22 @@ class LocalTier:
                             or agg['topology'] != info['topology'])
         for key in info['keys']:
           agg['keys'].setdefault(key, []).append(host)
-    self._steps = steps
+    self.inventory = steps
     usable = sorted((s for s, i in steps.items() if not i['conflict']),
                     reverse=True)
     return (usable[0] if usable else None), usable
 
   def restore(self, target: TransitionState, *, candidates: list[int],
-              not_before: int | None) -> tuple[TransitionState, int] | None:
-    """The newest complete local step in `candidates` (>= `not_before`), restored.
+              not_before: int | None) -> _local_restore.Restored | None:
+    """The newest local step in `candidates` (>= `not_before`) that restores.
 
     Collective: every process must call this, in the same order, after
-    `newest`. Returns (state, bytes fetched from peers by this process), or
-    None on every process when no local step is complete for this topology
-    or the restore fails its checks (the reason is logged).
+    `newest`. Older candidates are tried when a newer one fails its checks
+    (`_local_restore`); None on every process when none restores.
     """
-    target_tree = target.to_tree()
-    base = _leaves.restore_target(target_tree)
-    sig = topology(base)
-    needs = [_needed(base, p) for p in range(len(self.hosts))]
-    step = None
-    for s in candidates:
-      if not_before is not None and s < not_before:
-        break
-      info = self._steps[s]
-      if info['topology'] != sig:
-        logging.info('%s Local step %d was saved on another topology or '
-                     'sharding; not restoring from the local tier.',
-                     _prefix(), s)
-        continue
-      if all(k in info['keys'] for need in needs for k in need):
-        step = s
-        break
-      missing = sorted({k[0] for need in needs for k in need
-                        if k not in info['keys']})
-      logging.info('%s Local step %d is incomplete across the hosts (no copy '
-                   'of blocks of %s).', _prefix(), s, ', '.join(missing))
-    if step is None:
-      return None
-    info = self._steps[step]
-    where = f'Local checkpoint step {step} in {self.local}'
-    # Who sends what: each block a process lacks on its host comes from the
-    # lowest process of the first host (in host order) that holds it.
-    transfers = []
-    for p, need in enumerate(needs):
-      for key in sorted(need):
-        holders = info['keys'][key]
-        if self.hosts[p] in holders:
-          continue
-        src_host = min(holders, key=self.host_order.index)
-        transfers.append((self.lowest[src_host], p, key))
-    error, blocks, meta = None, {}, info['meta']
-    local_entries: dict[EntryKey, _local_folder.Entry] = {}
-    try:
-      for s in _local_folder.scan(self.local):
-        if s.step == step and s.manifest.get('directory') == self.directory:
-          for key, entry in s.entries.items():
-            local_entries.setdefault(key, entry)
-      for key in needs[self.me]:
-        if key in local_entries:
-          blocks[key] = _local_folder.read_block(local_entries[key])
-    except Exception as e:  # pylint: disable=broad-except
-      error = f'{type(e).__name__}: {_short(e)}'
-    fetched = 0
-    if transfers:  # The same list on every process.
-      outgoing = []
-      for src, dst, key in transfers:
-        if src == self.me:
-          try:
-            outgoing.append((dst, key, blocks[key] if key in blocks else
-                             _local_folder.read_block(local_entries[key])))
-          except Exception as e:  # pylint: disable=broad-except
-            error = error or f'{type(e).__name__}: {_short(e)}'
-      for sent in multihost.allgather_object(outgoing):
-        for dst, key, block in sent:
-          if dst == self.me:
-            blocks[key] = block
-            fetched += block.nbytes
-    restored = None
-    if error is None:
-      try:
-        abstract = _leaves.restore_target(target_tree, meta.get('leaves'))
-        _meta.check_fits(meta, abstract, where=where)
-        restored = _assemble(abstract, blocks)
-      except Exception as e:  # pylint: disable=broad-except
-        error = f'{type(e).__name__}: {_short(e)}'
-    if not self._agree(error, where, 'reading it'):
-      return None
-    digests = _digest.checkpoint_leaf_digests(restored)
-    got = _digest.combine(digests)
-    error = (None if got == meta['digest'] else
-             f'its blocks digest to {got[:16]}..., not the saved '
-             f'{meta["digest"][:16]}...')
-    if not self._agree(error, where, 'its digest check'):
-      return None
-    try:
-      _consistency.check_consistent(
-          restored, what=f'After restoring local step {step}', digests=digests)
-    except multihost.ConsistencyError as e:  # raised on every process
-      logging.error('%s %s: %s Falling back to the persistent tier.',
-                    _prefix(), where, _short(e))
-      return None
-    state = TransitionState.from_tree(
-        _leaves.rebuild(target_tree, restored), key_like=target.key)
-    self.restored_bytes_from_peers = fetched
-    self.last_saved = step
-    return state, fetched
-
-  def _agree(self, error: str | None, where: str, during: str) -> bool:
-    """Whether no process saw an error; the first ones are logged everywhere."""
-    errors = multihost.allgather_object(error)
-    failed = [(p, e) for p, e in enumerate(errors) if e is not None]
-    if failed:
-      logging.error(
-          '%s %s failed %s on %s; falling back to the persistent tier.',
-          _prefix(), where, during,
-          '; '.join(f'process {p}: {e}' for p, e in failed[:4]))
-    return not failed
-
-
-def _assemble(abstract, blocks: dict[EntryKey, np.ndarray]):
-  """The storable tree, each placed leaf built from this process's blocks."""
-
-  def leaf(path, x):
-    name = _digest.path_name(path)
-    if _is_placed(x):
-      shape = tuple(x.shape)
-      arrays = []
-      for device, index in x.sharding.addressable_devices_indices_map(
-          shape).items():
-        block = blocks[(name, _index_key(index, shape))]
-        if block.dtype != np.dtype(x.dtype):
-          raise TypeError(f'block of {name} has dtype {block.dtype}, the '
-                          f'target {np.dtype(x.dtype)}')
-        arrays.append(jax.device_put(block, device))
-      return jax.make_array_from_single_device_arrays(shape, x.sharding,
-                                                      arrays)
-    return np.asarray(blocks[(name, ())])
-
-  return jax.tree_util.tree_map_with_path(leaf, abstract)
+    got = _local_restore.restore(self, target, candidates=candidates,
+                                 not_before=not_before)
+    if got is not None:
+      self.restored_bytes_from_peers = got.fetched
+      self.last_saved = got.step
+    return got

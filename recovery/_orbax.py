@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ import orbax.checkpoint as ocp
 
 import multihost
 from multihost.lowlevel import process_prefix as _prefix
+from multihost.lowlevel import shorten as _short
+from recovery import _folder
 from recovery._errors import CheckpointError
 
 STATE_ITEM = 'state'
@@ -96,3 +99,33 @@ def quiet_orbax_logs() -> None:
 def _not_orbax_info(record) -> bool:
   return record.levelno >= logging.converter.STANDARD_WARNING or (
       f'{os.sep}orbax{os.sep}' not in record.pathname)
+
+
+def prune(mgr: ocp.CheckpointManager, directory: str, committed: list[int],
+          *, keep: int) -> None:
+  """Keeps the newest `keep` of `committed` (in place); deletes real folders only.
+
+  Every process holds the same `committed`, so all delete the same steps,
+  or all skip the (collective) delete together. Right before each delete,
+  every process checks that the step is still a real folder directly
+  inside the real checkpoint folder; one that became a symlink (or moved
+  out) is dropped from keep-N, untouched. Processes that disagreed on
+  that check would fail Orbax's delete barrier with a CheckpointError, so
+  a disagreement deletes nothing anywhere but process 0's checked step.
+  """
+  for step in committed[:-keep]:
+    committed.remove(step)
+    path = os.path.join(directory, str(step))
+    if not _folder.inside(directory, str(step)):
+      logging.warning(
+          '%s Not deleting old checkpoint step %d: %s is now a symlink or '
+          'lies outside the folder (real path %s); left untouched.',
+          _prefix(), step, path, os.path.realpath(path))
+      continue
+    # Orbax's delete meets the other processes: watched.
+    watched(
+        f'delete checkpoint step {step}', functools.partial(mgr.delete, step),
+        lambda e, step=step: (
+            f'{_prefix()} Deleting old checkpoint step {step} in {directory} '
+            f'failed: {type(e).__name__}: {_short(e)}. Newer steps are '
+            'untouched; remove it by hand if it remains.'))

@@ -1,4 +1,4 @@
-"""How `Checkpoints.start` begins a run: the resume modes, restarts read from the environment, the decision.
+"""How `Checkpoints.start` begins a run: resume modes, restarts, the tier and step.
 
 `MULTIHOST_RESTART_COUNT` is set by `multihost.launch` on a restart and
 `SLURM_RESTART_COUNT` by Slurm on a requeue. They are read here by name,
@@ -8,12 +8,17 @@ with `os.environ`: `multihost.env` is the launcher's side of that contract.
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 from absl import logging
 
+from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
+from recovery._errors import CheckpointError
 from recovery._errors import FolderNotFreshError
 from recovery._errors import NothingToResumeError
+from recovery._state import TransitionState
 
 IF_PRESENT = 'if_present'
 RESTART_COUNT_VARIABLES = ('MULTIHOST_RESTART_COUNT', 'SLURM_RESTART_COUNT')
@@ -69,9 +74,13 @@ def nothing_to_resume(directory: str, partial_steps: list[int]) -> str:
 
 
 def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
-           directory: str, steps: list[int],
-           partial_steps: list[int]) -> int | None:
+           directory: str, steps: list[int], partial_steps: list[int],
+           local_steps: tuple[int, ...] = (),
+           local_directory: str | None = None) -> int | None:
   """The step to restore for `start(resume=...)`, or None to start fresh.
+
+  `steps` are every tier's; the log names the local folder when the newest
+  is a local step (in `local_steps`), which is then tried first.
 
   Raises:
     NothingToResumeError: a strict resume with no committed step.
@@ -93,6 +102,70 @@ def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
     logging.info('%s No committed checkpoint in %s (%s, resume if present): '
                  'starting fresh.', _prefix(), directory, why)
     return None
-  logging.info('%s Resuming from checkpoint step %d in %s (%s).', _prefix(),
-               latest, directory, why)
+  if latest in local_steps:
+    logging.info('%s Resuming from local step %d in %s (%s), the persistent '
+                 'tier in %s as the fallback.', _prefix(), latest,
+                 local_directory, why, directory)
+  else:
+    logging.info('%s Resuming from checkpoint step %d in %s (%s).', _prefix(),
+                 latest, directory, why)
   return latest
+
+
+def begin(ckpt: Any, initial: TransitionState, *,
+          resume: bool | str | None) -> TransitionState:
+  """`Checkpoints.start` (see there): the tier and step, the restore, the fallback.
+
+  Collective. Sets `ckpt.resumed_from` and `ckpt.resumed_tier`.
+  """
+  persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
+  restarted = ckpt._restarted  # pylint: disable=protected-access
+  tier = ckpt.local
+  local_step, candidates = None, []
+  if tier is not None and mode(resume, restarted)[0] is not False:
+    local_step, candidates = tier.newest()  # collective
+  step = decide(
+      resume, restarted=restarted, directory=ckpt.directory,
+      steps=sorted({*persistent, *candidates}),
+      partial_steps=ckpt.partial_steps, local_steps=tuple(candidates),
+      local_directory=tier.local if tier is not None else None)
+  if step is None:
+    if tier is not None:
+      tier.forget()
+    return initial
+  newest_persistent = persistent[-1] if persistent else None
+  if local_step is not None and (newest_persistent is None
+                                 or local_step >= newest_persistent):
+    t0 = time.monotonic()
+    got = tier.restore(initial, candidates=candidates,
+                       not_before=newest_persistent)
+    if got is not None:
+      state = got.state
+      ckpt.resumed_from, ckpt.resumed_tier = state.step, 'local'
+      _record_event('checkpoint restore', t0, step=state.step, tier='local',
+                    bytes=got.fetched)
+      logging.info(
+          '%s Restored local step %d (epoch %d, cursor %d) from the local '
+          'tier in %s in %.2f s; %d bytes came from peers to this process, '
+          '%d to all; newer local steps that failed their checks: %s; the '
+          'newest persistent step is %s.', _prefix(), state.step,
+          state.epoch, state.cursor, tier.local, time.monotonic() - t0,
+          got.fetched, got.fetched_total, list(got.failed) or 'none',
+          newest_persistent)
+      return state
+    if newest_persistent is None:
+      raise CheckpointError(
+          f'{_prefix()} No local step could be restored from {tier.local} '
+          f'(see the errors above) and {ckpt.directory} holds no committed '
+          'checkpoint. Start fresh in a new folder, or fix the local '
+          'folders.')
+    step = newest_persistent
+    logging.warning('%s No local step at or after persistent step %d '
+                    'restored from %s; falling back to the persistent tier: '
+                    'step %d in %s.', _prefix(), step, tier.local, step,
+                    ckpt.directory)
+  state = ckpt.restore(initial, step=step)
+  ckpt.resumed_from, ckpt.resumed_tier = step, 'persistent'
+  if tier is not None:
+    tier.last_saved = step
+  return state

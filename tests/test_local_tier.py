@@ -175,6 +175,39 @@ def test_a_damaged_local_step_falls_back_to_the_persistent_tier(
   assert 'failed its digest check' in caplog.text
 
 
+def _flip_last_byte(tmp_path, step):
+  data = tmp_path / 'local' / 'process_0' / str(step) / 'data.bin'
+  raw = bytearray(data.read_bytes())
+  raw[-1] ^= 0xff
+  data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize('damage', ['digest', 'incomplete'])
+def test_a_damaged_newest_local_step_restores_the_older_local_one(
+    tmp_path, monkeypatch, caplog, damage):
+  reference, _ = _train(tmp_path / 'ref', 14, monkeypatch=monkeypatch)
+  _train(tmp_path, 11, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  for step in (10, 11):  # As if killed after step 9: persistent step 5.
+    _delete_persistent(tmp_path, step)
+  if damage == 'digest':
+    _flip_last_byte(tmp_path, 9)
+  else:  # Its commit marker gone: a write killed before its rename.
+    (tmp_path / 'local' / 'process_0' / '9' / 'COMMIT').unlink()
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 14, save_every=5, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+  local = str(tmp_path / 'local')
+  newest = 9 if damage == 'digest' else 6
+  assert f'Resuming from local step {newest} in {local}' in caplog.text
+  if damage == 'digest':
+    assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert re.search(rf'Restored local step 6 .* from the local tier in {local}'
+                   r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
+
+
 @pytest.mark.parametrize('devices', [
     pytest.param(lambda d: d[:2], id='fewer-devices'),
     pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
