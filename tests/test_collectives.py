@@ -277,7 +277,7 @@ def test_a_late_process_joins_the_fallback_without_a_window_of_its_own(
   # The others give up on the fast path after its 1 s window (the service
   # fails the barrier 1-2 s in) and wait in the full exchange; the late
   # process must join them at once, not wait out a window of its own at the
-  # abandoned barrier (late + 1 s or more before the fix).
+  # abandoned barrier (which would take late + 1 s or more).
   pid, count = _me()
   late = 3.0
   calls = {
