@@ -18,7 +18,11 @@ import multihost
 import multihost.env
 import multihost.lowlevel
 
-topologies = topology_params('2x4', '4x1', timeout=240)
+# One group timeout for every test here: the plugin launches one group of
+# controllers per (topology, timeout), so every test of a topology shares a
+# launch. It bounds the whole group; each collective times out after 60 s.
+GROUP_TIMEOUT_S = 600
+topologies = topology_params('2x4', '4x1', timeout=GROUP_TIMEOUT_S)
 
 
 def _me():
@@ -133,7 +137,7 @@ def _assert_same(ours, theirs):
 
 
 # The differential test's topologies (processes x devices): 2x2 and 4x1.
-parity_topologies = topology_params('2x2', '4x1', timeout=400)
+parity_topologies = topology_params('2x2', '4x1', timeout=GROUP_TIMEOUT_S)
 
 
 def _big_random_tree(rng, pid, nbytes):
@@ -277,7 +281,7 @@ def test_a_late_process_joins_the_fallback_without_a_window_of_its_own(
   # The others give up on the fast path after its 1 s window (the service
   # fails the barrier 1-2 s in) and wait in the full exchange; the late
   # process must join them at once, not wait out a window of its own at the
-  # abandoned barrier (late + 1 s or more before the fix).
+  # abandoned barrier (which would take late + 1 s or more).
   pid, count = _me()
   late = 3.0
   calls = {
@@ -606,7 +610,7 @@ def _digest_tree():
   return {'a': sharded, 'b': np.int32(3)}
 
 
-@topology_params('2x4', '2x2', '4x1', timeout=240)
+@topology_params('2x4', '2x2', '4x1', timeout=GROUP_TIMEOUT_S)
 def test_tree_digest_is_the_same_at_every_topology(topology):
   tree = _digest_tree()
   assert not tree['a'].is_fully_addressable

@@ -1,6 +1,6 @@
 """Two runs entering one checkpoint folder over a stale lock at the same instant.
 
-The attack of issue 24: a run died and left its lock; two new runs start on
+The attack: a run died and left its lock; two new runs start on
 that folder together. The lock's takeover must be atomic: in every trial
 exactly one of them holds the folder and the other is refused, naming it.
 """

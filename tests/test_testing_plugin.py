@@ -129,8 +129,9 @@ def _gone(pid: int) -> bool:
 def test_marked_tests_run_grouped_in_every_process(pytester):
   pytester.makepyfile(test_grouped=GROUPED_TESTS,
                       test_zz_other=OTHER_MODULE)
+  # --tb=short: the parent's --tb applies in the workers (checked below).
   result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rA',
-                                         timeout=240)
+                                         '--tb=short', timeout=240)
   result.assert_outcomes(passed=6, failed=2)
   out = result.stdout.str()
   for name in ('test_runs_on_every_process', 'test_shared_folder',
@@ -148,6 +149,17 @@ def test_marked_tests_run_grouped_in_every_process(pytester):
   ])
   assert '[p0] output of process 0' in out
   assert '[p1] output of process 1' in out
+  # Reports travel with pytest's serialization hooks: pytest's short
+  # traceback style, and the crash line in the summary.
+  result.stdout.fnmatch_lines([
+      '[[]p1[]] test_grouped.py:*: in test_fails_on_process_1',
+      '[[]p1[]] E   AssertionError: only process 1 fails',
+  ])
+  # (The summary line is cut at the terminal's width.)
+  result.stdout.fnmatch_lines([
+      'FAILED test_grouped.py::test_fails_on_process_1 - [[]p1[]] '
+      'AssertionError: only p*',
+  ])
   # Process 0 timed out in the collective that process 1 skipped; both fail.
   result.stdout.fnmatch_lines([
       '*_ test_process_1_skips_a_collective _*',
@@ -232,29 +244,3 @@ def test_killing_the_parent_pytest_leaves_no_worker(pytester, tmp_path, sig):
     if parent.poll() is None:
       parent.kill()
       parent.wait()
-
-
-TB_STYLE_TEST = '''
-import jax
-import pytest
-
-
-@pytest.mark.multihost(num_processes=2)
-def test_fails():
-  assert jax.process_index() == 0, 'only process 1 fails'
-'''
-
-
-def test_failures_keep_pytest_traceback_style_and_crash_line(pytester):
-  """Reports travel with pytest's serialization hooks; the parent's --tb applies in workers."""
-  pytester.makepyfile(test_tb=TB_STYLE_TEST)
-  result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rf',
-                                         '--tb=short', timeout=120)
-  result.assert_outcomes(failed=1)
-  result.stdout.fnmatch_lines([
-      'multihost: call failed on process(es) [[]1[]] of 2 *',
-      '[[]p1[]] test_tb.py:*: in test_fails',
-      '[[]p1[]] E   AssertionError: only process 1 fails',
-      'FAILED test_tb.py::test_fails - [[]p1[]] AssertionError: only process 1 '
-      'fails',
-  ])

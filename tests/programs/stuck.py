@@ -56,7 +56,7 @@ def main() -> None:
   x = np.arange(3.0)
   multihost.process_allgather(x)
   phase('GATHER', lambda t: multihost.process_allgather(x, timeout=t))
-  for i in range(12):  # The stuck process now comes last, 30 ms late.
+  for i in range(12):  # Then the stuck process comes last, 30 ms late.
     if me == stuck:
       time.sleep(0.03)
     multihost.sync_global_devices(f'step {i}')
