@@ -44,6 +44,21 @@ Method:
   plain `orbax.checkpoint.StandardCheckpointer` save + restore of the same
   tree, alternating, on a folder shared by all processes.
 
+Issue 21's comparison and soak:
+
+* `--versus=ROUNDS`: ours against torch.distributed gloo (when `import
+  torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
+  interleaved rounds (the side that goes first alternates; each round and
+  side: a barrier, back-to-back calls, per call, slowest process); at P=2
+  it also prints issue 21's "Done when" targets, met or missed.
+* `--soak=CALLS`: mixed collectives back to back, every process's RSS,
+  open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
+* `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
+  (P > 2 oversubscribes the cores), the soak at P=2, and the model of
+  messages and rounds at P=1024 and 4096, as one markdown file:
+
+    python bin/bench.py --report=/tmp/bench_report.md
+
 `--json=FILE` writes JSON Lines: one object per table row, with the keys `op`,
 `payload_bytes`, `leaves`, `processes`, `ours_ms`, `jax_ms`, `ratio`,
 `ours_first_ms`, `jax_first_ms` (plus `kind`, peak memory and notes).
