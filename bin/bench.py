@@ -44,6 +44,21 @@ Method:
   plain `orbax.checkpoint.StandardCheckpointer` save + restore of the same
   tree, alternating, on a folder shared by all processes.
 
+Issue 21's comparison and soak:
+
+* `--versus=ROUNDS`: ours against torch.distributed gloo (when `import
+  torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
+  interleaved rounds (the side that goes first alternates; each round and
+  side: a barrier, back-to-back calls, per call, slowest process); at P=2
+  it also prints issue 21's "Done when" targets, met or missed.
+* `--soak=CALLS`: mixed collectives back to back, every process's RSS,
+  open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
+* `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
+  (P > 2 oversubscribes the cores), the soak at P=2, and the model of
+  messages and rounds at P=1024 and 4096, as one markdown file:
+
+    python bin/bench.py --report=/tmp/bench_report.md
+
 `--json=FILE` writes JSON Lines: one object per table row, with the keys `op`,
 `payload_bytes`, `leaves`, `processes`, `ours_ms`, `jax_ms`, `ratio`,
 `ours_first_ms`, `jax_first_ms` (plus `kind`, peak memory and notes).
@@ -51,6 +66,7 @@ Method:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -73,6 +89,8 @@ from bench import collectives
 from bench import harness
 from bench import reference
 from bench import report
+from bench import soak
+from bench import versus
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -143,6 +161,27 @@ _QUICK = flags.DEFINE_boolean(
 _TIMEOUT = flags.DEFINE_float('timeout', 120.0,
                               'Timeout of every collective, in seconds.')
 
+_VERSUS = flags.DEFINE_integer(
+    'versus', 0, 'Interleaved rounds of ours against torch.distributed gloo '
+    'and a raw TCP stream (issue 21\'s cases); at P=2 also prints the '
+    'targets met/missed. 0: skip.', lower_bound=0)
+_VERSUS_SIZES = flags.DEFINE_list(
+    'versus_sizes', ['8', '1MiB', '64MiB'],
+    '--versus: the broadcast and all-gather payload sizes.')
+_SOAK = flags.DEFINE_integer(
+    'soak', 0, 'Mixed collectives to run back to back, reporting every '
+    'process\'s RSS, fds and threads along the way. 0: skip.', lower_bound=0)
+_REPORT = flags.DEFINE_string(
+    'report', '', 'Run without the launcher: starts --versus at P=2, 4, 8 '
+    '(and the soak at P=2) under multihost.launch and writes the targets, '
+    'side-by-side, soak, P-scaling and model tables to this markdown file.')
+_REPORT_ROUNDS = flags.DEFINE_integer('report_rounds', 15,
+                                      '--report: rounds at P=2.',
+                                      lower_bound=1)
+_REPORT_SOAK = flags.DEFINE_integer('report_soak', 100_000,
+                                    '--report: soak calls at P=2 (0: none).',
+                                    lower_bound=0)
+
 _UNITS = {'': 1, 'b': 1, 'kib': 2**10, 'mib': 2**20, 'gib': 2**30,
           'kb': 10**3, 'mb': 10**6, 'gb': 10**9}
 
@@ -160,6 +199,11 @@ def parse_size(text: str) -> int:
 
 def main(argv):
   del argv  # Unused.
+  if _REPORT.value:
+    from bench import scaling  # pylint: disable=import-outside-toplevel
+    print(scaling.report(_REPORT.value, rounds=_REPORT_ROUNDS.value,
+                         soak_calls=_REPORT_SOAK.value), flush=True)
+    return
   if _RECOVERY.value:
     import recovery  # pylint: disable=import-outside-toplevel
     recovery.quiet_orbax_logs()
@@ -240,12 +284,16 @@ def main(argv):
           _WIDTH.value, _RECOVERY_REPEATS.value, _RECOVERY_DIR.value,
           settings))
     say(f'[{time.perf_counter() - start:6.1f} s] recovery benchmark done')
+  extra = _versus_and_soak(settings, say)
   if pid == 0:
     print(f'\nLoad average at the end: {report.load()}.\n'
           + ' '.join(['python', *sys.argv]) + '\n' + report.render(rows),
           flush=True)
     if _JSON.value:
       report.write_json(rows, _JSON.value)
+      with open(_JSON.value, 'a') as f:
+        for row in extra:
+          f.write(json.dumps(row) + '\n')
   harness.barrier(settings)
   wrong = [f'{r.op} {r.payload}' for r in rows if r.outputs_equal is False]
   if wrong:
@@ -253,6 +301,26 @@ def main(argv):
           f'differs from JAX\'s in {wrong}; the timings of a wrong result '
           'mean nothing.', file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
+  """--versus and --soak: prints their tables (process 0); returns their JSON rows."""
+  out: list[dict] = []
+  results = []
+  if _VERSUS.value:
+    results = versus.run(_VERSUS.value, settings,
+                         sizes=[parse_size(s) for s in _VERSUS_SIZES.value],
+                         say=say)
+    out += [r.to_json() for r in results]
+    say(versus.render(results))
+  soak_rows = []
+  if _SOAK.value:
+    soak_rows = soak.run(_SOAK.value, timeout=settings.timeout, say=say)
+    out += soak_rows
+    say(soak.render(soak_rows))
+  if results and jax.process_count() == 2:
+    say(versus.render_targets(versus.targets(results, soak_rows or None)))
+  return out
 
 
 if __name__ == '__main__':

@@ -106,9 +106,8 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   if payload is not None:
     buffer = np.frombuffer(payload, np.uint8)
   else:
-    packed = _leaves.pack(values) if is_source else None
-    buffer = _data_plane.broadcast(packed, size, source, op=op,
-                                   timeout=timeout)
+    buffer = _data_plane.broadcast(values if is_source else None, size,
+                                   source, op=op, timeout=timeout)
   return _leaves.rebuild(buffer, specs, treedef)
 
 
@@ -156,9 +155,9 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   if payload is None:
     size = headers[source].size
     received = _data_plane.broadcast(
-        np.frombuffer(data, np.uint8) if is_source else None, size, source,
-        op=op, timeout=timeout)
-    payload = b'' if is_source else received.tobytes()
+        [np.frombuffer(data, np.uint8)] if is_source else None, size, source,
+        op=op, timeout=timeout, source_result=False)
+    payload = b'' if is_source else memoryview(received)
   if is_source:
     return obj
   return _objects.loads(op, source, payload, headers[source].seal, timeout)

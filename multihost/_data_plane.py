@@ -1,26 +1,76 @@
-"""Data plane: the `MULTIHOST_TRANSPORT` switch (TCP, the default, or a device collective); a timeout says where the late peers are."""
+"""Data plane: the transport of each payload (TCP or a device collective), chosen by backend and size; a timeout says where the late peers are.
+
+The rule (`choose_transport`):
+* `MULTIHOST_TRANSPORT=tcp` or `device` forces one transport for every
+  payload.
+* Otherwise, on CPU every payload moves over TCP between the hosts: gloo's
+  device collectives move bytes several times slower there (see
+  bench/README.md).
+* On GPU and TPU, payloads of more than `DEVICE_BYTES` move with a device
+  collective (NCCL, ICI), smaller ones over TCP (a device collective's
+  launch costs more than a few TCP hops).
+Every input of the rule (the override, the backend, the payload size) is
+the same on every process once the agreement has passed, so every process
+picks the same transport without exchanging anything.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 
+import jax
 import numpy as np
 
 from multihost import _data_device
 from multihost import _data_tcp
 from multihost import _errors
+from multihost import _leaves
 from multihost import _where
 from multihost import env as _env
 
+# On GPU/TPU backends, payloads larger than this use a device collective.
+DEVICE_BYTES = 1 << 20
+_DEVICE_BACKENDS = ('gpu', 'cuda', 'rocm', 'tpu')
+
+
+def _override() -> str | None:
+  value = os.environ.get(_env.TRANSPORT, '').lower()
+  if value not in ('', 'tcp', 'device'):
+    raise ValueError(
+        f'${_env.TRANSPORT}={value!r} is not a transport; use tcp, device, '
+        'or leave it unset (chosen by backend: see multihost._data_plane).')
+  return value or None
+
+
+def choose_transport(backend: str, nbytes: int, *,
+                     override: str | None = None) -> str:
+  """'tcp' or 'device': how a payload of `nbytes` per process moves.
+
+  Pure (the seam the tests use): `backend` is `jax.default_backend()`,
+  `override` the validated `MULTIHOST_TRANSPORT` (None when unset). See the
+  module docstring for the rule.
+  """
+  if override is not None:
+    return override
+  if backend.lower() in _DEVICE_BACKENDS and nbytes > DEVICE_BYTES:
+    return 'device'
+  return 'tcp'
+
+
+@functools.cache
+def _backend() -> str:
+  return jax.default_backend()
+
+
+def transport(nbytes: int) -> str:
+  """The transport of a payload of `nbytes` per process, on this job."""
+  return choose_transport(_backend(), nbytes, override=_override())
+
 
 def tcp_enabled() -> bool:
-  """Whether large payloads travel over TCP (else over a device collective)."""
-  value = os.environ.get(_env.TRANSPORT, 'tcp').lower()
-  if value not in ('tcp', 'device'):
-    raise ValueError(
-        f'${_env.TRANSPORT}={value!r} is not a transport; use tcp (the '
-        'default) or device.')
-  return value == 'tcp'
+  """Whether small payloads travel over TCP (else in the control plane's headers)."""
+  return transport(0) == 'tcp'
 
 
 def carries_small_payloads() -> bool:
@@ -35,18 +85,22 @@ def carries_small_payloads() -> bool:
   return tcp_enabled()
 
 
-def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
-              op: str, timeout: float) -> np.ndarray:
+def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
+              op: str, timeout: float,
+              source_result: bool = True) -> np.ndarray | None:
   """The source's `length` bytes, on every process.
 
   Collective: every process must call this, in the same order, with the
-  same `length` and `source`; only the source passes a buffer.
+  same `length` and `source`; only the source passes its parts
+  (C-contiguous arrays, `length` bytes in all). With
+  `source_result=False` the source gets None (it has the bytes already).
   """
   try:
-    if tcp_enabled():
-      return _data_tcp.broadcast(buffer, length, source, op=op,
-                                 timeout=timeout)
-    return _data_device.broadcast(buffer, length, op=op, timeout=timeout)
+    if transport(length) == 'tcp':
+      return _data_tcp.broadcast(parts, length, source, op=op,
+                                 timeout=timeout, source_result=source_result)
+    packed = None if parts is None else _leaves.pack(parts)
+    return _data_device.broadcast(packed, length, op=op, timeout=timeout)
   except _errors.CollectiveTimeoutError as e:
     raise _where.with_whereabouts(e) from e
 
@@ -59,7 +113,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   same `sizes`.
   """
   try:
-    if tcp_enabled():
+    if transport(max(sizes)) == 'tcp':
       return _data_tcp.allgather(buffer, sizes, op=op, timeout=timeout)
     return _data_device.allgather(buffer, max(sizes), op=op, timeout=timeout)
   except _errors.CollectiveTimeoutError as e:

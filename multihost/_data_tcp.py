@@ -22,10 +22,13 @@ import time
 import numpy as np
 
 from multihost import _errors
+from multihost import _leaves
 from multihost import _tcp_io
 from multihost import _tcp_link
 
 _CHUNK = 4 << 20
+# Parts smaller than this are joined before sending (see `segments`).
+_JOIN_BELOW = 64 << 10
 
 
 def _failed(plane: _tcp_link.Plane,
@@ -43,12 +46,40 @@ def _start(op: str, peer: int, link: _tcp_link.Link, deadline: float) -> None:
       max(min(deadline - time.monotonic(), _tcp_io.SLICE_S), 0.001))
 
 
-def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
-              op: str, timeout: float) -> np.ndarray:
+def segments(head: bytes, parts: list[np.ndarray]) -> list:
+  """What to send for `head` then `parts`: large parts as views, small ones joined.
+
+  A large part goes out from its own memory (no copy); runs of small parts
+  (and the frame header before them) are joined into one buffer, so a
+  many-leaf tree of small leaves is a few sends, not one per leaf.
+  """
+  out: list = []
+  run: list = [head]
+  for part in parts:
+    view = memoryview(part.reshape(-1).view(np.uint8))
+    if len(view) >= _JOIN_BELOW:
+      if run:
+        out.append(b''.join(run))
+        run = []
+      out.append(view)
+    elif len(view):
+      run.append(view)
+  if run:
+    out.append(b''.join(run))
+  return out
+
+
+def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
+              op: str, timeout: float,
+              source_result: bool = True) -> np.ndarray | None:
   """Returns the source's `length` bytes on every process (a pipelined chain).
 
   Collective: every process must call this, in the same order, with the
-  same `length` and `source`.
+  same `length` and `source`; the source passes its parts (C-contiguous
+  arrays, `length` bytes in all), the others None. The source sends from
+  the parts themselves; its own result (a packed copy, made while the
+  bytes go out) is None with `source_result=False`. Receivers read
+  straight into the result.
   """
   deadline = time.monotonic() + timeout
   plane = _tcp_link.get_plane(op, deadline)
@@ -57,34 +88,40 @@ def broadcast(buffer: np.ndarray | None, length: int, source: int, *,
   rank = (me - source) % count
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
-  out = buffer if rank == 0 else np.empty(length, np.uint8)
-  view = memoryview(out.reshape(-1)[:length])
   watch = (op, deadline)
   sender = _tcp_io.sender(watch, length) if nxt is not None else None
   peer = prev
+  out = None
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
     if down is not None:
       _start(op, nxt, down, deadline)
-      sender.send(down.sock, down.frame(call, length))
     if rank == 0:
-      sender.send(down.sock, view)
+      for segment in segments(down.frame(call, length), parts):
+        sender.send(down.sock, segment)
+      if source_result:  # Numpy's copy runs while the sender thread sends.
+        out = _leaves.pack(parts)
     else:
+      out = np.empty(length, np.uint8)
+      view = memoryview(out)
+      if down is not None:
+        sender.send(down.sock, down.frame(call, length))
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
       up.read_frame(call, length, op, prev, watch)
-      for start in range(0, length, _CHUNK):
+      if down is None:  # The end of the chain: one read into the result.
+        _tcp_io.recv_into(up.sock, view, watch)
+      for start in range(0, length if down is not None else 0, _CHUNK):
         chunk = view[start:start + _CHUNK]
         _tcp_io.recv_into(up.sock, chunk, watch)
-        if sender is not None:
-          sender.send(down.sock, chunk)
+        sender.send(down.sock, chunk)
     if sender is not None:
       peer = nxt
       sender, done = None, sender
       done.close(deadline)
   except (OSError, TimeoutError, _errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
-  return out.reshape(-1)[:length]
+  return out
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
@@ -100,8 +137,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
   rows = np.empty((count, max(sizes)), np.uint8)
-  rows[me, :sizes[me]] = buffer.reshape(-1)[:sizes[me]]
+  mine = buffer.reshape(-1)[:sizes[me]]
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
+  copied = False
   peer = prev
   watch = (op, deadline)
   sender = _tcp_io.sender(watch, max(sizes))
@@ -114,11 +152,19 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       out_block = (me - step) % count
       in_block = (me - step - 1) % count
       sender.send(down.sock, down.frame(call, sizes[out_block]))
-      sender.send(down.sock, memoryview(blocks[out_block]))
+      # The first block is this process's own: it goes out from the
+      # caller's buffer, and is copied into the result while it does.
+      sender.send(down.sock, memoryview(mine if step == 0
+                                        else blocks[out_block]))
+      if not copied:
+        blocks[me][:] = mine
+        copied = True
       up.read_frame(call, sizes[in_block], op, prev, watch)
       _tcp_io.recv_into(up.sock, memoryview(blocks[in_block]), watch)
       if sender.error is not None:
         raise sender.error
+    if not copied:
+      blocks[me][:] = mine
     peer = nxt
     sender, done = None, sender
     done.close(deadline)

@@ -269,7 +269,7 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
     sizes = [h.size for h in headers]
     rows = _data_plane.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
                                  timeout=timeout)
-    payloads = [rows[p, :n].tobytes() for p, n in enumerate(sizes)]
+    payloads = [memoryview(rows[p, :n]) for p, n in enumerate(sizes)]
   return [obj if p == me else
           _objects.loads(op, p, b, headers[p].seal, timeout)
           for p, b in enumerate(payloads)]

@@ -40,7 +40,14 @@ def seal(op: str, data: bytes, timeout: float) -> bytes:
   """A fresh nonce and the MAC of `data` under the job secret."""
   nonce = secrets.token_bytes(_NONCE)
   secret = _secret.job_secret(op, timeout=timeout)
-  return nonce + hmac.digest(secret, nonce + data, hashlib.sha256)
+  return nonce + _mac(secret, nonce, data)
+
+
+def _mac(secret: bytes, nonce: bytes, data) -> bytes:
+  """HMAC-SHA256(secret, nonce + data), without joining them (a copy)."""
+  mac = hmac.new(secret, nonce, hashlib.sha256)
+  mac.update(data)
+  return mac.digest()
 
 
 def check_size(op: str, process: int, size: int) -> None:
@@ -53,13 +60,12 @@ def check_size(op: str, process: int, size: int) -> None:
         f'raise {env.MAX_OBJECT_BYTES} on every process.')
 
 
-def loads(op: str, process: int, data: bytes, sealed: bytes | None,
+def loads(op: str, process: int, data, sealed: bytes | None,
           timeout: float) -> Any:
-  """Unpickles `process`'s `data` if its seal checks; raises otherwise."""
+  """Unpickles `process`'s `data` (bytes-like) if its seal checks; raises otherwise."""
   secret = _secret.job_secret(op, timeout=timeout)
   ok = sealed is not None and len(sealed) > _NONCE and hmac.compare_digest(
-      sealed[_NONCE:], hmac.digest(secret, sealed[:_NONCE] + data,
-                                   hashlib.sha256))
+      sealed[_NONCE:], _mac(secret, sealed[:_NONCE], data))
   if not ok:
     raise _errors.MultihostError(
         f'{_diagnostics.prefix()} {op}: the object bytes received from '

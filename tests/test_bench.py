@@ -103,3 +103,66 @@ def test_an_output_mismatch_fails_the_run(tmp_path):
   assert not result.ok and list(result.returncodes) == [1, 1], result.summary
   assert 'OUTPUT MISMATCH' in result.outputs[0], result.outputs[0][-3000:]
   assert '| **NO** |' in result.outputs[0], result.outputs[0][-3000:]
+
+
+def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
+  out = tmp_path / 'v.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--ops=', '--versus=2', '--versus_sizes=8',
+       '--soak=200', f'--json={out}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  versus = {r['op']: r for r in rows if r['kind'] == 'versus'}
+  assert {'barrier', 'broadcast 8 B', 'all-gather 8 B',
+          'raw TCP stream 64 MiB'} <= set(versus), versus
+  for row in versus.values():
+    assert len(row['ours_times_ms']) == 2, row
+    assert math.isclose(row['ours_ms'], statistics.median(
+        row['ours_times_ms'])), row
+  soak = [r for r in rows if r['kind'] == 'soak']
+  assert [r['calls'] for r in soak] == [2, 20, 50, 100, 150, 200], soak
+  for r in soak:
+    assert len(r['processes']) == 2, r
+    for s in r['processes']:
+      assert s['rss'] > 0 and s['fds'] > 0 and s['threads'] > 0, s
+  text = result.outputs[0]
+  assert '| target (P=2) | measured' in text, text[-3000:]
+  assert '| soak: fds constant (calls 20 -> 200) |' in text, text[-3000:]
+  # 64 MiB was not run: its targets say so rather than met or missed.
+  assert '| broadcast 64 MiB <= torch gloo | n/a | not measured |' in text
+
+
+def test_targets_mark_met_and_missed_from_the_medians():
+  sys.path.insert(0, str(ROOT))
+  from bench import model
+  from bench import soak
+  from bench import versus
+  r = versus.Result
+  results = [r('barrier', 0, [1.0, 3.0, 2.0], [2.5, 2.5, 2.5]),
+             r('broadcast 64 MiB', 1, [20.0], [19.0]),
+             r('raw TCP stream 64 MiB', 1, [16.0], None),
+             r('all-gather 64 MiB', 1, [50.0], [100.0])]
+  rows = {t: (m, s) for t, m, s in versus.targets(results)}
+  assert rows['barrier <= torch gloo'] == ('2.00 vs 2.50 ms = 0.80x', 'met')
+  assert rows['broadcast 64 MiB <= torch gloo'][1] == 'missed'
+  assert rows['broadcast 64 MiB <= 1.3x a raw stream'] == (
+      '20.0 vs 16.0 ms = 1.25x', 'met')
+  assert rows['all-gather 64 MiB <= 0.5x torch gloo'][1] == 'met'
+  assert rows['broadcast 8 B <= torch gloo'] == ('n/a', 'not measured')
+  mib = 1 << 20
+  def point(calls, rss1, fds1=9):
+    return {'calls': calls, 'seconds': 0, 'processes': [
+        {'rss': 100 * mib, 'fds': 9, 'threads': 5},
+        {'rss': rss1, 'fds': fds1, 'threads': 5}]}
+  grew = {t: s for t, _, s in soak.targets(
+      [point(1000, 90 * mib), point(10000, 90 * mib),
+       point(100000, 95 * mib, fds1=10)])}
+  assert list(grew.values()) == ['missed', 'missed', 'met', 'met'], grew
+  flat = {t: s for t, _, s in soak.targets(
+      [point(10000, 90 * mib), point(100000, 94 * mib)])}
+  assert list(flat.values()) == ['met'] * 4, flat
+  text = model.render(model.rows())
+  assert '| 1024 | agreement over TCP links (dissemination) | 10 |' in text
+  assert '| 4096 | agreement over TCP links (dissemination) | 12 |' in text
+  assert '| 4096 | agreement at the service (full exchange) | 3 |' in text

@@ -1,0 +1,120 @@
+"""The one-command report: issue 21's targets at P=2, the side-by-side and soak tables, a P-scaling table and the model.
+
+`python bin/bench.py --report=FILE` (not under the launcher) starts
+`bin/bench.py --versus` at each P under `multihost.launch` (at P=2 with
+the soak too), reads their JSON rows, and writes one markdown report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from bench import model
+from bench import report as report_lib
+from bench import soak
+from bench import versus
+from multihost import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = str(ROOT / 'bin' / 'bench.py')
+
+
+def _run(processes: int, args: list[str], timeout: float) -> list[dict]:
+  with tempfile.TemporaryDirectory(prefix='multihost-bench-') as tmp:
+    out = os.path.join(tmp, 'rows.jsonl')
+    result = launch.launch([sys.executable, BENCH, '--ops=', *args,
+                            f'--json={out}'],
+                           num_processes=processes, devices_per_process=1,
+                           timeout=timeout, cwd=ROOT, stream=sys.stderr)
+    if not result.ok:
+      raise RuntimeError(f'bench at P={processes} failed:\n{result.summary}')
+    with open(out) as f:
+      return [json.loads(line) for line in f]
+
+
+def _results(rows: list[dict]) -> list[versus.Result]:
+  return [versus.Result(r['op'], r['payload_bytes'], r['ours_times_ms'],
+                        r['torch_times_ms'])
+          for r in rows if r.get('kind') == 'versus']
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT,
+                          capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'
+
+
+def scaling_table(by_p: dict[int, list[versus.Result]]) -> str:
+  """Per case, ours and torch gloo's median ms at each P."""
+  ps = sorted(by_p)
+  names = []
+  for p in ps:
+    names += [r.name for r in by_p[p] if r.name not in names]
+  f = versus._fmt  # pylint: disable=protected-access
+  head = ' | '.join(f'P={p} ours | P={p} torch' for p in ps)
+  lines = [f'| case | {head} |', '|---|' + '---|' * (2 * len(ps))]
+  for name in names:
+    cells = []
+    for p in ps:
+      r = next((r for r in by_p[p] if r.name == name), None)
+      cells += ([f(r.ours_ms), f(r.torch_ms)] if r else ['–', '–'])
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def report(path: str, *, rounds: int, soak_calls: int,
+           processes: tuple[int, ...] = (2, 4, 8),
+           small_at: int = 8) -> str:
+  """Runs every part, writes the markdown report to `path`, returns it.
+
+  At P >= `small_at` the 64 MiB cases are left out (memory and time on
+  this machine's cores); the scaling table marks them '–'.
+  """
+  by_p: dict[int, list[versus.Result]] = {}
+  soak_rows = None
+  for p in processes:
+    args = [f'--versus={rounds if p == 2 else max(3, rounds // 3)}']
+    if p >= small_at:
+      args.append('--versus_sizes=8,1MiB')
+    if p == 2 and soak_calls:
+      args.append(f'--soak={soak_calls}')
+    rows = _run(p, args, timeout=3600)
+    by_p[p] = _results(rows)
+    if p == 2:
+      soak_rows = [r for r in rows if r.get('kind') == 'soak'] or None
+  now = datetime.datetime.now(datetime.timezone.utc).strftime(
+      '%Y-%m-%d %H:%M UTC')
+  parts = [
+      f'Commit {_commit()}, {now}, {os.cpu_count()} cores, load at the end '
+      f'{report_lib.load()}. Command: `python bin/bench.py '
+      f'--report={path} --report_rounds={rounds} '
+      f'--report_soak={soak_calls}`.',
+      '', '### Targets (issue 21, P=2)', '',
+      versus.render_targets(versus.targets(by_p.get(2, []), soak_rows)),
+  ]
+  if 2 in by_p:
+    parts += ['', '### Side by side at P=2 (ms per call, medians of '
+              f'{rounds} interleaved rounds, slowest process)', '',
+              versus.render(by_p[2])]
+  if soak_rows:
+    parts += ['', f'### Soak at P=2 ({soak_rows[-1]["calls"]} mixed calls; '
+              'process 0 hosts the coordination service)', '',
+              soak.render(soak_rows)]
+  parts += ['', '### P-scaling (ms per call; P=4 and P=8 run '
+            f'oversubscribed on {os.cpu_count()} cores)', '',
+            scaling_table(by_p),
+            '', '### Model: one call at large P (analytic)', '',
+            model.render(model.rows())]
+  text = '\n'.join(parts) + '\n'
+  with open(path, 'w') as f:
+    f.write(text)
+  return text

@@ -1,0 +1,301 @@
+"""Ours against torch.distributed gloo and a raw TCP stream, in interleaved rounds of the same run.
+
+Every round times each case once per side: after a barrier, `calls`
+back-to-back calls, per call; the slowest process counts. The side that
+goes first alternates by round. Tables give the medians over rounds, and
+`targets` marks issue 21's "Done when" rows met or missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+import socket
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from bench import harness
+from bench.harness import Settings
+import multihost
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class Case:
+  """One collective on both sides (torch None: ours alone)."""
+  name: str
+  nbytes: int
+  calls: int  # back-to-back calls per round and side
+  ours: Callable[[], Any]
+  torch: Callable[[], Any] | None = None
+
+
+@dataclasses.dataclass
+class Result:
+  """A case's per-round times (ms per call, slowest process)."""
+  name: str
+  nbytes: int
+  ours: list[float]
+  torch: list[float] | None
+
+  @property
+  def ours_ms(self) -> float:
+    return statistics.median(self.ours)
+
+  @property
+  def torch_ms(self) -> float | None:
+    return statistics.median(self.torch) if self.torch else None
+
+  def to_json(self) -> dict:
+    return {'kind': 'versus', 'op': self.name, 'payload_bytes': self.nbytes,
+            'processes': jax.process_count(), 'ours_ms': self.ours_ms,
+            'torch_ms': self.torch_ms, 'ours_times_ms': self.ours,
+            'torch_times_ms': self.torch}
+
+
+def _torch_group(settings: Settings):
+  """torch.distributed (gloo) set up on every process, or None without torch."""
+  try:
+    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    dist = None
+  have = multihost.allgather_object(dist is not None,
+                                    timeout=settings.timeout)
+  if not all(have):
+    return None
+  port = None
+  if jax.process_index() == 0:
+    from multihost import launch  # pylint: disable=import-outside-toplevel
+    port = launch.find_free_port()
+  port = multihost.broadcast_object(port, timeout=settings.timeout)
+  dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',
+                          rank=jax.process_index(),
+                          world_size=jax.process_count())
+  return dist
+
+
+class RawStream:
+  """One Python TCP stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks."""
+
+  def __init__(self, nbytes: int, settings: Settings):
+    self.pid = jax.process_index()
+    self.nbytes = nbytes
+    self.server = self.conn = None
+    port = None
+    if self.pid == 0:
+      self.server = socket.create_server(('127.0.0.1', 0))
+      port = self.server.getsockname()[1]
+    port = multihost.broadcast_object(port, timeout=settings.timeout)
+    if self.pid == 0:
+      self.conn, _ = self.server.accept()
+    elif self.pid == 1:
+      self.conn = socket.create_connection(('127.0.0.1', port))
+    self.payload = np.ones(nbytes, np.uint8)
+    self.buffer = memoryview(bytearray(nbytes))
+
+  def __call__(self) -> None:
+    if self.pid == 0:
+      self.conn.sendall(self.payload)
+      self.conn.recv(1)
+    elif self.pid == 1:
+      got = 0
+      while got < self.nbytes:
+        k = self.conn.recv_into(self.buffer[got:])
+        if not k:
+          raise ConnectionError('raw stream: process 0 closed early')
+        got += k
+      self.conn.sendall(b'k')
+
+  def close(self) -> None:
+    for s in (self.conn, self.server):
+      if s is not None:
+        s.close()
+
+
+SIZES = (8, MiB, 64 * MiB)
+
+
+def build_cases(dist, raw: RawStream | None,
+                sizes=SIZES) -> list[Case]:
+  """The cases of issue 21's table, ours and torch's on the same payloads."""
+  import torch  # pylint: disable=import-outside-toplevel,g-import-not-at-top
+  me, count = jax.process_index(), jax.process_count()
+  cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'),
+                dist and dist.barrier)]
+  for n in sizes:
+    calls = 20 if n <= MiB else 2
+    x = np.full(max(1, n // 4), me, np.float32)
+    t = torch.full((max(1, n // 4),), float(me))
+    outs = [torch.empty_like(t) for _ in range(count)]
+    cases.append(Case(
+        f'broadcast {harness.format_size(n)}', n, calls,
+        lambda x=x: multihost.broadcast_one_to_all(x),
+        dist and (lambda t=t: dist.broadcast(t, 0))))
+    cases.append(Case(
+        f'all-gather {harness.format_size(n)}', n, calls,
+        lambda x=x: multihost.process_allgather(x),
+        dist and (lambda t=t, outs=outs: dist.all_gather(outs, t))))
+  small = {'step': 7, 'loss': 0.25, 'host': f'h{me}'}
+  gathered = [None] * count
+  cases.append(Case(
+      'all-gather of a small object', 64, 20,
+      lambda: multihost.allgather_object(small),
+      dist and (lambda: dist.all_gather_object(gathered, small))))
+  kib = bytes(1024)
+  cases.append(Case(
+      'broadcast of a 1 KiB object', 1024, 20,
+      lambda: multihost.broadcast_object(kib),
+      dist and (lambda: dist.broadcast_object_list([kib], 0))))
+  if raw is not None:
+    cases.append(Case(f'raw TCP stream {harness.format_size(raw.nbytes)}',
+                      raw.nbytes, 2, raw))
+  return cases
+
+
+def _per_call(fn: Callable[[], Any], calls: int, settings: Settings) -> float:
+  harness.barrier(settings)
+  t = time.perf_counter()
+  for _ in range(calls):
+    fn()
+  return (time.perf_counter() - t) / calls * 1e3
+
+
+def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
+        sizes=SIZES, say: Callable[..., None] = print) -> list[Result]:
+  """Times every case in `rounds` interleaved rounds; every process returns the results.
+
+  Collective: every process must call this, in the same order.
+  """
+  dist = _torch_group(settings)
+  raw = RawStream(raw_bytes, settings) if jax.process_count() > 1 else None
+  try:
+    try:
+      import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+      dist = None
+    cases = (build_cases(dist, raw, sizes) if dist is not None
+             else _cases_without_torch(raw, sizes))
+    for case in cases:  # Warm-up: connections, compiles, caches.
+      for fn in (case.ours, case.torch):
+        if fn is not None:
+          fn()
+          fn()
+    ours: dict[str, list[float]] = {c.name: [] for c in cases}
+    theirs: dict[str, list[float]] = {c.name: [] for c in cases}
+    for r in range(rounds):
+      for case in cases:
+        sides = [('ours', case.ours), ('torch', case.torch)]
+        if r % 2:
+          sides.reverse()
+        for side, fn in sides:
+          if fn is not None:
+            (ours if side == 'ours' else theirs)[case.name].append(
+                _per_call(fn, case.calls, settings))
+      say(f'versus: round {r + 1} of {rounds} done')
+    results = []
+    for case in cases:
+      mine = harness.slowest(ours[case.name], settings)
+      other = (harness.slowest(theirs[case.name], settings)
+               if case.torch is not None else None)
+      results.append(Result(case.name, case.nbytes, mine, other))
+    return results
+  finally:
+    if raw is not None:
+      raw.close()
+    if dist is not None:
+      dist.destroy_process_group()
+
+
+def _cases_without_torch(raw: RawStream | None, sizes) -> list[Case]:
+  me = jax.process_index()
+  cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'))]
+  for n in sizes:
+    x = np.full(max(1, n // 4), me, np.float32)
+    calls = 20 if n <= MiB else 2
+    cases.append(Case(f'broadcast {harness.format_size(n)}', n, calls,
+                      lambda x=x: multihost.broadcast_one_to_all(x)))
+    cases.append(Case(f'all-gather {harness.format_size(n)}', n, calls,
+                      lambda x=x: multihost.process_allgather(x)))
+  if raw is not None:
+    cases.append(Case(f'raw TCP stream {harness.format_size(raw.nbytes)}',
+                      raw.nbytes, 2, raw))
+  return cases
+
+
+def render(results: list[Result]) -> str:
+  """The side-by-side table (medians of rounds, ms per call)."""
+  f = _fmt
+  lines = ['| case | ours ms | torch gloo ms | ours / torch | rounds |',
+           '|---|---|---|---|---|']
+  for r in results:
+    ratio = r.ours_ms / r.torch_ms if r.torch_ms else None
+    lines.append(f'| {r.name} | {f(r.ours_ms)} | {f(r.torch_ms)} | '
+                 f'{f(ratio, 3)} | {len(r.ours)} |')
+  return '\n'.join(lines)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+  if value is None:
+    return 'n/a'
+  if value >= 100:
+    return f'{value:.0f}'
+  if value >= 10:
+    return f'{value:.1f}'
+  return f'{value:.{digits}f}'
+
+
+# Issue 21's "Done when" rows: (target, case, what it is compared with,
+# the largest ratio that meets it).
+TARGETS = (
+    ('barrier <= torch gloo', 'barrier', 'torch', 1.0),
+    ('broadcast 8 B <= torch gloo', 'broadcast 8 B', 'torch', 1.0),
+    ('all-gather 8 B <= torch gloo', 'all-gather 8 B', 'torch', 1.0),
+    ('broadcast 1 MiB <= torch gloo', 'broadcast 1 MiB', 'torch', 1.0),
+    ('broadcast 64 MiB <= torch gloo', 'broadcast 64 MiB', 'torch', 1.0),
+    ('all-gather of a small object <= torch gloo',
+     'all-gather of a small object', 'torch', 1.0),
+    ('broadcast of a 1 KiB object <= torch gloo',
+     'broadcast of a 1 KiB object', 'torch', 1.0),
+    ('all-gather 64 MiB <= 0.5x torch gloo', 'all-gather 64 MiB', 'torch',
+     0.5),
+    ('broadcast 64 MiB <= 1.3x a raw stream', 'broadcast 64 MiB',
+     'raw TCP stream 64 MiB', 1.3),
+)
+
+
+def targets(results: list[Result], soak_rows: list[dict] | None = None
+            ) -> list[tuple[str, str, str]]:
+  """(target, measured, 'met'/'missed'/'not measured') per "Done when" row."""
+  by_name = {r.name: r for r in results}
+  rows = []
+  for label, case, against, limit in TARGETS:
+    mine = by_name.get(case)
+    other = by_name.get(against) if against != 'torch' else mine
+    base = None
+    if other is not None:
+      base = other.torch_ms if against == 'torch' else other.ours_ms
+    if mine is None or base is None:
+      rows.append((label, 'n/a', 'not measured'))
+      continue
+    ratio = mine.ours_ms / base
+    rows.append((label, f'{_fmt(mine.ours_ms)} vs {_fmt(base)} ms = '
+                 f'{ratio:.2f}x', 'met' if ratio <= limit else 'missed'))
+  if soak_rows:
+    from bench import soak  # pylint: disable=import-outside-toplevel
+    rows.extend(soak.targets(soak_rows))
+  else:
+    rows.append(('soak: RSS +<= 4 MiB from 10k to 100k calls, fds and '
+                 'threads constant', 'n/a', 'not measured'))
+  return rows
+
+
+def render_targets(rows: list[tuple[str, str, str]]) -> str:
+  lines = ['| target (P=2) | measured (medians of interleaved rounds) | '
+           'status |', '|---|---|---|']
+  lines += [f'| {t} | {m} | {s} |' for t, m, s in rows]
+  return '\n'.join(lines)
