@@ -1,7 +1,7 @@
 """Control plane: the agreement over the authenticated TCP links, in ceil(log2 P) dissemination rounds.
 
-Once the links are up (`setup`, after the first call that met through the
-coordination service), a call's agreement travels over them: in round k
+Once the links are up (`met`: after the first calls, which meet through
+the coordination service), a call's agreement travels over them: in round k
 process i sends to (i + 2^k) mod P and receives from (i - 2^k) mod P. Each
 message carries the call id (in its frame header, MAC'd with the link's
 frame number, so forged, replayed or reordered frames are refused), the
@@ -31,8 +31,10 @@ connections to each other) every call agrees through the service.
 
 from __future__ import annotations
 
+import hmac
 import os
 import struct
+import threading
 import time
 import weakref
 
@@ -40,6 +42,7 @@ from multihost import _control_marks
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
+from multihost import _secret
 from multihost import _stalls
 from multihost import _tcp_io
 from multihost import _tcp_link
@@ -55,11 +58,13 @@ AGREE_BIT = 1 << 63
 # it looks for gave-up marks again.
 WINDOW_S = 1.0
 _MARKS_S = 1.0
-# Connecting the links once every process met: a round trip each.
+# Connecting the links (on a thread) once every process met.
 SETUP_S = 30.0
 _HEAD = struct.Struct('<16sBI')  # digest, flags, entries
 _ENTRY = struct.Struct('<II')  # process, length
 _DIFFERS = 1
+# Each process's link-setup outcome: 'call|ok' or 'call|failed', MAC'd.
+_RECORDS = 'multihost/links/'
 
 _SERVICE_ONLY: weakref.WeakSet = weakref.WeakSet()
 
@@ -90,29 +95,70 @@ def _peers(me: int, count: int) -> list[tuple[int, int]]:
   return rounds
 
 
-def prepare(rt: _runtime.Runtime, op: str) -> None:
-  """Listens and publishes this process's address (before meeting through the service)."""
-  _tcp_link.plane_of(rt, op, time.monotonic() + SETUP_S)
+def prepare(rt: _runtime.Runtime, op: str, call: int) -> None:
+  """Before meeting through the service in `call`: listens (its address published), and records a finished link setup."""
+  plane = _tcp_link.plane_of(rt, op, time.monotonic() + SETUP_S)
+  if plane.setup in ('ok', 'failed'):
+    key = _RECORDS + str(rt.index)
+    value = f'{call}|{plane.setup}'.encode()
+    secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
+    rt.client.kv_set(key, _control_marks.mac(secret, key, value) + value)
+    plane.setup = 'recorded'
 
 
-def setup(rt: _runtime.Runtime, op: str) -> None:
-  """Opens the links of the rounds; the next calls agree over them.
+def met(rt: _runtime.Runtime, op: str, call: int) -> None:
+  """After every process met through the service in `call`: sets the links up, or switches to them.
 
-  Collective: called by every process once all met through the service
-  (each published its address before), so all switch at the same call.
-
-  Raises:
-    MultihostError: a peer could not be reached (named, with the fix:
-      MULTIHOST_TRANSPORT=device where peers cannot connect).
+  Collective: every process calls this after the same calls. The setup
+  (connecting to the rounds' peers) runs on a thread; each process records
+  its outcome before a later meeting (`prepare`), and after each meeting
+  every process reads the records written before it, so all see the same
+  ones: all switch to the links in the same call once every process set
+  them up, or all stay on the service once one could not.
   """
+  plane = rt.plane
+  if plane is None or plane.agrees or plane.refused:
+    return
+  if plane.setup is None:
+    plane.setup = 'running'
+    threading.Thread(target=_setup, args=(rt, plane, op), daemon=True,
+                     name='multihost-links-setup').start()
+  secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
+  keys = {_RECORDS + str(p) for p in range(rt.count)}
+  states = []
+  for key, stored in rt.client.kv_dir(_RECORDS):
+    value = stored[_control_marks.MAC:]
+    if key not in keys or not hmac.compare_digest(
+        stored[:_control_marks.MAC], _control_marks.mac(secret, key, value)):
+      continue  # planted: it changes nothing
+    written, _, state = value.decode().partition('|')
+    if int(written) <= call:
+      states.append(state)
+  if 'failed' in states:
+    plane.refused = True
+    rt.log.warning(
+        'the links between the processes could not all be set up (%s); '
+        'calls agree through the coordination service. Open TCP between '
+        'the hosts on the ports the processes publish, or set %s=device.',
+        plane.setup_error or 'a peer could not connect', _env.TRANSPORT)
+  elif len(states) == rt.count:
+    plane.agrees = True
+
+
+def _setup(rt: _runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
+  """Opens the links of the rounds (on the setup thread)."""
   deadline = time.monotonic() + SETUP_S
-  plane = _tcp_link.plane_of(rt, op, deadline)
   peers = {p for pair in _peers(rt.index, rt.count) for p in pair}
-  # Connect first, then await the lower-numbered peers' connections: a
-  # connection needs only the acceptor's listener thread, so none waits.
-  for peer in sorted(peers, key=lambda p: (p < rt.index, p)):
-    plane.conn(peer, deadline, op)
-  plane.agrees = True
+  try:
+    # Connect first, then await the lower-numbered peers' connections: a
+    # connection needs only the acceptor's listener thread, so none waits.
+    for peer in sorted(peers, key=lambda p: (p < rt.index, p)):
+      plane.conn(peer, deadline, op)
+  except Exception as e:  # noqa: BLE001  Recorded; the service path stays.
+    plane.setup_error = _diagnostics.shorten(e, 200)
+    plane.setup = 'failed'
+    return
+  plane.setup = 'ok'
 
 
 def _encode(digest: bytes, differs: bool, entries: dict[int, bytes]) -> bytes:

@@ -109,12 +109,11 @@ class Rendezvous:
     self._fell_back = False
     self._window = FAST_WINDOW_S
     self._slot = f'{_ROOT}/b{self.call % _CYCLE}/'
-    # Over the links once they are up (made after the first call that met
-    # through the service, with this process's address published before).
+    # Over the links once every process set them up (see `_control_links`).
     self._links = _control_links.usable(rt)
     self._entries: dict[int, bytes] | None = None
     if not self._links and _control_links.enabled(rt):
-      _control_links.prepare(rt, op)
+      _control_links.prepare(rt, op, self.call)
 
   @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
@@ -243,7 +242,7 @@ class Rendezvous:
       self.client.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
     self.rt.last_end = time.monotonic()
     if not self._links and _control_links.enabled(self.rt):
-      _control_links.setup(self.rt, self.op)
+      _control_links.met(self.rt, self.op, call)
 
   def _publish(self, value: bytes, timeout: float) -> None:
     """Puts `value` under this process's key, authenticated with the job secret."""

@@ -124,9 +124,14 @@ class Plane:
     self.count = rt.count
     self.job, self.secret = _secret.job_keys(op, timeout=timeout, runtime=rt)
     self.seq = 0  # Transfers so far: every process counts the same ones.
-    # Whether calls agree over the links (see `_control_links.setup`).
+    # Whether calls agree over the links, and the links' setup for that
+    # (see `_control_links.met`).
     self.agrees = False
+    self.setup: str | None = None
+    self.setup_error = ''
+    self.refused = False  # a process could not set its links up
     self.lock = threading.Condition()
+    self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
     # Accepted connections still in their handshake, oldest first:
     # connection -> its source address.
@@ -287,18 +292,25 @@ class Plane:
         del self.conns[peer]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
     if self.me < peer:
-      remaining = max(deadline - time.monotonic(), 0.001)
-      try:
-        link = self._connect(peer, remaining, op)
-      except _errors.MultihostError:
-        raise
-      except (OSError, TimeoutError) as e:
-        raise peer_error(op, peer, e) from e
-      except Exception as e:  # noqa: BLE001
-        raise peer_error(op, peer, e, waiting=True) from e
-      with self.lock:
-        self.conns[peer] = link
-      return link
+      # One connector at a time (the agreement's link setup runs on a thread
+      # of its own): a second connection would replace the first.
+      with self.connecting:
+        with self.lock:
+          link = self.conns.get(peer)
+        if link is not None:
+          return link
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+          link = self._connect(peer, remaining, op)
+        except _errors.MultihostError:
+          raise
+        except (OSError, TimeoutError) as e:
+          raise peer_error(op, peer, e) from e
+        except Exception as e:  # noqa: BLE001
+          raise peer_error(op, peer, e, waiting=True) from e
+        with self.lock:
+          self.conns[peer] = link
+        return link
     with self.lock:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()

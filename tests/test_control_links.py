@@ -2,8 +2,8 @@
 
 Threads stand for processes, each with its own runtime on one
 `fake_coordination.FakeService` and its own plane: real authenticated TCP
-links on loopback. The first call meets through the service and sets the
-links up (as in a real job); the calls after it agree over the links. The
+links on loopback. The first calls meet through the service while the links
+are set up (as in a real job); the calls after them agree over the links. The
 real-process tests of the same paths are in test_failures.py and
 test_collectives.py (which run on the links by default).
 """
@@ -11,7 +11,9 @@ test_collectives.py (which run on the links by default).
 from __future__ import annotations
 
 import re
+import socket
 import threading
+import time
 
 import fake_coordination as fake
 import pytest
@@ -32,18 +34,27 @@ def _sync(rt, name='x', timeout=10.0):
                               timeout=timeout, runtime=rt)
 
 
+def _started(count):
+  service, rts = fake.runtimes(count, links=True)
+  for rt in rts:  # As multihost.initialize() does (see test_control_fake).
+    rt.settings.exit_on_peer_failure = (False, None, None)
+    _watchdog.of(rt).start(heartbeat_timeout=2)
+    _where.of(rt).ensure_started()
+  return service, rts
+
+
 @pytest.fixture
 def job(request):
   """(service, runtimes) of `request.param` processes (3 by default), links set up."""
   count = getattr(request, 'param', 3)
-  service, rts = fake.runtimes(count, links=True)
-  for rt in rts:
-    rt.settings.exit_on_peer_failure = (False, None, None)
-    _watchdog.of(rt).start(heartbeat_timeout=2)
-    _where.of(rt).ensure_started()
-  first = fake.run(rts, _sync)  # through the service; sets the links up
-  assert [out for out, _ in first] == [_control_agree.Agreement(True)] * count
-  assert all(_control_links.usable(rt) for rt in rts)
+  service, rts = _started(count)
+  for _ in range(20):  # through the service, until every process switched
+    first = fake.run(rts, _sync)
+    assert [out for out, _ in first] == [
+        _control_agree.Agreement(True)] * count
+    if any(_control_links.usable(rt) for rt in rts):
+      break
+  assert all(_control_links.usable(rt) for rt in rts)  # all in one call
   yield service, rts
   for rt in rts:
     _watchdog.of(rt).peer_loss.cancel()
@@ -211,3 +222,24 @@ def test_the_links_are_kept_across_calls_and_nothing_grows(job):
     fake.run(rts, _sync)
   assert threading.active_count() <= threads
   assert all(len(rt.plane.conns) == 2 for rt in rts)
+
+
+def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
+  service, rts = _started(2)
+  try:
+    # As the first call would (the job keys are agreed by all processes).
+    fake.run(rts, lambda rt: _tcp_link.plane_of(rt, 'test',
+                                                time.monotonic() + 5))
+    rts[1].plane.listener.shutdown(socket.SHUT_RDWR)  # refuses connections
+    rts[1].plane.listener.close()
+    for _ in range(8):
+      results = fake.run(rts, _sync)
+      assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+      time.sleep(0.05)
+    assert [rt.plane.refused for rt in rts] == [True, True]
+    assert not any(_control_links.usable(rt) for rt in rts)
+  finally:
+    for rt in rts:
+      _watchdog.of(rt).peer_loss.cancel()
+    fake.stop(rts)
+  del service
