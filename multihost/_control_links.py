@@ -297,12 +297,14 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   wait = _Wait(meeting, timeout)
   watch = (op, wait.deadline)
   sender = None
+  links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
   step = 1
   try:
     for dst, src in _peers(me, count):
       peer = dst
-      out = plane.conn(dst, wait.deadline, op)
+      out = links.get(dst) or links.setdefault(
+          dst, plane.conn(dst, wait.deadline, op))
       body = _encode(digest, differs, {p: v for p, v in entries.items()
                                        if (dst - p) % count >= step})
       out.sock.settimeout(_tcp_io.SLICE_S)
@@ -312,8 +314,10 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         sender = sender or _tcp_io.Sender(watch)
         sender.send(out.sock, out.frame(call, len(body)) + body)
       peer = src
-      link = plane.conn(src, wait.deadline, op)
-      link.sock.settimeout(_tcp_io.SLICE_S)
+      link = links.get(src)
+      if link is None:  # (at 2 processes the peer sent to is this one)
+        link = links[src] = plane.conn(src, wait.deadline, op)
+        link.sock.settimeout(_tcp_io.SLICE_S)
       got_digest, got_differs, got = _decode(
           _receive(link, call, src, wait), count)
       differs = differs or got_differs or got_digest != digest
