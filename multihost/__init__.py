@@ -19,11 +19,14 @@ Modules _*.py are private.
   agreement: _control_agree
   codec: _control_codec
   rendezvous: _control_rendezvous
+  agreement over the links: _control_links
+  diagnosis marks: _control_marks
   stall reports: _stalls
   where-responder: _where
   where rendering, SIGUSR1: _where_text _where_signal
   data transports: _data_tcp _data_device
   tcp links: _tcp_link
+  tcp credentials: _tcp_auth
   tcp socket I/O, job secret: _tcp_io _secret
   watched calls: _blocking
   liveness: _watchdog

@@ -14,11 +14,12 @@ data that a peer will not receive with the same shapes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import time
 
 from multihost import _blocking
+from multihost import _control_links
+from multihost import _control_marks
 from multihost import _coordination
 from multihost import _diagnostics
 from multihost import _errors
@@ -48,15 +49,16 @@ _BACKOFF_CALLS = 8
 # waiting out a window at a barrier no one else will reach.
 
 _FELL_BACK = b'F'
-# A directory beside a call's messages: a key there says a process timed out.
-# (Not inside the call's directory, where only the processes' keys belong.)
-_GAVE_UP = '.gave-up/'
 _DIRECT = b'D'
-_GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `_gave_up`)
-# Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
-# derived from the secret and this job's random id (`_secret`), so a
-# message recorded in another run with the same secret does not verify.
-_MAC = 16
+_MAC = _control_marks.MAC
+_mac = _control_marks.mac
+_named = _control_marks.named
+_absent = _control_marks.absent
+# Barrier ids cycle through this many slots, so that the service, which
+# keeps every barrier id it saw, holds a bounded set. Call c and c + _CYCLE
+# share a slot; they cannot meet there: every call needs every process, so
+# no process runs _CYCLE calls ahead of another.
+_CYCLE = 4 * _BLOCK
 
 
 def _ends_on_error(step):
@@ -86,7 +88,8 @@ class Rendezvous:
   """
 
   __slots__ = ('rt', 'client', 'op', 'me', 'count', 'call', 'prefix', 'start',
-               '_may_agree', '_fell_back', '_window', 'record')
+               '_may_agree', '_fell_back', '_window', 'record', '_slot',
+               '_links', '_entries')
 
   def __init__(self, rt: _runtime.Runtime, op: str, name: str = ''):
     self.rt = rt
@@ -105,6 +108,12 @@ class Rendezvous:
     rt.backoff = max(0, rt.backoff - 1)
     self._fell_back = False
     self._window = FAST_WINDOW_S
+    self._slot = f'{_ROOT}/b{self.call % _CYCLE}/'
+    # Over the links once every process set them up (see `_control_links`).
+    self._links = _control_links.usable(rt)
+    self._entries: dict[int, bytes] | None = None
+    if not self._links and _control_links.enabled(rt):
+      _control_links.prepare(rt, op, self.call)
 
   @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
@@ -119,6 +128,14 @@ class Rendezvous:
     Raises:
       ProcessFailureError: a peer is gone.
     """
+    if self._links:
+      self._entries = _control_links.agree(self, agreement, publish,
+                                           timeout=timeout)
+      if self._entries is None:  # A difference: the full exchange names it.
+        return False
+      self.record.end = time.monotonic()
+      self._ended()
+      return True
     if not self._may_agree:
       return False
     if self._late_to_a_fallback():
@@ -130,7 +147,7 @@ class Rendezvous:
     try:
       # Directly, not under the failure watchdog: the window bounds it,
       # and a failed peer is then caught by the full exchange.
-      self.client.wait_at_barrier(f'{self.prefix}a{agreement.hex()}', window)
+      self.client.wait_at_barrier(f'{self._slot}a{agreement.hex()}', window)
     except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
       failure = _named(self.rt, e, self.op, self.prefix,
                        waited=time.monotonic() - self.start, timeout=timeout)
@@ -145,11 +162,20 @@ class Rendezvous:
   @_ends_on_error
   def read_all(self) -> list[bytes]:
     """After agreement: what each process published (every process did)."""
+    if self._entries is not None:
+      missing = [p for p in range(self.count) if p not in self._entries]
+      if missing:  # Cannot happen after an agreement; never hide it.
+        raise _diagnostics.messages_missing(self.op, missing, me=self.me)
+      return [self._entries[p] for p in range(self.count)]
     return [m[1:] for m in self._read_everyone()]
 
   @_ends_on_error
   def read_one(self, process: int) -> bytes:
     """After agreement: what `process` published."""
+    if self._entries is not None:
+      if process not in self._entries:
+        raise _diagnostics.messages_missing(self.op, [process], me=self.me)
+      return self._entries[process]
     key = self.prefix + str(process)
     return self._open(key, self.client.kv_get(key, self._window))[1:]
 
@@ -170,32 +196,23 @@ class Rendezvous:
     # one else will reach: it is then in step again for the next call.
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
-    gave_up = self.prefix[:-1] + _GAVE_UP  # beside the call's messages
-    marks = self._gave_up(gave_up)
+    marks = _control_marks.gave_up(rt, self.op, self.prefix)
     if marks:
       rt.backoff = _BACKOFF_CALLS
       raise _diagnostics.arrived_late(
           self.op, me=self.me, waited=waited, timeout=timeout,
-          late_by=_late_by(marks, self.start),
+          late_by=_control_marks.late_by(marks, self.start),
           source=rt.timeout_source(timeout))
     # The whole time left: the service fails a barrier up to a second after
     # its deadline, never before, so a timeout is never early.
     remaining = timeout - waited
     try:
-      barrier(self.prefix + 's', self.op, timeout=max(remaining, 0.001),
+      barrier(self._slot + 's', self.op, timeout=max(remaining, 0.001),
               waited_before=waited, total_timeout=timeout,
               published=self.prefix, runtime=rt)
     except _errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
-      try:  # When it started the call (wall clock): the latecomer says
-        # how late it came. MAC'd, so a planted mark changes nothing.
-        key = gave_up + str(self.me)
-        started = repr(time.time() - (time.monotonic() - self.start)).encode()
-        secret = _secret.job_secret(self.op, timeout=1.0, runtime=rt)
-        self.client.kv_set(
-            key, _mac(secret, key, _GAVE_UP_MARK + started) + started)
-      except Exception:  # noqa: BLE001  The service may be gone; best effort.
-        pass
+      _control_marks.leave_mark(rt, self.op, self.prefix, self.start)
       raise
     self.record.end = time.monotonic()
     messages = self._read_everyone()
@@ -203,26 +220,6 @@ class Rendezvous:
       rt.backoff = _BACKOFF_CALLS
     self._ended()
     return [m[1:] for m in messages]
-
-  def _gave_up(self, gave_up: str) -> list[float]:
-    """When each process whose authentic gave-up mark is under `gave_up` started the call (wall clock).
-
-    A mark that fails authentication, or names no process of this job, was
-    planted by someone who reaches the store: it is ignored, so it cannot
-    make every process raise a timeout that did not happen.
-    """
-    secret = _secret.job_secret(self.op, timeout=1.0, runtime=self.rt)
-    keys = {gave_up + str(p) for p in range(self.count)}
-    starts = []
-    for key, stored in self.client.kv_dir(gave_up):
-      mac, started = stored[:_MAC], stored[_MAC:]
-      if key in keys and hmac.compare_digest(
-          mac, _mac(secret, key, _GAVE_UP_MARK + started)):
-        try:
-          starts.append(float(started))
-        except ValueError:
-          pass
-    return starts
 
   def _late_to_a_fallback(self) -> bool:
     """Whether this process, come late, finds the others in the exchange."""
@@ -244,6 +241,8 @@ class Rendezvous:
     if self.me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
       self.client.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
     self.rt.last_end = time.monotonic()
+    if not self._links and _control_links.enabled(self.rt):
+      _control_links.met(self.rt, self.op, call)
 
   def _publish(self, value: bytes, timeout: float) -> None:
     """Puts `value` under this process's key, authenticated with the job secret."""
@@ -284,22 +283,6 @@ class Rendezvous:
       value = self._open(key, stored)
       messages[expected[key]] = value if flags else value[1:]
     return messages
-
-
-def _late_by(starts: list[float], start: float) -> float | None:
-  """How much later than the last of those that gave up this process started the call.
-
-  By the hosts' wall clocks (each mark holds when its process started);
-  None if there is no mark.
-  """
-  if not starts:
-    return None
-  return time.time() - (time.monotonic() - start) - max(starts)
-
-
-def _mac(secret: bytes, key: str, value: bytes) -> bytes:
-  return hmac.digest(secret, key.encode() + b'\0' + value,
-                     hashlib.sha256)[:_MAC]
 
 
 def barrier(barrier_id: str, op: str, *, timeout: float,
@@ -344,38 +327,3 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
         timeout=timeout if total_timeout is None else total_timeout),
         runtime=rt) from e
   _stalls.disarm(stall, runtime=rt)
-
-
-def _named(rt: _runtime.Runtime, error: BaseException, op: str, where: str, *,
-           waited: float, timeout: float) -> _errors.MultihostError:
-  """The named error for a coordination-service failure (see `_diagnostics`)."""
-  published = None
-  if where.endswith('/'):
-    published = lambda: _published(rt, where)  # noqa: E731
-  watchdog = _watchdog.of(rt)
-  named = _diagnostics.coordination_failure(
-      error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
-      known=watchdog.known_failure(op, waited=waited, cause=error),
-      tasks=_coordination.tasks_in(str(error)), published=published,
-      source=rt.timeout_source(timeout))
-  if isinstance(named, _errors.ProcessFailureError):
-    watchdog.peer_loss.delivered()  # Raised to the program (see _watchdog).
-  return named
-
-
-def _absent(rt: _runtime.Runtime, where: str) -> list[int]:
-  """The processes without a message under `where` (none known if it is no directory)."""
-  if not where.endswith('/'):
-    return []
-  present = set(_published(rt, where))
-  return [p for p in range(rt.count) if p not in present]
-
-
-def _published(rt: _runtime.Runtime, prefix: str) -> list[int]:
-  """The processes with a message under `prefix` (none if the store is gone)."""
-  try:
-    expected = {prefix + str(p): p for p in range(rt.count)}
-    return [expected[key] for key, _ in rt.client.kv_dir(prefix)
-            if key in expected]
-  except Exception:  # noqa: BLE001
-    return []

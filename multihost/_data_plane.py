@@ -22,10 +22,12 @@ import os
 import jax
 import numpy as np
 
+from multihost import _control_links
 from multihost import _data_device
 from multihost import _data_tcp
 from multihost import _errors
 from multihost import _leaves
+from multihost import _runtime
 from multihost import _where
 from multihost import env as _env
 
@@ -80,9 +82,10 @@ def carries_small_payloads() -> bool:
   hop per process on an open connection, where the key-value store takes
   one or two more RPCs. A device
   collective is slower than those RPCs, so with it small payloads stay in
-  the headers.
+  the headers. Once calls agree over the TCP links (`_control_links`), the
+  headers travel there, so small payloads ride along: no second phase.
   """
-  return tcp_enabled()
+  return tcp_enabled() and not _control_links.usable(_runtime.current())
 
 
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,

@@ -35,10 +35,13 @@ from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
 from multihost import _secret
+from multihost import _tcp_auth
 from multihost import _tcp_io
 from multihost import _watchdog
 
-ADDRESS_KEY = 'multihost_transport/{}'
+ADDRESS_KEY = _tcp_auth.ADDRESS_KEY
+address_record = _tcp_auth.address_record
+read_address = _tcp_auth.read_address
 
 # Handshake (the lower index connects): hello = magic, connector, acceptor,
 # connector's nonce; the acceptor answers its nonce and its proof; the
@@ -68,12 +71,6 @@ _FRAME = struct.Struct('<QQQ')
 _FRAME_SIZE = _FRAME.size + _MAC
 
 
-def _proof(secret: bytes, label: bytes, job: bytes, low: int, high: int,
-           nonces: bytes) -> bytes:
-  message = label + job + struct.pack('<II', low, high) + nonces
-  return hmac.digest(secret, message, hashlib.sha256)
-
-
 class Link:
   """An authenticated connection: its socket and a MAC key per direction."""
 
@@ -95,7 +92,13 @@ class Link:
   def read_frame(self, call: int, length: int, op: str, peer: int,
                  watch: tuple[str, float] | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = _tcp_io.recv_exact(self.sock, _FRAME_SIZE, watch)
+    got = self.check(_tcp_io.recv_exact(self.sock, _FRAME_SIZE, watch), op,
+                     peer)
+    if got != (call, length):
+      raise _diagnostics.out_of_step(op, peer, got, (call, length))
+
+  def check(self, got: bytes, op: str, peer: int) -> tuple[int, int]:
+    """(call, length) of the frame header `got`, the next due; raises unless authentic and in order."""
     head, mac = got[:_FRAME.size], got[_FRAME.size:]
     want_mac = hmac.digest(self.recv_key, head, hashlib.sha256)[:_MAC]
     if not hmac.compare_digest(mac, want_mac):
@@ -106,9 +109,10 @@ class Link:
           op, peer, f'is frame {number} where frame {self.received} was due '
           '(a replayed or reordered frame)')
     self.received += 1
-    if (got_call, got_length) != (call, length):
-      raise _diagnostics.out_of_step(op, peer, (got_call, got_length),
-                                     (call, length))
+    return got_call, got_length
+
+
+FRAME_SIZE = _FRAME_SIZE
 
 
 class Plane:
@@ -120,12 +124,19 @@ class Plane:
     self.count = rt.count
     self.job, self.secret = _secret.job_keys(op, timeout=timeout, runtime=rt)
     self.seq = 0  # Transfers so far: every process counts the same ones.
+    # Whether calls agree over the links, and the links' setup for that
+    # (see `_control_links.met`).
+    self.agrees = False
+    self.setup: str | None = None
+    self.setup_error = ''
+    self.refused = False  # a process could not set its links up
     self.lock = threading.Condition()
+    self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
     # Accepted connections still in their handshake, oldest first:
     # connection -> its source address.
     self.pending: dict[socket.socket, str] = {}
-    host = _local_host(rt)
+    host = _tcp_auth.local_host(rt)
     self.listener = socket.socket(_tcp_io.family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     self.listener.bind((host, 0))
@@ -193,10 +204,10 @@ class Plane:
       mine = secrets.token_bytes(_NONCE)
       nonces = nonce + mine
       conn.settimeout(max(deadline - time.monotonic(), 0.001))
-      conn.sendall(mine + _proof(self.secret, b'accept', self.job, peer,
+      conn.sendall(mine + _tcp_auth.proof(self.secret, b'accept', self.job, peer,
                                  self.me, nonces))
       theirs = _tcp_io.recv_by(conn, hashlib.sha256().digest_size, deadline)
-      if not hmac.compare_digest(theirs, _proof(
+      if not hmac.compare_digest(theirs, _tcp_auth.proof(
           self.secret, b'connect', self.job, peer, self.me, nonces)):
         return
       with self.lock:
@@ -210,7 +221,7 @@ class Plane:
         if old is not None:
           _tcp_io.close(old.sock)
         self.conns[peer] = Link(
-            conn, *_link_keys(self.secret, self.job, peer, self.me, nonces,
+            conn, *_tcp_auth.link_keys(self.secret, self.job, peer, self.me, nonces,
                               connector=False))
         keep = True
         self.lock.notify_all()
@@ -251,14 +262,14 @@ class Plane:
       conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
       reply = _tcp_io.recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
       nonces = nonce + reply[:_NONCE]
-      if not hmac.compare_digest(reply[_NONCE:], _proof(
+      if not hmac.compare_digest(reply[_NONCE:], _tcp_auth.proof(
           self.secret, b'accept', self.job, self.me, peer, nonces)):
         raise _errors.MultihostError(
             f'{self.rt.prefix} the listener at {host}:{port} (published '
             f'as process {peer}\'s) did not prove the job secret: it is not '
             f'process {peer} of this job. Check that every process has the '
             'same job secret and that nothing else took the address.')
-      conn.sendall(_proof(self.secret, b'connect', self.job, self.me, peer,
+      conn.sendall(_tcp_auth.proof(self.secret, b'connect', self.job, self.me, peer,
                           nonces))
       if _tcp_io.recv_exact(conn, 1) != _ACCEPTED:
         raise _errors.MultihostError(
@@ -268,7 +279,7 @@ class Plane:
       _tcp_io.close(conn)
       raise
     _tcp_io.tune(conn)
-    return Link(conn, *_link_keys(self.secret, self.job, self.me, peer,
+    return Link(conn, *_tcp_auth.link_keys(self.secret, self.job, self.me, peer,
                                    nonces, connector=True))
 
   def conn(self, peer: int, deadline: float, op: str) -> Link:
@@ -281,18 +292,25 @@ class Plane:
         del self.conns[peer]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
     if self.me < peer:
-      remaining = max(deadline - time.monotonic(), 0.001)
-      try:
-        link = self._connect(peer, remaining, op)
-      except _errors.MultihostError:
-        raise
-      except (OSError, TimeoutError) as e:
-        raise peer_error(op, peer, e) from e
-      except Exception as e:  # noqa: BLE001
-        raise peer_error(op, peer, e, waiting=True) from e
-      with self.lock:
-        self.conns[peer] = link
-      return link
+      # One connector at a time (the agreement's link setup runs on a thread
+      # of its own): a second connection would replace the first.
+      with self.connecting:
+        with self.lock:
+          link = self.conns.get(peer)
+        if link is not None:
+          return link
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+          link = self._connect(peer, remaining, op)
+        except _errors.MultihostError:
+          raise
+        except (OSError, TimeoutError) as e:
+          raise peer_error(op, peer, e) from e
+        except Exception as e:  # noqa: BLE001
+          raise peer_error(op, peer, e, waiting=True) from e
+        with self.lock:
+          self.conns[peer] = link
+        return link
     with self.lock:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()
@@ -303,18 +321,16 @@ class Plane:
       return self.conns[peer]
 
 
-def _link_keys(secret: bytes, job: bytes, low: int, high: int, nonces: bytes,
-               *, connector: bool) -> tuple[bytes, bytes]:
-  """(send key, receive key) of a link, one key per direction."""
-  up = _proof(secret, b'frames low->high', job, low, high, nonces)
-  down = _proof(secret, b'frames high->low', job, low, high, nonces)
-  return (up, down) if connector else (down, up)
-
-
 def get_plane(op: str, deadline: float,
                runtime: _runtime.Runtime | None = None) -> Plane:
   """The runtime's plane (made on first use), with the sequence number of this transfer advanced."""
-  rt = runtime or _runtime.current()
+  plane = plane_of(runtime or _runtime.current(), op, deadline)
+  plane.seq += 1
+  return plane
+
+
+def plane_of(rt: _runtime.Runtime, op: str, deadline: float) -> Plane:
+  """The runtime's plane, made (listening, its address published) on first use."""
   with rt.lock:
     if rt.plane is None:
       try:
@@ -324,9 +340,7 @@ def get_plane(op: str, deadline: float,
       except Exception as e:  # noqa: BLE001
         raise _diagnostics.transfer_timeout(op, 0,
                                             'to publish the job id') from e
-    plane = rt.plane
-  plane.seq += 1
-  return plane
+    return rt.plane
 
 
 def break_plane(plane: Plane, error: BaseException) -> None:
@@ -338,49 +352,14 @@ def break_plane(plane: Plane, error: BaseException) -> None:
     plane.conns.clear()
 
 
-def _address_mac(key: bytes, index: int, text: bytes) -> str:
-  return hmac.digest(key, b'address\0' + ADDRESS_KEY.format(index).encode()
-                     + b'\0' + text, hashlib.sha256)[:_MAC].hex()
-
-
-def address_record(key: bytes, index: int, host: str, port: int) -> bytes:
-  """What process `index` publishes under ADDRESS_KEY: 'host|port|MAC'."""
-  text = f'{host}|{port}'.encode()
-  return text + b'|' + _address_mac(key, index, text).encode()
-
-
-def read_address(key: bytes, index: int, value: bytes,
-                 op: str) -> tuple[str, int]:
-  """(host, port) of process `index`'s record; raises unless it wrote it."""
-  text, _, mac = value.rpartition(b'|')
-  try:
-    ok = hmac.compare_digest(mac.decode(), _address_mac(key, index, text))
-    host, port = text.decode().rsplit('|', 1)
-    port = int(port)
-  except ValueError:
-    ok = False
-  if not ok:
-    raise _errors.MultihostError(
-        f'{_diagnostics.prefix()} {op}: the data-plane address under '
-        f'{ADDRESS_KEY.format(index)!r} failed authentication: it was not '
-        f'written by process {index} of this job (someone who reaches the '
-        'coordination service wrote it, or a process has another job '
-        'secret). Nothing was sent to it. Give every process the same job '
-        'secret, and keep the coordination service\'s port firewalled (see '
-        'the README\'s "Trust model").')
-  return host, port
-
-
-def _local_host(rt: _runtime.Runtime) -> str:
-  """The address of the interface that reaches the coordinator."""
-  address = rt.service_address or '127.0.0.1:0'
-  host = address.rsplit(':', 1)[0].strip('[]')
-  try:
-    probe = socket.socket(_tcp_io.family(host), socket.SOCK_DGRAM)
-    probe.connect((host, 9))
-    return probe.getsockname()[0]
+def close_plane(plane: Plane) -> None:
+  """Closes the listener and every link (its accept thread then ends)."""
+  break_plane(plane, None)
+  try:  # Wakes the accept thread (a close alone does not, on Linux).
+    plane.listener.shutdown(socket.SHUT_RDWR)
   except OSError:
-    return '127.0.0.1'
+    pass
+  _tcp_io.close(plane.listener)
 
 
 def _unreachable(op: str, peer: int, address: str,

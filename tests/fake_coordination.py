@@ -30,7 +30,9 @@ import threading
 import time
 from typing import Any
 
+from multihost import _control_links
 from multihost import _runtime
+from multihost import _tcp_link
 
 
 class FakeServiceError(RuntimeError):
@@ -189,13 +191,23 @@ class FakeClient:
       return sorted(set(process_ids) - s.dead - s.disconnected)
 
 
-def runtimes(count: int) -> tuple[FakeService, list[_runtime.Runtime]]:
-  """A fake service and the runtime of each of its `count` processes."""
+def runtimes(count: int, *, links: bool = False
+             ) -> tuple[FakeService, list[_runtime.Runtime]]:
+  """A fake service and the runtime of each of its `count` processes.
+
+  With `links`, calls agree over real TCP links on loopback once the first
+  call met through the service (as in a real job); else always through the
+  service.
+  """
   service = FakeService(count)
-  return service, [
-      _runtime.Runtime(service.client(p), index=p, count=count,
-                       recoverable=True, runs_service=p == 0)
-      for p in range(count)]
+  rts = [_runtime.Runtime(service.client(p), index=p, count=count,
+                          recoverable=True, runs_service=p == 0,
+                          service_address='127.0.0.1:1')
+         for p in range(count)]
+  if not links:
+    for rt in rts:
+      _control_links.service_only(rt)
+  return service, rts
 
 
 def run(rts: list[_runtime.Runtime], fn: Callable[[_runtime.Runtime], Any], *,
@@ -241,3 +253,5 @@ def stop(rts: list[_runtime.Runtime]) -> None:
       rt.where.stop()
     if rt.watchdog is not None:
       rt.watchdog.stop_polling()
+    if rt.plane is not None:
+      _tcp_link.close_plane(rt.plane)

@@ -153,6 +153,13 @@ def main() -> None:
   mode = sys.argv[1]
   multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)
+
+  from multihost import _control_links  # noqa: PLC0415
+  from multihost import _runtime  # noqa: PLC0415
+  # The calls agree through the service, so that the link 0<->2 opens at
+  # the all-gather, through the proxy (the agreement's own links would open
+  # it at once; their frames are attacked in test_control_links.py).
+  _control_links.service_only(_runtime.current())
   me = jax.process_index()
   big = np.arange(1 << 20, dtype=np.float32) + 1000 * me  # 4 MiB
   want = [np.arange(1 << 20, dtype=np.float32) + 1000 * p for p in range(3)]

@@ -85,6 +85,12 @@ def main() -> None:
   mode, planted_file = sys.argv[1], sys.argv[2]
   multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)
+
+  from multihost import _control_links  # noqa: PLC0415
+  from multihost import _runtime  # noqa: PLC0415
+  # The messages attacked here are the service path's (the agreement over
+  # the links is attacked in test_control_links.py).
+  _control_links.service_only(_runtime.current())
   me = jax.process_index()
   evil = b'D' + pickle.dumps(Evil(planted_file))
   multihost.sync_global_devices('start')

@@ -1,0 +1,245 @@
+"""The agreement over the TCP links (`_control_links`), on an in-memory coordination service.
+
+Threads stand for processes, each with its own runtime on one
+`fake_coordination.FakeService` and its own plane: real authenticated TCP
+links on loopback. The first calls meet through the service while the links
+are set up (as in a real job); the calls after them agree over the links. The
+real-process tests of the same paths are in test_failures.py and
+test_collectives.py (which run on the links by default).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+
+import fake_coordination as fake
+import pytest
+
+from multihost import _control_agree
+from multihost import _control_links
+from multihost import _errors
+from multihost import _leaves
+from multihost import _tcp_link
+from multihost import _watchdog
+from multihost import _where
+
+Header = _control_agree.Header
+
+
+def _sync(rt, name='x', timeout=10.0):
+  return _control_agree.agree(Header('sync_global_devices', name=name),
+                              timeout=timeout, runtime=rt)
+
+
+def _started(count):
+  service, rts = fake.runtimes(count, links=True)
+  for rt in rts:  # As multihost.initialize() does (see test_control_fake).
+    rt.settings.exit_on_peer_failure = (False, None, None)
+    _watchdog.of(rt).start(heartbeat_timeout=2)
+    _where.of(rt).ensure_started()
+  return service, rts
+
+
+@pytest.fixture
+def job(request):
+  """(service, runtimes) of `request.param` processes (3 by default), links set up."""
+  count = getattr(request, 'param', 3)
+  service, rts = _started(count)
+  for _ in range(20):  # through the service, until every process switched
+    first = fake.run(rts, _sync)
+    assert [out for out, _ in first] == [
+        _control_agree.Agreement(True)] * count
+    if any(_control_links.usable(rt) for rt in rts):
+      break
+  assert all(_control_links.usable(rt) for rt in rts)  # all in one call
+  yield service, rts
+  for rt in rts:
+    _watchdog.of(rt).peer_loss.cancel()
+  fake.stop(rts)
+
+
+def _errors_of(results, kind):
+  for i, (out, _) in enumerate(results):
+    assert isinstance(out, kind), f'process {i}: {out!r}'
+  return [out for out, _ in results]
+
+
+@pytest.mark.parametrize('job', [2, 3, 5], indirect=True)
+def test_calls_agree_and_gather_over_the_links_without_the_service(job):
+  service, rts = job
+  count = len(rts)
+  waits = []
+  for rt in rts:  # Any barrier from now on would be the service's path.
+    wait = rt.client.wait_at_barrier
+    rt.client.wait_at_barrier = (
+        lambda *a, wait=wait, **k: (waits.append(a[0]), wait(*a, **k)))
+  for _ in range(3):
+    results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+        Header('process_allgather'), publish=b'row %d' % rt.index,
+        timeout=10, runtime=rt))
+    rows = [b'row %d' % p for p in range(count)]
+    assert [out for out, _ in results] == [(rows, None)] * count
+    results = fake.run(rts, lambda rt: _control_agree.agree_and_read_one(
+        Header('broadcast_one_to_all', payload=b'8 bytes!' if rt.index == 0
+               else None), 0, timeout=10, runtime=rt))
+    assert [out for out, _ in results] == [(b'8 bytes!', None)] * count
+  assert all(seconds < 0.5 for _, seconds in results)
+  assert waits == []
+  del service
+
+
+@pytest.mark.parametrize('job', [2, 3, 6], indirect=True)
+def test_one_differing_process_makes_every_process_fall_back(job):
+  _, rts = job
+  for odd in range(len(rts)):
+    results = fake.run(rts, lambda rt, odd=odd: _sync(
+        rt, name='y' if rt.index == odd else 'x'))
+    for out, _ in results:
+      assert not out.agreed  # every process: the full exchange
+      assert [h.name for h in out.headers] == [
+          'y' if p == odd else 'x' for p in range(len(rts))]
+  # And on agreement again, the links again.
+  results = fake.run(rts, _sync)
+  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * len(
+      rts)
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_disagreement_raises_consistency_error_on_every_process(job):
+  _, rts = job
+
+  def call(rt):
+    spec = _leaves.LeafSpec((2 + rt.index,), 'float32')
+    header = Header('process_allgather', tree='PyTreeDef(*)', paths=('',),
+                    specs=(spec,))
+    outcome = _control_agree.agree(header, timeout=10, runtime=rt)
+    _control_agree.check_same_leaves(outcome.headers, me=rt.index)
+
+  results = fake.run(rts, call)
+  for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
+    assert str(e).startswith(f'[process={p}] process_allgather: the inputs '
+                             'differ across processes (processes [1] differ '
+                             'from the rest)')
+
+
+def test_a_timeout_names_the_missing_process_and_where_it_is(job):
+  _, rts = job
+
+  def call(rt):
+    if rt.index == 2:
+      return 'stays away'
+    return _sync(rt, timeout=2.5)
+
+  results = fake.run(rts, call)
+  for p, e in enumerate(_errors_of(results[:2],
+                                   _errors.CollectiveTimeoutError)):
+    assert list(e.missing) == [2]
+    assert str(e).startswith(f'[process={p}] sync_global_devices: timed out')
+    assert 'waiting for process(es) [2] to arrive' in str(e)
+    assert 'Where they are: process 2: main thread in' in str(e)
+  for _, seconds in results[:2]:
+    assert 2.5 <= seconds < 2.5 + 1.0
+
+
+def test_a_slow_peer_costs_no_window_and_no_fallback(job):
+  _, rts = job
+  results = fake.run(rts, _sync, delays={1: 1.5})
+  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 3
+  assert results[0][1] < 1.5 + 0.5  # it waited for process 1, no more
+  assert all(rt.backoff == 0 for rt in rts)
+
+
+def test_a_late_process_is_told_and_its_stale_frames_are_discarded(job):
+  _, rts = job
+  results = fake.run(rts, lambda rt: _sync(rt, timeout=2), delays={2: 3.0})
+  early = _errors_of(results[:2], _errors.CollectiveTimeoutError)
+  assert [list(e.missing) for e in early] == [[2], [2]]
+  late, seconds = results[2]
+  assert isinstance(late, _errors.CollectiveTimeoutError), late
+  assert str(late).startswith('[process=2] sync_global_devices: this process '
+                              'arrived late')
+  m = re.search(r'it got there ([\d.]+) s after them', str(late))
+  assert m and 2.9 <= float(m.group(1)) < 3.5, str(late)
+  assert seconds < 0.8  # at once, not after its own timeout
+  # Everyone is in step again: frames left of the abandoned call (process
+  # 2's, sent before it read the marks) are not taken for this one's.
+  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+      Header('process_allgather'), publish=b'%d' % rt.index, timeout=5,
+      runtime=rt))
+  assert [out for out, _ in results] == [([b'0', b'1', b'2'], None)] * 3
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_forged_frame_is_refused(job):
+  _, rts = job
+  # Someone on the path writes a frame header process 1 did not MAC.
+  link = rts[0].plane.conns[1]
+  link.sock.sendall(bytes(_tcp_link.FRAME_SIZE))
+  results = fake.run(rts, lambda rt: _sync(rt, timeout=3))
+  forged = results[1][0]
+  assert isinstance(forged, _errors.MultihostError), forged
+  assert str(forged).startswith('[process=')
+  assert 'from process 0 failed authentication' in str(forged)
+  # The links were closed; the next call opens new ones and agrees.
+  results = fake.run(rts, _sync)
+  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_replayed_frame_is_refused(job):
+  _, rts = job
+  link = rts[0].plane.conns[1]
+  sent = []
+  sendall = link.sock.sendall
+
+  class Recording:  # the socket, recording what process 0 sends
+    def __getattr__(self, name):
+      return getattr(sock, name)
+
+    def send(self, data):
+      sent.append(bytes(data))
+      return sock.send(data)
+
+  sock = link.sock
+  link.sock = Recording()
+  fake.run(rts, _sync)
+  link.sock = sock
+  sendall(sent[0])  # the first call's frame again
+  results = fake.run(rts, lambda rt: _sync(rt, timeout=3))
+  replayed = results[1][0]
+  assert isinstance(replayed, _errors.MultihostError), replayed
+  assert 'a replayed or reordered frame' in str(replayed)
+
+
+def test_the_links_are_kept_across_calls_and_nothing_grows(job):
+  _, rts = job
+  fake.run(rts, _sync)
+  threads = threading.active_count()
+  for _ in range(50):
+    fake.run(rts, _sync)
+  assert threading.active_count() <= threads
+  assert all(len(rt.plane.conns) == 2 for rt in rts)
+
+
+def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
+  service, rts = _started(2)
+  try:
+    # As the first call would (the job keys are agreed by all processes).
+    fake.run(rts, lambda rt: _tcp_link.plane_of(rt, 'test',
+                                                time.monotonic() + 5))
+    rts[1].plane.listener.shutdown(socket.SHUT_RDWR)  # refuses connections
+    rts[1].plane.listener.close()
+    for _ in range(8):
+      results = fake.run(rts, _sync)
+      assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+      time.sleep(0.05)
+    assert [rt.plane.refused for rt in rts] == [True, True]
+    assert not any(_control_links.usable(rt) for rt in rts)
+  finally:
+    for rt in rts:
+      _watchdog.of(rt).peer_loss.cancel()
+    fake.stop(rts)
+  del service

@@ -1,0 +1,56 @@
+"""The agreement over the TCP links with real controllers (tests/programs/links_drill.py).
+
+Every case first waits until the processes agree over the links, so what
+follows runs there, not on the coordination service's barriers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from _helpers import program
+
+from multihost import launch
+
+
+def _run(mode, sleeper, count=3, timeout=90):
+  with launch.Controllers(program('links_drill', mode, sleeper),
+                          num_processes=count, env=dict(os.environ),
+                          grace_period=30) as cluster:
+    result = cluster.wait(timeout=timeout)
+  assert result.ok, result.summary
+  for out in result.outputs:
+    assert 'LINKS True' in out, out[-3000:]
+    assert 'PASSED' in out, out[-3000:]
+  return result
+
+
+def test_a_mismatch_over_the_links_raises_on_every_process():
+  result = _run('mismatch', 1)
+  for p, out in enumerate(result.outputs):
+    m = re.search(r'RAISED ConsistencyError (.*)', out)
+    assert m, out[-3000:]
+    assert m.group(1).startswith(f'[process={p}] sync_global_devices name '
+                                 'mismatch'), m.group(1)
+    assert "'odd'" in m.group(1) and "'even'" in m.group(1), m.group(1)
+    assert 'AFTER ok [0, 1, 2]' in out, out[-3000:]
+
+
+def test_a_timeout_over_the_links_names_the_late_process_and_all_go_on():
+  result = _run('skew', 2)
+  for i, out in enumerate(result.outputs):
+    m = re.search(r'STEP 0 timeout after=([\d.]+) missing=\[(\d)\] '
+                  r'message=(.*)', out)
+    assert m, out[-3000:]
+    after = float(m.group(1))
+    if i == 2:  # the late one: at once, saying how late
+      assert after < 1.0, m.group(0)
+      assert 'arrived late' in m.group(3), m.group(3)
+    else:
+      assert 6.0 <= after < 6.0 + 1.5, m.group(0)
+      assert 'waiting for process(es) [2] to arrive' in m.group(3)
+      assert 'Where they are: process 2:' in m.group(3), m.group(3)
+    assert m.group(2) == '2', m.group(0)
+    for step in (1, 2):  # back in step: stale frames were not taken
+      assert f'STEP {step} ok [0, 1, 2]' in out, (i, out[-3000:])
