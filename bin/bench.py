@@ -50,7 +50,7 @@ Issue 21's comparison and soak:
   torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
   interleaved rounds (the side that goes first alternates; each round and
   side: a barrier, back-to-back calls, per call, slowest process); at P=2
-  it also prints issue 21's "Done when" targets, met or missed.
+  it also prints the speed targets (README's Performance), met or missed.
 * `--soak=CALLS`: mixed collectives back to back, every process's RSS,
   open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
 * `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
@@ -163,7 +163,7 @@ _TIMEOUT = flags.DEFINE_float('timeout', 120.0,
 
 _VERSUS = flags.DEFINE_integer(
     'versus', 0, 'Interleaved rounds of ours against torch.distributed gloo '
-    'and a raw TCP stream (issue 21\'s cases); at P=2 also prints the '
+    'and a raw TCP stream (the targets\' cases); at P=2 also prints the '
     'targets met/missed. 0: skip.', lower_bound=0)
 _VERSUS_SIZES = flags.DEFINE_list(
     'versus_sizes', ['8', '1MiB', '64MiB'],

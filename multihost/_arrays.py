@@ -165,11 +165,11 @@ class _Plan:
 
 # A CPU device takes a host array without copying it when the array is
 # C-contiguous and 64-byte aligned; otherwise the runtime copies it into
-# memory of its own, which it touches page by page (measured here: 64 MiB in
-# ~25 ms, against ~7 ms for a NumPy copy into huge-page-backed memory, and
-# 1 MiB in 0.08-0.45 ms against 0.05). So a large slice that would be copied
-# anyway is copied here, into an aligned buffer that nothing else holds
-# (then aliasing it is safe). Small ones are cheaper to leave to the runtime.
+# memory of its own, which it touches page by page: several times slower than
+# a NumPy copy into huge-page-backed memory (bench/README.md has the numbers).
+# So a large slice that would be copied anyway is copied here, into an
+# aligned buffer that nothing else holds (then aliasing it is safe). Small
+# ones are cheaper to leave to the runtime.
 _ALIGN = 64
 _COPY_FROM = 256 << 10
 
