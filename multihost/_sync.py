@@ -17,10 +17,12 @@ def sync_global_devices(name: str, *, timeout: float | None = None) -> None:
 
   Drop-in for `jax.experimental.multihost_utils.sync_global_devices`: a
   mismatched name raises on every process (a `ConsistencyError`, which is an
-  `AssertionError`), naming which processes passed which names. It is a
-  coordination-service barrier, not a compiled device collective, so the
-  first call costs no compilation, and a process that does not arrive in
-  time is named in a `CollectiveTimeoutError` on every other process.
+  `AssertionError`), naming which processes passed which names. It is an
+  agreement of the control plane (rounds over the job's authenticated TCP
+  links, or a coordination-service barrier where those are not up), not a
+  compiled device collective, so the first call costs no compilation, and a
+  process that does not arrive in time is named in a
+  `CollectiveTimeoutError` on every other process.
 
   Args:
     name: the barrier's name; the same on every process.

@@ -41,7 +41,7 @@ def failure_detection_bound() -> float:
 
 
 def tcp_transport_enabled() -> bool:
-  """Whether large payloads travel over TCP (else a device collective); validates $MULTIHOST_TRANSPORT."""
+  """Whether this job's data plane is TCP for small payloads (large ones may take a device collective on GPU/TPU); validates $MULTIHOST_TRANSPORT."""
   return _data_plane.tcp_enabled()
 
 
