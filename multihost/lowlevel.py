@@ -9,6 +9,7 @@ it goes through here.
 
 from __future__ import annotations
 
+from multihost import _companion
 from multihost import _coordination
 from multihost import _data_plane
 from multihost import _diagnostics
@@ -43,6 +44,11 @@ def failure_detection_bound() -> float:
 def tcp_transport_enabled() -> bool:
   """Whether this job's data plane is TCP for small payloads (large ones may take a device collective on GPU/TPU); validates $MULTIHOST_TRANSPORT."""
   return _data_plane.tcp_enabled()
+
+
+def cpp_warnings_hidden():
+  """A context in which JAX's C++ logs show errors only (see `multihost._companion.cpp_advice_hidden`)."""
+  return _companion.cpp_advice_hidden()
 
 
 def process_prefix(index: int | None = None) -> str:

@@ -14,10 +14,10 @@ import sys
 
 from absl import logging
 
+from multihost import lowlevel
+
 # JAX's variable for its C++ log threshold (0 all, 1 warnings, 2 errors).
 CPP_LOG_LEVEL = 'TF_CPP_MIN_LOG_LEVEL'
-_CPP_ERRORS_ONLY = 2
-
 _ORBAX = f'{os.sep}orbax{os.sep}'
 # (where the record comes from, how its format string starts): lines with no
 # action for the user.
@@ -105,36 +105,20 @@ def quiet_third_party_noise() -> None:
   sys.unraisablehook = hook
 
 
-def _set_cpp_level(level: int) -> bool:
-  try:
-    from jaxlib import utils  # pylint: disable=g-import-not-at-top
-    utils.absl_set_min_log_level(level)
-  except (ImportError, AttributeError):  # Another jaxlib: the line shows.
-    return False
-  return True
-
-
 @contextlib.contextmanager
 def cpp_warnings_hidden():
   """JAX's C++ logs show errors only, inside the block (warnings hidden).
 
-  For `multihost.initialize()`: with recoverability on, starting the
-  coordination service logs the C++ advice "... should invoke
-  `WaitAtBarrier` explicitly at the end of the program", which `multihost`
-  does for you at exit. Errors still show. Outside the block the threshold
+  With recoverability on, starting the coordination service logs the C++
+  advice "... should invoke `WaitAtBarrier` explicitly at the end of the
+  program", which `multihost` does for you at exit; `multihost.initialize()`
+  hides it by itself, and this block does the same around other code. Errors
+  still show. Outside the block the threshold
   is $TF_CPP_MIN_LOG_LEVEL again (JAX's default, 1: warnings and errors).
   With TF_CPP_MIN_LOG_LEVEL=0 or absl's --verbosity=1 nothing is hidden.
   """
-  try:
-    level = int(os.environ.get(CPP_LOG_LEVEL, '1'))
-  except ValueError:
-    level = 1
-  if level == 0 or level >= _CPP_ERRORS_ONLY or verbose():
+  if verbose():
     yield
     return
-  hidden = _set_cpp_level(_CPP_ERRORS_ONLY)
-  try:
+  with lowlevel.cpp_warnings_hidden():
     yield
-  finally:
-    if hidden:
-      _set_cpp_level(level)
