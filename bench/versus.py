@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from bench import harness
+from bench import report
 from bench.harness import Settings
 import multihost
 
@@ -239,14 +240,7 @@ def render(results: list[Result]) -> str:
   return '\n'.join(lines)
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-  if value is None:
-    return 'n/a'
-  if value >= 100:
-    return f'{value:.0f}'
-  if value >= 10:
-    return f'{value:.1f}'
-  return f'{value:.{digits}f}'
+_fmt = report.fmt
 
 
 # Issue 21's "Done when" rows: (target, case, what it is compared with,
