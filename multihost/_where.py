@@ -16,7 +16,9 @@ carry a MAC under the job key (`_secret`), are size-capped, and the
 requester deletes them once answered: someone who can write to the store
 but lacks the job secret is not answered, and a request number taken but
 never written (or a counter bumped far ahead) is skipped at the next idle
-poll, to the first authentic request found.
+poll, when the responder lists the pending requests and answers every
+authentic one it has not answered yet (a request written just after its
+number's poll gave up, behind a later one, is answered then, not lost).
 
 Users of it: a collective that times out puts the missing processes'
 reports into its `CollectiveTimeoutError` (`with_whereabouts`); a
@@ -289,7 +291,9 @@ class Responder:
   def _serve(self, n: int) -> None:
     rt = self.runtime
     client = rt.client
-    me = _index(rt)
+    # Numbers answered lately, in order (bounded): a request found by a
+    # catch-up scan and then again by the cursor is answered once.
+    answered: dict[int, None] = {}
     while not self.stopping:
       try:
         value = client.kv_get(f'{_DIR}req/{n}', _POLL_S)
@@ -297,45 +301,62 @@ class Responder:
         if self.stopping or not rt.connected():
           return
         if 'DEADLINE_EXCEEDED' in str(e) or 'NOT_FOUND' in str(e):
-          n = self._next_request(n)
+          n = self._catch_up(n, answered)
           continue
         time.sleep(_POLL_S)  # The service is unreachable; keep trying slowly.
         continue
-      try:
-        name = f'{_DIR}req/{n}'
-        key = _key(rt, _POLL_S)
-        body = _unseal(key, name, value, _MAX_REQUEST)
-        request = {} if body is None else json.loads(body)
-        if me in request.get('to', ()):
-          name = f'{_DIR}resp/{n}/{me}'
-          answer = json.dumps(local_report(rt)).encode()
-          if len(answer) <= _MAX_ANSWER:
-            client.kv_set(name, _seal(key, name, answer))
-      except Exception as e:  # Never let the reporter die.  # noqa: BLE001
-        rt.log.warning('multihost: could not answer where-request %d: %s',
-                       n, _diagnostics.shorten(e, 200))
+      if n not in answered:
+        self._answer(n, value, answered)
       n += 1
 
-  def _next_request(self, n: int) -> int:
-    """After an idle poll on number n: the first authentic request after it, if any (else n).
+  def _answer(self, n: int, value: bytes, answered: dict[int, None]) -> None:
+    """Answers request n (stored as `value`) if it is authentic and names this process."""
+    rt = self.runtime
+    me = _index(rt)
+    answered[n] = None
+    while len(answered) > 256:
+      del answered[next(iter(answered))]
+    try:
+      name = f'{_DIR}req/{n}'
+      key = _key(rt, _POLL_S)
+      body = _unseal(key, name, value, _MAX_REQUEST)
+      request = {} if body is None else json.loads(body)
+      if me in request.get('to', ()):
+        name = f'{_DIR}resp/{n}/{me}'
+        answer = json.dumps(local_report(rt)).encode()
+        if len(answer) <= _MAX_ANSWER:
+          rt.client.kv_set(name, _seal(key, name, answer))
+    except Exception as e:  # Never let the reporter die.  # noqa: BLE001
+      rt.log.warning('multihost: could not answer where-request %d: %s',
+                     n, _diagnostics.shorten(e, 200))
 
-    A requester that took number n and never wrote it, or a counter bumped
-    far ahead by someone without the secret, must not leave the responder
-    waiting on a number no request will have.
+  def _catch_up(self, n: int, answered: dict[int, None]) -> int:
+    """After an idle poll on number n: answers every pending authentic request not yet answered; returns the next number to wait on.
+
+    Requesters take their numbers and write their requests in separate
+    steps, so requests can appear out of order: number n may be written
+    just after the poll gave up on it while n+1 is already there, and a
+    number may be taken and never written (a requester that died, or a
+    counter bumped far ahead by someone without the secret). Neither may
+    leave a request unanswered or the responder waiting on a number no
+    request will have.
     """
     rt = self.runtime
     try:
-      later = []
+      pending = []
       for name, stored in rt.client.kv_dir(f'{_DIR}req/'):
         number = name.rsplit('/', 1)[1]
-        if number.isdigit() and int(number) > n:
-          later.append((int(number), name, stored))
-      if not later:  # The usual idle poll: no job key needed.
+        if number.isdigit() and int(number) not in answered:
+          pending.append((int(number), name, stored))
+      if not pending:  # The usual idle poll: no job key needed.
         return n
       key = _key(rt, _POLL_S)
-      return min((number for number, name, stored in later
-                  if _unseal(key, name, stored, _MAX_REQUEST) is not None),
-                 default=n)
+      authentic = sorted(number for number, name, stored in pending
+                         if _unseal(key, name, stored, _MAX_REQUEST) is not None)
+      stored_of = {number: stored for number, _, stored in pending}
+      for number in authentic:
+        self._answer(number, stored_of[number], answered)
+      return max([n, *(number + 1 for number in authentic)])
     except Exception:  # noqa: BLE001
       return n
 

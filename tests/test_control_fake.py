@@ -10,6 +10,7 @@ the real service's timing).
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import re
@@ -25,6 +26,7 @@ from multihost import _exit
 from multihost import _leaves
 from multihost import _peer_loss_exit
 from multihost import _runtime
+from multihost import _secret
 from multihost import _watchdog
 from multihost import _where
 from multihost import _where_text
@@ -172,6 +174,33 @@ def test_after_a_timeout_the_where_report_no_longer_says_waiting(job):
   assert 'not in a collective' in text, text
   assert ("sync_global_devices('x') (call 0) raised CollectiveTimeoutError "
           'here') in text, text
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_where_request_written_after_a_later_one_is_still_answered(job):
+  # Two requesters take numbers n and n+1; n+1's request is written first,
+  # and n's only after process 0's responder gave up polling for n (1 s).
+  # Process 0 must answer both (CI once saw n skipped for good: its
+  # requester then reported process 0 as "not answering").
+  service, rts = job
+  del service
+  client = rts[1].client
+  key = _secret.job_keys('where', timeout=5, runtime=rts[1])[1]
+  late = client.kv_increment('multihost_where/count', 1) - 1
+  early = client.kv_increment('multihost_where/count', 1) - 1
+  body = json.dumps({'from': 1, 'to': [0]}).encode()
+  for n in (early, late):
+    name = f'multihost_where/req/{n}'
+    client.kv_set(name, _where._seal(key, name, body))  # pylint: disable=protected-access
+    if n == early:
+      time.sleep(1.3)
+  for n in (early, late):
+    name = f'multihost_where/resp/{n}/0'
+    try:
+      answer = client.kv_get(name, 2.5)
+    except Exception as e:  # noqa: BLE001
+      raise AssertionError(f'request {n} was not answered: {e}') from None
+    assert json.loads(answer[16:])['process'] == 0
 
 
 def _policy(rt, grace):
