@@ -37,7 +37,7 @@ Modules _*.py are private.
   runtime facades: _calls _process
   runtime: _runtime
   coordination client: _coordination
-  pure: _leaves _errors env _flight _trace_format
+  pure: _leaves _errors env _flight _trace_format _buffers
 """
 
 from multihost import env as env

@@ -311,7 +311,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       if len(body) <= _tcp_io.DIRECT_BYTES and sender is None:
         _tcp_io.send_all(out.sock, out.frame(call, len(body)) + body, watch)
       else:  # Large: on a thread, so that rounds that all send never block.
-        sender = sender or _tcp_io.Sender(watch)
+        sender = sender or plane.sends.sender(watch)
         sender.send(out.sock, out.frame(call, len(body)) + body)
       peer = src
       link = links.get(src)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from multihost import _buffers
 from multihost import _errors
 from multihost import _leaves
 from multihost import _tcp_io
@@ -89,7 +90,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
   watch = (op, deadline)
-  sender = _tcp_io.sender(watch, length) if nxt is not None else None
+  sender = _tcp_io.sender(watch, length, plane.sends) if nxt is not None else None
   peer = prev
   out = None
   try:
@@ -100,9 +101,9 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
       for segment in segments(down.frame(call, length), parts):
         sender.send(down.sock, segment)
       if source_result:  # Numpy's copy runs while the sender thread sends.
-        out = _leaves.pack(parts)
+        out = _leaves.pack(parts, out=_buffers.take(length))
     else:
-      out = np.empty(length, np.uint8)
+      out = _buffers.take(length)
       view = memoryview(out)
       if down is not None:
         sender.send(down.sock, down.frame(call, length))
@@ -136,13 +137,13 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   me, count = plane.me, plane.count
   call = plane.seq
   prev, nxt = (me - 1) % count, (me + 1) % count
-  rows = np.empty((count, max(sizes)), np.uint8)
+  rows = _buffers.take(count * max(sizes)).reshape(count, max(sizes))
   mine = buffer.reshape(-1)[:sizes[me]]
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   copied = False
   peer = prev
   watch = (op, deadline)
-  sender = _tcp_io.sender(watch, max(sizes))
+  sender = _tcp_io.sender(watch, max(sizes), plane.sends)
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)

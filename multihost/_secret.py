@@ -52,8 +52,9 @@ _SCRYPT = dict(n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
 _HOW = ('Make one with `openssl rand -hex 32` (64 characters) and give '
         'the same value to every process.')
 
-# The secret read from the environment (then removed from it), kept here.
-_taken: bytes | None = None
+# The secret read from the environment (then removed from it), kept here
+# under 'secret': the variable is the process's, read once, not a runtime's.
+_TAKEN: dict[str, bytes] = {}
 
 
 def _checked(value: bytes, where: str) -> bytes:
@@ -74,10 +75,9 @@ def take_from_environment() -> None:
   Raises:
     MultihostError: the secret is shorter than `MIN_SECRET_BYTES`.
   """
-  global _taken
   value = os.environ.pop(env.JOB_SECRET, None)
   if value:
-    _taken = _checked(value.encode(), env.JOB_SECRET)
+    _TAKEN['secret'] = _checked(value.encode(), env.JOB_SECRET)
 
 
 def configured() -> bytes | None:
@@ -89,8 +89,8 @@ def configured() -> bytes | None:
       opened without following a symbolic link).
   """
   take_from_environment()
-  if _taken is not None:
-    return _taken
+  if 'secret' in _TAKEN:
+    return _TAKEN['secret']
   path = env.get(env.JOB_SECRET_FILE)
   if not path:
     return None

@@ -119,36 +119,56 @@ def _watched(io, view, watch: tuple[str, float] | None) -> int:
         raise
 
 
-class Sender:
-  """Sends (socket, frame, view) jobs in order on a background thread."""
+class SendThread:
+  """One thread that sends queued jobs in order, for every call of a plane (not one thread per call)."""
 
-  def __init__(self, watch: tuple[str, float]):
-    self.watch = watch
+  def __init__(self):
     self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-    self.error: BaseException | None = None
-    self.thread = threading.Thread(target=self._run, daemon=True,
-                                   name='multihost-transport-send')
-    self.thread.start()
+    self.lock = threading.Lock()
+    self.thread: threading.Thread | None = None
+
+  def sender(self, watch: tuple[str, float]) -> Sender:
+    """A call's sender on this thread (started on first use)."""
+    with self.lock:
+      if self.thread is None or not self.thread.is_alive():
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name='multihost-transport-send')
+        self.thread.start()
+    return Sender(self.jobs, watch)
 
   def _run(self) -> None:
     while True:
-      job = self.jobs.get()
-      if job is None:
+      call, conn, view = self.jobs.get()
+      if call is None:
         return
-      conn, view = job
-      if self.error is None:
+      if conn is None:  # The call's end marker: everything before it is out.
+        view.set()
+      elif call.error is None:
         try:
-          send_all(conn, view, self.watch)
+          send_all(conn, view, call.watch)
         except BaseException as e:  # noqa: BLE001
-          self.error = e
+          call.error = e
+
+  def stop(self) -> None:
+    self.jobs.put((None, None, None))
+
+
+class Sender:
+  """One call's sends, queued on a `SendThread` and sent in order."""
+
+  def __init__(self, jobs: queue.SimpleQueue, watch: tuple[str, float]):
+    self.jobs = jobs
+    self.watch = watch
+    self.error: BaseException | None = None
 
   def send(self, conn, view) -> None:
-    self.jobs.put((conn, view))
+    self.jobs.put((self, conn, view))
 
   def finish(self, deadline: float) -> BaseException | None:
-    self.jobs.put(None)
-    self.thread.join(max(deadline - time.monotonic(), 0.001))
-    if self.thread.is_alive():
+    """Waits until this call's sends are out; returns what sending raised."""
+    done = threading.Event()
+    self.jobs.put((self, None, done))
+    if not done.wait(max(deadline - time.monotonic(), 0.001)):
       return TimeoutError('sending did not finish in time')
     return self.error
 
@@ -189,6 +209,8 @@ class DirectSender:
 DIRECT_BYTES = 8 << 10
 
 
-def sender(watch: tuple[str, float], largest: int) -> Sender | DirectSender:
+def sender(watch: tuple[str, float], largest: int,
+           thread: SendThread) -> Sender | DirectSender:
+  """The sender of a call whose largest message is `largest` bytes."""
   return (DirectSender(watch) if largest <= DIRECT_BYTES
-          else Sender(watch))
+          else thread.sender(watch))

@@ -133,6 +133,7 @@ class Plane:
     self.lock = threading.Condition()
     self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
+    self.sends = _tcp_io.SendThread()  # every transfer's background sends
     # Accepted connections still in their handshake, oldest first:
     # connection -> its source address.
     self.pending: dict[socket.socket, str] = {}
@@ -355,6 +356,7 @@ def break_plane(plane: Plane, error: BaseException) -> None:
 def close_plane(plane: Plane) -> None:
   """Closes the listener and every link (its accept thread then ends)."""
   break_plane(plane, None)
+  plane.sends.stop()
   try:  # Wakes the accept thread (a close alone does not, on Linux).
     plane.listener.shutdown(socket.SHUT_RDWR)
   except OSError:

@@ -52,6 +52,10 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # `multihost.set_exit_on_peer_failure`, which overrides it).
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
+# Idle result buffers (MiB) each process keeps for the next large collective
+# (default 256; 0: none); see `multihost._buffers`.
+RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
+
 # Calls (and events) each process's flight recorder keeps (default 64); see
 # `multihost._flight`.
 FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'

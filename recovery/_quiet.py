@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 
 from absl import logging
 
@@ -28,7 +29,8 @@ _DROPPED = (
     # finalize thread); the loop logs the stop once per process.
     (_ORBAX, '[process=%s][thread=%s] Reached preemption sync point'),
 )
-_installed = False
+# Set once the filters and hook are in (process-wide hooks, installed once).
+_INSTALLED = threading.Event()
 
 
 def verbose() -> bool:
@@ -91,10 +93,9 @@ def quiet_third_party_noise() -> None:
   reads still in flight. Any other line shows as before; with absl's
   `--verbosity=1` every line shows.
   """
-  global _installed
-  if _installed:
+  if _INSTALLED.is_set():
     return
-  _installed = True
+  _INSTALLED.set()
   logging.get_absl_handler().addFilter(_keep)
   previous = sys.unraisablehook
 

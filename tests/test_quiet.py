@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -188,7 +189,7 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
   handler = logging.get_absl_handler()
   seen = []
   monkeypatch.setattr(sys, 'unraisablehook', seen.append)
-  monkeypatch.setattr(_quiet, '_installed', False)
+  monkeypatch.setattr(_quiet, '_INSTALLED', threading.Event())
   recovery.quiet_third_party_noise()
   monkeypatch.setattr(logging, 'get_verbosity', lambda: logging.INFO)
   try:

@@ -35,10 +35,10 @@ SECRET = 'ab' * 32
 @pytest.fixture
 def secret(monkeypatch):
   """A configured job secret (as the launcher gives one), for this test only."""
-  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setattr(_secret, '_TAKEN', {})
   monkeypatch.setenv(env_lib.JOB_SECRET, SECRET)
   yield SECRET
-  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setattr(_secret, '_TAKEN', {})
 
 
 def _job(count=3):
@@ -156,7 +156,7 @@ def test_a_process_without_the_secret_gets_no_stacks_and_silences_no_one(
 
 
 def test_a_short_secret_is_refused_with_how_to_make_one(monkeypatch):
-  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setattr(_secret, '_TAKEN', {})
   monkeypatch.setenv(env_lib.JOB_SECRET, 'hunter2')
   with pytest.raises(_errors.MultihostError) as e:
     _secret.configured()
@@ -176,7 +176,7 @@ def test_a_secret_file_link_flipped_between_600_and_644_is_never_used(
   public.chmod(0o644)
   link = tmp_path / 'secret'
   link.symlink_to(private)
-  monkeypatch.setattr(_secret, '_taken', None)
+  monkeypatch.setattr(_secret, '_TAKEN', {})
   monkeypatch.delenv(env_lib.JOB_SECRET, raising=False)
   monkeypatch.setenv(env_lib.JOB_SECRET_FILE, str(link))
   stop = threading.Event()

@@ -1,0 +1,64 @@
+"""The data plane's result pool: memory is used again only once no array views it, and the pool stays bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from multihost import _buffers
+from multihost import env as env_lib
+
+MIB = 1 << 20
+
+
+def _address(array: np.ndarray) -> int:
+  return array.__array_interface__['data'][0]
+
+
+def test_memory_is_used_again_only_after_the_last_view_is_gone():
+  pool = _buffers.Pool(16 * MIB)
+  first = pool.take(MIB)
+  first[:] = 7
+  where = _address(first)
+  # Views of every kind keep the memory: a slice, a dtype view, a memoryview
+  # and an array made from that memoryview (as the collectives' leaves are).
+  kept = np.frombuffer(memoryview(first[8:].view(np.float64)), np.float64)
+  del first
+  assert pool.idle_sizes() == []
+  second = pool.take(MIB)
+  assert _address(second) != where  # still in use: not handed out again
+  second[:] = 1
+  assert np.all(kept.view(np.uint8) == 7)
+  del kept
+  assert pool.idle_sizes() == [MIB]
+  third = pool.take(MIB)
+  assert _address(third) == where and pool.idle_sizes() == []
+  assert third.flags.writeable and third.dtype == np.uint8 and (
+      third.shape == (MIB,))
+
+
+def test_the_pool_keeps_at_most_its_limit_dropping_the_oldest_first():
+  pool = _buffers.Pool(3 * MIB)
+  arrays = [pool.take(n * MIB) for n in (1, 2, 1)]
+  del arrays[0]  # 1 MiB idle
+  del arrays[0]  # 3 MiB idle
+  assert pool.idle_sizes() == [MIB, 2 * MIB]
+  del arrays[0]  # 4 MiB would be idle: the oldest (1 MiB) goes
+  assert pool.idle_sizes() == [2 * MIB, MIB]
+  assert pool.idle_bytes <= pool.limit
+  # A size with no idle buffer of its own gets new memory; those stay idle.
+  odd = pool.take(MIB + 1)
+  assert len(odd) == MIB + 1 and pool.idle_sizes() == [2 * MIB, MIB]
+
+
+def test_small_or_too_large_or_disabled_results_are_plain_arrays(monkeypatch):
+  pool = _buffers.Pool(4 * MIB)
+  for n in (10, (256 << 10) - 1, 5 * MIB):
+    array = pool.take(n)
+    assert array.flags.owndata and len(array) == n
+  monkeypatch.setenv(env_lib.RESULT_POOL_MIB, '0')
+  off = _buffers.Pool()
+  assert off.limit == 0 and off.take(MIB).flags.owndata
+  monkeypatch.setenv(env_lib.RESULT_POOL_MIB, 'lots')
+  with pytest.raises(ValueError, match='MULTIHOST_RESULT_POOL_MIB'):
+    assert _buffers.Pool().limit
