@@ -78,9 +78,9 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
-  the parts themselves; its own result (a packed copy, made while the
-  bytes go out) is None with `source_result=False`. Receivers read
-  straight into the result.
+  the parts themselves, on the calling thread; its own result (a packed
+  copy, made once the bytes are out) is None with `source_result=False`.
+  Receivers read straight into the result.
   """
   deadline = time.monotonic() + timeout
   plane = _tcp_link.get_plane(op, deadline)
@@ -90,7 +90,12 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
   watch = (op, deadline)
-  sender = _tcp_io.sender(watch, length, plane.sends) if nxt is not None else None
+  if nxt is None:
+    sender = None
+  elif rank == 0:  # The source only sends: no reads to keep going meanwhile.
+    sender = _tcp_io.DirectSender(watch)
+  else:
+    sender = _tcp_io.sender(watch, length, plane.sends)
   peer = prev
   out = None
   try:
@@ -100,7 +105,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     if rank == 0:
       for segment in segments(down.frame(call, length), parts):
         sender.send(down.sock, segment)
-      if source_result:  # Numpy's copy runs while the sender thread sends.
+      if source_result:  # After the sends: the receivers get bytes sooner.
         out = _leaves.pack(parts, out=_buffers.take(length))
     else:
       out = _buffers.take(length)

@@ -19,7 +19,8 @@ or late, and waits only briefly for the others, when it is leaving after an
 error (`_leaving_after_error`): its last collective or watched step raised
 a timeout (the processes it named are stuck or late; the others timed out
 too, and get `_EXIT_GRACE_S` to leave) or a failure (the other survivors
-see it too, and get the watchdog's detection bound), or the program is
+see it too, within the watchdog's detection bound, and get that bound plus
+`_EXIT_GRACE_S`), or the program is
 ending with an uncaught exception (`_EXIT_GRACE_S`). Waiting the whole
 `shutdown_timeout` would hold the job on a peer that may never come;
 instead the service stops with this process, JAX's client aborts those
@@ -136,10 +137,12 @@ def _leaving_after_error(rt: _runtime.Runtime
     why = f'{failed.label()} raised {failed.error} here'
     if failed.missing:  # A timeout: the others timed out too.
       return why, set(failed.missing), _EXIT_GRACE_S
-    return why, set(), watchdog.detection_bound()  # They see it too.
+    # They see it too: within the detection bound (a peer that saw a link
+    # break waits that long to learn whether a process failed), then leave.
+    return why, set(), watchdog.detection_bound() + _EXIT_GRACE_S
   if watchdog.step_failed is not None:
     return (f'{watchdog.step_failed} raised here', set(),
-            watchdog.detection_bound())
+            watchdog.detection_bound() + _EXIT_GRACE_S)
   if rt.uncaught is not None:
     return f'the program is ending with {rt.uncaught}', set(), _EXIT_GRACE_S
   return None

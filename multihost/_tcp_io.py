@@ -32,12 +32,14 @@ def family(host: str) -> int:
 
 
 def tune(conn: socket.socket) -> None:
+  """No delay for small frames. The buffer sizes stay the kernel's.
+
+  Setting SO_SNDBUF or SO_RCVBUF turns off the kernel's autotuning of that
+  buffer, which for a large transfer grows it past any fixed size worth
+  asking for (tcp_rmem's maximum): the large broadcasts ran faster
+  without (bench/README.md).
+  """
   conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-  for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-    try:
-      conn.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-    except OSError:
-      pass
 
 
 def recv_exact(conn: socket.socket, n: int,
@@ -184,7 +186,9 @@ class DirectSender:
 
   For messages that fit in any socket buffer (`DIRECT_BYTES`): a send then
   never waits for the peer to read, so a ring of processes that all send
-  before they receive cannot deadlock, and no thread is started per call.
+  before they receive cannot deadlock. And for a process that only sends
+  (a broadcast's source), whatever the size: it has nothing to read
+  meanwhile, and its peer reads without waiting on it.
   """
 
   def __init__(self, watch: tuple[str, float]):
@@ -204,8 +208,8 @@ class DirectSender:
 
 # At most this many payload bytes per message are sent on the calling thread:
 # with the frame header they fit in the smallest default socket buffers
-# (tcp_wmem/tcp_rmem start at 16 KiB and 128 KiB), even where raising the
-# buffers (`tune`) was refused.
+# (tcp_wmem/tcp_rmem start at 16 KiB and 128 KiB), which `tune` leaves to
+# the kernel.
 DIRECT_BYTES = 8 << 10
 
 
