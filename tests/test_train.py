@@ -34,8 +34,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / 'bin' / 'train.py')
 VERIFY = str(ROOT / 'bin' / 'verify_checkpoint.py')
 PY = sys.executable
-# Long enough to preempt mid-run (SIGTERM at step 50 stops 30-50 steps later
-# here); an epoch's end (8 steps an epoch), short enough for CI.
+# Long enough to preempt mid-run (the agreed stop after SIGTERM at step 50
+# falls up to a second's worth of steps later: room for several times that);
+# an epoch's end (8 steps an epoch); short enough for CI.
 STEPS = 400
 RUN_TIMEOUT_S = 120
 # Cluster variables a single-controller run must not inherit.
