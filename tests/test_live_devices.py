@@ -36,7 +36,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROGRAM = textwrap.dedent('''
     """JAX's live_devices example, after `import multihost` replaced it."""
+    import logging
     import sys
+    import threading
     import time
 
     import multihost
@@ -44,6 +46,17 @@ _PROGRAM = textwrap.dedent('''
 
     MODE, VICTIM, BLOCKS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     multihost.initialize(heartbeat_timeout=float(sys.argv[4]))
+    seen = threading.Event()  # live_devices logged a death during a block
+
+
+    class _Seen(logging.Handler):
+
+      def emit(self, record):
+        if 'died during block' in record.getMessage():
+          seen.set()
+
+
+    logging.getLogger('absl').addHandler(_Seen())
     import jax  # noqa: E402
     import jax.numpy as jnp  # noqa: E402
     from jax.experimental import multihost_utils  # noqa: E402
@@ -71,7 +84,7 @@ _PROGRAM = textwrap.dedent('''
               print(f'DURING at={time.time():.3f}', flush=True)
               time.sleep(600)  # Killed here, inside a block.
             if me == 1:  # Still in the body when the death is seen.
-              time.sleep(float(sys.argv[4]) + 5)
+              seen.wait(float(sys.argv[4]) + 5)
       except multihost_utils.ProcessFailureError as e:  # JAX's class.
         print(f'BLOCK {block} RAISED ProcessFailureError '
               f'failed={list(e.failed)} '

@@ -34,7 +34,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / 'bin' / 'train.py')
 VERIFY = str(ROOT / 'bin' / 'verify_checkpoint.py')
 PY = sys.executable
-STEPS = 600  # Long enough to preempt mid-run; short enough for CI.
+# Long enough to preempt mid-run (the agreed stop after SIGTERM at step 50
+# falls up to a second's worth of steps later: room for several times that);
+# an epoch's end (8 steps an epoch); short enough for CI.
+STEPS = 400
 RUN_TIMEOUT_S = 120
 # Cluster variables a single-controller run must not inherit.
 _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
@@ -150,11 +153,12 @@ def reference(tmp_path_factory):
 
 
 def test_replay_check_across_an_epoch_boundary(reference):
-  # 64 samples in batches of 8: step 600 ends epoch 74, so the replayed steps
-  # 601-603 start a new epoch, reshuffled from the carried key.
+  # 64 samples in batches of 8: step STEPS ends epoch STEPS / 8 - 1, so the
+  # 3 replayed steps start a new epoch, reshuffled from the carried key.
   out = reference['output']
-  assert ('Replay check passed: 3 steps from checkpoint step 600: sample ids '
-          'identical') in out
+  assert STEPS % 8 == 0
+  assert (f'Replay check passed: 3 steps from checkpoint step {STEPS}: '
+          'sample ids identical') in out
   replay_ids = json.loads(out.split('Replay ids: ')[1].splitlines()[0])
   sampler = recovery.EpochSampler(64, 8)
   key, order = sampler.start(jax.random.key(17))
@@ -164,7 +168,7 @@ def test_replay_check_across_an_epoch_boundary(reference):
   for _ in range(STEPS + 3):
     batch, state = sampler.next(state)
     ids.append(batch.tolist())
-  assert state.epoch == 75
+  assert state.epoch == STEPS // 8
   assert replay_ids == ids[STEPS:]
   # The reference's own metrics carry the same sampler's ids.
   assert reference['metrics'][STEPS]['ids'] == ids[STEPS - 1]

@@ -30,8 +30,12 @@ import multihost
 from multihost import env as env_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_S = 4.0  # of the collectives that time out
-STALL_S = 2.0  # stall report threshold (the fast path takes the first 1 s)
+TIMEOUT_S = 4.0  # of the all-gathers that a frozen process times out
+# The stuck program's collectives time out after STUCK_TIMEOUT_S; a stall
+# line comes STALL_S into each (the fast path takes the first 1 s), a second
+# before the timeout.
+STUCK_TIMEOUT_S = 3.0
+STALL_S = 2.0
 
 def _run(tmp_path, num_processes: int, stuck: int, mode: str,
          on_stuck=None) -> tuple[int, str]:
@@ -42,7 +46,7 @@ def _run(tmp_path, num_processes: int, stuck: int, mode: str,
       [sys.executable, '-m', 'multihost.launch',
        f'--num_processes={num_processes}', '--devices_per_process=1',
        '--timeout=100', '--',
-       *program('stuck', stuck, TIMEOUT_S, STALL_S, mode)],
+       *program('stuck', stuck, STUCK_TIMEOUT_S, STALL_S, mode)],
       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
       text=True, start_new_session=True)
   lines = []

@@ -2,13 +2,16 @@
 
 Usage: stuck.py STUCK TIMEOUT STALL MODE. The waiting processes print
 BARRIER-ERROR/GATHER-ERROR with their timeouts' text; MODE 'where' also has
-process 0 print `multihost.where()` (WHERE-REPORT). Then STUCK comes last,
-30 ms late, to 12 barriers, and every process prints its straggler report.
+process 0 print `multihost.where()` (WHERE-REPORT). STUCK stays in
+stuck_in_data_loader until every other process has printed its error (or
+TIMEOUT + 4 s). Then STUCK comes last, 30 ms late, to 12 barriers, and every
+process prints its straggler report.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,9 +20,23 @@ import multihost
 from multihost import lowlevel
 
 
-def stuck_in_data_loader(seconds: float) -> None:
+def stuck_in_data_loader(seconds: float, released: list) -> None:
   print('STUCK', flush=True)
-  time.sleep(seconds)
+  deadline = time.monotonic() + seconds
+  # Only C calls in this loop: a where report samples the main thread here.
+  while not released and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def _release_when_reported(tag: str, others: int, released: list,
+                           seconds: float) -> None:
+  """Appends to `released` once `others` processes have printed their error."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    if len(lowlevel.key_value_dir(f'reported-{tag}/')) >= others:
+      released.append(True)
+      return
+    time.sleep(0.05)
 
 
 def main() -> None:
@@ -34,7 +51,13 @@ def main() -> None:
 
   def phase(tag, call):
     if me == stuck:
-      stuck_in_data_loader(timeout + 4)
+      released = []
+      watcher = threading.Thread(
+          target=_release_when_reported, daemon=True,
+          args=(tag, jax.process_count() - 1, released, timeout + 4))
+      watcher.start()
+      stuck_in_data_loader(timeout + 4, released)
+      watcher.join()
       try:  # Arrives late; consumes the same call number as the others.
         call(0.5)
       except multihost.MultihostError:
@@ -48,6 +71,7 @@ def main() -> None:
         print(f'{tag}-NO-ERROR', flush=True)
       except multihost.CollectiveTimeoutError as e:
         print(f'{tag}-ERROR ' + ' '.join(str(e).split()), flush=True)
+      lowlevel.key_value_set(f'reported-{tag}/{me}', b'')
     lowlevel.wait_at_barrier(f'realign-{tag}', 60)
 
   multihost.sync_global_devices('warm up')

@@ -1,0 +1,58 @@
+"""Process 1's data-plane port refuses connections; a broadcast must say how to get through.
+
+As behind a firewall that lets only the coordinator's port through. Each
+process checks its own error's text and prints `BLOCKED-PORT OK`; a check
+that fails raises (the process exits non-zero, with the message).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+
+import multihost
+from multihost import _tcp_link
+from multihost import lowlevel
+
+
+def _published_address(process: int) -> tuple[str, str]:
+  value = lowlevel.key_value_get(_tcp_link.ADDRESS_KEY.format(process), 5)
+  host, port = value.decode().split('|')[:2]  # then its MAC
+  return host, port
+
+
+def main() -> None:
+  multihost.initialize()
+  import jax  # noqa: PLC0415 (after initialize)
+
+  me = jax.process_index()
+  plane = _tcp_link.get_plane('test', time.monotonic() + 30)
+  if me == 1:
+    plane.listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(); refuses
+    plane.listener.close()
+  multihost.sync_global_devices('data-plane-port-closed')
+  try:
+    multihost.broadcast_one_to_all(np.ones(1 << 18, np.float32), timeout=5)
+  except multihost.MultihostError as e:
+    error = e
+  else:
+    raise AssertionError(f'process {me}: the broadcast did not raise')
+  # Process 1 stays until process 0 has its error (a process that left would
+  # be named as failed instead), as a test's controllers do.
+  lowlevel.wait_at_barrier('broadcast-failed', 60)
+  message = str(error)
+  assert 'MULTIHOST_TRANSPORT=device' in message, message
+  if me == 0:  # the connecting side: refused, and it says by whom
+    host, port = _published_address(1)
+    assert f'process 1 at {host}:{port}' in message, message
+    assert 'ConnectionRefusedError' in message, message
+  else:  # the listening side: nobody came
+    assert isinstance(error, multihost.CollectiveTimeoutError), message
+    assert 'process 0' in message, message
+  print('BLOCKED-PORT OK', flush=True)
+
+
+if __name__ == '__main__':
+  main()
