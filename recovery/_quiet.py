@@ -52,9 +52,11 @@ def _keep(record) -> bool:
     return False
   # After one read of a damaged checkpoint failed, Orbax stops waiting for
   # the others; their TensorStore errors (the same damage, already reported
-  # as a CheckpointError) are then logged as never retrieved, one per leaf.
+  # as a CheckpointError) are then logged as never retrieved, one per leaf
+  # (as a Task's or a bare Future's, depending on which awaited it).
   if record.name == 'asyncio' and msg.startswith(
-      'Task exception was never retrieved'):
+      ('Task exception was never retrieved',
+       'Future exception was never retrieved')):
     error = record.exc_info[1] if record.exc_info else None
     if error is not None and 'tensorstore_spec' in str(error):
       return False
@@ -88,8 +90,8 @@ def quiet_third_party_noise() -> None:
   nothing more. Dropped: Orbax's "Given directory is read only" and its
   "Reached preemption sync point" (the loop logs the stop), JAX's INFO that
   a TPU backend is absent, and after a failed read of a damaged checkpoint
-  (reported as a `CheckpointError`) asyncio's "Task exception was never
-  retrieved" and TensorStore's "RuntimeError: Event loop is closed" for the
+  (reported as a `CheckpointError`) asyncio's "Task (or Future) exception
+  was never retrieved" and TensorStore's "RuntimeError: Event loop is closed" for the
   reads still in flight. Any other line shows as before; with absl's
   `--verbosity=1` every line shows.
   """

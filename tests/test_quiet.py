@@ -211,6 +211,9 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
         record('asyncio', std_logging.ERROR,
                'Task exception was never retrieved\nfuture: ...',
                '/asyncio/base_events.py', ts_error),
+        record('asyncio', std_logging.ERROR,
+               'Future exception was never retrieved\nfuture: ...',
+               '/asyncio/base_events.py', ts_error),
     ]
     kept = [
         record('absl', std_logging.WARNING, 'Given directory is read only',
@@ -220,6 +223,9 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
                "Unable to initialize backend '%s': %s", '/jax/xla_bridge.py'),
         record('asyncio', std_logging.ERROR,
                'Task exception was never retrieved\nfuture: ...',
+               '/asyncio/base_events.py', ValueError('a real bug')),
+        record('asyncio', std_logging.ERROR,
+               'Future exception was never retrieved\nfuture: ...',
                '/asyncio/base_events.py', ValueError('a real bug')),
     ]
     assert [handler.filter(r) for r in dropped] == [False] * len(dropped)
