@@ -344,3 +344,27 @@ def time_reference(fn: Callable[[], Any], repeats: int,
   median = ms(statistics.median(
       slowest([timed(fn, settings) for _ in range(repeats)], settings)))
   return first, median
+
+
+def torch_group(settings: Settings):
+  """torch.distributed (gloo) set up on every process, or None unless every process has torch.
+
+  Collective: every process must call this, in the same order.
+  """
+  try:
+    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    dist = None
+  have = multihost.allgather_object(dist is not None,
+                                    timeout=settings.timeout)
+  if not all(have):
+    return None
+  port = None
+  if jax.process_index() == 0:
+    from multihost import launch  # pylint: disable=import-outside-toplevel
+    port = launch.find_free_port()
+  port = multihost.broadcast_object(port, timeout=settings.timeout)
+  dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',
+                          rank=jax.process_index(),
+                          world_size=jax.process_count())
+  return dist

@@ -20,6 +20,7 @@ from bench.harness import Row
 from bench.harness import Settings
 from bench.harness import format_size
 from bench.harness import time_reference
+from bench.harness import torch_group
 import multihost
 from multihost import lowlevel  # The raw coordination-service barrier.
 
@@ -115,21 +116,12 @@ def loopback_tcp(nbytes: int, repeats: int, settings: Settings) -> Row:
 def torch_rows(sizes: list[int], repeats: int,
                settings: Settings) -> list[Row]:
   """torch.distributed gloo reference rows, only when torch is installed."""
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return []
   if jax.process_count() < 2:
     return []
-  port = None
-  if jax.process_index() == 0:
-    from multihost import launch  # pylint: disable=import-outside-toplevel
-    port = launch.find_free_port()
-  port = multihost.broadcast_object(port, timeout=settings.timeout)
-  dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',
-                          rank=jax.process_index(),
-                          world_size=jax.process_count())
+  dist = torch_group(settings)
+  if dist is None:
+    return []
+  import torch  # pylint: disable=import-outside-toplevel
   rows = []
   try:
     first, median = time_reference(dist.barrier, repeats, settings)

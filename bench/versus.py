@@ -59,27 +59,6 @@ class Result:
             'torch_times_ms': self.torch}
 
 
-def _torch_group(settings: Settings):
-  """torch.distributed (gloo) set up on every process, or None without torch."""
-  try:
-    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    dist = None
-  have = multihost.allgather_object(dist is not None,
-                                    timeout=settings.timeout)
-  if not all(have):
-    return None
-  port = None
-  if jax.process_index() == 0:
-    from multihost import launch  # pylint: disable=import-outside-toplevel
-    port = launch.find_free_port()
-  port = multihost.broadcast_object(port, timeout=settings.timeout)
-  dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',
-                          rank=jax.process_index(),
-                          world_size=jax.process_count())
-  return dist
-
-
 class RawStream:
   """One Python TCP stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks."""
 
@@ -172,7 +151,7 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
 
   Collective: every process must call this, in the same order.
   """
-  dist = _torch_group(settings)
+  dist = harness.torch_group(settings)
   raw = RawStream(raw_bytes, settings) if jax.process_count() > 1 else None
   try:
     try:
