@@ -127,9 +127,11 @@ class Recorder:
   def fail(record: Record, error: BaseException) -> None:
     """Records that `record`'s call raised `error` here (it is over for this process)."""
     if record.end is None and record.error is None:
-      record.error = type(error).__name__
+      # `error` last: other threads (the where-responder) read a record as
+      # failed once `error` is set, and then read the other two.
       record.failed_at = time.monotonic()
       record.missing = tuple(getattr(error, 'missing', None) or ())
+      record.error = type(error).__name__
 
   def since(self, begun: int) -> list[Record]:
     """The records begun after `begun` records had been (those still in the ring)."""
