@@ -6,9 +6,16 @@ runs the unmarked tests as one controller, gets 4 devices here. (The
 multihost pytest plugin has already imported jax by now, so the environment
 variable would come too late; the config option still works, as long as no
 backend has started.)
+
+Ctrl-C reaches the processes the tests start: a shell that starts pytest in
+the background without job control leaves SIGINT ignored, and an ignored
+signal stays ignored in every child, so a test of a controller's Ctrl-C
+would wait on a process that never sees it. Handling SIGINT here (Python's
+own handler) makes children start with the default again.
 """
 
 import os
+import signal
 
 import jax
 
@@ -18,3 +25,6 @@ os.environ.setdefault(env_lib.PLATFORMS, 'cpu')
 if env_lib.NUM_CPU_DEVICES not in os.environ:
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', 4)
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
