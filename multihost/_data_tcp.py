@@ -23,11 +23,13 @@ import numpy as np
 
 from multihost import _buffers
 from multihost import _errors
-from multihost import _leaves
 from multihost import _tcp_io
 from multihost import _tcp_link
 
 _CHUNK = 4 << 20
+# The source packs its own result in steps of this many bytes while its
+# socket is full: small enough that the peer never runs dry meanwhile.
+_PACK_STEP = 256 << 10
 # Parts smaller than this are joined before sending (see `segments`).
 _JOIN_BELOW = 64 << 10
 
@@ -70,6 +72,33 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
   return out
 
 
+class _Packer:
+  """Copies parts into one result buffer, a step (`_PACK_STEP` bytes) at a time."""
+
+  def __init__(self, parts: list[np.ndarray], length: int):
+    self.out = _buffers.take(length)
+    self.steps = self._steps(parts)
+
+  def _steps(self, parts: list[np.ndarray]):
+    offset = 0
+    for part in parts:
+      raw = part.reshape(-1).view(np.uint8)
+      for start in range(0, len(raw), _PACK_STEP):
+        piece = raw[start:start + _PACK_STEP]
+        self.out[offset + start:offset + start + len(piece)] = piece
+        yield
+      offset += len(raw)
+
+  def step(self) -> bool:
+    """One step; False once every byte is in place."""
+    return next(self.steps, False) is None
+
+  def finish(self) -> np.ndarray:
+    for _ in self.steps:
+      pass
+    return self.out
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float,
               source_result: bool = True) -> np.ndarray | None:
@@ -79,7 +108,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
   the parts themselves, on the calling thread; its own result (a packed
-  copy, made once the bytes are out) is None with `source_result=False`.
+  copy, made while its socket is full) is None with `source_result=False`.
   Receivers read straight into the result.
   """
   deadline = time.monotonic() + timeout
@@ -90,23 +119,25 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
   watch = (op, deadline)
-  if nxt is None:
-    sender = None
-  elif rank == 0:  # The source only sends: no reads to keep going meanwhile.
-    sender = _tcp_io.DirectSender(watch)
-  else:
-    sender = _tcp_io.sender(watch, length, plane.sends)
-  peer = prev
+  # The source sends on this thread (it has no reads to keep going
+  # meanwhile); a process in the middle of the chain forwards on a sender.
+  sender = (_tcp_io.sender(watch, length, plane.sends)
+            if nxt is not None and rank > 0 else None)
+  peer = nxt if rank == 0 else prev
   out = None
   try:
     down = plane.conn(nxt, deadline, op) if nxt is not None else None
     if down is not None:
       _start(op, nxt, down, deadline)
     if rank == 0:
+      # The source's own result is packed while its socket is full (the
+      # next send would wait for the peer to read), not after the sends.
+      packer = _Packer(parts, length) if source_result else None
+      idle = packer.step if packer is not None else None
       for segment in segments(down.frame(call, length), parts):
-        sender.send(down.sock, segment)
-      if source_result:  # After the sends: the receivers get bytes sooner.
-        out = _leaves.pack(parts, out=_buffers.take(length))
+        _tcp_io.send_all(down.sock, segment, watch, idle)
+      if packer is not None:
+        out = packer.finish()
     else:
       out = _buffers.take(length)
       view = memoryview(out)
@@ -114,9 +145,10 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
         sender.send(down.sock, down.frame(call, length))
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
-      up.read_frame(call, length, op, prev, watch)
       if down is None:  # The end of the chain: one read into the result.
-        _tcp_io.recv_into(up.sock, view, watch)
+        up.read_frame_into(call, view, op, prev, watch)
+      else:
+        up.read_frame(call, length, op, prev, watch)
       for start in range(0, length if down is not None else 0, _CHUNK):
         chunk = view[start:start + _CHUNK]
         _tcp_io.recv_into(up.sock, chunk, watch)

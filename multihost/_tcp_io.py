@@ -7,6 +7,7 @@ silent, not closed) raises `ProcessFailureError` once the watchdog names it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import queue
 import socket
 import threading
@@ -94,12 +95,35 @@ def recv_into(conn: socket.socket, view: memoryview,
     got += k
 
 
-def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
-  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+def recv_two(conn: socket.socket, first: memoryview, second: memoryview,
+             watch: tuple[str, float]) -> None:
+  """Fills `first`, then `second`, reading both with one call while both have bytes to come."""
+  got = 0
+  while got < len(first):
+    k = _watched(conn.recvmsg_into, [first[got:], second], watch)[0]
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+  if got > len(first):
+    recv_into(conn, second[got - len(first):], watch)
+  else:
+    recv_into(conn, second, watch)
+
+
+def send_all(conn: socket.socket, view, watch: tuple[str, float],
+             idle: Callable[[], bool] | None = None) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable).
+
+  `idle` (optional) is work to do while the peer drains the socket: it is
+  called after each send that filled the socket's buffer (the next one
+  would wait), does a small step, and returns False once it has no more.
+  """
   view = memoryview(view).cast('B')
   sent = 0
   while sent < len(view):
     sent += _watched(conn.send, view[sent:], watch)
+    if idle is not None and sent < len(view) and not idle():
+      idle = None
 
 
 def _watched(io, view, watch: tuple[str, float] | None) -> int:
@@ -186,9 +210,7 @@ class DirectSender:
 
   For messages that fit in any socket buffer (`DIRECT_BYTES`): a send then
   never waits for the peer to read, so a ring of processes that all send
-  before they receive cannot deadlock. And for a process that only sends
-  (a broadcast's source), whatever the size: it has nothing to read
-  meanwhile, and its peer reads without waiting on it.
+  before they receive cannot deadlock.
   """
 
   def __init__(self, watch: tuple[str, float]):
