@@ -30,8 +30,14 @@ def main() -> None:
   me = jax.process_index()
   plane = _tcp_link.get_plane('test', time.monotonic() + 30)
   if me == 1:
+    address = plane.listener.getsockname()
     plane.listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(); refuses
     plane.listener.close()
+    # The port stays this process's, bound but not listening (connections
+    # are refused), so that no other program that starts meanwhile (e.g. a
+    # test beside this one) can listen on it and hold process 0's handshake.
+    hold = socket.socket(plane.listener.family, socket.SOCK_STREAM)
+    hold.bind(address)
   multihost.sync_global_devices('data-plane-port-closed')
   try:
     multihost.broadcast_one_to_all(np.ones(1 << 18, np.float32), timeout=5)
