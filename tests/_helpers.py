@@ -108,7 +108,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 _COMPILE_CACHE: list[str] = []
 
 
-def compile_cache_env() -> dict[str, str]:
+def quick_compile_env() -> dict[str, str]:
   """Variables that make the JAX processes a test starts compile less.
 
   The same programs (bin/train.py, the workloads) start again and again in

@@ -81,7 +81,7 @@ def _run(tmp_path, monkeypatch, *extra, kill=True):
                          grace_period=1, kill_wait=0.5, timeout=240,
                          max_restarts=1, cwd=ROOT, hosts='netns',
                          env={'PYTHONPATH': str(ROOT),
-                              **_helpers.compile_cache_env()})
+                              **_helpers.quick_compile_env()})
   out = '\n'.join(o for a in result.attempts for o in a.outputs)
   assert result.ok, result.summary + '\n' + out[-4000:]
   (digest,) = re.findall(r'Finished step \d+ .*digest (\w+)', out)

@@ -267,7 +267,7 @@ def _drill(tmp_path, *extra, kill=True, one_host=False):
                '$JAX_PROCESS_ID ' + ' '.join(args))
   env = {**{k: v for k, v in os.environ.items()
             if k != recovery.HOST_ID_VARIABLE},
-         **_helpers.compile_cache_env()}
+         **_helpers.quick_compile_env()}
   result = launch.launch(['sh', '-c', command], num_processes=2,
                          devices_per_process=2, grace_period=1,
                          kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,

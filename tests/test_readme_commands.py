@@ -8,7 +8,7 @@ with the venv activated as the quick start does (its `bin/` first on PATH,
 VIRTUAL_ENV set) and no cluster variable. Three changes fit it into CI's
 budget and keep runs apart: `/tmp/` becomes the test's own folder, the
 `--steps=` of the launcher example shrink (`STEPS`), and the blocks' JAX
-processes compile less (`_helpers.compile_cache_env`). Commands that
+processes compile less (`_helpers.quick_compile_env`). Commands that
 cannot run here are dropped from a block by `SKIPPED_COMMANDS`, with the
 reason.
 """
@@ -104,7 +104,7 @@ def _env(tmp: pathlib.Path) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
   env.update({'PATH': f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}',
               'VIRTUAL_ENV': str(VENV_BIN.parent), 'TMPDIR': str(tmp),
-              env_lib.PLATFORMS: 'cpu', **_helpers.compile_cache_env()})
+              env_lib.PLATFORMS: 'cpu', **_helpers.quick_compile_env()})
   env.pop('PYTHONHOME', None)
   return env
 

@@ -54,7 +54,7 @@ def _single(script, *args) -> str:
   env = {k: v for k, v in os.environ.items()
          if k not in _CLUSTER_VARS + recovery.RESTART_COUNT_VARIABLES}
   env.update({env_lib.NUM_CPU_DEVICES: '4', env_lib.PLATFORMS: 'cpu',
-              **_helpers.compile_cache_env()})
+              **_helpers.quick_compile_env()})
   proc = subprocess.run([PY, str(script), *map(str, args)], env=env, cwd=ROOT,
                         stdin=subprocess.DEVNULL, capture_output=True,
                         text=True, timeout=TIMEOUT_S, check=False)
@@ -76,7 +76,7 @@ def test_readme_example_stops_and_resumes(tmp_path):
   result = launch.launch(
       [PY, str(script), str(tmp_path / 'run2x2'), '50'],
       num_processes=2, devices_per_process=2, timeout=TIMEOUT_S, cwd=ROOT,
-      env=_helpers.compile_cache_env())
+      env=_helpers.quick_compile_env())
   assert result.ok, result.summary + result.outputs[0][-3000:]
   assert _resumed(result.outputs[0]) == 30, result.outputs[0][-3000:]
   step, loss = _final(result.outputs[0])
