@@ -7,12 +7,15 @@ path (so the child needs no PYTHONPATH or working directory of its own).
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterable
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -100,3 +103,32 @@ def clean_env(**extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
   env.update(extra)
   return env
+
+
+_COMPILE_CACHE: list[str] = []
+
+
+def quick_compile_env() -> dict[str, str]:
+  """Variables that make the JAX processes a test starts compile less.
+
+  The same programs (bin/train.py, the workloads) start again and again in
+  one pytest process; JAX's persistent cache lets each later start load the
+  executables the first one compiled instead of compiling them again. The
+  folder is this pytest process's own (two pytest workers never write one
+  file at once; within a multi-controller run JAX writes from process 0
+  only) and is removed when it exits. XLA's backend optimizations are off:
+  the tests' programs are tiny, most of their CPU is compiling them, and
+  what the tests compare (runs of one program, with the same flags) does
+  not depend on how well the code is optimized.
+  """
+  if not _COMPILE_CACHE:
+    folder = tempfile.mkdtemp(prefix='multihost-tests-jax-cache-')
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    _COMPILE_CACHE.append(folder)
+  flags = os.environ.get('XLA_FLAGS', '')
+  return {'JAX_COMPILATION_CACHE_DIR': _COMPILE_CACHE[0],
+          # Every executable, however small or quick to compile.
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
+          'XLA_FLAGS': f'{flags} --xla_backend_optimization_level=0 '
+                       '--xla_llvm_disable_expensive_passes=true'.strip()}

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import _helpers
 import pytest
 
 from multihost import launch
@@ -79,7 +80,8 @@ def _run(tmp_path, monkeypatch, *extra, kill=True):
   result = launch.launch(args, num_processes=2, devices_per_process=2,
                          grace_period=1, kill_wait=0.5, timeout=240,
                          max_restarts=1, cwd=ROOT, hosts='netns',
-                         env={'PYTHONPATH': str(ROOT)})
+                         env={'PYTHONPATH': str(ROOT),
+                              **_helpers.quick_compile_env()})
   out = '\n'.join(o for a in result.attempts for o in a.outputs)
   assert result.ok, result.summary + '\n' + out[-4000:]
   (digest,) = re.findall(r'Finished step \d+ .*digest (\w+)', out)

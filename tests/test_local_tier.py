@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 
+import _helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,8 +265,9 @@ def _drill(tmp_path, *extra, kill=True, one_host=False):
     command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
                f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
                '$JAX_PROCESS_ID ' + ' '.join(args))
-  env = {k: v for k, v in os.environ.items()
-         if k != recovery.HOST_ID_VARIABLE}
+  env = {**{k: v for k, v in os.environ.items()
+            if k != recovery.HOST_ID_VARIABLE},
+         **_helpers.quick_compile_env()}
   result = launch.launch(['sh', '-c', command], num_processes=2,
                          devices_per_process=2, grace_period=1,
                          kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,

@@ -21,6 +21,7 @@ import threading
 import time
 import types
 
+import _helpers
 from absl import logging
 import numpy as np
 
@@ -47,7 +48,8 @@ _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
 def _env(**extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
   env.update({env_lib.PLATFORMS: 'cpu', env_lib.NUM_CPU_DEVICES: '4',
-              env_lib.PYTHON_UNBUFFERED: '1'}, **extra)
+              env_lib.PYTHON_UNBUFFERED: '1', **_helpers.quick_compile_env()},
+             **extra)
   return env
 
 

@@ -5,10 +5,12 @@ Every ```sh and ```bash block of README.md is either run here or listed in
 `test_every_block_is_run_or_has_a_reason`. A block runs as one bash script
 (`set -euo pipefail`) in a temporary folder that holds the clone's `bin/`,
 with the venv activated as the quick start does (its `bin/` first on PATH,
-VIRTUAL_ENV set) and no cluster variable. Two changes fit it into CI's
-budget and keep runs apart: `/tmp/` becomes the test's own folder, and the
-`--steps=` of the launcher example shrink (`STEPS`). Commands that cannot
-run here are dropped from a block by `SKIPPED_COMMANDS`, with the reason.
+VIRTUAL_ENV set) and no cluster variable. Three changes fit it into CI's
+budget and keep runs apart: `/tmp/` becomes the test's own folder, the
+`--steps=` of the launcher example shrink (`STEPS`), and the blocks' JAX
+processes compile less (`_helpers.quick_compile_env`). Commands that
+cannot run here are dropped from a block by `SKIPPED_COMMANDS`, with the
+reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 
+import _helpers
 import pytest
 
 from multihost import env as env_lib
@@ -101,7 +104,7 @@ def _env(tmp: pathlib.Path) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
   env.update({'PATH': f'{VENV_BIN}{os.pathsep}{env.get("PATH", "")}',
               'VIRTUAL_ENV': str(VENV_BIN.parent), 'TMPDIR': str(tmp),
-              env_lib.PLATFORMS: 'cpu'})
+              env_lib.PLATFORMS: 'cpu', **_helpers.quick_compile_env()})
   env.pop('PYTHONHOME', None)
   return env
 

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import _helpers
 import numpy as np
 
 from multihost import env as env_lib
@@ -52,7 +53,8 @@ def _resumed(output: str) -> int | None:
 def _single(script, *args) -> str:
   env = {k: v for k, v in os.environ.items()
          if k not in _CLUSTER_VARS + recovery.RESTART_COUNT_VARIABLES}
-  env.update({env_lib.NUM_CPU_DEVICES: '4', env_lib.PLATFORMS: 'cpu'})
+  env.update({env_lib.NUM_CPU_DEVICES: '4', env_lib.PLATFORMS: 'cpu',
+              **_helpers.quick_compile_env()})
   proc = subprocess.run([PY, str(script), *map(str, args)], env=env, cwd=ROOT,
                         stdin=subprocess.DEVNULL, capture_output=True,
                         text=True, timeout=TIMEOUT_S, check=False)
@@ -73,7 +75,8 @@ def test_readme_example_stops_and_resumes(tmp_path):
   assert resumed == uninterrupted and resumed[0] == 50
   result = launch.launch(
       [PY, str(script), str(tmp_path / 'run2x2'), '50'],
-      num_processes=2, devices_per_process=2, timeout=TIMEOUT_S, cwd=ROOT)
+      num_processes=2, devices_per_process=2, timeout=TIMEOUT_S, cwd=ROOT,
+      env=_helpers.quick_compile_env())
   assert result.ok, result.summary + result.outputs[0][-3000:]
   assert _resumed(result.outputs[0]) == 30, result.outputs[0][-3000:]
   step, loss = _final(result.outputs[0])

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from _helpers import clean_env
+from _helpers import quick_compile_env
 import pytest
 
 from multihost import launch
@@ -52,7 +53,8 @@ def _sbatch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
       PATH=f'{STANDIN}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
       SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
       JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(launch.find_free_port()),
-      MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1')
+      MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
+      **quick_compile_env())
   command = ['bash', str(RECIPE), 'python', str(TRAIN),
              f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
              f'--save_every={K}', *flags]

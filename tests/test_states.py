@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import sys
 
+import _helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +48,8 @@ def _after_stop(losses: dict) -> dict[int, float]:
 def test_one_controller_resume_is_bitwise_the_uninterrupted_run(
     kind, tmp_path):
   built = workload.build(kind)
-  ref = workload.train(kind, str(tmp_path / 'ref'), until=workload.UNTIL,
-                       resume=False, built=built)
+  ref = workload.train(kind, None, until=workload.UNTIL, resume=False,
+                       built=built)
   first = workload.train(kind, str(tmp_path / 'run'), until=workload.STOP_AT,
                          resume=False, built=built)
   # A new process would build a new target: so does the resume here
@@ -171,7 +172,7 @@ def _launch(mode: str, out: pathlib.Path, directory: pathlib.Path, *,
   result = launch.launch(
       [PY, SCRIPT, mode, str(out), str(directory)],
       num_processes=num_processes, devices_per_process=devices_per_process,
-      timeout=LAUNCH_TIMEOUT_S, cwd=ROOT)
+      timeout=LAUNCH_TIMEOUT_S, cwd=ROOT, env=_helpers.quick_compile_env())
   assert result.ok, result.summary + '\n' + '\n'.join(
       o[-4000:] for o in result.outputs)
   return json.loads(out.read_text())

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import _helpers
 import jax
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def _single_env(devices: int = 4) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if k not in _CLUSTER_VARS + recovery.RESTART_COUNT_VARIABLES}
   env.update({env_lib.NUM_CPU_DEVICES: str(devices), env_lib.PLATFORMS: 'cpu',
-              env_lib.PYTHON_UNBUFFERED: '1'})
+              env_lib.PYTHON_UNBUFFERED: '1', **_helpers.quick_compile_env()})
   return env
 
 
@@ -84,7 +85,8 @@ def _run_single(args, *, log: pathlib.Path, devices: int = 4,
 def _run_cluster(args, *, num_processes, devices_per_process):
   result = launch.launch([PY, *args], num_processes=num_processes,
                          devices_per_process=devices_per_process,
-                         timeout=RUN_TIMEOUT_S, cwd=ROOT)
+                         timeout=RUN_TIMEOUT_S, cwd=ROOT,
+                         env=_helpers.quick_compile_env())
   assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
   return result
 
@@ -181,7 +183,8 @@ def test_preempted_and_resumed_run_is_bitwise_identical_then_elastic(
   1x4 and 4x1 reaches it within the tutorial's tolerances."""
   ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
   with launch.Controllers([PY, *_train_args(ckpt, metrics)], num_processes=2,
-                          devices_per_process=2, cwd=ROOT) as cluster:
+                          devices_per_process=2, cwd=ROOT,
+                          env=_helpers.quick_compile_env()) as cluster:
     _wait_for_lines(metrics, 50, alive=lambda: len(cluster.running()) == 2,
                     timeout=60)
     cluster.kill(1, signal.SIGTERM)
@@ -478,7 +481,8 @@ def test_ctrl_c_on_two_controllers_stops_at_an_agreed_step(tmp_path):
        '--devices_per_process=1', '--grace_period=20', '--',
        PY, TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
        '--steps=1000000', '--save_every=5'],
-      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+      cwd=ROOT, env={**os.environ, **_helpers.quick_compile_env()},
+      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
     _wait_for_lines(metrics, 12, alive=lambda: launcher.poll() is None,
@@ -512,7 +516,7 @@ def test_sigkill_of_a_controller_during_a_save_at_two_processes(tmp_path):
   ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
   args = [TRAIN, f'--checkpoint_dir={ckpt}', f'--metrics_out={metrics}',
           '--save_every=1', '--keep=2', '--width=4096']
-  env = {env_lib.HEARTBEAT: '3'}
+  env = {env_lib.HEARTBEAT: '3', **_helpers.quick_compile_env()}
   with launch.Controllers([PY, *args, '--steps=100000'], num_processes=2,
                           env=env, cwd=ROOT, grace_period=60) as cluster:
     _wait_for_lines(metrics, 5, alive=lambda: all(
