@@ -10,25 +10,38 @@ import os
 import re
 
 from _helpers import program
+import pytest
 
 from multihost import launch
 
+# One run drills both cases in turn (each after the processes agree over
+# the links again); a test reads its case's part of every output.
+_MODES, _SLEEPERS = ('mismatch', 'skew'), (1, 2)
 
-def _run(mode, sleeper, count=3, timeout=90):
-  with launch.Controllers(program('links_drill', mode, sleeper),
-                          num_processes=count, env=dict(os.environ),
-                          grace_period=30) as cluster:
-    result = cluster.wait(timeout=timeout)
+
+@pytest.fixture(scope='module')
+def _drilled():
+  with launch.Controllers(
+      program('links_drill', ','.join(_MODES), ','.join(map(str, _SLEEPERS))),
+      num_processes=3, env=dict(os.environ), grace_period=30) as cluster:
+    return cluster.wait(timeout=90)
+
+
+def _run(result, mode):
+  """Every process's output of MODE's part, after checking the run."""
   assert result.ok, result.summary
+  parts = []
   for out in result.outputs:
-    assert 'LINKS True' in out, out[-3000:]
     assert 'PASSED' in out, out[-3000:]
-  return result
+    mine = [p for p in out.split('MODE ')[1:] if p.startswith(mode + '\n')]
+    assert len(mine) == 1, (mode, out[-3000:])
+    assert 'LINKS True' in mine[0], mine[0][-3000:]
+    parts.append(mine[0])
+  return parts
 
 
-def test_a_mismatch_over_the_links_raises_on_every_process():
-  result = _run('mismatch', 1)
-  for p, out in enumerate(result.outputs):
+def test_a_mismatch_over_the_links_raises_on_every_process(_drilled):
+  for p, out in enumerate(_run(_drilled, 'mismatch')):
     m = re.search(r'RAISED ConsistencyError (.*)', out)
     assert m, out[-3000:]
     assert m.group(1).startswith(f'[process={p}] sync_global_devices name '
@@ -37,9 +50,9 @@ def test_a_mismatch_over_the_links_raises_on_every_process():
     assert 'AFTER ok [0, 1, 2]' in out, out[-3000:]
 
 
-def test_a_timeout_over_the_links_names_the_late_process_and_all_go_on():
-  result = _run('skew', 2)
-  for i, out in enumerate(result.outputs):
+def test_a_timeout_over_the_links_names_the_late_process_and_all_go_on(
+    _drilled):
+  for i, out in enumerate(_run(_drilled, 'skew')):
     m = re.search(r'STEP 0 timeout after=([\d.]+) missing=\[(\d)\] '
                   r'message=(.*)', out)
     assert m, out[-3000:]

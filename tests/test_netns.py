@@ -158,7 +158,10 @@ def _logs(tmp_path, n):
   return [(tmp_path / f'controller{i}.log').read_text() for i in range(n)]
 
 
-@pytest.mark.parametrize('n', [2, 4])
+# At 4 hosts (rings and chains of more than two; a 2-host run of the same
+# program asserts nothing more, and 2-host collectives run in
+# test_netns_faults.py).
+@pytest.mark.parametrize('n', [4])
 def test_jax_controllers_across_simulated_hosts(tmp_path, n):
   with netns.SimulatedHosts(n) as net:
     procs, port = _start_controllers(net, n, 'netns_controller', tmp_path)

@@ -121,7 +121,7 @@ def test_with_a_companion_service_a_crash_of_process_0_is_an_ordinary_failure():
 _TRAIN = os.path.join(_ROOT, 'bin', 'train.py')
 # The agreed stop after SIGTERM (at step 30) falls up to a second's worth of
 # steps later (JAX's watcher): room for several times that.
-_STEPS = 300
+_STEPS = 150
 
 
 def test_recovery_drill_across_hosts_sigterm_then_resume_on_4_hosts(tmp_path):

@@ -51,13 +51,14 @@ def test_controllers_run_on_hosts_of_their_own_with_the_coordinator_on_host_0():
 @_needs_hosts
 def test_hosts_are_deleted_when_the_body_raises_and_on_timeout():
   with pytest.raises(KeyError):
-    with launch.Controllers(program('placed'), num_processes=2, env=_env(),
-                            hosts='netns') as cluster:
+    with launch.Controllers(program('placed', 0, 'plain'), num_processes=2,
+                            env=_env(), hosts='netns') as cluster:
       assert len(_namespaces_of(os.getpid())) == 3  # 2 hosts and the switch.
       raise KeyError('boom')
   assert _namespaces_of(os.getpid()) == []
-  cluster = launch.Controllers(program('placed', 600), num_processes=2,
-                               env=_env(), hosts='netns', kill_wait=1)
+  cluster = launch.Controllers(program('placed', 600, 'plain'),
+                               num_processes=2, env=_env(), hosts='netns',
+                               kill_wait=1)
   result = cluster.wait(10)
   assert result.timed_out
   assert _namespaces_of(os.getpid()) == []
@@ -68,7 +69,8 @@ def test_hosts_are_deleted_when_the_body_raises_and_on_timeout():
 def test_the_cli_places_controllers_and_cleans_up_after_ctrl_c(sig):
   proc = subprocess.Popen(
       [sys.executable, '-m', 'multihost.launch', '--num_processes=2',
-       '--hosts=netns', '--timeout=120', '--', *program('placed', 600)],
+       '--hosts=netns', '--timeout=120', '--',
+       *program('placed', 600, 'plain')],
       env={**os.environ, **_env()}, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:

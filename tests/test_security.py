@@ -72,25 +72,43 @@ def test_a_replayed_frame_raises_and_delivers_nothing():
   assert 'a replayed or reordered frame' in outs[0], outs[0]
 
 
-def _tamper(tmp_path, mode):
-  """tests/programs/tamper.py in MODE at 2 processes (see its docstring)."""
-  planted = tmp_path / 'code-ran'
-  result = launch.launch(program('tamper', mode, planted),
+# One run of tests/programs/tamper.py tries every mode in turn (each on a
+# call of its own); a test reads its mode's part of every process's output.
+_TAMPER_MODES = ('altered', 'resized', 'flagged', 'moved', 'planted')
+
+
+@pytest.fixture(scope='module')
+def _tampered(tmp_path_factory):
+  """The outputs of the run of tamper.py at 2 processes (see its docstring)."""
+  planted = tmp_path_factory.mktemp('tamper') / 'code-ran'
+  result = launch.launch(program('tamper', ','.join(_TAMPER_MODES), planted),
                          num_processes=2, devices_per_process=1, timeout=120,
                          env={env_lib.TIMEOUT: '30'})
+  return result, planted
+
+
+def _tamper(tampered, mode):
+  """Every process's output of MODE's attempt, after checking the run."""
+  result, planted = tampered
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert not planted.exists(), 'the planted pickle ran'
-  return result.outputs
+  outs = []
+  for out in result.outputs:
+    parts = out.split('MODE ')
+    mine = [p for p in parts[1:] if p.startswith(mode + '\n')]
+    assert len(mine) == 1, (mode, out)
+    outs.append(mine[0])
+  return outs
 
 
-def test_a_planted_key_is_refused_and_never_unpickled(tmp_path):
-  outs = _tamper(tmp_path, 'planted')
+def test_a_planted_key_is_refused_and_never_unpickled(_tampered):
+  outs = _tamper(_tampered, 'planted')
   for out in outs:
     assert 'REFUSED' in out and 'is not the key of any process' in out, out
 
 
-def test_an_altered_message_is_refused_and_never_unpickled(tmp_path):
-  outs = _tamper(tmp_path, 'altered')
+def test_an_altered_message_is_refused_and_never_unpickled(_tampered):
+  outs = _tamper(_tampered, 'altered')
   for out in outs:
     assert 'REFUSED' in out and 'failed authentication' in out, out
 
@@ -100,8 +118,8 @@ def test_an_altered_message_is_refused_and_never_unpickled(tmp_path):
 # object's seal checks), or its authentic message of the previous call put
 # under this call's key.
 @pytest.mark.parametrize('mode', ['resized', 'flagged', 'moved'])
-def test_a_message_altered_consistently_is_refused(tmp_path, mode):
-  outs = _tamper(tmp_path, mode)
+def test_a_message_altered_consistently_is_refused(_tampered, mode):
+  outs = _tamper(_tampered, mode)
   for out in outs:
     assert 'REFUSED' in out and 'failed authentication' in out, out
 

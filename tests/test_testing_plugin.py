@@ -126,13 +126,22 @@ def _gone(pid: int) -> bool:
     return True
 
 
-def test_marked_tests_run_grouped_in_every_process(pytester):
+def test_marked_tests_run_grouped_and_crashes_and_hangs_fail_their_groups(
+    pytester, tmp_path, monkeypatch):
+  """One pytest run of both kinds (a run of its own costs a JAX start).
+
+  test_zzz_broken.py runs last, after test_zz_other.py has counted the
+  launches of test_grouped.py.
+  """
+  monkeypatch.setenv('PIDS_DIR', str(tmp_path))
   pytester.makepyfile(test_grouped=GROUPED_TESTS,
-                      test_zz_other=OTHER_MODULE)
+                      test_zz_other=OTHER_MODULE,
+                      test_zzz_broken=BROKEN_TESTS)
   # --tb=short: the parent's --tb applies in the workers (checked below).
   result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', '-rA',
                                          '--tb=short', timeout=240)
-  result.assert_outcomes(passed=6, failed=2)
+  # Grouped: 6 passed, 2 failed; broken: 2 failed, 1 error.
+  result.assert_outcomes(passed=6, failed=4, errors=1)
   out = result.stdout.str()
   for name in ('test_runs_on_every_process', 'test_shared_folder',
                'test_collectives_still_match_afterwards'):
@@ -167,16 +176,7 @@ def test_marked_tests_run_grouped_in_every_process(pytester):
   ])
   assert 'CollectiveTimeoutError: [process=0] allgather_object' in out
   assert 'ValueError: process 1 gives up before the collective' in out
-
-
-def test_crashes_and_hangs_fail_the_group_and_leave_nothing_running(
-    pytester, tmp_path, monkeypatch):
-  monkeypatch.setenv('PIDS_DIR', str(tmp_path))
-  pytester.makepyfile(test_broken=BROKEN_TESTS)
-  result = pytester.runpytest_subprocess('-p', 'no:cacheprovider',
-                                         timeout=240)
-  result.assert_outcomes(failed=2, errors=1)
-  out = result.stdout.str()
+  # Crashes and hangs fail their groups and leave nothing running.
   result.stdout.fnmatch_lines([
       '*_ test_process_1_crashes _*',
       'multihost: this test did not complete on processes [[]0, 1[]] of 2: '

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from multihost import env as env_lib
+from _env import env_lib
 
 
 def main() -> None:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
-from jax.experimental import multihost_utils
-import numpy as np
-
-from multihost import env as env_lib
+from _env import env_lib
 
 
 def main() -> None:
   attempt = int(os.environ[env_lib.RESTART_COUNT])
   if attempt == 0 and os.environ[env_lib.PROCESS_ID] == '1':
     sys.exit(3)
+  # Only the processes that go on import JAX.
+  import jax  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
   jax.distributed.initialize()
   got = multihost_utils.process_allgather(np.array([jax.process_index()]))
   # One write per line (see tests/test_launch.py: gloo writes to fd 1 too).

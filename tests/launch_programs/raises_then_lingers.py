@@ -12,7 +12,7 @@ import pathlib
 import sys
 import time
 
-from multihost import env as env_lib
+from _env import env_lib
 
 
 def _load() -> None:

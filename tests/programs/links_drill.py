@@ -1,9 +1,10 @@
-"""The agreement over the TCP links with real controllers: argv MODE SLEEPER.
+"""The agreement over the TCP links with real controllers: argv MODE[,MODE...] SLEEPER[,SLEEPER...].
 
-First calls until every process agrees over the links (prints LINKS), then:
-mismatch (process SLEEPER passes another barrier name: ConsistencyError
-everywhere); skew (SLEEPER arrives 7.5 s late at a 6 s all-gather, then two
-more calls that must complete everywhere). Exits 0 after PASSED.
+Per MODE (and its SLEEPER), in order: prints MODE <mode>, calls until every
+process agrees over the links (prints LINKS), then: mismatch (process
+SLEEPER passes another barrier name: ConsistencyError everywhere); skew
+(SLEEPER arrives 7.5 s late at a 6 s all-gather, then two more calls that
+must complete everywhere). Exits 0 after PASSED.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from multihost import _control_links
 from multihost import _runtime
 
 
-def main() -> None:
-  mode, sleeper = sys.argv[1], int(sys.argv[2])
-  multihost.initialize(heartbeat_timeout=3)
-  import jax  # noqa: PLC0415 (after initialize)
-  me = jax.process_index()
+def drill(mode: str, sleeper: int, me: int) -> None:
+  """One MODE, once the processes agree over the links."""
+  print(f'MODE {mode}', flush=True)
   for _ in range(50):
-    multihost.sync_global_devices('setup')
+    multihost.sync_global_devices(f'setup {mode}')
     if _control_links.usable(_runtime.current()):
       break
     time.sleep(0.02)
@@ -48,6 +47,16 @@ def main() -> None:
       except multihost.CollectiveTimeoutError as e:
         print(f'STEP {i} timeout after={time.monotonic() - start:.2f} '
               f'missing={list(e.missing)} message={e}', flush=True)
+
+
+def main() -> None:
+  modes = sys.argv[1].split(',')
+  sleepers = [int(s) for s in sys.argv[2].split(',')]
+  multihost.initialize(heartbeat_timeout=3)
+  import jax  # noqa: PLC0415 (after initialize)
+  me = jax.process_index()
+  for mode, sleeper in zip(modes, sleepers, strict=True):
+    drill(mode, sleeper, me)
   print('PASSED', flush=True)
 
 

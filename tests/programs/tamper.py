@@ -1,8 +1,10 @@
 """Someone who reaches the coordination service plants or alters control messages.
 
-Usage: tamper.py MODE PLANTED_FILE, at 2 processes; process 1 plays the
-attacker (it writes keys directly, as anyone who reaches the service could),
-then every process calls allgather_object and prints what it got or raised:
+Usage: tamper.py MODE[,MODE...] PLANTED_FILE, at 2 processes; per MODE, in
+order, every process prints 'MODE <mode>', process 1 plays the attacker (it
+writes keys directly, as anyone who reaches the service could), then every
+process calls allgather_object and prints what it got or raised ('planted'
+leaves keys of later calls behind: give it last):
   planted  a key beside every process's own, holding a pickle that would
            create PLANTED_FILE if unpickled;
   altered  process 0's message replaced by garbage and that pickle;
@@ -81,19 +83,10 @@ def reflag(stored: bytes) -> bytes:
   return stored[:_MAC] + b'F' + stored[_MAC + 1:]
 
 
-def main() -> None:
-  mode, planted_file = sys.argv[1], sys.argv[2]
-  multihost.initialize()
-  import jax  # noqa: PLC0415 (after initialize)
-
-  from multihost import _control_links  # noqa: PLC0415
-  from multihost import _runtime  # noqa: PLC0415
-  # The messages attacked here are the service path's (the agreement over
-  # the links is attacked in test_control_links.py).
-  _control_links.service_only(_runtime.current())
-  me = jax.process_index()
-  evil = b'D' + pickle.dumps(Evil(planted_file))
-  multihost.sync_global_devices('start')
+def attempt(mode: str, me: int, evil: bytes) -> None:
+  """One MODE's attack and the allgather_object it targets."""
+  multihost.sync_global_devices(f'start {mode}')
+  print('MODE', mode, flush=True)
   if mode == 'moved':  # an authentic message of process 0 to move
     multihost.allgather_object({'me': me, 'round': 0})
     multihost.sync_global_devices('recorded')
@@ -119,6 +112,22 @@ def main() -> None:
     print('REFUSED:', e, flush=True)
   else:
     print('GOT', got, flush=True)
+
+
+def main() -> None:
+  modes, planted_file = sys.argv[1].split(','), sys.argv[2]
+  multihost.initialize()
+  import jax  # noqa: PLC0415 (after initialize)
+
+  from multihost import _control_links  # noqa: PLC0415
+  from multihost import _runtime  # noqa: PLC0415
+  # The messages attacked here are the service path's (the agreement over
+  # the links is attacked in test_control_links.py).
+  _control_links.service_only(_runtime.current())
+  me = jax.process_index()
+  evil = b'D' + pickle.dumps(Evil(planted_file))
+  for mode in modes:
+    attempt(mode, me, evil)
 
 
 if __name__ == '__main__':
