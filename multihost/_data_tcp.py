@@ -23,13 +23,11 @@ import numpy as np
 
 from multihost import _buffers
 from multihost import _errors
+from multihost import _leaves
 from multihost import _tcp_io
 from multihost import _tcp_link
 
 _CHUNK = 4 << 20
-# The source packs its own result in steps of this many bytes while its
-# socket is full: small enough that the peer never runs dry meanwhile.
-_PACK_STEP = 256 << 10
 # Parts smaller than this are joined before sending (see `segments`).
 _JOIN_BELOW = 64 << 10
 
@@ -72,33 +70,6 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
   return out
 
 
-class _Packer:
-  """Copies parts into one result buffer, a step (`_PACK_STEP` bytes) at a time."""
-
-  def __init__(self, parts: list[np.ndarray], length: int):
-    self.out = _buffers.take(length)
-    self.steps = self._steps(parts)
-
-  def _steps(self, parts: list[np.ndarray]):
-    offset = 0
-    for part in parts:
-      raw = part.reshape(-1).view(np.uint8)
-      for start in range(0, len(raw), _PACK_STEP):
-        piece = raw[start:start + _PACK_STEP]
-        self.out[offset + start:offset + start + len(piece)] = piece
-        yield
-      offset += len(raw)
-
-  def step(self) -> bool:
-    """One step; False once every byte is in place."""
-    return next(self.steps, False) is None
-
-  def finish(self) -> np.ndarray:
-    for _ in self.steps:
-      pass
-    return self.out
-
-
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float,
               source_result: bool = True) -> np.ndarray | None:
@@ -108,7 +79,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
   the parts themselves, on the calling thread; its own result (a packed
-  copy, made while its socket is full) is None with `source_result=False`.
+  copy, made once the bytes are out) is None with `source_result=False`.
   Receivers read straight into the result.
   """
   deadline = time.monotonic() + timeout
@@ -130,14 +101,10 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     if down is not None:
       _start(op, nxt, down, deadline)
     if rank == 0:
-      # The source's own result is packed while its socket is full (the
-      # next send would wait for the peer to read), not after the sends.
-      packer = _Packer(parts, length) if source_result else None
-      idle = packer.step if packer is not None else None
       for segment in segments(down.frame(call, length), parts):
-        _tcp_io.send_all(down.sock, segment, watch, idle)
-      if packer is not None:
-        out = packer.finish()
+        _tcp_io.send_all(down.sock, segment, watch)
+      if source_result:  # After the sends: the receivers get bytes sooner.
+        out = _leaves.pack(parts, out=_buffers.take(length))
     else:
       out = _buffers.take(length)
       view = memoryview(out)

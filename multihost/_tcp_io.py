@@ -7,7 +7,6 @@ silent, not closed) raises `ProcessFailureError` once the watchdog names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import queue
 import socket
 import threading
@@ -110,20 +109,12 @@ def recv_two(conn: socket.socket, first: memoryview, second: memoryview,
     recv_into(conn, second, watch)
 
 
-def send_all(conn: socket.socket, view, watch: tuple[str, float],
-             idle: Callable[[], bool] | None = None) -> None:
-  """Sends all of `view` in watched slices (unlike `sendall`, resumable).
-
-  `idle` (optional) is work to do while the peer drains the socket: it is
-  called after each send that filled the socket's buffer (the next one
-  would wait), does a small step, and returns False once it has no more.
-  """
+def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
   view = memoryview(view).cast('B')
   sent = 0
   while sent < len(view):
     sent += _watched(conn.send, view[sent:], watch)
-    if idle is not None and sent < len(view) and not idle():
-      idle = None
 
 
 def _watched(io, view, watch: tuple[str, float] | None) -> int:
