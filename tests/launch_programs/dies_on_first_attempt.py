@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from _env import env_lib
+from multihost import env as env_lib  # (no JAX import: names load lazily)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from _env import env_lib
+from multihost import env as env_lib  # (no JAX import: names load lazily)
 
 
 def main() -> None:

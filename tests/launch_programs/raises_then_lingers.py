@@ -12,7 +12,7 @@ import pathlib
 import sys
 import time
 
-from _env import env_lib
+from multihost import env as env_lib  # (no JAX import: names load lazily)
 
 
 def _load() -> None:
