@@ -112,10 +112,9 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
         sender.send(down.sock, down.frame(call, length))
       up = plane.conn(prev, deadline, op)
       _start(op, prev, up, deadline)
+      up.read_frame(call, length, op, prev, watch)
       if down is None:  # The end of the chain: one read into the result.
-        up.read_frame_into(call, view, op, prev, watch)
-      else:
-        up.read_frame(call, length, op, prev, watch)
+        _tcp_io.recv_into(up.sock, view, watch)
       for start in range(0, length if down is not None else 0, _CHUNK):
         chunk = view[start:start + _CHUNK]
         _tcp_io.recv_into(up.sock, chunk, watch)

@@ -8,6 +8,7 @@ silent, not closed) raises `ProcessFailureError` once the watchdog names it.
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
@@ -66,8 +67,14 @@ def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
   return bytes(buf)
 
 
-def open_at_peer(conn: socket.socket) -> bool:
-  """Whether the peer has not closed `conn` (bytes waiting count as open)."""
+def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
+  """Whether the peer has not closed `conn` (bytes waiting count as open).
+
+  `poll` (registered for `conn`'s POLLIN) makes the common case, nothing
+  to read, one call.
+  """
+  if poll is not None and not poll.poll(0):  # Neither bytes nor EOF.
+    return True
   # Python waits for a socket with a timeout to be readable before its recv,
   # whatever the flags: peek with the socket non-blocking.
   timeout = conn.gettimeout()
@@ -92,21 +99,6 @@ def recv_into(conn: socket.socket, view: memoryview,
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
-
-
-def recv_two(conn: socket.socket, first: memoryview, second: memoryview,
-             watch: tuple[str, float]) -> None:
-  """Fills `first`, then `second`, reading both with one call while both have bytes to come."""
-  got = 0
-  while got < len(first):
-    k = _watched(conn.recvmsg_into, [first[got:], second], watch)[0]
-    if k == 0:
-      raise ConnectionResetError('the peer closed the connection')
-    got += k
-  if got > len(first):
-    recv_into(conn, second[got - len(first):], watch)
-  else:
-    recv_into(conn, second, watch)
 
 
 def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:

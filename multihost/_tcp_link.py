@@ -81,7 +81,7 @@ def _frame_mac(key: bytes, head: bytes) -> bytes:
 class Link:
   """An authenticated connection: its socket and a MAC key per direction."""
 
-  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', '_poll')
+  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll')
 
   def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
     self.sock = sock
@@ -89,14 +89,8 @@ class Link:
     self.recv_key = recv_key
     self.sent = 0
     self.received = 0
-    self._poll = select.poll()
-    self._poll.register(sock, select.POLLIN)
-
-  def open_at_peer(self) -> bool:
-    """Whether the peer has not closed the connection (bytes waiting count as open)."""
-    if not self._poll.poll(0):  # Nothing to read: neither bytes nor EOF.
-      return True
-    return _tcp_io.open_at_peer(self.sock)
+    self.poll = select.poll()  # for `_tcp_io.open_at_peer`
+    self.poll.register(sock, select.POLLIN)
 
   def frame(self, call: int, length: int) -> bytes:
     """The next frame header to send (the caller sends frames in this order)."""
@@ -111,19 +105,6 @@ class Link:
                      peer)
     if got != (call, length):
       raise _diagnostics.out_of_step(op, peer, got, (call, length))
-
-  def read_frame_into(self, call: int, view: memoryview, op: str, peer: int,
-                      watch: tuple[str, float]) -> None:
-    """Reads the next frame header and its `len(view)` bytes of data into `view`.
-
-    One read for both where the socket holds them; raises unless the header
-    is authentic and announces `call` with exactly that many bytes.
-    """
-    head = bytearray(_FRAME_SIZE)
-    _tcp_io.recv_two(self.sock, memoryview(head), view, watch)
-    got = self.check(bytes(head), op, peer)
-    if got != (call, len(view)):
-      raise _diagnostics.out_of_step(op, peer, got, (call, len(view)))
 
   def check(self, got: bytes, op: str, peer: int) -> tuple[int, int]:
     """(call, length) of the frame header `got`, the next due; raises unless authentic and in order."""
@@ -316,7 +297,7 @@ class Plane:
     with self.lock:
       link = self.conns.get(peer)
       if link is not None:
-        if link.open_at_peer():
+        if _tcp_io.open_at_peer(link.sock, link.poll):
           return link
         del self.conns[peer]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
