@@ -27,7 +27,7 @@ Modules _*.py are private.
   data transports: _data_tcp _data_device
   tcp links: _tcp_link
   tcp credentials: _tcp_auth
-  tcp socket I/O, job secret: _tcp_io _secret
+  tcp socket I/O, errors, job secret: _tcp_io _tcp_errors _secret
   watched calls: _blocking
   liveness: _watchdog
   exit handshake: _exit

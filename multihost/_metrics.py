@@ -72,6 +72,7 @@ def _finish(flight, op: str, begun: int, start: float, size: int,
     if record.done is None:  # Not an inner collective's (already done).
       record.done = done
       if error and record.error is None:  # `Recorder.fail` may have named it.
+        record.failed_at = done  # before `error`: see `Recorder.fail`
         record.error = error
       if first:  # The payload is the collective's own meeting's.
         record.nbytes = size

@@ -37,12 +37,14 @@ from multihost import _errors
 from multihost import _runtime
 from multihost import _secret
 from multihost import _tcp_auth
+from multihost import _tcp_errors
 from multihost import _tcp_io
 from multihost import _watchdog
 
 ADDRESS_KEY = _tcp_auth.ADDRESS_KEY
 address_record = _tcp_auth.address_record
 read_address = _tcp_auth.read_address
+peer_error = _tcp_errors.peer_error
 
 # Handshake (the lower index connects): hello = magic, connector, acceptor,
 # connector's nonce; the acceptor answers its nonce and its proof; the
@@ -254,7 +256,7 @@ class Plane:
         # Cut during the handshake (e.g. as the oldest pending one while
         # strangers crowd the port): try again while there is time.
         if time.monotonic() + _RETRY_S >= deadline:
-          raise _unreachable(op, peer, f'{host}:{port}', e) from e
+          raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
         time.sleep(_RETRY_S)
 
   def _connect_once(self, peer: int, host: str, port: int, deadline: float,
@@ -266,7 +268,7 @@ class Plane:
     except (ConnectionResetError, BrokenPipeError):
       raise
     except OSError as e:
-      raise _unreachable(op, peer, f'{host}:{port}', e) from e
+      raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
     try:
       nonce = secrets.token_bytes(_NONCE)
       conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
@@ -304,23 +306,23 @@ class Plane:
     if self.me < peer:
       # One connector at a time (the agreement's link setup runs on a thread
       # of its own): a second connection would replace the first.
-      with self.connecting:
-        with self.lock:
-          link = self.conns.get(peer)
-        if link is not None:
+      # Errors are named after the lock is released (`Unreachable`).
+      try:
+        with self.connecting:
+          with self.lock:
+            link = self.conns.get(peer)
+          if link is None:
+            link = self._connect(
+                peer, max(deadline - time.monotonic(), 0.001), op)
+            with self.lock:
+              self.conns[peer] = link
           return link
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-          link = self._connect(peer, remaining, op)
-        except _errors.MultihostError:
-          raise
-        except (OSError, TimeoutError) as e:
-          raise peer_error(op, peer, e) from e
-        except Exception as e:  # noqa: BLE001
-          raise peer_error(op, peer, e, waiting=True) from e
-        with self.lock:
-          self.conns[peer] = link
-        return link
+      except _errors.MultihostError:
+        raise
+      except (OSError, TimeoutError, _tcp_errors.Unreachable) as e:
+        raise peer_error(op, peer, e) from e
+      except Exception as e:  # noqa: BLE001
+        raise peer_error(op, peer, e, waiting=True) from e
     with self.lock:
       while peer not in self.conns:
         remaining = deadline - time.monotonic()
@@ -371,30 +373,3 @@ def close_plane(plane: Plane) -> None:
   except OSError:
     pass
   _tcp_io.close(plane.listener)
-
-
-def _unreachable(op: str, peer: int, address: str,
-                 error: OSError) -> _errors.MultihostError:
-  """A named error for a connection to `peer` that could not be opened."""
-  if isinstance(error, (socket.timeout, TimeoutError)):
-    return _diagnostics.connect_timeout(op, peer, address)
-  dead = list(_watchdog.of().failed_within_bound())
-  if dead:  # refused because the peer is gone
-    return _diagnostics.connection_failure(op, peer, error, dead)
-  return _diagnostics.cannot_connect(op, peer, address, error)
-
-
-def peer_error(op: str, peer: int, error: BaseException,
-                waiting: bool = False) -> _errors.MultihostError:
-  """A named error for a failed transfer with `peer`."""
-  if isinstance(error, _errors.MultihostError):
-    return error
-  if isinstance(error, (socket.timeout, TimeoutError)) or waiting:
-    return _diagnostics.transfer_timeout(op, peer,
-                                         'to send or receive its part')
-  # The watchdog names the dead process within its bound; wait for it.
-  watchdog = _watchdog.of()
-  dead = list(watchdog.failed_within_bound())
-  if not dead and watchdog.running:  # every process is alive
-    return _diagnostics.connection_cut(op, peer, error)
-  return _diagnostics.connection_failure(op, peer, error, dead or [peer])

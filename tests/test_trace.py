@@ -133,6 +133,19 @@ def test_the_ring_is_bounded_and_its_size_configurable(monkeypatch):
     _flight.Recorder()
 
 
+def test_a_call_that_raised_after_its_meeting_says_when():
+  # E.g. a broadcast whose processes met, then whose transfer failed: the
+  # where-responder reads `failed_at` of a call marked as raised.
+  recorder = _flight.Recorder()
+  record = recorder.begin('broadcast_one_to_all', 1, 10.0)
+  _flight.Recorder.end(record)
+  _metrics._finish(recorder, 'broadcast_one_to_all', 0, 10.0, 0,
+                   'CollectiveTimeoutError')
+  failed = recorder.last_failed()
+  assert failed is record and failed.error == 'CollectiveTimeoutError'
+  assert failed.failed_at is not None and failed.failed_at >= record.end
+
+
 # --- Metrics -----------------------------------------------------------------
 
 @pytest.fixture
