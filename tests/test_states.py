@@ -181,7 +181,8 @@ def _launch(mode: str, out: pathlib.Path, directory: pathlib.Path, *,
 @pytest.fixture(scope='module')
 def two_by_two(tmp_path_factory):
   """Every kind at 2 processes x 2 devices: an uninterrupted run to step 8;
-  a run stopped at step 4 (its checkpoint copied to `saved`), resumed."""
+  a run stopped at STOP_AT, mid-epoch (its checkpoint copied to `saved`),
+  resumed."""
   tmp = tmp_path_factory.mktemp('states2x2')
   out = _launch('fresh', tmp / 'out.json', tmp / 'ckpt', num_processes=2,
                 devices_per_process=2)
