@@ -89,8 +89,9 @@ def test_a_timeout_on_process_0_ends_the_launch_without_its_stuck_peer():
   took = time.monotonic() - start
   out = proc.stdout + proc.stderr
   assert proc.returncode != 0, out[-4000:]
-  # 5 s of timeout and startup, not 40 s of process 1's sleep.
-  assert took < 15, (took, out[-4000:])
+  # 5 s of timeout and startup, not 40 s of process 1's sleep (startup alone
+  # took over 10 s once, on a loaded machine).
+  assert took < 30, (took, out[-4000:])
   assert 'CollectiveTimeoutError' in out, out[-4000:]
   assert re.search(r'\[p0\] .*<- failed first', out), out[-4000:]
   assert re.search(r'leaving without waiting for process\(es\) \[1\]', out), (
