@@ -30,6 +30,16 @@ def program(name: str, *args: object) -> list[str]:
   return [sys.executable, str(path), *(str(a) for a in args)]
 
 
+def mode_parts(outputs: Iterable[str], mode: str) -> list[str]:
+  """Each output's part after its one 'MODE <mode>' line (a program that runs several modes in turn)."""
+  parts = []
+  for out in outputs:
+    mine = [p for p in out.split('MODE ')[1:] if p.startswith(mode + '\n')]
+    assert len(mine) == 1, (mode, out[-3000:])
+    parts.append(mine[0])
+  return parts
+
+
 def alive(pid: int) -> bool:
   """Whether `pid` runs (a zombie, or no such process, counts as gone)."""
   try:

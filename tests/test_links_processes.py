@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from _helpers import mode_parts
 from _helpers import program
 import pytest
 
@@ -30,13 +31,11 @@ def _drilled():
 def _run(result, mode):
   """Every process's output of MODE's part, after checking the run."""
   assert result.ok, result.summary
-  parts = []
   for out in result.outputs:
     assert 'PASSED' in out, out[-3000:]
-    mine = [p for p in out.split('MODE ')[1:] if p.startswith(mode + '\n')]
-    assert len(mine) == 1, (mode, out[-3000:])
-    assert 'LINKS True' in mine[0], mine[0][-3000:]
-    parts.append(mine[0])
+  parts = mode_parts(result.outputs, mode)
+  for part in parts:
+    assert 'LINKS True' in part, part[-3000:]
   return parts
 
 

@@ -8,6 +8,7 @@ import sys
 
 from _helpers import clean_env
 from _helpers import kill_alive
+from _helpers import mode_parts
 from _helpers import program
 from _helpers import read_pids
 from _helpers import stop
@@ -95,13 +96,7 @@ def _tamper(tampered, mode):
   result, planted = tampered
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert not planted.exists(), 'the planted pickle ran'
-  outs = []
-  for out in result.outputs:
-    parts = out.split('MODE ')
-    mine = [p for p in parts[1:] if p.startswith(mode + '\n')]
-    assert len(mine) == 1, (mode, out)
-    outs.append(mine[0])
-  return outs
+  return mode_parts(result.outputs, mode)
 
 
 def test_a_planted_key_is_refused_and_never_unpickled(_tampered):
