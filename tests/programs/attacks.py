@@ -52,6 +52,14 @@ def recv_all(s: socket.socket) -> bytes:
     out += k
 
 
+def listen_drops() -> int:
+  """SYNs the kernel dropped at full listen queues (this network namespace)."""
+  with open('/proc/net/netstat') as f:
+    names, values = [line.split() for line in f
+                     if line.startswith('TcpExt:')][:2]
+  return int(values[names.index('ListenDrops')])
+
+
 def flip(data: bytes, at: int) -> bytes:
   return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
 
@@ -120,15 +128,21 @@ def attack(target: tuple[str, int]) -> list[socket.socket]:
   through the collectives that follow (they must not hold the listener up).
   """
   slow = []
+  drops = listen_drops()
   for _ in range(300):  # a port scan: connect and close
     start = time.monotonic()
     socket.create_connection(target, timeout=20).close()
     if time.monotonic() - start > 0.9:
       slow.append(round(time.monotonic() - start, 2))
+  drops = listen_drops() - drops
   # A SYN dropped by a full accept queue is sent again after 1 s: the
-  # listener kept up with the scan only if connects did not wait that long
-  # (one such wait is allowed: a descheduled scanner on 2 cores).
-  assert len(slow) <= 1, f'scan connects took {slow} s'
+  # listener kept up with the scan only if connects did not wait that long.
+  # One such wait is allowed, and more only where the kernel dropped no SYN
+  # at a full listen queue meanwhile: then a loaded machine descheduled the
+  # scanner, and the listener is not why it waited.
+  assert len(slow) <= 1 or drops == 0, (
+      f'scan connects took {slow} s; {drops} SYN(s) dropped at full listen '
+      'queues meanwhile')
   http = socket.create_connection(target, timeout=20)
   http.sendall(b'GET / HTTP/1.0\r\n\r\n')
   silent = socket.create_connection(target, timeout=20)  # never speaks
