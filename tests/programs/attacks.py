@@ -128,13 +128,13 @@ def attack(target: tuple[str, int]) -> list[socket.socket]:
   through the collectives that follow (they must not hold the listener up).
   """
   slow = []
-  drops = listen_drops()
+  dropped_before = listen_drops()
   for _ in range(300):  # a port scan: connect and close
     start = time.monotonic()
     socket.create_connection(target, timeout=20).close()
     if time.monotonic() - start > 0.9:
       slow.append(round(time.monotonic() - start, 2))
-  drops = listen_drops() - drops
+  drops = listen_drops() - dropped_before
   # A SYN dropped by a full accept queue is sent again after 1 s: the
   # listener kept up with the scan only if connects did not wait that long.
   # One such wait is allowed, and more only where the kernel dropped no SYN
