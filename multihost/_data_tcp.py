@@ -23,10 +23,11 @@ import numpy as np
 
 from multihost import _buffers
 from multihost import _errors
-from multihost import _leaves
 from multihost import _tcp_io
 from multihost import _tcp_link
 
+# What a process in the middle of the chain receives before forwarding it,
+# and what the source sends before copying it into its own result.
 _CHUNK = 4 << 20
 # Parts smaller than this are joined before sending (see `segments`).
 _JOIN_BELOW = 64 << 10
@@ -70,6 +71,29 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
   return out
 
 
+def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
+                   out: np.ndarray | None, watch: tuple[str, float]) -> None:
+  """Sends `segments_` down the chain; with `out`, copies the payload there too.
+
+  The copy goes piece by piece right after each piece is sent, while the
+  piece is still in the CPU's cache and the socket buffers keep the next
+  process reading: a copy after the whole send would read the leaves from
+  memory again and delay the source's return by all of it. The first
+  `skip` bytes are the frame header, not payload.
+  """
+  offset = 0
+  for segment in segments_:
+    view = memoryview(segment).cast('B')
+    for start in range(0, len(view), _CHUNK):
+      piece = view[start:start + _CHUNK]
+      _tcp_io.send_all(down.sock, piece, watch)
+      if out is not None:
+        body = piece[skip:]
+        skip = max(skip - len(piece), 0)
+        out[offset:offset + len(body)] = np.frombuffer(body, np.uint8)
+        offset += len(body)
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float,
               source_result: bool = True) -> np.ndarray | None:
@@ -79,7 +103,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
   the parts themselves, on the calling thread; its own result (a packed
-  copy, made once the bytes are out) is None with `source_result=False`.
+  copy, made piece by piece behind the sends) is None with
+  `source_result=False`.
   Receivers read straight into the result.
   """
   deadline = time.monotonic() + timeout
@@ -101,10 +126,9 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     if down is not None:
       _start(op, nxt, down, deadline)
     if rank == 0:
-      for segment in segments(down.frame(call, length), parts):
-        _tcp_io.send_all(down.sock, segment, watch)
-      if source_result:  # After the sends: the receivers get bytes sooner.
-        out = _leaves.pack(parts, out=_buffers.take(length))
+      out = _buffers.take(length) if source_result else None
+      head = down.frame(call, length)
+      _send_and_copy(down, segments(head, parts), len(head), out, watch)
     else:
       out = _buffers.take(length)
       view = memoryview(out)
