@@ -11,9 +11,12 @@ a buffer goes back to the pool when the last array (or view) of it is gone,
 and the next call of that size writes into pages already mapped.
 
 Nothing grows: the pool keeps at most `MULTIHOST_RESULT_POOL_MIB` (default
-256) of idle buffers, dropping the least recently returned first, and only
-buffers of at least `_SMALLEST` bytes (smaller ones come from malloc's heap,
-which keeps its pages). Set it to 0 for plain `np.empty`.
+512) of idle buffers, and only buffers of at least `_SMALLEST` bytes
+(smaller ones come from malloc's heap, which keeps its pages). Set it to 0
+for plain `np.empty`. Over the limit, the largest idle buffer goes first
+(of equal ones, the least recently returned): a job whose results do not
+all fit keeps the most of them, and one large result (an all-gather of P
+large blocks, say) does not push out the buffers of every smaller call.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class Pool:
   def limit(self) -> int:
     if self._limit is None:
       self._limit = int(env_lib.number(
-          env_lib.RESULT_POOL_MIB, 256, unit='MiB', example='64',
+          env_lib.RESULT_POOL_MIB, 512, unit='MiB', example='64',
           zero_ok=True) * (1 << 20))
     return self._limit
 
@@ -77,9 +80,14 @@ class Pool:
       self.idle[id(memory)] = memory
       self.idle_bytes += len(memory)
       while self.idle_bytes > self.limit:
-        _, dropped = self.idle.popitem(last=False)
+        # max() keeps the first of equal sizes: the least recently returned.
+        largest = max(self.idle, key=lambda key: len(self.idle[key]))
+        dropped = self.idle.pop(largest)
         self.idle_bytes -= len(dropped)
-        dropped.close()
+        if dropped is not memory:
+          dropped.close()
+        # else: the array being finalized still exports `memory`, which
+        # is unmapped once that last reference goes.
 
   def idle_sizes(self) -> list[int]:
     """The idle buffers' sizes, least recently returned first."""

@@ -53,7 +53,7 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
 # Idle result buffers (MiB) each process keeps for the next large collective
-# (default 256; 0: none); see `multihost._buffers`.
+# (default 512; 0: none); see `multihost._buffers`.
 RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
 
 # Calls (and events) each process's flight recorder keeps (default 64); see

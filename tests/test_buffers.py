@@ -10,6 +10,10 @@ from multihost import env as env_lib
 
 MIB = 1 << 20
 
+# A finalizer that raises (a buffer closed while still exported) fails the test.
+pytestmark = pytest.mark.filterwarnings(
+    "error::pytest.PytestUnraisableExceptionWarning")
+
 
 def _address(array: np.ndarray) -> int:
   return array.__array_interface__['data'][0]
@@ -37,18 +41,45 @@ def test_memory_is_used_again_only_after_the_last_view_is_gone():
       third.shape == (MIB,))
 
 
-def test_the_pool_keeps_at_most_its_limit_dropping_the_oldest_first():
-  pool = _buffers.Pool(3 * MIB)
-  arrays = [pool.take(n * MIB) for n in (1, 2, 1)]
+def test_the_pool_keeps_at_most_its_limit_dropping_the_largest_first():
+  pool = _buffers.Pool(4 * MIB)
+  arrays = [pool.take(n * MIB) for n in (1, 1, 2, 1)]
   del arrays[0]  # 1 MiB idle
-  del arrays[0]  # 3 MiB idle
-  assert pool.idle_sizes() == [MIB, 2 * MIB]
-  del arrays[0]  # 4 MiB would be idle: the oldest (1 MiB) goes
-  assert pool.idle_sizes() == [2 * MIB, MIB]
+  del arrays[0]  # 2 MiB idle
+  del arrays[0]  # 4 MiB idle
+  assert pool.idle_sizes() == [MIB, MIB, 2 * MIB]
+  del arrays[0]  # 5 MiB would be idle: the largest (2 MiB) goes
+  assert pool.idle_sizes() == [MIB, MIB, MIB]
   assert pool.idle_bytes <= pool.limit
+  # A result larger than every idle buffer is the one dropped.
+  big = pool.take(2 * MIB)
+  del big
+  assert pool.idle_sizes() == [MIB, MIB, MIB]
   # A size with no idle buffer of its own gets new memory; those stay idle.
   odd = pool.take(MIB + 1)
-  assert len(odd) == MIB + 1 and pool.idle_sizes() == [2 * MIB, MIB]
+  assert len(odd) == MIB + 1 and pool.idle_sizes() == [MIB, MIB, MIB]
+
+
+def test_of_equal_sizes_the_least_recently_returned_goes():
+  pool = _buffers.Pool(3 * MIB)
+  arrays = [pool.take(MIB) for _ in range(4)]
+  addresses = [_address(a) for a in arrays]
+  for _ in range(4):  # returned in order 0, 1, 2, 3: buffer 0 goes
+    del arrays[0]
+  again = [pool.take(MIB) for _ in range(3)]
+  assert sorted(_address(a) for a in again) == sorted(addresses[1:])
+
+
+def test_one_large_result_does_not_push_out_the_smaller_calls_buffers():
+  # As an all-gather of 4 x 64 MiB beside broadcasts of 1 MiB and 64 MiB,
+  # at a fifth of the scale: the working set (1 + 12 + 48 MiB) is over the
+  # limit, and the large result is the one that is not kept.
+  pool = _buffers.Pool(24 * MIB)
+  for _ in range(3):
+    for n in (1, 12, 48):
+      result = pool.take(n * MIB)
+      del result
+  assert sorted(pool.idle_sizes()) == [MIB, 12 * MIB]
 
 
 def test_small_or_too_large_or_disabled_results_are_plain_arrays(monkeypatch):
