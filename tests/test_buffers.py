@@ -71,10 +71,11 @@ def test_of_equal_sizes_the_least_recently_returned_goes():
 
 
 def test_one_large_result_does_not_push_out_the_smaller_calls_buffers():
-  # As an all-gather of 4 x 64 MiB beside broadcasts of 1 MiB and 64 MiB,
-  # at a fifth of the scale: the working set (1 + 12 + 48 MiB) is over the
-  # limit, and the large result is the one that is not kept.
-  pool = _buffers.Pool(24 * MIB)
+  # Broadcasts of 1 and 12 MiB beside an all-gather whose result is as
+  # large as the whole pool (as 4 x 64 MiB at P=4 in a 256 MiB pool): the
+  # working set (61 MiB) is over the limit, and the large result is the one
+  # that is not kept (oldest first kept only it, and every call faulted).
+  pool = _buffers.Pool(48 * MIB)
   for _ in range(3):
     for n in (1, 12, 48):
       result = pool.take(n * MIB)
