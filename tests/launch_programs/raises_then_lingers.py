@@ -1,4 +1,4 @@
-"""Process 1 prints a line, then exits 1 after 3 s; process 0 raises once that line is out, then lingers at exit for 8 s.
+"""Process 1 prints a line, then exits 1 after 3 s; process 0 raises 1 s after that line is out, then lingers at exit for 8 s.
 
 $READY_FILE is the file process 1 creates after its line, so process 0
 raises while process 1 is running with that line printed.
@@ -25,6 +25,10 @@ def main() -> None:
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:
       time.sleep(0.05)
+    # The launcher stamps each line when its reader thread reads it: give
+    # process 1's line time to be read before this traceback is, or the
+    # summary may rightly say process 1 had printed nothing yet.
+    time.sleep(1)
     # Runs after the traceback is printed, like an exit handshake that
     # waits for a peer.
     atexit.register(time.sleep, 8)
