@@ -158,19 +158,17 @@ def finish(value: np.ndarray, spec: LeafSpec):
 
 
 def pack(values: list[np.ndarray], pad_to: int = 0, *,
-         copy: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+         copy: bool = True) -> np.ndarray:
   """Concatenates the raw bytes of `values` into one uint8 array.
 
   With `pad_to`, the array is zero-padded to at least that many bytes (so a
   device transfer can use it without another copy). With copy=False, a
   single value is returned as a byte view of itself (read it, don't keep it).
-  With `out` (a uint8 array of exactly that many bytes), the bytes go there.
   """
   total = sum(v.nbytes for v in values)
   if not copy and len(values) == 1 and pad_to <= total:
     return values[0].reshape(-1).view(np.uint8)
-  if out is None:
-    out = np.empty(max(total, pad_to), np.uint8)
+  out = np.empty(max(total, pad_to), np.uint8)
   out[total:] = 0
   offset = 0
   for v in values:
