@@ -178,10 +178,15 @@ def main() -> None:
   big = np.arange(1 << 20, dtype=np.float32) + 1000 * me  # 4 MiB
   want = [np.arange(1 << 20, dtype=np.float32) + 1000 * p for p in range(3)]
   multihost.broadcast_one_to_all(big)
+  # Process 1 reads process 2's real address before process 2 points the
+  # others at its proxy (which accepts one connection: a scan of it would
+  # fill its backlog and time out).
+  target = address(2) if me == 1 and mode == 'attack' else None
+  multihost.sync_global_devices('address read')
 
   kept_open = []
-  if me == 1 and mode == 'attack':
-    kept_open = attack(address(2))
+  if target is not None:
+    kept_open = attack(target)
 
   proxy = None
   if me == 2:
