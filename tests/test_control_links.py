@@ -48,12 +48,17 @@ def job(request):
   """(service, runtimes) of `request.param` processes (3 by default), links set up."""
   count = getattr(request, 'param', 3)
   service, rts = _started(count)
-  for _ in range(20):  # through the service, until every process switched
+  # Through the service until every process switched: bounded by the links'
+  # setup time, not a number of calls (each takes about a millisecond, the
+  # setup thread's connections 4-9 calls here, and more on a loaded machine).
+  deadline = time.monotonic() + _control_links.SETUP_S
+  while time.monotonic() < deadline:
     first = fake.run(rts, _sync)
     assert [out for out, _ in first] == [
         _control_agree.Agreement(True)] * count
     if any(_control_links.usable(rt) for rt in rts):
       break
+    time.sleep(0.001)
   assert all(_control_links.usable(rt) for rt in rts)  # all in one call
   yield service, rts
   for rt in rts:
@@ -232,10 +237,15 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
                                                 time.monotonic() + 5))
     rts[1].plane.listener.shutdown(socket.SHUT_RDWR)  # refuses connections
     rts[1].plane.listener.close()
-    for _ in range(8):
+    deadline = time.monotonic() + _control_links.SETUP_S
+    while time.monotonic() < deadline and not all(
+        rt.plane.refused for rt in rts):
       results = fake.run(rts, _sync)
       assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
-      time.sleep(0.05)
+      time.sleep(0.01)
+    for _ in range(3):  # and they stay there
+      results = fake.run(rts, _sync)
+      assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
     assert [rt.plane.refused for rt in rts] == [True, True]
     assert not any(_control_links.usable(rt) for rt in rts)
   finally:
