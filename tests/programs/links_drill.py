@@ -22,7 +22,10 @@ from multihost import _runtime
 def drill(mode: str, sleeper: int, me: int) -> None:
   """One MODE, once the processes agree over the links."""
   print(f'MODE {mode}', flush=True)
-  for _ in range(50):
+  # Until the links are set up (every process switches in the same call).
+  # The bound is a number of calls, the same on every process, so all stop
+  # calling together; at 20 ms apart it outlasts the setup time (30 s).
+  for _ in range(int(_control_links.SETUP_S / 0.02)):
     multihost.sync_global_devices(f'setup {mode}')
     if _control_links.usable(_runtime.current()):
       break
