@@ -50,7 +50,7 @@ def job(request):
   service, rts = _started(count)
   # Through the service until every process switched: bounded by the links'
   # setup time, not a number of calls (each takes about a millisecond, the
-  # setup thread's connections 4-9 calls here, and more on a loaded machine).
+  # setup thread's connections 2-9 calls here, and more on a loaded machine).
   deadline = time.monotonic() + _control_links.SETUP_S
   while time.monotonic() < deadline:
     first = fake.run(rts, _sync)
