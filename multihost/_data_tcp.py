@@ -17,6 +17,7 @@ here at once.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -31,6 +32,10 @@ from multihost import _tcp_link
 _CHUNK = 4 << 20
 # Parts smaller than this are joined before sending (see `segments`).
 _JOIN_BELOW = 64 << 10
+# Broadcasts of at least this many bytes are cut into one stripe per lane
+# (`stripes`), stripes aligned to this many bytes.
+STRIPE_BYTES = 4 << 20
+_ALIGN = 4096
 
 
 def _failed(plane: _tcp_link.Plane,
@@ -94,53 +99,122 @@ def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
         offset += len(body)
 
 
+def stripes(length: int, lanes: int) -> list[tuple[int, int]]:
+  """The byte ranges a broadcast of `length` bytes sends on each lane (one unless large)."""
+  if lanes <= 1 or length < STRIPE_BYTES:
+    return [(0, length)]
+  step = -(-length // lanes)
+  step = -(-step // _ALIGN) * _ALIGN
+  return [(a, min(a + step, length)) for a in range(0, length, step)]
+
+
+def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
+  """Views of bytes [start, stop) of the concatenation of `views`."""
+  out, at = [], 0
+  for view in views:
+    lo, hi = max(start - at, 0), min(stop - at, len(view))
+    if lo < hi:
+      out.append(view[lo:hi])
+    at += len(view)
+  return out
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float,
               source_result: bool = True) -> np.ndarray | None:
-  """Returns the source's `length` bytes on every process (a pipelined chain).
+  """Returns the source's `length` bytes on every process (a pipelined chain per lane).
 
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
-  the parts themselves, on the calling thread; its own result (a packed
-  copy, made piece by piece behind the sends) is None with
-  `source_result=False`.
-  Receivers read straight into the result.
+  the parts themselves; its own result (a packed copy, made piece by piece
+  behind the sends) is None with `source_result=False`. Receivers read
+  straight into the result.
+
+  A payload of `STRIPE_BYTES` or more is cut into one stripe per lane
+  (`Plane.lanes` connections per pair of processes), each moving down its
+  own chain at once: the first on the calling thread, the others on the
+  plane's lane threads. One TCP stream is limited by the one core that
+  copies its bytes in and out of the kernel; two keep two cores copying
+  (bench/README.md).
   """
   deadline = time.monotonic() + timeout
   plane = _tcp_link.get_plane(op, deadline)
-  me, count = plane.me, plane.count
   call = plane.seq
+  rank = (plane.me - source) % plane.count
+  out = _buffers.take(length) if rank > 0 or source_result else None
+  ranges = stripes(length, plane.lanes)
+  if rank > 0:
+    pieces = [None] * len(ranges)
+  elif len(ranges) == 1:
+    pieces = [parts]
+  else:
+    views = [memoryview(s).cast('B') for s in segments(b'', parts)]
+    pieces = [_cut(views, a, b) for a, b in ranges]
+  jobs = [plane.lane_threads[lane - 1].run(functools.partial(
+      _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
+      deadline, True)) for lane in range(1, len(ranges))]
+  error = None
+  try:
+    _chain(plane, 0, call, source, ranges[0], pieces[0], out, op, deadline,
+           len(ranges) > 1)
+  except _errors.MultihostError as e:
+    error = e  # The links are closed: the other lanes end within a slice.
+  for job in jobs:
+    failed = job.wait(deadline + 2 * _tcp_io.SLICE_S)
+    error = error or failed
+  if error is not None:
+    if not isinstance(error, _errors.MultihostError):
+      raise _failed(plane, None, op, source, error) from error
+    raise error
+  return out
+
+
+def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
+           stripe: tuple[int, int], piece: list | None,
+           out: np.ndarray | None, op: str, deadline: float,
+           striped: bool) -> None:
+  """Moves bytes `stripe` of the payload down the chain on `lane`.
+
+  The source sends `piece` (its parts when the payload is one stripe, else
+  views of its bytes of the stripe, `striped`); every other process reads into
+  `out[start:stop]` and forwards down the chain.
+  """
+  me, count = plane.me, plane.count
+  start, stop = stripe
+  n = stop - start
   rank = (me - source) % count
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
   watch = (op, deadline)
-  # The source sends on this thread (it has no reads to keep going
-  # meanwhile); a process in the middle of the chain forwards on a sender.
-  sender = (_tcp_io.sender(watch, length, plane.sends)
-            if nxt is not None and rank > 0 else None)
+  # The source sends on its thread (it has no reads to keep going
+  # meanwhile); a process in the middle of the chain forwards on a sender
+  # (lane 0) or on its lane's thread between reads (the others).
+  sender = None
+  if nxt is not None and rank > 0:
+    sender = (_tcp_io.sender(watch, n, plane.sends) if lane == 0
+              else _tcp_io.DirectSender(watch))
   peer = nxt if rank == 0 else prev
-  out = None
+  target = None if out is None else out[start:stop]
   try:
-    down = plane.conn(nxt, deadline, op) if nxt is not None else None
+    down = plane.conn(nxt, deadline, op, lane) if nxt is not None else None
     if down is not None:
       _start(op, nxt, down, deadline)
     if rank == 0:
-      out = _buffers.take(length) if source_result else None
-      head = down.frame(call, length)
-      _send_and_copy(down, segments(head, parts), len(head), out, watch)
+      head = down.frame(call, n)
+      segments_ = [head, *piece] if striped else segments(head, piece)
+      _send_and_copy(down, segments_, len(head), target, watch)
     else:
-      out = _buffers.take(length)
-      view = memoryview(out)
+      view = memoryview(target)
       if down is not None:
-        sender.send(down.sock, down.frame(call, length))
-      up = plane.conn(prev, deadline, op)
+        sender.send(down.sock, down.frame(call, n))
+      up = plane.conn(prev, deadline, op, lane)
       _start(op, prev, up, deadline)
-      up.read_frame(call, length, op, prev, watch)
+      up.read_frame(call, n, op, prev, watch)
       if down is None:  # The end of the chain: one read into the result.
         _tcp_io.recv_into(up.sock, view, watch)
-      for start in range(0, length if down is not None else 0, _CHUNK):
-        chunk = view[start:start + _CHUNK]
+      for at in range(0, n if down is not None else 0, _CHUNK):
+        chunk = view[at:at + _CHUNK]
         _tcp_io.recv_into(up.sock, chunk, watch)
         sender.send(down.sock, chunk)
     if sender is not None:
@@ -149,7 +223,6 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
       done.close(deadline)
   except (OSError, TimeoutError, _errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
-  return out
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,

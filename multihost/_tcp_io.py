@@ -1,4 +1,4 @@
-"""Data plane: socket I/O of the TCP transport (exact reads, resumable sends, watched slices, background senders).
+"""Data plane: socket I/O of the TCP transport (exact reads, resumable sends, watched slices, background senders and lanes).
 
 Every socket wait of a transfer is sliced (`SLICE_S`): between slices the
 failure watchdog is checked, so a peer cut off or frozen (its socket
@@ -160,6 +160,53 @@ class SendThread:
 
   def stop(self) -> None:
     self.jobs.put((None, None, None))
+
+
+class Lane:
+  """One thread that runs a plane's transfers on one extra lane, a job at a time (not a thread per call)."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self.thread: threading.Thread | None = None
+
+  def run(self, fn) -> Job:
+    """Runs `fn()` on this lane's thread (started on first use)."""
+    if self.thread is None or not self.thread.is_alive():
+      self.thread = threading.Thread(target=self._run, daemon=True,
+                                     name=self.name)
+      self.thread.start()
+    job = Job()
+    self.jobs.put((fn, job))
+    return job
+
+  def _run(self) -> None:
+    while True:
+      fn, job = self.jobs.get()
+      if fn is None:
+        return
+      try:
+        fn()
+      except BaseException as e:  # noqa: BLE001  Handed to the caller.
+        job.error = e
+      job.done.set()
+
+  def stop(self) -> None:
+    self.jobs.put((None, None))
+
+
+class Job:
+  """A job on a `Lane`: set when it ended, with what it raised."""
+
+  def __init__(self):
+    self.done = threading.Event()
+    self.error: BaseException | None = None
+
+  def wait(self, deadline: float) -> BaseException | None:
+    """What the job raised (None when it returned), or TimeoutError at `deadline`."""
+    if not self.done.wait(max(deadline - time.monotonic(), 0.001)):
+      return TimeoutError('a lane of the transfer did not finish in time')
+    return self.error
 
 
 class Sender:

@@ -40,6 +40,7 @@ from multihost import _tcp_auth
 from multihost import _tcp_errors
 from multihost import _tcp_io
 from multihost import _watchdog
+from multihost import env as _env
 
 ADDRESS_KEY = _tcp_auth.ADDRESS_KEY
 address_record = _tcp_auth.address_record
@@ -47,11 +48,17 @@ read_address = _tcp_auth.read_address
 peer_error = _tcp_errors.peer_error
 
 # Handshake (the lower index connects): hello = magic, connector, acceptor,
-# connector's nonce; the acceptor answers its nonce and its proof; the
-# connector answers its proof; the acceptor answers one byte (accepted).
-_HELLO = struct.Struct('<4sII16s')
+# lane, connector's nonce; the acceptor answers its nonce and its proof; the
+# connector answers its proof; the acceptor answers one byte (accepted). The
+# lane is bound into both proofs and the frame keys (see `_nonces`), so a
+# relay cannot swap two lanes' connections.
+_HELLO = struct.Struct('<4sIIB16s')
 
-_MAGIC = b'MHT2'
+_MAGIC = b'MHT3'
+
+# Links per pair of processes: lane 0 carries the agreement and every
+# transfer; large broadcasts also stripe over the others (`_data_tcp`).
+MAX_LANES = 8
 
 _NONCE = 16
 
@@ -78,6 +85,16 @@ _FRAME_SIZE = _FRAME.size + _MAC
 
 def _frame_mac(key: bytes, head: bytes) -> bytes:
   return hashlib.blake2b(head, key=key, digest_size=_MAC).digest()
+
+
+def _nonces(connector: bytes, acceptor: bytes, lane: int) -> bytes:
+  """What a handshake's proofs and frame keys bind: both nonces and the lane."""
+  return connector + acceptor + bytes([lane])
+
+
+def _key(peer: int, lane: int) -> int | tuple[int, int]:
+  """`Plane.conns`' key of the link to `peer` on `lane` (lane 0's is the peer)."""
+  return peer if lane == 0 else (peer, lane)
 
 
 class Link:
@@ -145,6 +162,11 @@ class Plane:
     self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
     self.sends = _tcp_io.SendThread()  # every transfer's background sends
+    # The links per peer a large broadcast stripes over, and a thread for
+    # each lane past the first (which runs on the calling thread).
+    self.lanes = lanes_setting()
+    self.lane_threads = [_tcp_io.Lane(f'multihost-transport-lane-{k}')
+                         for k in range(1, self.lanes)]
     # Accepted connections still in their handshake, oldest first:
     # connection -> its source address.
     self.pending: dict[socket.socket, str] = {}
@@ -209,12 +231,13 @@ class Plane:
     keep = False
     deadline = time.monotonic() + _HANDSHAKE_S  # for all of its bytes
     try:
-      magic, peer, target, nonce = _HELLO.unpack(
+      magic, peer, target, lane, nonce = _HELLO.unpack(
           _tcp_io.recv_by(conn, _HELLO.size, deadline))
-      if magic != _MAGIC or target != self.me or not 0 <= peer < self.me:
+      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me
+          or lane >= MAX_LANES):
         return
       mine = secrets.token_bytes(_NONCE)
-      nonces = nonce + mine
+      nonces = _nonces(nonce, mine, lane)
       conn.settimeout(max(deadline - time.monotonic(), 0.001))
       conn.sendall(mine + _tcp_auth.proof(self.secret, b'accept', self.job, peer,
                                  self.me, nonces))
@@ -229,10 +252,10 @@ class Plane:
         _tcp_io.tune(conn)
         # A proven new connection replaces the old link: the peer closed
         # its end of that one after a failed transfer.
-        old = self.conns.get(peer)
+        old = self.conns.get(_key(peer, lane))
         if old is not None:
           _tcp_io.close(old.sock)
-        self.conns[peer] = Link(
+        self.conns[_key(peer, lane)] = Link(
             conn, *_tcp_auth.link_keys(self.secret, self.job, peer, self.me, nonces,
                               connector=False))
         keep = True
@@ -244,14 +267,15 @@ class Plane:
       if not keep:
         _tcp_io.close(conn)
 
-  def _connect(self, peer: int, remaining: float, op: str) -> Link:
+  def _connect(self, peer: int, lane: int, remaining: float,
+               op: str) -> Link:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
     deadline = time.monotonic() + remaining
     value = self.rt.client.kv_get(ADDRESS_KEY.format(peer), remaining)
     host, port = read_address(self.secret, peer, value, op)
     while True:
       try:
-        return self._connect_once(peer, host, port, deadline, op)
+        return self._connect_once(peer, lane, host, port, deadline, op)
       except (ConnectionResetError, BrokenPipeError) as e:
         # Cut during the handshake (e.g. as the oldest pending one while
         # strangers crowd the port): try again while there is time.
@@ -259,8 +283,8 @@ class Plane:
           raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
         time.sleep(_RETRY_S)
 
-  def _connect_once(self, peer: int, host: str, port: int, deadline: float,
-                    op: str) -> Link:
+  def _connect_once(self, peer: int, lane: int, host: str, port: int,
+                    deadline: float, op: str) -> Link:
     """One attempt of `_connect`."""
     remaining = max(deadline - time.monotonic(), 0.001)
     try:
@@ -271,9 +295,9 @@ class Plane:
       raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
     try:
       nonce = secrets.token_bytes(_NONCE)
-      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, nonce))
+      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, lane, nonce))
       reply = _tcp_io.recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
-      nonces = nonce + reply[:_NONCE]
+      nonces = _nonces(nonce, reply[:_NONCE], lane)
       if not hmac.compare_digest(reply[_NONCE:], _tcp_auth.proof(
           self.secret, b'accept', self.job, self.me, peer, nonces)):
         raise _errors.MultihostError(
@@ -294,14 +318,15 @@ class Plane:
     return Link(conn, *_tcp_auth.link_keys(self.secret, self.job, self.me, peer,
                                    nonces, connector=True))
 
-  def conn(self, peer: int, deadline: float, op: str) -> Link:
-    """The link to `peer`, opened (or awaited) anew if there is none or the peer closed it."""
+  def conn(self, peer: int, deadline: float, op: str, lane: int = 0) -> Link:
+    """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it."""
+    key = _key(peer, lane)
     with self.lock:
-      link = self.conns.get(peer)
+      link = self.conns.get(key)
       if link is not None:
         if _tcp_io.open_at_peer(link.sock, link.poll):
           return link
-        del self.conns[peer]  # The peer dropped it after a failed transfer.
+        del self.conns[key]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
     if self.me < peer:
       # One connector at a time (the agreement's link setup runs on a thread
@@ -310,12 +335,12 @@ class Plane:
       try:
         with self.connecting:
           with self.lock:
-            link = self.conns.get(peer)
+            link = self.conns.get(key)
           if link is None:
             link = self._connect(
-                peer, max(deadline - time.monotonic(), 0.001), op)
+                peer, lane, max(deadline - time.monotonic(), 0.001), op)
             with self.lock:
-              self.conns[peer] = link
+              self.conns[key] = link
           return link
       except _errors.MultihostError:
         raise
@@ -324,13 +349,24 @@ class Plane:
       except Exception as e:  # noqa: BLE001
         raise peer_error(op, peer, e, waiting=True) from e
     with self.lock:
-      while peer not in self.conns:
+      while key not in self.conns:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
           raise _diagnostics.connect_timeout(op, peer, None)
         self.lock.wait(min(remaining, 0.5))
         _watchdog.of(self.rt).check(op)
-      return self.conns[peer]
+      return self.conns[key]
+
+
+def lanes_setting() -> int:
+  """$MULTIHOST_TCP_LANES, validated (default 2)."""
+  lanes = int(_env.number(_env.TCP_LANES, 2, unit='connections',
+                          example='2', integer=True))
+  if lanes > MAX_LANES:
+    raise ValueError(f'${_env.TCP_LANES}={lanes} is more than {MAX_LANES} '
+                     f'connections per pair of processes; set 1 to '
+                     f'{MAX_LANES}, or unset it (2).')
+  return lanes
 
 
 def get_plane(op: str, deadline: float,
@@ -345,6 +381,7 @@ def plane_of(rt: _runtime.Runtime, op: str, deadline: float) -> Plane:
   """The runtime's plane, made (listening, its address published) on first use."""
   with rt.lock:
     if rt.plane is None:
+      lanes_setting()  # a bad setting raises as itself, not as a timeout
       try:
         rt.plane = Plane(rt, max(deadline - time.monotonic(), 0.001), op)
       except _errors.MultihostError:
@@ -360,6 +397,10 @@ def break_plane(plane: Plane, error: BaseException) -> None:
   del error
   with plane.lock:
     for link in plane.conns.values():
+      try:  # Wakes a thread blocked on it (a close alone may not).
+        link.sock.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
       _tcp_io.close(link.sock)
     plane.conns.clear()
 
@@ -368,6 +409,8 @@ def close_plane(plane: Plane) -> None:
   """Closes the listener and every link (its accept thread then ends)."""
   break_plane(plane, None)
   plane.sends.stop()
+  for lane in plane.lane_threads:
+    lane.stop()
   try:  # Wakes the accept thread (a close alone does not, on Linux).
     plane.listener.shutdown(socket.SHUT_RDWR)
   except OSError:

@@ -55,6 +55,9 @@ EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 # Idle result buffers (MiB) each process keeps for the next large collective
 # (default 512; 0: none); see `multihost._buffers`.
 RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
+# TCP connections per pair of processes that a large broadcast stripes over
+# (default 2; 1: one); the same on every process. See `multihost._data_tcp`.
+TCP_LANES = 'MULTIHOST_TCP_LANES'
 
 # Calls (and events) each process's flight recorder keeps (default 64); see
 # `multihost._flight`.

@@ -76,24 +76,26 @@ def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
                                                  out[-3000:])
 
 
-@pytest.mark.parametrize('num_processes,mode,size,victim', [
+@pytest.mark.parametrize('num_processes,mode,size,victim,transport', [
     # A barrier (sync_global_devices) while the victim is not there yet
     # (at P=3 only: P=2 runs the same path, with one survivor).
-    (3, 'barrier', 'small', 2),
+    (3, 'barrier', 'small', 2, 'tcp'),
     # Collectives in a tight loop: the kill lands in (or between) them; the
     # small ones go through the service, where more than two survivors add
     # nothing over two.
-    (2, 'allgather', 'small', 1),
-    (3, 'broadcast', 'small', 2),
+    (2, 'allgather', 'small', 1, 'tcp'),
+    (3, 'broadcast', 'small', 2, 'tcp'),
+    # A 16 MiB broadcast over TCP, in stripes over two lanes: the victim is
+    # the middle of the chain, so the kill lands in a lane thread's reads
+    # and forwards on both sides of it.
+    (3, 'broadcast', 'big', 1, 'tcp'),
     # Device collectives over gloo. At P=4, killing 2 leaves process 0, which
     # is not its ring neighbour, blocked in gloo with no error of its own.
-    (2, 'broadcast', 'big', 1),
-    (4, 'allgather', 'big', 2),
+    (2, 'broadcast', 'big', 1, 'device'),
+    (4, 'allgather', 'big', 2, 'device'),
 ])
 def test_sigkill_of_a_peer_raises_on_every_survivor(num_processes, mode, size,
-                                                    victim):
-  # 'big' payloads run over gloo: the device transport, not TCP.
-  transport = 'device' if size == 'big' else 'tcp'
+                                                    victim, transport):
   with _start(num_processes, mode, size, sleeper=victim,
               extra_env={multihost.env.TRANSPORT: transport}) as cluster:
     _wait_all(cluster, 'READY', range(num_processes))

@@ -9,13 +9,42 @@ from multihost import env as env_lib
 from multihost import launch
 
 
-@pytest.mark.parametrize('transport', ['tcp', 'device'])
-def test_large_payloads_over_each_transport(transport):
+@pytest.mark.parametrize('transport,lanes', [('tcp', ''), ('tcp', '3'),
+                                             ('device', '')])
+def test_large_payloads_over_each_transport(transport, lanes):
   result = launch.launch(program('bulk_transfers'), num_processes=3,
                          devices_per_process=1, timeout=120,
-                         env={env_lib.TRANSPORT: transport})
+                         env={env_lib.TRANSPORT: transport,
+                              env_lib.TCP_LANES: lanes})
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert all('TRANSPORT OK' in out for out in result.outputs)
+  if transport == 'tcp':
+    assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
+
+
+def test_a_bad_lane_count_is_a_clear_error(monkeypatch):
+  from multihost import _tcp_link
+  for bad, match in (('0', 'positive number'), ('9', 'more than 8'),
+                     ('two', 'positive number')):
+    monkeypatch.setenv(env_lib.TCP_LANES, bad)
+    with pytest.raises(ValueError, match=match):
+      _tcp_link.lanes_setting()
+  monkeypatch.setenv(env_lib.TCP_LANES, '')
+  assert _tcp_link.lanes_setting() == 2
+
+
+def test_stripes_cover_the_payload_once():
+  from multihost import _data_tcp
+  assert _data_tcp.stripes(_data_tcp.STRIPE_BYTES - 1, 2) == [
+      (0, _data_tcp.STRIPE_BYTES - 1)]
+  assert _data_tcp.stripes(10 << 20, 1) == [(0, 10 << 20)]
+  for length in (_data_tcp.STRIPE_BYTES, (5 << 20) + 3, 64 << 20):
+    for lanes in range(2, 9):
+      got = _data_tcp.stripes(length, lanes)
+      assert 1 < len(got) <= lanes, (length, lanes, got)
+      assert got[0][0] == 0 and got[-1][1] == length
+      assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+      assert all(a % 4096 == 0 for a, _ in got)
 
 
 def test_unknown_transport_is_a_clear_error(monkeypatch):

@@ -31,6 +31,8 @@ from multihost import lowlevel
 # A frame header: call id, byte count, frame number (8 bytes each), MAC.
 _FRAME_HEAD = 24
 _FRAME = _FRAME_HEAD + 16
+# The connector's hello: magic, connector, acceptor, lane, nonce.
+_HELLO = 4 + 4 + 4 + 1 + 16
 
 
 def address(p: int) -> tuple[str, int]:
@@ -150,7 +152,7 @@ def attack(target: tuple[str, int]) -> list[socket.socket]:
   for claim in (7, 2, 0):
     s = socket.create_connection(target, timeout=20)
     nonce = os.urandom(16)
-    s.sendall(struct.pack('<4sII16s', b'MHT2', claim, 2, nonce))
+    s.sendall(struct.pack('<4sIIB16s', b'MHT3', claim, 2, 0, nonce))
     reply = s.recv(48)
     if claim != 0:
       assert reply == b'', (claim, reply)
@@ -211,10 +213,10 @@ def main() -> None:
   if proxy is not None:
     # Replay the recorded handshake of process 0 to the real listener.
     s = socket.create_connection(proxy.real, timeout=20)
-    s.sendall(proxy.to_server[:28])
+    s.sendall(proxy.to_server[:_HELLO])
     reply = s.recv(48)
     if reply:
-      s.sendall(proxy.to_server[28:60])
+      s.sendall(proxy.to_server[_HELLO:_HELLO + 32])
     assert recv_all(s) == b'', 'a replayed handshake was accepted'
     print('REPLAY REFUSED', flush=True)
   # Armed only once every process has the first gather: until process 0

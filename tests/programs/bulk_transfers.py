@@ -1,10 +1,16 @@
-"""Broadcasts from every source, all-gathers a tree and objects of 3 MiB-scale payloads; prints TRANSPORT OK."""
+"""Broadcasts from every source, all-gathers a tree and objects of 3 MiB-scale payloads; prints TRANSPORT OK.
+
+Over TCP, the broadcasts of 4 MiB and more go in stripes over
+$MULTIHOST_TCP_LANES links per pair (default 2): the program checks the
+links each lane opened, and an odd-sized payload's bytes.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 import multihost
+from multihost import lowlevel
 
 
 def main() -> None:
@@ -35,6 +41,27 @@ def main() -> None:
       leaf[...] = 0
     for k, v in expected.items():
       np.testing.assert_array_equal(got[k], v, err_msg=k)
+  # An odd size over the lanes (stripes end mid-leaf and mid-page), from
+  # the last process, and an object broadcast (no result on the source).
+  odd = {'x': (np.arange((5 << 20) + 3) % 251).astype(np.uint8) + me,
+         'y': np.arange(3, dtype=np.float64) * me}
+  got = multihost.broadcast_one_to_all(odd, is_source=me == count - 1)
+  np.testing.assert_array_equal(got['x'], odd['x'] - me + count - 1)
+  np.testing.assert_array_equal(got['y'], np.arange(3) * (count - 1.0))
+  blob = multihost.broadcast_object(bytes(range(256)) * (24 << 10)
+                                    if me == 0 else None)
+  assert blob == bytes(range(256)) * (24 << 10)
+  from multihost import _runtime  # noqa: PLC0415
+  from multihost import _tcp_link  # noqa: PLC0415
+  plane = _runtime.current().plane
+  if lowlevel.tcp_transport_enabled():
+    lanes = _tcp_link.lanes_setting()
+    # Every lane past the first has a link to each chain neighbour.
+    opened = {k for k in plane.conns if isinstance(k, tuple)}
+    want_lanes = {((me + d) % count, lane) for d in (1, -1)
+                  for lane in range(1, lanes)}
+    assert opened == want_lanes, (opened, want_lanes)
+    print(f'LANES {lanes}', flush=True)
   stacked = multihost.process_allgather({'a': big, 'b': np.int32(me)})
   for p in range(count):
     np.testing.assert_array_equal(stacked['a'][p], big / (me + 1) * (p + 1))

@@ -4,8 +4,8 @@ Usage: drill.py MODE SIZE SLEEPER, with DRILL_HB the heartbeat timeout in
 seconds (empty: the defaults). MODE: barrier, allgather, broadcast (loops);
 late (SLEEPER arrives 6 s late at a 2 s barrier); skew (SLEEPER arrives
 7.5 s late at a 6 s all-gather, then two more); idle (a peer dies while
-this process computes). SIZE: 'big' (16 MiB per process) or 'small' (64
-bytes). Exits 3 on ProcessFailureError, 4 on CollectiveTimeoutError.
+this process computes). SIZE: 'big' (16 MiB per process; the test picks
+the transport) or 'small' (64 bytes). Exits 3 on ProcessFailureError, 4 on CollectiveTimeoutError.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def main() -> None:
         flush=True)
 
   me = jax.process_index()
-  # 'big': 16 MiB per process, moved by a gloo device collective; 'small':
-  # 64 bytes, carried inside the coordination-service exchange.
+  # 'big': 16 MiB per process (over TCP, a broadcast in stripes over the
+  # lanes; or by a gloo device collective); 'small': 64 bytes, carried in
+  # the agreement.
   n = (4 << 20) if size == 'big' else 16
   data = np.full((n,), me, np.float32)
   print('READY', flush=True)
