@@ -86,6 +86,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   # the sources from the same records.
   payload = None
   source = 0
+  eager = None
   if not default_source:
     records, headers = _control_agree.agree_and_gather(
         header, timeout=timeout,
@@ -98,7 +99,11 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     payload, headers = _control_agree.agree_and_read_one(header, 0,
                                                          timeout=timeout)
   else:
-    headers = _control_agree.agree(header, timeout=timeout).headers
+    # The source's bytes start down the chain with its agreement frame:
+    # every process knows process 0 is the source.
+    eager = _data_plane.eager(values, size) if is_source else None
+    headers = _control_agree.agree(header, timeout=timeout,
+                                   eager=eager).headers
   if headers is not None:
     source = _one_source([h.is_source for h in headers], op)
     _control_agree.check_same_leaves(headers)
@@ -107,7 +112,8 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     buffer = np.frombuffer(payload, np.uint8)
   else:
     buffer = _data_plane.broadcast(values if is_source else None, size,
-                                   source, op=op, timeout=timeout)
+                                   source, op=op, timeout=timeout,
+                                   eager=eager)
   return _leaves.rebuild(buffer, specs, treedef)
 
 

@@ -91,14 +91,16 @@ class Agreement:
 
 
 def agree(header: Header, *, timeout: float,
-          runtime: _runtime.Runtime | None = None) -> Agreement:
+          runtime: _runtime.Runtime | None = None, eager=None) -> Agreement:
   """Whether every process passed an equal header; if not, every process's header.
 
   Collective: every process must call this, in the same order. `runtime`
   (here and below) is the process's runtime, by default the current one.
+  `eager`: a broadcast source's first stripe, sent during an agreement
+  over the links (`_data_tcp.Eager`).
   """
   meeting = _meet(runtime, header.op, header.name)
-  if meeting.try_agreement(header.agreement(), timeout=timeout):
+  if meeting.try_agreement(header.agreement(), timeout=timeout, eager=eager):
     return Agreement(agreed=True)
   return Agreement(agreed=False,
                    headers=_exchange_headers(meeting, header, timeout))

@@ -39,6 +39,7 @@ import time
 import weakref
 
 from multihost import _control_marks
+from multihost import _data_tcp
 from multihost import _diagnostics
 from multihost import _errors
 from multihost import _runtime
@@ -161,15 +162,15 @@ def _setup(rt: _runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   plane.setup = 'ok'
 
 
-def _encode(digest: bytes, differs: bool, entries: dict[int, bytes]) -> bytes:
-  parts = [_HEAD.pack(digest, _DIFFERS if differs else 0, len(entries))]
+def _encode(digest: bytes, flags: int, entries: dict[int, bytes]) -> bytes:
+  parts = [_HEAD.pack(digest, flags, len(entries))]
   for p, value in entries.items():
     parts.append(_ENTRY.pack(p, len(value)))
     parts.append(value)
   return b''.join(parts)
 
 
-def _decode(body: bytes, count: int) -> tuple[bytes, bool, dict[int, bytes]]:
+def _decode(body: bytes, count: int) -> tuple[bytes, int, dict[int, bytes]]:
   digest, flags, n = _HEAD.unpack_from(body)
   at = _HEAD.size
   entries = {}
@@ -182,7 +183,7 @@ def _decode(body: bytes, count: int) -> tuple[bytes, bool, dict[int, bytes]]:
     at += length
   if at != len(body):
     raise ValueError(f'{len(body) - at} bytes after the entries')
-  return digest, bool(flags & _DIFFERS), entries
+  return digest, flags, entries
 
 
 class _Wait:
@@ -265,6 +266,12 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
   while True:
     got_call, length = link.check(_recv(link, _tcp_link.FRAME_SIZE, wait), op,
                                   peer)
+    if not got_call & AGREE_BIT:
+      # Data where an agreement frame is due: the stripe a source sent
+      # with its agreement frame of a call this process gave up, or came
+      # too late to (`_data_tcp.Eager`).
+      _data_tcp.drop(link, length, (op, wait.deadline))
+      continue
     body = _recv(link, length, wait)
     if got_call & AGREE_BIT and got_call < call:
       continue  # A frame of a call this process gave up (a latecomer's).
@@ -275,11 +282,15 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
 
 
 def agree(meeting, digest: bytes, publish: bytes | None, *,
-          timeout: float) -> dict[int, bytes] | None:
+          timeout: float,
+          eager: _data_tcp.Eager | None = None) -> dict[int, bytes] | None:
   """Every process's published bytes (by process) when every digest equals `digest`; None when any differs.
 
   Collective: every process must call this, in the same order. `meeting`
-  is the call's `Rendezvous`.
+  is the call's `Rendezvous`. A broadcast's source passes its `eager`
+  first stripe, started right after its first round's frame to the next
+  process (see `_data_tcp.Eager`); on a difference it is sent to its end
+  before this returns None, and the next process drops it (`_receive`).
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -300,16 +311,20 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
   step = 1
+  started = None  # the eager stripe this process started
   try:
     for dst, src in _peers(me, count):
       peer = dst
       out = links.get(dst) or links.setdefault(
           dst, plane.conn(dst, wait.deadline, op))
-      body = _encode(digest, differs, {p: v for p, v in entries.items()
-                                       if (dst - p) % count >= step})
+      body = {p: v for p, v in entries.items() if (dst - p) % count >= step}
+      body = _encode(digest, _DIFFERS if differs else 0, body)
       out.sock.settimeout(_tcp_io.SLICE_S)
       if len(body) <= _tcp_io.DIRECT_BYTES and sender is None:
         _tcp_io.send_all(out.sock, out.frame(call, len(body)) + body, watch)
+        if eager is not None and step == 1:  # Right behind its frame.
+          started = eager
+          eager.start(plane, out)
       else:  # Large: on a thread, so that rounds that all send never block.
         sender = sender or plane.sends.sender(watch)
         sender.send(out.sock, out.frame(call, len(body)) + body)
@@ -318,17 +333,27 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       if link is None:  # (at 2 processes the peer sent to is this one)
         link = links[src] = plane.conn(src, wait.deadline, op)
         link.sock.settimeout(_tcp_io.SLICE_S)
-      got_digest, got_differs, got = _decode(
+      got_digest, got_flags, got = _decode(
           _receive(link, call, src, wait), count)
-      differs = differs or got_differs or got_digest != digest
+      differs = (differs or bool(got_flags & _DIFFERS)
+                 or got_digest != digest)
       entries.update(got)
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None
       done.close(wait.deadline)
-  except (_errors.CollectiveTimeoutError, _errors.ProcessFailureError):
+    if differs and started is not None:  # Every link back at a frame's end.
+      peer = (me + 1) % count
+      started.finish(watch)
+  except (_errors.CollectiveTimeoutError, _errors.ProcessFailureError) as e:
     if sender is not None:
       sender.finish(time.monotonic() + 0.1)
+    if started is not None and isinstance(e, _errors.CollectiveTimeoutError):
+      # The rest of the stripe goes before the link's next frame; a late
+      # next process drops it (`_receive`).
+      started.defer()
+    elif started is not None:
+      _tcp_link.break_plane(plane, e)  # A data frame is cut short.
     raise
   except (OSError, TimeoutError, ValueError, struct.error,
           _errors.MultihostError) as e:

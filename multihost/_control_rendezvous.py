@@ -117,20 +117,22 @@ class Rendezvous:
 
   @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
-                    publish: bytes | None = None) -> bool:
+                    publish: bytes | None = None, eager=None) -> bool:
     """Whether every process passed the same `agreement` bytes (one barrier).
 
     `publish` (if given) is put in the key-value store first, for
     `read_all`/`read_one`. Returns False at once while backing off after a
     recent fallback, or after FAST_WINDOW_S when a peer is slow or disagrees;
-    then call `exchange`.
+    then call `exchange`. `eager` (a broadcast source's
+    `_data_tcp.Eager`) starts during an agreement over the links, and is
+    left unstarted on the service's path.
 
     Raises:
       ProcessFailureError: a peer is gone.
     """
     if self._links:
       self._entries = _control_links.agree(self, agreement, publish,
-                                           timeout=timeout)
+                                           timeout=timeout, eager=eager)
       if self._entries is None:  # A difference: the full exchange names it.
         return False
       self.record.end = time.monotonic()

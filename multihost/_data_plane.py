@@ -88,20 +88,30 @@ def carries_small_payloads() -> bool:
   return tcp_enabled() and not _control_links.usable(_runtime.current())
 
 
+def eager(parts: list[np.ndarray], length: int) -> _data_tcp.Eager | None:
+  """A broadcast source's first stripe to send during the agreement (`_data_tcp.Eager`), where its payload moves over TCP."""
+  if transport(length) != 'tcp' or not _control_links.usable(
+      _runtime.current()):
+    return None
+  return _data_tcp.Eager(parts, length)
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
-              op: str, timeout: float,
-              source_result: bool = True) -> np.ndarray | None:
+              op: str, timeout: float, source_result: bool = True,
+              eager: _data_tcp.Eager | None = None) -> np.ndarray | None:
   """The source's `length` bytes, on every process.
 
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; only the source passes its parts
-  (C-contiguous arrays, `length` bytes in all). With
-  `source_result=False` the source gets None (it has the bytes already).
+  (C-contiguous arrays, `length` bytes in all), and its `eager` if the
+  agreement started one. With `source_result=False` the source gets None
+  (it has the bytes already).
   """
   try:
     if transport(length) == 'tcp':
       return _data_tcp.broadcast(parts, length, source, op=op,
-                                 timeout=timeout, source_result=source_result)
+                                 timeout=timeout, source_result=source_result,
+                                 eager=eager)
     packed = None if parts is None else _leaves.pack(parts)
     return _data_device.broadcast(packed, length, op=op, timeout=timeout)
   except _errors.CollectiveTimeoutError as e:

@@ -77,21 +77,27 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
 
 
 def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
-                   out: np.ndarray | None, watch: tuple[str, float]) -> None:
+                   out: np.ndarray | None, watch: tuple[str, float],
+                   already: int = 0) -> None:
   """Sends `segments_` down the chain; with `out`, copies the payload there too.
 
   The copy goes piece by piece right after each piece is sent, while the
   piece is still in the CPU's cache and the socket buffers keep the next
   process reading: a copy after the whole send would read the leaves from
   memory again and delay the source's return by all of it. The first
-  `skip` bytes are the frame header, not payload.
+  `skip` bytes are the frame header, not payload; the first `already`
+  bytes were sent before (`Eager`), and are only copied.
   """
   offset = 0
   for segment in segments_:
     view = memoryview(segment).cast('B')
     for start in range(0, len(view), _CHUNK):
       piece = view[start:start + _CHUNK]
-      _tcp_io.send_all(down.sock, piece, watch)
+      if already < len(piece):
+        _tcp_io.send_all(down.sock, piece[already:], watch)
+        already = 0
+      else:
+        already -= len(piece)
       if out is not None:
         body = piece[skip:]
         skip = max(skip - len(piece), 0)
@@ -119,9 +125,73 @@ def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
   return out
 
 
+class Eager:
+  """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting.
+
+  The agreement over the links (`_control_links.agree`) starts it right
+  after its first round's frame to the next process in the chain, so the
+  bytes are on their way while the agreement's messages are: on
+  agreement, `broadcast` sends the rest; on a difference, the agreement
+  sends the rest (`finish`), and after a timeout the link owes it
+  (`defer`), so every link is left at a frame boundary. The next process
+  drops a data frame wherever an agreement frame is due. Only the source
+  of a default-source broadcast starts one: every process knows who the
+  source is before agreeing.
+  """
+
+  def __init__(self, parts: list[np.ndarray], length: int):
+    self.parts = parts
+    self.length = length
+    self.link: _tcp_link.Link | None = None  # set once started
+    self.segments: list[memoryview] = []
+    self.head = 0  # frame header bytes at the start of `segments`
+    self.sent = 0
+
+  def start(self, plane: _tcp_link.Plane, link: _tcp_link.Link) -> None:
+    """Sends the frame of stripe 0 to `link` (the next process's), up to what its socket takes now."""
+    ranges = stripes(self.length, plane.lanes)
+    a, b = ranges[0]
+    # The data frame the transfer will send: every process counts the
+    # same transfers, and the next one is `plane.seq + 1`.
+    head = link.frame(plane.seq + 1, b - a)
+    if len(ranges) == 1:
+      parts = segments(head, self.parts)
+    else:
+      parts = [head, *_cut([memoryview(x).cast('B')
+                            for x in segments(b'', self.parts)], a, b)]
+    self.segments = [memoryview(x).cast('B') for x in parts]
+    self.head = len(head)
+    self.link = link
+    self.sent = _tcp_io.send_ready(link.sock, self.segments)
+
+  def finish(self, watch: tuple[str, float]) -> None:
+    """Sends the rest of the frame (after a difference); the transfer then starts afresh."""
+    _send_and_copy(self.link, self.segments, 0, None, watch, self.sent)
+    self.link = None
+
+  def defer(self) -> None:
+    """Leaves the rest of the frame owed on its link (after a timeout): sent before the link's next use (`Plane.conn`), and dropped by a late receiver."""
+    rest, skip = [], self.sent
+    for view in self.segments:
+      if skip < len(view):
+        rest.append(view[skip:])
+      skip = max(skip - len(view), 0)
+    self.link.owed = rest
+    self.link = None
+
+
+def drop(link: _tcp_link.Link, length: int, watch: tuple[str, float]) -> None:
+  """Reads and drops the `length` bytes of a frame whose header was read."""
+  scratch = memoryview(bytearray(min(length, _CHUNK)))
+  while length:
+    n = min(length, len(scratch))
+    _tcp_io.recv_into(link.sock, scratch[:n], watch)
+    length -= n
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
-              op: str, timeout: float,
-              source_result: bool = True) -> np.ndarray | None:
+              op: str, timeout: float, source_result: bool = True,
+              eager: Eager | None = None) -> np.ndarray | None:
   """Returns the source's `length` bytes on every process (a pipelined chain per lane).
 
   Collective: every process must call this, in the same order, with the
@@ -136,7 +206,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   own chain at once: the first on the calling thread, the others on the
   plane's lane threads. One TCP stream is limited by the one core that
   copies its bytes in and out of the kernel; two keep two cores copying
-  (bench/README.md).
+  (bench/README.md). With a started `eager` (the source's), the first
+  stripe's frame is already partly sent.
   """
   deadline = time.monotonic() + timeout
   plane = _tcp_link.get_plane(op, deadline)
@@ -157,7 +228,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   error = None
   try:
     _chain(plane, 0, call, source, ranges[0], pieces[0], out, op, deadline,
-           len(ranges) > 1)
+           len(ranges) > 1, eager if eager and eager.link else None)
   except _errors.MultihostError as e:
     error = e  # The links are closed: the other lanes end within a slice.
   for job in jobs:
@@ -173,7 +244,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
 def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
            stripe: tuple[int, int], piece: list | None,
            out: np.ndarray | None, op: str, deadline: float,
-           striped: bool) -> None:
+           striped: bool, eager: Eager | None = None) -> None:
   """Moves bytes `stripe` of the payload down the chain on `lane`.
 
   The source sends `piece` (its parts when the payload is one stripe, else
@@ -200,7 +271,12 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
     down = plane.conn(nxt, deadline, op, lane) if nxt is not None else None
     if down is not None:
       _start(op, nxt, down, deadline)
-    if rank == 0:
+    if rank == 0 and eager is not None:
+      if down is not eager.link:  # (the links were closed meanwhile)
+        raise ConnectionResetError('the link was closed after the agreement')
+      _send_and_copy(down, eager.segments, eager.head, target, watch,
+                     eager.sent)
+    elif rank == 0:
       head = down.frame(call, n)
       segments_ = [head, *piece] if striped else segments(head, piece)
       _send_and_copy(down, segments_, len(head), target, watch)

@@ -100,7 +100,8 @@ def _key(peer: int, lane: int) -> int | tuple[int, int]:
 class Link:
   """An authenticated connection: its socket and a MAC key per direction."""
 
-  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll')
+  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll',
+               'owed')
 
   def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
     self.sock = sock
@@ -110,6 +111,9 @@ class Link:
     self.received = 0
     self.poll = select.poll()  # for `_tcp_io.open_at_peer`
     self.poll.register(sock, select.POLLIN)
+    # The rest of a frame a timed-out call left half sent
+    # (`_data_tcp.Eager.defer`): sent before anything else (`Plane.conn`).
+    self.owed: list[memoryview] | None = None
 
   def frame(self, call: int, length: int) -> bytes:
     """The next frame header to send (the caller sends frames in this order)."""
@@ -325,6 +329,8 @@ class Plane:
       link = self.conns.get(key)
       if link is not None:
         if _tcp_io.open_at_peer(link.sock, link.poll):
+          if link.owed:
+            _pay_owed(link, peer, deadline, op)
           return link
         del self.conns[key]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
@@ -356,6 +362,17 @@ class Plane:
         self.lock.wait(min(remaining, 0.5))
         _watchdog.of(self.rt).check(op)
       return self.conns[key]
+
+
+def _pay_owed(link: Link, peer: int, deadline: float, op: str) -> None:
+  """Sends what `link` owes its peer (see `Link.owed`)."""
+  owed, link.owed = link.owed, None
+  try:
+    for view in owed:
+      _tcp_io.send_all(link.sock, view, (op, deadline))
+  except (OSError, TimeoutError) as e:
+    _tcp_io.close(link.sock)
+    raise peer_error(op, peer, e) from e
 
 
 def lanes_setting() -> int:

@@ -17,7 +17,7 @@ from multihost import launch
 
 # One run drills both cases in turn (each after the processes agree over
 # the links again); a test reads its case's part of every output.
-_MODES, _SLEEPERS = ('mismatch', 'skew'), (1, 2)
+_MODES, _SLEEPERS = ('mismatch', 'skew', 'eager'), (1, 2, 1)
 
 
 @pytest.fixture(scope='module')
@@ -66,3 +66,28 @@ def test_a_timeout_over_the_links_names_the_late_process_and_all_go_on(
     assert m.group(2) == '2', m.group(0)
     for step in (1, 2):  # back in step: stale frames were not taken
       assert f'STEP {step} ok [0, 1, 2]' in out, (i, out[-3000:])
+
+
+def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
+    _drilled):
+  # The source's first stripe goes out with its agreement frame; on a
+  # difference it is sent to its end and the next process drops it, so the
+  # links stay open and in step: the next broadcast is correct, on the same
+  # links (no reconnection).
+  for p, out in enumerate(_run(_drilled, 'eager')):
+    for n in (1 << 18, 2 << 20):
+      for case in ('shape', 'sources'):
+        m = re.search(rf'EAGER {n} {case} RAISED (.*)', out)
+        assert m, out[-3000:]
+        assert m.group(1).startswith(f'[process={p}] broadcast_one_to_all'), (
+            m.group(1))
+      # Process 1 passes is_source=False, process 0 the default: the
+      # digests differ, the headers agree, and the stripe is sent again.
+      assert f'EAGER {n} source not raised' in out, out[-3000:]
+      assert f'EAGER {n} SAME LINKS True' in out, out[-3000:]
+    # A source that sent ahead and then timed out closes its links (a frame
+    # is cut short); the late process raises, and all go on.
+    assert re.search(r'EAGER LATE 0 (CollectiveTimeoutError|'
+                     r'ProcessFailureError|MultihostError)', out), out[-3000:]
+    for i in (1, 2):
+      assert f'EAGER LATE {i} ok' in out, out[-3000:]

@@ -4,7 +4,12 @@ Per MODE (and its SLEEPER), in order: prints MODE <mode>, calls until every
 process agrees over the links (prints LINKS), then: mismatch (process
 SLEEPER passes another barrier name: ConsistencyError everywhere); skew
 (SLEEPER arrives 7.5 s late at a 6 s all-gather, then two more calls that
-must complete everywhere). Exits 0 after PASSED.
+must complete everywhere); eager (a default-source broadcast, whose source
+sends its first stripe during the agreement: SLEEPER, the next process in
+the chain, passes another shape, then another source, and
+ConsistencyError is raised everywhere with the links kept open; then
+SLEEPER arrives 7.5 s late at a 6 s broadcast, and the next ones complete
+everywhere). Exits 0 after PASSED.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def drill(mode: str, sleeper: int, me: int) -> None:
       print(f'RAISED ConsistencyError {e}', flush=True)
     out = multihost.process_allgather(np.int32(me), timeout=20)
     print(f'AFTER ok {out.tolist()}', flush=True)
+  if mode == 'eager':
+    eager(sleeper, me)
   if mode == 'skew':
     for i in range(3):
       if i == 0 and me == sleeper:
@@ -50,6 +57,44 @@ def drill(mode: str, sleeper: int, me: int) -> None:
       except multihost.CollectiveTimeoutError as e:
         print(f'STEP {i} timeout after={time.monotonic() - start:.2f} '
               f'missing={list(e.missing)} message={e}', flush=True)
+
+
+def _links() -> dict:
+  return dict(_runtime.current().plane.conns)
+
+
+def eager(sleeper: int, me: int) -> None:
+  """The 'eager' MODE (see the module docstring)."""
+  for n in (1 << 18, 2 << 20):  # 1 MiB (one stripe), 8 MiB (two)
+    x = np.arange(n, dtype=np.float32) + me
+    multihost.broadcast_one_to_all(x)  # the lanes' links open
+    before = _links()
+    for case, arg, kwargs in (
+        ('shape', x[:-1] if me == sleeper else x, {}),
+        # Agrees (process 0 is the source either way) after a difference:
+        # the dropped stripe is sent again.
+        ('source', x, {'is_source': False} if me == sleeper else {}),
+        ('sources', x, {'is_source': True} if me == sleeper else {})):
+      try:
+        multihost.broadcast_one_to_all(arg, timeout=20, **kwargs)
+        print(f'EAGER {n} {case} not raised', flush=True)
+      except multihost.ConsistencyError as e:
+        print(f'EAGER {n} {case} RAISED {str(e)[:160]}', flush=True)
+      got = multihost.broadcast_one_to_all(x, timeout=20)
+      assert (got == np.arange(n, dtype=np.float32)).all(), (n, case)
+    print(f'EAGER {n} SAME LINKS {_links() == before}', flush=True)
+  # 16 MiB: more of the first stripe (8 MiB) than a socket takes at once,
+  # so the source's timed-out call leaves its link owing the rest.
+  x = np.arange(4 << 20, dtype=np.float32) + me
+  for i in range(3):
+    if i == 0 and me == sleeper:
+      time.sleep(7.5)
+    try:
+      got = multihost.broadcast_one_to_all(x, timeout=6)
+      assert (got == np.arange(4 << 20, dtype=np.float32)).all(), i
+      print(f'EAGER LATE {i} ok', flush=True)
+    except multihost.MultihostError as e:
+      print(f'EAGER LATE {i} {type(e).__name__} {e}', flush=True)
 
 
 def main() -> None:
