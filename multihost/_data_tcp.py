@@ -36,6 +36,10 @@ _JOIN_BELOW = 64 << 10
 # (`stripes`), stripes aligned to this many bytes.
 STRIPE_BYTES = 4 << 20
 _ALIGN = 4096
+# What a broadcast's source sends during the agreement (`Eager`), at most:
+# a small payload whole; of a large one only its start, so that the
+# lanes' stripes still go out side by side once the agreement passed.
+EAGER_BYTES = 2 << 20
 
 
 def _failed(plane: _tcp_link.Plane,
@@ -126,7 +130,7 @@ def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
 
 
 class Eager:
-  """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting.
+  """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting (up to EAGER_BYTES).
 
   The agreement over the links (`_control_links.agree`) starts it right
   after its first round's frame to the next process in the chain, so the
@@ -162,7 +166,7 @@ class Eager:
     self.segments = [memoryview(x).cast('B') for x in parts]
     self.head = len(head)
     self.link = link
-    self.sent = _tcp_io.send_ready(link.sock, self.segments)
+    self.sent = _tcp_io.send_ready(link.sock, self.segments, EAGER_BYTES)
 
   def finish(self, watch: tuple[str, float]) -> None:
     """Sends the rest of the frame (after a difference); the transfer then starts afresh."""

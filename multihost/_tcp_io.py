@@ -109,20 +109,23 @@ def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
     sent += _watched(conn.send, view[sent:], watch)
 
 
-def send_ready(conn: socket.socket, views: list[memoryview]) -> int:
-  """Sends of `views`, in order, what `conn` takes without waiting; returns the bytes sent."""
+def send_ready(conn: socket.socket, views: list[memoryview],
+               limit: int) -> int:
+  """Sends of `views`, in order, what `conn` takes without waiting, up to `limit` bytes; returns the bytes sent."""
   timeout = conn.gettimeout()
   sent = 0
   conn.setblocking(False)
   try:
     for view in views:
-      at = 0
-      while at < len(view):
+      at, end = 0, min(len(view), limit - sent)
+      while at < end:
         try:
-          at += conn.send(view[at:])
+          at += conn.send(view[at:end])
         except (BlockingIOError, InterruptedError):
           return sent + at
       sent += at
+      if sent >= limit:
+        break
   finally:
     conn.settimeout(timeout)
   return sent
