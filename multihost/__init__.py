@@ -26,7 +26,7 @@ Modules _*.py are private.
   where rendering, SIGUSR1: _where_text _where_signal
   data transports: _data_tcp _data_device
   tcp links: _tcp_link
-  tcp credentials: _tcp_auth
+  tcp credentials, frames: _tcp_auth _tcp_frames
   tcp socket I/O, errors, job secret: _tcp_io _tcp_errors _secret
   watched calls: _blocking
   liveness: _watchdog

@@ -1,14 +1,16 @@
-"""Data plane: the TCP transport's links (listener, handshake proving the job secret, per-direction frame MACs) and the plane that holds them.
+"""Data plane: the TCP transport's links (listener, handshake proving the job secret, lanes) and the plane that holds them.
 
 Connections are opened on first use: every process listens on an ephemeral
 port of the interface that reaches the coordinator, publishes its address in
 the coordination service's key-value store (with a MAC under the job key, so
 a store writer cannot point a process at a relay), and the lower-numbered
 process of each pair connects. Both sides prove the job secret (HMAC over
-both nonces and the job id) before a link is kept; every frame header after
-that carries a MAC under the link's key for its direction and a frame
-number, so injected, replayed or reordered frames are refused. The plane is
-the runtime's (`Runtime.plane`), made on the first transfer.
+both nonces, the lane and the job id) before a link is kept; every frame
+header after that carries a MAC under the link's key for its direction and
+a frame number (`_tcp_frames`), so injected, replayed or reordered frames
+are refused. Each pair of processes has `lanes` links (lane 0 for the
+agreement and every transfer, the others for large broadcasts' stripes).
+The plane is the runtime's (`Runtime.plane`), made on the first transfer.
 
 Strangers who reach the port cannot hold it: each handshake has one
 deadline (`_HANDSHAKE_S`) for all of its bytes, at most `_PER_SOURCE`
@@ -26,7 +28,6 @@ import errno
 import hashlib
 import hmac
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -38,6 +39,7 @@ from multihost import _runtime
 from multihost import _secret
 from multihost import _tcp_auth
 from multihost import _tcp_errors
+from multihost import _tcp_frames
 from multihost import _tcp_io
 from multihost import _watchdog
 from multihost import env as _env
@@ -62,7 +64,6 @@ MAX_LANES = 8
 
 _NONCE = 16
 
-_MAC = 16
 
 _ACCEPTED = b'\x01'
 
@@ -74,19 +75,6 @@ _PER_SOURCE = 8  # pending at once from one address; likewise
 
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
 
-# A frame header: call id, byte count, frame number on this link and
-# direction, then a MAC of those under the link's key for that direction.
-# The frame MAC is keyed BLAKE2b (a MAC by design, RFC 7693): every call
-# computes a few, and it costs a third of an HMAC-SHA256 of a short message.
-_FRAME = struct.Struct('<QQQ')
-
-_FRAME_SIZE = _FRAME.size + _MAC
-
-
-def _frame_mac(key: bytes, head: bytes) -> bytes:
-  return hashlib.blake2b(head, key=key, digest_size=_MAC).digest()
-
-
 def _nonces(connector: bytes, acceptor: bytes, lane: int) -> bytes:
   """What a handshake's proofs and frame keys bind: both nonces and the lane."""
   return connector + acceptor + bytes([lane])
@@ -97,54 +85,8 @@ def _key(peer: int, lane: int) -> int | tuple[int, int]:
   return peer if lane == 0 else (peer, lane)
 
 
-class Link:
-  """An authenticated connection: its socket and a MAC key per direction."""
-
-  __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll',
-               'owed')
-
-  def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
-    self.sock = sock
-    self.send_key = send_key
-    self.recv_key = recv_key
-    self.sent = 0
-    self.received = 0
-    self.poll = select.poll()  # for `_tcp_io.open_at_peer`
-    self.poll.register(sock, select.POLLIN)
-    # The rest of a frame a timed-out call left half sent
-    # (`_data_tcp.Eager.defer`): sent before anything else (`Plane.conn`).
-    self.owed: list[memoryview] | None = None
-
-  def frame(self, call: int, length: int) -> bytes:
-    """The next frame header to send (the caller sends frames in this order)."""
-    head = _FRAME.pack(call, length, self.sent)
-    self.sent += 1
-    return head + _frame_mac(self.send_key, head)
-
-  def read_frame(self, call: int, length: int, op: str, peer: int,
-                 watch: tuple[str, float] | None = None) -> None:
-    """Reads the next frame header; raises unless it is authentic and expected."""
-    got = self.check(_tcp_io.recv_exact(self.sock, _FRAME_SIZE, watch), op,
-                     peer)
-    if got != (call, length):
-      raise _diagnostics.out_of_step(op, peer, got, (call, length))
-
-  def check(self, got: bytes, op: str, peer: int) -> tuple[int, int]:
-    """(call, length) of the frame header `got`, the next due; raises unless authentic and in order."""
-    head, mac = got[:_FRAME.size], got[_FRAME.size:]
-    want_mac = _frame_mac(self.recv_key, head)
-    if not hmac.compare_digest(mac, want_mac):
-      raise _diagnostics.forged_frame(op, peer, 'failed authentication')
-    got_call, got_length, number = _FRAME.unpack(head)
-    if number != self.received:
-      raise _diagnostics.forged_frame(
-          op, peer, f'is frame {number} where frame {self.received} was due '
-          '(a replayed or reordered frame)')
-    self.received += 1
-    return got_call, got_length
-
-
-FRAME_SIZE = _FRAME_SIZE
+Link = _tcp_frames.Link
+FRAME_SIZE = _tcp_frames.FRAME_SIZE
 
 
 class Plane:
