@@ -289,8 +289,8 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first round's frame to the next
-  process (see `_data_tcp.Eager`); on a difference it is sent to its end
-  before this returns None, and the next process drops it (`_receive`).
+  process (see `_data_tcp.Eager`); on a difference or a timeout its link
+  owes the rest, and the next process drops it (`_receive`).
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -342,16 +342,16 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
     if sender is not None:
       peer, done, sender = me, sender, None
       done.close(wait.deadline)
-    if differs and started is not None:  # Every link back at a frame's end.
-      peer = (me + 1) % count
-      started.finish(watch)
+    if differs and started is not None:
+      # The rest of the stripe goes before the link's next frame, and the
+      # next process drops it: neither waits for the other here, so both
+      # go on to the full exchange that names the difference.
+      started.defer()
   except (_errors.CollectiveTimeoutError, _errors.ProcessFailureError) as e:
     if sender is not None:
       sender.finish(time.monotonic() + 0.1)
     if started is not None and isinstance(e, _errors.CollectiveTimeoutError):
-      # The rest of the stripe goes before the link's next frame; a late
-      # next process drops it (`_receive`).
-      started.defer()
+      started.defer()  # As on a difference; a late next process drops it.
     elif started is not None:
       _tcp_link.break_plane(plane, e)  # A data frame is cut short.
     raise

@@ -135,10 +135,10 @@ class Eager:
   The agreement over the links (`_control_links.agree`) starts it right
   after its first round's frame to the next process in the chain, so the
   bytes are on their way while the agreement's messages are: on
-  agreement, `broadcast` sends the rest; on a difference, the agreement
-  sends the rest (`finish`), and after a timeout the link owes it
-  (`defer`), so every link is left at a frame boundary. The next process
-  drops a data frame wherever an agreement frame is due. Only the source
+  agreement, `broadcast` sends the rest; on a difference or a timeout the
+  link owes it (`defer`: sent before anything else on that link), so no
+  process waits for another to read it and every frame is whole. The next
+  process drops a data frame wherever an agreement frame is due. Only the source
   of a default-source broadcast starts one: every process knows who the
   source is before agreeing.
   """
@@ -168,13 +168,8 @@ class Eager:
     self.link = link
     self.sent = _tcp_io.send_ready(link.sock, self.segments, EAGER_BYTES)
 
-  def finish(self, watch: tuple[str, float]) -> None:
-    """Sends the rest of the frame (after a difference); the transfer then starts afresh."""
-    _send_and_copy(self.link, self.segments, 0, None, watch, self.sent)
-    self.link = None
-
   def defer(self) -> None:
-    """Leaves the rest of the frame owed on its link (after a timeout): sent before the link's next use (`Plane.conn`), and dropped by a late receiver."""
+    """Leaves the rest of the frame owed on its link (after a difference or a timeout): sent before the link's next use (`Plane.conn`); the receiver drops the frame, and a transfer that follows starts afresh."""
     rest, skip = [], self.sent
     for view in self.segments:
       if skip < len(view):

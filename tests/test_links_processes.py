@@ -71,11 +71,11 @@ def test_a_timeout_over_the_links_names_the_late_process_and_all_go_on(
 def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
     _drilled):
   # The source's first stripe goes out with its agreement frame; on a
-  # difference it is sent to its end and the next process drops it, so the
-  # links stay open and in step: the next broadcast is correct, on the same
-  # links (no reconnection).
+  # difference its link owes the rest and the next process drops it, so
+  # the links stay open and in step: the next broadcast is correct, on the
+  # same links (no reconnection).
   for p, out in enumerate(_run(_drilled, 'eager')):
-    for n in (1 << 18, 2 << 20):
+    for n in (1 << 18, 2 << 20, 16 << 20):
       for case in ('shape', 'sources'):
         m = re.search(rf'EAGER {n} {case} RAISED (.*)', out)
         assert m, out[-3000:]

@@ -65,7 +65,10 @@ def _links() -> dict:
 
 def eager(sleeper: int, me: int) -> None:
   """The 'eager' MODE (see the module docstring)."""
-  for n in (1 << 18, 2 << 20):  # 1 MiB (one stripe), 8 MiB (two)
+  # 1 MiB (one stripe), 8 MiB (two), 64 MiB (two, each more than the
+  # sockets hold: the rest of the first is sent while the next process
+  # reads, after the ConsistencyError)
+  for n in (1 << 18, 2 << 20, 16 << 20):
     x = np.arange(n, dtype=np.float32) + me
     multihost.broadcast_one_to_all(x)  # the lanes' links open
     before = _links()
