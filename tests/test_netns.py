@@ -178,6 +178,13 @@ def test_jax_controllers_across_simulated_hosts(tmp_path, n):
     on_port = [s.replace('0000000000000000FFFF0000', '')
                for s in listening if s.endswith(f':{port:04X}')]
     assert on_port == [want], listening
+    # The striped broadcasts ran over the links, each host holding a lane-1
+    # link to each neighbour in the chain.
+    for r in reports:
+      assert r['links'], r
+      me = r['me']
+      assert r['lane_links'] == sorted(
+          str(((me + d) % n, 1)) for d in (1, -1)), r
     print({r['me']: round(r['allgather_64MiB_s'], 3) for r in reports})
   assert _ours() == ([], [])
 

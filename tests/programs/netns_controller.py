@@ -10,6 +10,8 @@ import jax
 import numpy as np
 
 import multihost
+from multihost import _control_links
+from multihost import _runtime
 from multihost import env as mh_env
 
 
@@ -41,6 +43,25 @@ def main() -> None:
     assert (big[i] == i).all(), i
   got = multihost.broadcast_one_to_all(np.arange(5) + 100 * me)
   assert got.tolist() == list(range(5)), got
+  # Once the calls agree over the links (a count of calls every process
+  # shares, so all stop together): 16 MiB broadcasts in two stripes, one
+  # per lane, down the chain of hosts; from process 0 its first stripe goes
+  # out with its agreement frame.
+  for _ in range(int(_control_links.SETUP_S / 0.02)):
+    multihost.sync_global_devices('links')
+    if _control_links.usable(_runtime.current()):
+      break
+    time.sleep(0.02)
+  report['links'] = _control_links.usable(_runtime.current())
+  want = np.arange(4 << 20, dtype=np.float32)
+  for source in (0, n - 1):
+    t = time.monotonic()
+    got = multihost.broadcast_one_to_all(want + me - source,
+                                         is_source=me == source)
+    report[f'broadcast_16MiB_from_{source}_s'] = time.monotonic() - t
+    np.testing.assert_array_equal(got, want)
+  report['lane_links'] = sorted(
+      str(k) for k in _runtime.current().plane.conns if isinstance(k, tuple))
 
   # A device collective: a jitted sum over one device per process (gloo).
   mesh = jax.make_mesh((n,), ('p',), devices=jax.devices())
