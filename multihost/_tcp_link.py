@@ -269,13 +269,14 @@ class Plane:
     key = _key(peer, lane)
     with self.lock:
       link = self.conns.get(key)
-      if link is not None:
-        if _tcp_io.open_at_peer(link.sock, link.poll):
-          if link.owed:
-            _pay_owed(link, peer, deadline, op)
-          return link
+      if link is not None and not _tcp_io.open_at_peer(link.sock, link.poll):
         del self.conns[key]  # The peer dropped it after a failed transfer.
         _tcp_io.close(link.sock)
+        link = None
+    if link is not None:
+      if link.owed:  # Outside the lock: the peer may take a while to read.
+        _pay_owed(link, peer, deadline, op)
+      return link
     if self.me < peer:
       # One connector at a time (the agreement's link setup runs on a thread
       # of its own): a second connection would replace the first.
