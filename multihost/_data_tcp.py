@@ -118,6 +118,19 @@ def stripes(length: int, lanes: int) -> list[tuple[int, int]]:
   return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
+def _pieces(parts: list[np.ndarray], ranges: list[tuple[int, int]]) -> list:
+  """What the source sends of each stripe: its parts when there is one stripe, else views of each stripe's bytes."""
+  if len(ranges) == 1:
+    return [parts]
+  views = [memoryview(s).cast('B') for s in segments(b'', parts)]
+  return [_cut(views, a, b) for a, b in ranges]
+
+
+def _framed(head: bytes, piece: list, striped: bool) -> list:
+  """`head` then a stripe's `piece` (see `_pieces`), as the segments to send."""
+  return [head, *piece] if striped else segments(head, piece)
+
+
 def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
   """Views of bytes [start, stop) of the concatenation of `views`."""
   out, at = [], 0
@@ -158,12 +171,9 @@ class Eager:
     # The data frame the transfer will send: every process counts the
     # same transfers, and the next one is `plane.seq + 1`.
     head = link.frame(plane.seq + 1, b - a)
-    if len(ranges) == 1:
-      parts = segments(head, self.parts)
-    else:
-      parts = [head, *_cut([memoryview(x).cast('B')
-                            for x in segments(b'', self.parts)], a, b)]
-    self.segments = [memoryview(x).cast('B') for x in parts]
+    piece = _pieces(self.parts, ranges)[0]
+    self.segments = [memoryview(x).cast('B')
+                     for x in _framed(head, piece, len(ranges) > 1)]
     self.head = len(head)
     self.link = link
     self.sent = _tcp_io.send_ready(link.sock, self.segments, EAGER_BYTES)
@@ -214,13 +224,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   rank = (plane.me - source) % plane.count
   out = _buffers.take(length) if rank > 0 or source_result else None
   ranges = stripes(length, plane.lanes)
-  if rank > 0:
-    pieces = [None] * len(ranges)
-  elif len(ranges) == 1:
-    pieces = [parts]
-  else:
-    views = [memoryview(s).cast('B') for s in segments(b'', parts)]
-    pieces = [_cut(views, a, b) for a, b in ranges]
+  pieces = [None] * len(ranges) if rank > 0 else _pieces(parts, ranges)
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
       _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
       deadline, True)) for lane in range(1, len(ranges))]
@@ -277,8 +281,8 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
                      eager.sent)
     elif rank == 0:
       head = down.frame(call, n)
-      segments_ = [head, *piece] if striped else segments(head, piece)
-      _send_and_copy(down, segments_, len(head), target, watch)
+      _send_and_copy(down, _framed(head, piece, striped), len(head), target,
+                     watch)
     else:
       view = memoryview(target)
       if down is not None:

@@ -45,8 +45,9 @@ class Link:
     self.received = 0
     self.poll = select.poll()  # for `_tcp_io.open_at_peer`
     self.poll.register(sock, select.POLLIN)
-    # The rest of a frame a timed-out call left half sent
-    # (`_data_tcp.Eager.defer`): sent before anything else (`Plane.conn`).
+    # The rest of a frame a call left half sent after a difference or a
+    # timeout (`_data_tcp.Eager.defer`): sent before anything else
+    # (`Plane.conn`).
     self.owed: list[memoryview] | None = None
 
   def frame(self, call: int, length: int) -> bytes:
