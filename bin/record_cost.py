@@ -18,8 +18,8 @@ import time
 from jax import monitoring
 import numpy as np
 
-from multihost import _metrics
-from multihost import _runtime
+from multihost._src.diagnostics import metrics
+from multihost._src.runtime import runtime
 
 
 def _per_call(fn, n: int = 200000) -> float:
@@ -33,7 +33,7 @@ def _per_call(fn, n: int = 200000) -> float:
 
 
 def main() -> None:
-  rt = _runtime.current()
+  rt = runtime.current()
   x = np.zeros(1, np.int64)
 
   def plain():
@@ -41,8 +41,8 @@ def main() -> None:
     record.end = time.monotonic()
     return x
 
-  recorded = _metrics.recorded('broadcast_one_to_all',
-                               _metrics.result_bytes)(plain)
+  recorded = metrics.recorded('broadcast_one_to_all',
+                               metrics.result_bytes)(plain)
   base, cost = _per_call(plain), _per_call(recorded)
   print(f'record + metrics, no listener: {(cost - base) * 1e6:.2f} us per call')
   monitoring.register_event_duration_secs_listener(lambda *a, **k: None)

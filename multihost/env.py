@@ -45,7 +45,7 @@ JOB_SECRET_FILE = 'MULTIHOST_JOB_SECRET_FILE'
 MAX_OBJECT_BYTES = 'MULTIHOST_MAX_OBJECT_BYTES'
 # Set to 0 so that process 0 hosts the coordination service itself (plain
 # JAX: its death aborts the others). Otherwise a companion process of
-# process 0 hosts it (`multihost._companion`): a crash of process 0's
+# process 0 hosts it (`multihost._src.runtime.companion`): a crash of process 0's
 # trainer is then an ordinary failure, also outside the launcher.
 COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # Set to 0 so that a process whose peer failed never leaves by itself (see
@@ -53,14 +53,14 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
 # Idle result buffers (MiB) each process keeps for the next large collective
-# (default 512; 0: none); see `multihost._buffers`.
+# (default 512; 0: none); see `multihost._src.transport.buffers`.
 RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
 # TCP connections per pair of processes that a large broadcast stripes over
-# (default 2; 1: one); the same on every process. See `multihost._data_tcp`.
+# (default 2; 1: one); the same on every process. See `multihost._src.transport.tcp.chain`.
 TCP_LANES = 'MULTIHOST_TCP_LANES'
 
 # Calls (and events) each process's flight recorder keeps (default 64); see
-# `multihost._flight`.
+# `multihost._src.runtime.flight`.
 FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
 # Set by `multihost.launch --trace`: the folder where each controller writes
 # its flight recorder at exit (process-N.json), for the launcher to merge.
@@ -86,6 +86,8 @@ SLURM_STEP_NODELIST = 'SLURM_STEP_NODELIST'
 SLURM_NTASKS = 'SLURM_NTASKS'
 SLURM_PROCID = 'SLURM_PROCID'
 SLURM_LOCALID = 'SLURM_LOCALID'
+# Set by Slurm on a requeue (read by `recovery` as a restart count).
+SLURM_RESTART_COUNT = 'SLURM_RESTART_COUNT'
 
 # Variables whose presence means a cluster JAX can auto-detect.
 CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
@@ -95,41 +97,6 @@ CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
 # With failure detection on, a killed peer is reported within about this many
 # seconds (plus 2 s); JAX's own default (100 s) is meant for large TPU jobs.
 DEFAULT_HEARTBEAT_S = 10
-
-_OFF = ('0', 'false', 'no', 'off')
-
-
-def get(name: str, default: str | None = None) -> str | None:
-  """The value of environment variable `name` (one of this module's names)."""
-  return os.environ.get(name, default)
-
-
-def number(name: str, default: float, *, unit: str, example: str,
-           zero_ok: bool = False, integer: bool = False) -> float:
-  """Numeric variable `name`: `default` when unset or empty, else its value.
-
-  Raises:
-    ValueError: the value is not a number, or not > 0 (>= 0 with
-      `zero_ok`); the message names the variable, the value and an example.
-  """
-  text = os.environ.get(name)
-  if not text:
-    return default
-  try:
-    value = int(text) if integer else float(text)
-  except ValueError:
-    value = None
-  if value is None or not (value >= 0 if zero_ok else value > 0):
-    what = f'number of {unit} >= 0' if zero_ok else f'positive number of {unit}'
-    raise ValueError(f'${name}={text!r} is not a {what}. Set it to e.g. '
-                     f'{example}, or unset it.')
-  return value
-
-
-def is_off(name: str) -> bool:
-  """Whether environment variable `name` is set to a false value (0/false/no/off)."""
-  return os.environ.get(name, '').strip().lower() in _OFF
-
 
 def in_cluster() -> bool:
   """Whether the environment looks like a cluster JAX can auto-detect."""

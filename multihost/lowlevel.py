@@ -9,11 +9,11 @@ it goes through here.
 
 from __future__ import annotations
 
-from multihost import _companion
-from multihost import _coordination
-from multihost import _data_plane
-from multihost import _diagnostics
-from multihost import _watchdog
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import companion
+from multihost._src.runtime import coordination
+from multihost._src.runtime import failures
+from multihost._src.transport import plane
 
 
 def wait_at_barrier(barrier_id: str, timeout: float) -> None:
@@ -21,7 +21,7 @@ def wait_at_barrier(barrier_id: str, timeout: float) -> None:
 
   Collective: every process must call this with the same `barrier_id`.
   """
-  _coordination.wait_at_barrier(barrier_id, timeout)
+  coordination.wait_at_barrier(barrier_id, timeout)
 
 
 def start_service(address: str, num_processes: int, *,
@@ -31,46 +31,46 @@ def start_service(address: str, num_processes: int, *,
   The controllers must then run with `MULTIHOST_EXTERNAL_SERVICE=1` (see
   `multihost.env.external_service_env`) and call `multihost.initialize()`.
   """
-  return _coordination.start_service(
+  return coordination.start_service(
       address, num_processes, heartbeat_timeout=heartbeat_timeout,
       shutdown_timeout=shutdown_timeout)
 
 
 def failure_detection_bound() -> float:
   """Seconds within which the watchdog reports a peer that was killed."""
-  return _watchdog.detection_bound()
+  return watchdog.detection_bound()
 
 
 def tcp_transport_enabled() -> bool:
   """Whether this job's data plane is TCP for small payloads (large ones may take a device collective on GPU/TPU); validates $MULTIHOST_TRANSPORT."""
-  return _data_plane.tcp_enabled()
+  return plane.tcp_enabled()
 
 
 def cpp_warnings_hidden():
-  """A context in which JAX's C++ logs show errors only (see `multihost._companion.cpp_advice_hidden`)."""
-  return _companion.cpp_advice_hidden()
+  """A context in which JAX's C++ logs show errors only (see `multihost._src.runtime.companion.cpp_advice_hidden`)."""
+  return companion.cpp_advice_hidden()
 
 
 def process_prefix(index: int | None = None) -> str:
   """'[process=N]' for this process (or `index`): how every message of the project starts."""
-  return _diagnostics.prefix(index)
+  return failures.prefix(index)
 
 
 def shorten(message: object, limit: int = 400) -> str:
   """`message` (a string or an exception) on one line, cut to `limit` characters."""
-  return _diagnostics.shorten(message, limit)
+  return failures.shorten(message, limit)
 
 
 def key_value_set(key: str, value: bytes) -> None:
   """Sets (or replaces) `key` in the coordination service's key-value store."""
-  _coordination.kv_set(key, value)
+  coordination.kv_set(key, value)
 
 
 def key_value_get(key: str, timeout: float) -> bytes:
   """The value of `key` in the coordination service's store, waiting up to `timeout` seconds."""
-  return _coordination.kv_get(key, timeout)
+  return coordination.kv_get(key, timeout)
 
 
 def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:
   """Every (key, value) under `prefix` (ending with '/') in the coordination service's store."""
-  return _coordination.kv_dir(prefix)
+  return coordination.kv_dir(prefix)

@@ -2,7 +2,7 @@
 
 `FakeService` keeps one key-value store and the barriers of a job of
 `count` processes; `FakeService.client(p)` is process p's view of it, a
-`multihost._coordination.Client`. It answers the way JAX's coordination
+`multihost._src.runtime.coordination.Client`. It answers the way JAX's coordination
 service does where the control plane depends on it:
 
 * a barrier waits for every process (or the ones named); at its deadline
@@ -18,7 +18,7 @@ service does where the control plane depends on it:
 
 It checks deadlines exactly (the real service does about once a second) and
 answers `live_processes` at once (the real one waits for every live process
-to ask). `runtimes(n)` builds the `multihost._runtime.Runtime` of each
+to ask). `runtimes(n)` builds the `multihost._src.runtime.runtime.Runtime` of each
 process on one service.
 """
 
@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any
 
-from multihost import _control_links
-from multihost import _runtime
-from multihost import _tcp_link
+from multihost._src.control import links as _control_links
+from multihost._src.runtime import runtime
+from multihost._src.transport.tcp import link
 
 
 class FakeServiceError(RuntimeError):
@@ -192,7 +192,7 @@ class FakeClient:
 
 
 def runtimes(count: int, *, links: bool = False
-             ) -> tuple[FakeService, list[_runtime.Runtime]]:
+             ) -> tuple[FakeService, list[runtime.Runtime]]:
   """A fake service and the runtime of each of its `count` processes.
 
   With `links`, calls agree over real TCP links on loopback once the first
@@ -200,7 +200,7 @@ def runtimes(count: int, *, links: bool = False
   service.
   """
   service = FakeService(count)
-  rts = [_runtime.Runtime(service.client(p), index=p, count=count,
+  rts = [runtime.Runtime(service.client(p), index=p, count=count,
                           recoverable=True, runs_service=p == 0,
                           service_address='127.0.0.1:1')
          for p in range(count)]
@@ -210,7 +210,7 @@ def runtimes(count: int, *, links: bool = False
   return service, rts
 
 
-def run(rts: list[_runtime.Runtime], fn: Callable[[_runtime.Runtime], Any], *,
+def run(rts: list[runtime.Runtime], fn: Callable[[runtime.Runtime], Any], *,
         timeout: float = 30.0,
         delays: dict[int, float] | None = None) -> list[tuple[Any, float]]:
   """`fn(rt)` on a thread per process; each one's (result or exception, seconds).
@@ -243,7 +243,7 @@ def run(rts: list[_runtime.Runtime], fn: Callable[[_runtime.Runtime], Any], *,
   return results
 
 
-def stop(rts: list[_runtime.Runtime]) -> None:
+def stop(rts: list[runtime.Runtime]) -> None:
   """Stops every runtime's threads (the responders and the watchdogs)."""
   for rt in rts:
     if rt.watchdog is not None:
@@ -254,4 +254,4 @@ def stop(rts: list[_runtime.Runtime]) -> None:
     if rt.watchdog is not None:
       rt.watchdog.stop_polling()
     if rt.plane is not None:
-      _tcp_link.close_plane(rt.plane)
+      link.close_plane(rt.plane)

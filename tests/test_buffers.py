@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multihost import _buffers
 from multihost import env as env_lib
+from multihost._src.transport import buffers
 
 MIB = 1 << 20
 
@@ -20,7 +20,7 @@ def _address(array: np.ndarray) -> int:
 
 
 def test_memory_is_used_again_only_after_the_last_view_is_gone():
-  pool = _buffers.Pool(16 * MIB)
+  pool = buffers.Pool(16 * MIB)
   first = pool.take(MIB)
   first[:] = 7
   where = _address(first)
@@ -42,7 +42,7 @@ def test_memory_is_used_again_only_after_the_last_view_is_gone():
 
 
 def test_the_pool_keeps_at_most_its_limit_dropping_the_largest_first():
-  pool = _buffers.Pool(4 * MIB)
+  pool = buffers.Pool(4 * MIB)
   arrays = [pool.take(n * MIB) for n in (1, 1, 2, 1)]
   del arrays[0]  # 1 MiB idle
   del arrays[0]  # 2 MiB idle
@@ -61,7 +61,7 @@ def test_the_pool_keeps_at_most_its_limit_dropping_the_largest_first():
 
 
 def test_of_equal_sizes_the_least_recently_returned_goes():
-  pool = _buffers.Pool(3 * MIB)
+  pool = buffers.Pool(3 * MIB)
   arrays = [pool.take(MIB) for _ in range(4)]
   addresses = [_address(a) for a in arrays]
   for _ in range(4):  # returned in order 0, 1, 2, 3: buffer 0 goes
@@ -75,7 +75,7 @@ def test_one_large_result_does_not_push_out_the_smaller_calls_buffers():
   # large as the whole pool (as 4 x 64 MiB at P=4 in a 256 MiB pool): the
   # working set (61 MiB) is over the limit, and the large result is the one
   # that is not kept (oldest first kept only it, and every call faulted).
-  pool = _buffers.Pool(48 * MIB)
+  pool = buffers.Pool(48 * MIB)
   for _ in range(3):
     for n in (1, 12, 48):
       result = pool.take(n * MIB)
@@ -84,13 +84,13 @@ def test_one_large_result_does_not_push_out_the_smaller_calls_buffers():
 
 
 def test_small_or_too_large_or_disabled_results_are_plain_arrays(monkeypatch):
-  pool = _buffers.Pool(4 * MIB)
+  pool = buffers.Pool(4 * MIB)
   for n in (10, (256 << 10) - 1, 5 * MIB):
     array = pool.take(n)
     assert array.flags.owndata and len(array) == n
   monkeypatch.setenv(env_lib.RESULT_POOL_MIB, '0')
-  off = _buffers.Pool()
+  off = buffers.Pool()
   assert off.limit == 0 and off.take(MIB).flags.owndata
   monkeypatch.setenv(env_lib.RESULT_POOL_MIB, 'lots')
   with pytest.raises(ValueError, match='MULTIHOST_RESULT_POOL_MIB'):
-    assert _buffers.Pool().limit
+    assert buffers.Pool().limit

@@ -189,27 +189,27 @@ def test_a_contender_holding_a_replaced_stale_lock_file_does_not_take_it(
   # creates and holds a new one); B then gets the old file's flock, with
   # the dead holder still in it. B must see that the path no longer names
   # its file and try again (and be refused by D), not take the old one.
-  from recovery import _lock  # pylint: disable=import-outside-toplevel
+  from recovery._src.checkpoint import lock
   folder = tmp_path / 'ckpt'
   folder.mkdir()
-  path = str(folder / _lock.LOCK_NAME)
+  path = str(folder / lock.LOCK_NAME)
   dead = subprocess.Popen([sys.executable, '-c', 'pass'])
   dead.wait(timeout=60)
-  (folder / _lock.LOCK_NAME).write_text(json.dumps(
+  (folder / lock.LOCK_NAME).write_text(json.dumps(
       {'host': socket.gethostname(), 'pid': dead.pid, 'proc_start': '1',
        'time': 0, 'nonce': '00'}))
   fd_b = os.open(path, os.O_RDWR)
   os.remove(path)
-  held_by_d = _lock.FolderLock._take(path)
+  held_by_d = lock.FolderLock._take(path)
   try:
     info_b = {'host': socket.gethostname(), 'pid': os.getpid(), 'nonce': 'b'}
     try:
-      assert _lock.FolderLock._claim(path, fd_b, info_b, created=False) is None
+      assert lock.FolderLock._claim(path, fd_b, info_b, created=False) is None
     finally:
       os.close(fd_b)
     with pytest.raises(recovery.CheckpointFolderError,
                        match='in use by another run'):
-      _lock.FolderLock._take(path)
+      lock.FolderLock._take(path)
   finally:
     held_by_d.release()
   assert not os.path.exists(path)

@@ -1,7 +1,7 @@
 """The control plane's failure paths, on an in-memory coordination service.
 
 Each test runs a few "processes" as threads of this one, each with its own
-`multihost._runtime.Runtime` on one `fake_coordination.FakeService`, and
+`multihost._src.runtime.runtime.Runtime` on one `fake_coordination.FakeService`, and
 calls the control plane (`_control_agree`) with that runtime. The
 real-process tests of the same paths (test_failures.py, test_security.py,
 test_collectives.py) stay: they cover what a fake cannot (signals, gloo,
@@ -19,20 +19,20 @@ import time
 import fake_coordination as fake
 import pytest
 
-from multihost import _control_agree
-from multihost import _coordination
-from multihost import _errors
-from multihost import _exit
-from multihost import _leaves
-from multihost import _peer_loss_exit
-from multihost import _runtime
-from multihost import _secret
-from multihost import _watchdog
-from multihost import _where
-from multihost import _where_text
+from multihost._src.auth import secret
+from multihost._src.control import agree
+from multihost._src.diagnostics import where
+from multihost._src.diagnostics import where_text
+from multihost._src.liveness import exit_handshake
+from multihost._src.liveness import peer_loss_exit
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import coordination
+from multihost._src.runtime import errors as _errors
+from multihost._src.runtime import leaves
+from multihost._src.runtime import runtime
 import multihost.env
 
-Header = _control_agree.Header
+Header = agree.Header
 
 
 @pytest.fixture
@@ -44,11 +44,11 @@ def job(request):
     # Threads stand for processes here: none may leave with os._exit(75)
     # (the tests of that policy give it an exit function of their own).
     rt.settings.exit_on_peer_failure = (False, None, None)
-    _watchdog.of(rt).start(heartbeat_timeout=2)
-    _where.of(rt).ensure_started()
+    watchdog.of(rt).start(heartbeat_timeout=2)
+    where.of(rt).ensure_started()
   yield service, rts
   for rt in rts:
-    _watchdog.of(rt).peer_loss.cancel()
+    watchdog.of(rt).peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -59,13 +59,13 @@ def _errors_of(results, kind):
 
 
 def test_the_fake_and_jaxs_client_are_coordination_clients():
-  assert isinstance(fake.FakeService(2).client(0), _coordination.Client)
-  assert isinstance(_coordination.JaxClient(object()), _coordination.Client)
+  assert isinstance(fake.FakeService(2).client(0), coordination.Client)
+  assert isinstance(coordination.JaxClient(object()), coordination.Client)
 
 
 def test_the_exit_sequence_runs_in_order_once():
   """Responder first (no key-value get in flight), then the handshake, then the companion."""
-  rt = _runtime.Runtime(None)
+  rt = runtime.Runtime(None)
   ran = []
   for name in ('companion', 'handshake', 'where'):
     rt.exit_steps[name] = lambda name=name: ran.append(name)
@@ -76,9 +76,9 @@ def test_the_exit_sequence_runs_in_order_once():
 
 def test_agreement_on_the_fast_path(job):
   _, rts = job
-  results = fake.run(rts, lambda rt: _control_agree.agree(
+  results = fake.run(rts, lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=10, runtime=rt))
-  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 3
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 3
   assert all(seconds < 0.9 for _, seconds in results)  # no 1 s window
 
 
@@ -88,7 +88,7 @@ def test_a_timeout_names_the_missing_process(job):
   def call(rt):
     if rt.index == 2:
       return 'stays away'
-    return _control_agree.agree(Header('sync_global_devices', name='x'),
+    return agree.agree(Header('sync_global_devices', name='x'),
                                 timeout=2.5, runtime=rt)
 
   results = fake.run(rts[:2] + rts[2:], call)
@@ -109,7 +109,7 @@ def test_a_timeout_never_fires_before_its_bound(job):
   # the 3 s left, which the service must be asked for whole (it fails a
   # barrier at its deadline or up to a second later, never before).
   _, rts = job
-  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+  results = fake.run(rts[:1], lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=4, runtime=rt))
   error, seconds = results[0]
   assert isinstance(error, _errors.CollectiveTimeoutError), error
@@ -120,7 +120,7 @@ def test_a_timeout_never_fires_before_its_bound(job):
 def test_a_late_process_is_told_it_arrived_late_and_by_how_much(job):
   _, rts = job
   results = fake.run(
-      rts, lambda rt: _control_agree.agree(
+      rts, lambda rt: agree.agree(
           Header('sync_global_devices', name='x'), timeout=2, runtime=rt),
       delays={2: 3.0})
   early = _errors_of(results[:2], _errors.CollectiveTimeoutError)
@@ -148,7 +148,7 @@ def test_the_timeout_advice_names_what_set_the_timeout(job, source,
   elif source == 'environment':
     monkeypatch.setenv(multihost.env.TIMEOUT, '1.5')
   timeout = rt.resolve_timeout(1.5 if source == 'argument' else None)
-  results = fake.run([rt], lambda rt: _control_agree.agree(
+  results = fake.run([rt], lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=timeout, runtime=rt))
   message = str(results[0][0])
   advice = {'argument': 'or pass a larger timeout=.',
@@ -164,12 +164,12 @@ def test_the_timeout_advice_names_what_set_the_timeout(job, source,
 @pytest.mark.parametrize('job', [2], indirect=True)
 def test_after_a_timeout_the_where_report_no_longer_says_waiting(job):
   _, rts = job
-  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+  results = fake.run(rts[:1], lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=1.5, runtime=rt))
   assert isinstance(results[0][0], _errors.CollectiveTimeoutError)
   # Process 1 asks where process 0 is, as a SIGUSR1 or multihost.where() does.
-  report = _where.ask([0], runtime=rts[1])[0]
-  text = _where_text.where_text({0: report}, timeout=1.5)
+  report = where.ask([0], runtime=rts[1])[0]
+  text = where_text.where_text({0: report}, timeout=1.5)
   assert 'now waiting in' not in text, text
   assert 'not in a collective' in text, text
   assert ("sync_global_devices('x') (call 0) raised CollectiveTimeoutError "
@@ -185,13 +185,13 @@ def test_a_where_request_written_after_a_later_one_is_still_answered(job):
   service, rts = job
   del service
   client = rts[1].client
-  key = _secret.job_keys('where', timeout=5, runtime=rts[1])[1]
+  key = secret.job_keys('where', timeout=5, runtime=rts[1])[1]
   late = client.kv_increment('multihost_where/count', 1) - 1
   early = client.kv_increment('multihost_where/count', 1) - 1
   body = json.dumps({'from': 1, 'to': [0]}).encode()
   for n in (early, late):
     name = f'multihost_where/req/{n}'
-    client.kv_set(name, _where._seal(key, name, body))  # pylint: disable=protected-access
+    client.kv_set(name, where._seal(key, name, body))  # pylint: disable=protected-access
     if n == early:
       time.sleep(1.3)
   for n in (early, late):
@@ -206,8 +206,8 @@ def test_a_where_request_written_after_a_later_one_is_still_answered(job):
 def _policy(rt, grace):
   """Gives `rt`'s watchdog a leave-on-peer-failure policy that records the exit instead."""
   exits = []
-  wd = _watchdog.of(rt)
-  wd.peer_loss = _peer_loss_exit.PeerLossExit(exit_fn=exits.append)
+  wd = watchdog.of(rt)
+  wd.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=exits.append)
   wd.peer_loss.configure(enabled=True, grace=grace)
   return exits
 
@@ -226,7 +226,7 @@ def test_a_peer_failure_that_reaches_no_call_makes_the_process_leave(
   # no multihost call raises, so after the grace it leaves with status 75
   # and one line naming process 1 and where its main thread is.
   service, rts = job
-  fake.run(rts, lambda rt: _control_agree.agree(
+  fake.run(rts, lambda rt: agree.agree(
       Header('sync_global_devices', name='warm'), timeout=10, runtime=rt))
   exits = _policy(rts[0], grace=0.3)
   service.kill(1)
@@ -249,7 +249,7 @@ def test_a_peer_failure_raised_by_a_collective_does_not_make_it_leave(job):
   # default), within which the collective raises.
   exits = _policy(rts[0], grace=1.5)
   service.kill(1)
-  results = fake.run(rts[:1], lambda rt: _control_agree.agree(
+  results = fake.run(rts[:1], lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
   assert isinstance(results[0][0], _errors.ProcessFailureError)
   time.sleep(2.0)  # Past the grace.
@@ -263,7 +263,7 @@ def test_the_exit_handshake_cancels_leaving_on_a_peer_failure(job):
   rts[0].watchdog.shutdown_timeout = 1.0
   service.kill(1)
   assert _wait_for(lambda: rts[0].watchdog.failed, 5)
-  _exit.leave(rts[0])  # The normal exit sequence, inside the grace.
+  exit_handshake.leave(rts[0])  # The normal exit sequence, inside the grace.
   time.sleep(1.0)
   assert exits == []
 
@@ -280,14 +280,14 @@ def test_the_service_host_does_not_wait_for_peers_after_an_error(
   _, rts = job
   host = rts[0]
   host.watchdog.shutdown_timeout = 4.5
-  monkeypatch.setattr(_exit, '_EXIT_GRACE_S', 1.5)
+  monkeypatch.setattr(exit_handshake, '_EXIT_GRACE_S', 1.5)
   if why == 'timeout':
-    fake.run([host], lambda rt: _control_agree.agree(
+    fake.run([host], lambda rt: agree.agree(
         Header('sync_global_devices', name='x'), timeout=1.5, runtime=rt))
   elif why == 'uncaught':
     host.uncaught = 'ValueError'
   start = time.monotonic()
-  _exit.leave(host)
+  exit_handshake.leave(host)
   took = time.monotonic() - start
   if why == 'none':
     assert took >= 4.5, took  # It waited for them.
@@ -302,7 +302,7 @@ def test_a_planted_message_is_refused_on_every_process(job):
   # Someone who reached the service writes a key into the first call's
   # directory that belongs to no process.
   service.client(99).kv_set('multihost/0/0/7', b'not a message')
-  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+  results = fake.run(rts, lambda rt: agree.agree_and_gather(
       Header('process_allgather', payload=b'row %d' % rt.index),
       timeout=10, runtime=rt))
   for p, e in enumerate(_errors_of(results, _errors.MultihostError)):
@@ -320,7 +320,7 @@ def test_an_altered_message_fails_authentication_on_every_process(job):
     return value
 
   service.tamper = flip
-  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+  results = fake.run(rts, lambda rt: agree.agree_and_gather(
       Header('process_allgather', payload=b'row %d' % rt.index),
       timeout=10, runtime=rt))
   for p, e in enumerate(_errors_of(results, _errors.MultihostError)):
@@ -334,13 +334,13 @@ def test_a_disagreement_raises_consistency_error_on_every_process(job):
   _, rts = job
 
   def call(rt):
-    spec = _leaves.LeafSpec((2 + rt.index,), 'float32')
+    spec = leaves.LeafSpec((2 + rt.index,), 'float32')
     header = Header('process_allgather', tree='PyTreeDef(*)', paths=('',),
                     specs=(spec,))
-    outcome = _control_agree.agree(header, timeout=10, runtime=rt)
+    outcome = agree.agree(header, timeout=10, runtime=rt)
     assert not outcome.agreed  # not on the fast path
     headers = outcome.headers
-    _control_agree.check_same_leaves(headers, me=rt.index)
+    agree.check_same_leaves(headers, me=rt.index)
 
   results = fake.run(rts, call)
   for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
@@ -355,7 +355,7 @@ def test_a_disagreement_raises_consistency_error_on_every_process(job):
 def test_different_collectives_raise_consistency_error_everywhere(job):
   _, rts = job
   ops = ['sync_global_devices', 'process_allgather']
-  results = fake.run(rts, lambda rt: _control_agree.agree(
+  results = fake.run(rts, lambda rt: agree.agree(
       Header(ops[rt.index]), timeout=10, runtime=rt))
   for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
     assert str(e).startswith(f'[process={p}] processes called different '
@@ -366,12 +366,12 @@ def test_different_collectives_raise_consistency_error_everywhere(job):
 
 def test_a_dead_peer_raises_process_failure_error(job):
   service, rts = job
-  warm = fake.run(rts, lambda rt: _control_agree.agree(
+  warm = fake.run(rts, lambda rt: agree.agree(
       Header('sync_global_devices', name='warm'), timeout=10, runtime=rt))
-  assert [out for out, _ in warm] == [_control_agree.Agreement(True)] * 3
+  assert [out for out, _ in warm] == [agree.Agreement(True)] * 3
   service.kill(2)
   survivors = rts[:2]
-  results = fake.run(survivors, lambda rt: _control_agree.agree(
+  results = fake.run(survivors, lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
   for p, e in enumerate(_errors_of(results, _errors.ProcessFailureError)):
     assert list(e.failed) == [2]
@@ -381,7 +381,7 @@ def test_a_dead_peer_raises_process_failure_error(job):
     assert seconds < 5.0  # the watchdog's bound, not the 20 s timeout
   # Every later collective raises at once.
   start = time.monotonic()
-  later = fake.run(survivors, lambda rt: _control_agree.agree(
+  later = fake.run(survivors, lambda rt: agree.agree(
       Header('sync_global_devices', name='y'), timeout=20, runtime=rt))
   _errors_of(later, _errors.ProcessFailureError)
   assert time.monotonic() - start < 0.5
@@ -389,8 +389,8 @@ def test_a_dead_peer_raises_process_failure_error(job):
 
 def test_a_peer_that_left_is_named_as_exited_not_failed(job):
   _, rts = job
-  _exit.leave(rts[2])  # Process 2's exit handshake (not the service's host).
-  results = fake.run(rts[:2], lambda rt: _control_agree.agree(
+  exit_handshake.leave(rts[2])  # Process 2's exit handshake (not the service's host).
+  results = fake.run(rts[:2], lambda rt: agree.agree(
       Header('sync_global_devices', name='x'), timeout=20, runtime=rt))
   for p, e in enumerate(_errors_of(results, _errors.ProcessFailureError)):
     assert str(e).startswith(f'[process={p}] sync_global_devices: '
@@ -405,7 +405,7 @@ def test_the_process_running_the_service_leaves_last(job):
   left = {}
 
   def leave(rt):
-    _exit.leave(rt)
+    exit_handshake.leave(rt)
     left[rt.index] = time.monotonic()
 
   results = fake.run(rts, leave, delays={1: 0.5, 2: 1.5})
@@ -426,11 +426,11 @@ def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
   service, rts = fake.runtimes(2)
   rt = rts[0]
   rt.settings.exit_on_peer_failure = (False, None, None)
-  wd = _watchdog.of(rt)
+  wd = watchdog.of(rt)
   try:
     assert wd.start(heartbeat_timeout=multihost.env.DEFAULT_HEARTBEAT_S)
     assert wd.detection_bound() == bound
-    assert slack == _watchdog.DETECTION_SLACK_S
+    assert slack == watchdog.DETECTION_SLACK_S
     assert (f'reported within {bound:.1f} s (heartbeat timeout '
             f'{multihost.env.DEFAULT_HEARTBEAT_S:g} s + {slack:g} s)'
             ) in caplog.text

@@ -18,19 +18,19 @@ import time
 import fake_coordination as fake
 import pytest
 
-from multihost import _control_agree
-from multihost import _control_links
-from multihost import _errors
-from multihost import _leaves
-from multihost import _tcp_link
-from multihost import _watchdog
-from multihost import _where
+from multihost._src.control import agree
+from multihost._src.control import links
+from multihost._src.diagnostics import where
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import errors
+from multihost._src.runtime import leaves
+from multihost._src.transport.tcp import link as _tcp_link
 
-Header = _control_agree.Header
+Header = agree.Header
 
 
 def _sync(rt, name='x', timeout=10.0):
-  return _control_agree.agree(Header('sync_global_devices', name=name),
+  return agree.agree(Header('sync_global_devices', name=name),
                               timeout=timeout, runtime=rt)
 
 
@@ -38,8 +38,8 @@ def _started(count):
   service, rts = fake.runtimes(count, links=True)
   for rt in rts:  # As multihost.initialize() does (see test_control_fake).
     rt.settings.exit_on_peer_failure = (False, None, None)
-    _watchdog.of(rt).start(heartbeat_timeout=2)
-    _where.of(rt).ensure_started()
+    watchdog.of(rt).start(heartbeat_timeout=2)
+    where.of(rt).ensure_started()
   return service, rts
 
 
@@ -51,18 +51,18 @@ def job(request):
   # Through the service until every process switched: bounded by the links'
   # setup time, not a number of calls (each takes about a millisecond, the
   # setup thread's connections 2-9 calls here, and more on a loaded machine).
-  deadline = time.monotonic() + _control_links.SETUP_S
+  deadline = time.monotonic() + links.SETUP_S
   while time.monotonic() < deadline:
     first = fake.run(rts, _sync)
     assert [out for out, _ in first] == [
-        _control_agree.Agreement(True)] * count
-    if any(_control_links.usable(rt) for rt in rts):
+        agree.Agreement(True)] * count
+    if any(links.usable(rt) for rt in rts):
       break
     time.sleep(0.001)
-  assert all(_control_links.usable(rt) for rt in rts)  # all in one call
+  assert all(links.usable(rt) for rt in rts)  # all in one call
   yield service, rts
   for rt in rts:
-    _watchdog.of(rt).peer_loss.cancel()
+    watchdog.of(rt).peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -82,12 +82,12 @@ def test_calls_agree_and_gather_over_the_links_without_the_service(job):
     rt.client.wait_at_barrier = (
         lambda *a, wait=wait, **k: (waits.append(a[0]), wait(*a, **k)))
   for _ in range(3):
-    results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+    results = fake.run(rts, lambda rt: agree.agree_and_gather(
         Header('process_allgather'), publish=b'row %d' % rt.index,
         timeout=10, runtime=rt))
     rows = [b'row %d' % p for p in range(count)]
     assert [out for out, _ in results] == [(rows, None)] * count
-    results = fake.run(rts, lambda rt: _control_agree.agree_and_read_one(
+    results = fake.run(rts, lambda rt: agree.agree_and_read_one(
         Header('broadcast_one_to_all', payload=b'8 bytes!' if rt.index == 0
                else None), 0, timeout=10, runtime=rt))
     assert [out for out, _ in results] == [(b'8 bytes!', None)] * count
@@ -108,7 +108,7 @@ def test_one_differing_process_makes_every_process_fall_back(job):
           'y' if p == odd else 'x' for p in range(len(rts))]
   # And on agreement again, the links again.
   results = fake.run(rts, _sync)
-  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * len(
+  assert [out for out, _ in results] == [agree.Agreement(True)] * len(
       rts)
 
 
@@ -117,14 +117,14 @@ def test_a_disagreement_raises_consistency_error_on_every_process(job):
   _, rts = job
 
   def call(rt):
-    spec = _leaves.LeafSpec((2 + rt.index,), 'float32')
+    spec = leaves.LeafSpec((2 + rt.index,), 'float32')
     header = Header('process_allgather', tree='PyTreeDef(*)', paths=('',),
                     specs=(spec,))
-    outcome = _control_agree.agree(header, timeout=10, runtime=rt)
-    _control_agree.check_same_leaves(outcome.headers, me=rt.index)
+    outcome = agree.agree(header, timeout=10, runtime=rt)
+    agree.check_same_leaves(outcome.headers, me=rt.index)
 
   results = fake.run(rts, call)
-  for p, e in enumerate(_errors_of(results, _errors.ConsistencyError)):
+  for p, e in enumerate(_errors_of(results, errors.ConsistencyError)):
     assert str(e).startswith(f'[process={p}] process_allgather: the inputs '
                              'differ across processes (processes [1] differ '
                              'from the rest)')
@@ -140,7 +140,7 @@ def test_a_timeout_names_the_missing_process_and_where_it_is(job):
 
   results = fake.run(rts, call)
   for p, e in enumerate(_errors_of(results[:2],
-                                   _errors.CollectiveTimeoutError)):
+                                   errors.CollectiveTimeoutError)):
     assert list(e.missing) == [2]
     assert str(e).startswith(f'[process={p}] sync_global_devices: timed out')
     assert 'waiting for process(es) [2] to arrive' in str(e)
@@ -152,7 +152,7 @@ def test_a_timeout_names_the_missing_process_and_where_it_is(job):
 def test_a_slow_peer_costs_no_window_and_no_fallback(job):
   _, rts = job
   results = fake.run(rts, _sync, delays={1: 1.5})
-  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 3
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 3
   assert results[0][1] < 1.5 + 0.5  # it waited for process 1, no more
   assert all(rt.backoff == 0 for rt in rts)
 
@@ -160,10 +160,10 @@ def test_a_slow_peer_costs_no_window_and_no_fallback(job):
 def test_a_late_process_is_told_and_its_stale_frames_are_discarded(job):
   _, rts = job
   results = fake.run(rts, lambda rt: _sync(rt, timeout=2), delays={2: 3.0})
-  early = _errors_of(results[:2], _errors.CollectiveTimeoutError)
+  early = _errors_of(results[:2], errors.CollectiveTimeoutError)
   assert [list(e.missing) for e in early] == [[2], [2]]
   late, seconds = results[2]
-  assert isinstance(late, _errors.CollectiveTimeoutError), late
+  assert isinstance(late, errors.CollectiveTimeoutError), late
   assert str(late).startswith('[process=2] sync_global_devices: this process '
                               'arrived late')
   m = re.search(r'it got there ([\d.]+) s after them', str(late))
@@ -171,7 +171,7 @@ def test_a_late_process_is_told_and_its_stale_frames_are_discarded(job):
   assert seconds < 0.8  # at once, not after its own timeout
   # Everyone is in step again: frames left of the abandoned call (process
   # 2's, sent before it read the marks) are not taken for this one's.
-  results = fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+  results = fake.run(rts, lambda rt: agree.agree_and_gather(
       Header('process_allgather'), publish=b'%d' % rt.index, timeout=5,
       runtime=rt))
   assert [out for out, _ in results] == [([b'0', b'1', b'2'], None)] * 3
@@ -185,12 +185,12 @@ def test_a_forged_frame_is_refused(job):
   link.sock.sendall(bytes(_tcp_link.FRAME_SIZE))
   results = fake.run(rts, lambda rt: _sync(rt, timeout=3))
   forged = results[1][0]
-  assert isinstance(forged, _errors.MultihostError), forged
+  assert isinstance(forged, errors.MultihostError), forged
   assert str(forged).startswith('[process=')
   assert 'from process 0 failed authentication' in str(forged)
   # The links were closed; the next call opens new ones and agrees.
   results = fake.run(rts, _sync)
-  assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 2
 
 
 @pytest.mark.parametrize('job', [2], indirect=True)
@@ -215,7 +215,7 @@ def test_a_replayed_frame_is_refused(job):
   sendall(sent[0])  # the first call's frame again
   results = fake.run(rts, lambda rt: _sync(rt, timeout=3))
   replayed = results[1][0]
-  assert isinstance(replayed, _errors.MultihostError), replayed
+  assert isinstance(replayed, errors.MultihostError), replayed
   assert 'a replayed or reordered frame' in str(replayed)
 
 
@@ -237,19 +237,19 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
                                                 time.monotonic() + 5))
     rts[1].plane.listener.shutdown(socket.SHUT_RDWR)  # refuses connections
     rts[1].plane.listener.close()
-    deadline = time.monotonic() + _control_links.SETUP_S
+    deadline = time.monotonic() + links.SETUP_S
     while time.monotonic() < deadline and not all(
         rt.plane.refused for rt in rts):
       results = fake.run(rts, _sync)
-      assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+      assert [out for out, _ in results] == [agree.Agreement(True)] * 2
       time.sleep(0.01)
     for _ in range(3):  # and they stay there
       results = fake.run(rts, _sync)
-      assert [out for out, _ in results] == [_control_agree.Agreement(True)] * 2
+      assert [out for out, _ in results] == [agree.Agreement(True)] * 2
     assert [rt.plane.refused for rt in rts] == [True, True]
-    assert not any(_control_links.usable(rt) for rt in rts)
+    assert not any(links.usable(rt) for rt in rts)
   finally:
     for rt in rts:
-      _watchdog.of(rt).peer_loss.cancel()
+      watchdog.of(rt).peer_loss.cancel()
     fake.stop(rts)
   del service

@@ -322,7 +322,7 @@ def test_first_raised_skips_blank_lines_inside_a_chained_message():
   # As a CollectiveTimeoutError raised from JAX's multi-line barrier error.
   lines = [
       'Traceback (most recent call last):',
-      '  File "multihost/_coordination.py", line 57, in wait_at_barrier',
+      '  File "multihost/_src/runtime/coordination.py", line 57, in wait_at_barrier',
       'jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED: Barrier timed out.',
       'The first task at the barrier: 0. Some timed out task names:',
       '1', '', '',
@@ -332,13 +332,13 @@ def test_first_raised_skips_blank_lines_inside_a_chained_message():
       '',
       'Traceback (most recent call last):',
       '  File "train.py", line 8, in <module>',
-      "multihost._errors.CollectiveTimeoutError: [process=0] "
+      "multihost._src.runtime.errors.CollectiveTimeoutError: [process=0] "
       "sync_global_devices('x'): timed out after 5.0 s",
       'W1201 preemption_notifier.cc:90] SIGTERM caught',
   ]
   raised = _evidence.first_raised(lines, [3.0] * (len(lines) - 1) + [9.0])
   assert raised.error.startswith(
-      "multihost._errors.CollectiveTimeoutError: [process=0] "
+      "multihost._src.runtime.errors.CollectiveTimeoutError: [process=0] "
       "sync_global_devices('x')"), raised
   # A later, separate traceback is not part of the first one's chain.
   later = lines[:9] + ['another line'] + lines[11:]

@@ -25,7 +25,7 @@ import pytest
 from multihost import launch
 from multihost import netns
 import recovery
-from recovery import _local_folder
+from recovery._src.local import folder
 
 _OK, _WHY = netns.available()
 _needs_hosts = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
@@ -126,7 +126,7 @@ def test_a_replaced_netns_host_restores_from_its_peer_bitwise_equal(
     disk = pathlib.Path(f'{local}.host{i}')
     assert sorted(p.name for p in disk.iterdir()) == [f'process_{i}']
   assert not any(local.iterdir())
-  newest = max(_local_folder.scan(f'{local}.host1'), key=lambda s: s.step)
+  newest = max(folder.scan(f'{local}.host1'), key=lambda s: s.step)
   assert newest.step == STEPS
   if sharded:  # Host 0's shards, copied to host 1 after the restart.
     assert newest.manifest['peer_keys'], newest.manifest

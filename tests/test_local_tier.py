@@ -26,7 +26,7 @@ import pytest
 
 from multihost import launch
 import recovery
-from recovery import _local_folder
+from recovery._src.local import folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / 'bin' / 'train.py')
@@ -103,7 +103,7 @@ def _delete_persistent(tmp_path, step):
 def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
     tmp_path):
   block = (('w', ((0, 4),)), np.arange(4, dtype=np.float32))
-  _local_folder.write_step(str(tmp_path), 0, 5, {'meta': {'digest': 'a'}},
+  folder.write_step(str(tmp_path), 0, 5, {'meta': {'digest': 'a'}},
                            [block])
   own = tmp_path / 'process_0'
   # A write killed before its rename: a temporary folder with data only.
@@ -113,23 +113,23 @@ def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
   (own / '8').mkdir()
   for name in ('manifest.json', 'data.bin'):
     (own / '8' / name).write_bytes((own / '5' / name).read_bytes())
-  stored = _local_folder.scan(str(tmp_path))
+  stored = folder.scan(str(tmp_path))
   assert [s.step for s in stored] == [5]
   np.testing.assert_array_equal(
-      _local_folder.read_block(stored[0].entries[block[0]]), block[1])
+      folder.read_block(stored[0].entries[block[0]]), block[1])
   # A truncated data file makes the step unusable, not garbage.
   with open(own / '5' / 'data.bin', 'r+b') as f:
     f.truncate(8)
-  assert _local_folder.scan(str(tmp_path)) == []
-  _local_folder.remove_tmp(str(tmp_path), 0)
+  assert folder.scan(str(tmp_path)) == []
+  folder.remove_tmp(str(tmp_path), 0)
   assert not (own / '7.tmp-dead').exists()
 
 
 def test_a_0d_block_keeps_its_shape(tmp_path):
-  _local_folder.write_step(str(tmp_path), 2, 1, {'meta': {'digest': 'a'}},
+  folder.write_step(str(tmp_path), 2, 1, {'meta': {'digest': 'a'}},
                            [(('step', ()), np.asarray(7, np.int64))])
-  (stored,) = _local_folder.scan(str(tmp_path))
-  assert _local_folder.read_block(stored.entries[('step', ())]).shape == ()
+  (stored,) = folder.scan(str(tmp_path))
+  assert folder.read_block(stored.entries[('step', ())]).shape == ()
 
 
 # -- saving, keep-N and the choice of tier ------------------------------------
@@ -232,7 +232,7 @@ def test_a_fresh_run_deletes_the_older_local_steps_of_its_folder(
   # are stale, the other folder's step 3 is not this run's business.
   _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch)
   steps = {(s.manifest['directory'], s.step)
-           for s in _local_folder.scan(str(tmp_path / 'local'))}
+           for s in folder.scan(str(tmp_path / 'local'))}
   assert steps == {(str(other / 'ckpt'), 3)}
 
 
@@ -311,7 +311,7 @@ def test_sigkill_restarts_from_a_replaced_host_s_peer_bitwise_equal(
   # Host 1's newest local step (written after the restart) holds its own
   # blocks and host 0's as a peer copy: host 0 is host 1's successor in the
   # ring, as host 1 is host 0's. 4 devices, 2 of the 8 weights each.
-  newest = max(_local_folder.scan(str(tmp_path / 'local1')),
+  newest = max(folder.scan(str(tmp_path / 'local1')),
                key=lambda s: s.step)
   blocks = {k[1] for k in newest.entries if k[0] == 'user/weights'}
   assert blocks == {((0, 2),), ((2, 4),), ((4, 6),), ((6, 8),)}, blocks
@@ -333,7 +333,7 @@ def test_sigkill_restarts_two_processes_sharing_one_host_s_folder(
   # One host: each process wrote its own shards in its own subfolder, the
   # replicated leaves were written once (by process 0), nothing was copied.
   stored = {(s.manifest['process'], s.step): s
-            for s in _local_folder.scan(str(tmp_path / 'local'))}
+            for s in folder.scan(str(tmp_path / 'local'))}
   assert {k[1] for k in stored} == {25, 30}
   one = stored[(1, 30)]
   assert set(one.entries) == {(leaf, ((a, a + 2),)) for a in (4, 6)

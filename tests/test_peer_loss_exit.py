@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from multihost import _peer_loss_exit
+from multihost._src.liveness import peer_loss_exit
 
 
 class _Exit:
@@ -28,7 +28,7 @@ class _Exit:
 
 def _policy(grace=0.2, **kwargs):
   exit_fn = _Exit()
-  policy = _peer_loss_exit.PeerLossExit(exit_fn=exit_fn)
+  policy = peer_loss_exit.PeerLossExit(exit_fn=exit_fn)
   policy.configure(enabled=True, grace=grace, **kwargs)
   return policy, exit_fn
 
@@ -42,7 +42,7 @@ def test_an_undelivered_failure_leaves_with_the_documented_status():
                       describe=lambda: 'main thread in train_step (x.py:7)')
   assert exit_fn.called.wait(5)
   assert time.monotonic() - start >= 0.2  # Not before the grace.
-  assert exit_fn.status == [_peer_loss_exit.EXIT_STATUS] == [75]
+  assert exit_fn.status == [peer_loss_exit.EXIT_STATUS] == [75]
   assert hooked == [[1, 3]]  # The hook ran first, with the failed processes.
 
 
@@ -96,7 +96,7 @@ def test_a_hook_that_hangs_or_raises_does_not_keep_the_process():
 
 
 def test_bad_settings_say_what_to_pass():
-  policy = _peer_loss_exit.PeerLossExit(exit_fn=_Exit())
+  policy = peer_loss_exit.PeerLossExit(exit_fn=_Exit())
   with pytest.raises(ValueError, match='grace must be a number of seconds'):
     policy.configure(enabled=True, grace=-1)
   with pytest.raises(TypeError, match='before_exit must be a callable'):

@@ -28,7 +28,7 @@ import numpy as np
 from multihost import env as env_lib
 from multihost import launch
 import recovery
-from recovery import _quiet
+from recovery._src.run import quiet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / 'bin' / 'train.py')
@@ -42,7 +42,7 @@ _HEADER = re.compile(r'^(\[p\d+\] )?([IWEF]\d{4} [\d:.]+ +\d+ )?')
 _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
                  env_lib.PROCESS_ID, env_lib.OMPI_HNP_URI, env_lib.OMPI_SIZE,
                  env_lib.SLURM_JOB_ID, *recovery.RESTART_COUNT_VARIABLES,
-                 _quiet.CPP_LOG_LEVEL)
+                 quiet.CPP_LOG_LEVEL)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -120,7 +120,7 @@ def test_the_cpp_advice_is_hidden_only_inside_the_block():
   assert rc == 0, out
   # stderr follows stdout in `out`: count the advice lines.
   assert out.count(ADVICE) == 1, out
-  rc, out = _run(['-c', script], timeout=60, **{_quiet.CPP_LOG_LEVEL: '0'})
+  rc, out = _run(['-c', script], timeout=60, **{quiet.CPP_LOG_LEVEL: '0'})
   assert rc == 0 and out.count(ADVICE) == 2, out
 
 
@@ -191,7 +191,7 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
   handler = logging.get_absl_handler()
   seen = []
   monkeypatch.setattr(sys, 'unraisablehook', seen.append)
-  monkeypatch.setattr(_quiet, '_INSTALLED', threading.Event())
+  monkeypatch.setattr(quiet, '_INSTALLED', threading.Event())
   recovery.quiet_third_party_noise()
   monkeypatch.setattr(logging, 'get_verbosity', lambda: logging.INFO)
   try:
@@ -260,4 +260,4 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
     sys.unraisablehook(unraisable(from_c))
     assert len(seen) == 4
   finally:
-    handler.removeFilter(_quiet._keep)
+    handler.removeFilter(quiet._keep)

@@ -19,16 +19,16 @@ import time
 import fake_coordination as fake
 import pytest
 
-from multihost import _control_agree
-from multihost import _control_rendezvous
-from multihost import _errors
-from multihost import _secret
-from multihost import _tcp_link
-from multihost import _watchdog
-from multihost import _where
 from multihost import env as env_lib
+from multihost._src.auth import secret as _secret
+from multihost._src.control import agree
+from multihost._src.control import rendezvous
+from multihost._src.diagnostics import where
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import errors
+from multihost._src.transport.tcp import link as _tcp_link
 
-Header = _control_agree.Header
+Header = agree.Header
 SECRET = 'ab' * 32
 
 
@@ -44,13 +44,13 @@ def secret(monkeypatch):
 def _job(count=3):
   service, rts = fake.runtimes(count)
   for rt in rts:
-    _watchdog.of(rt).start(heartbeat_timeout=2)
-    _where.of(rt).ensure_started()
+    watchdog.of(rt).start(heartbeat_timeout=2)
+    where.of(rt).ensure_started()
   return service, rts
 
 
 def _gather(rts, timeout=10):
-  return fake.run(rts, lambda rt: _control_agree.agree_and_gather(
+  return fake.run(rts, lambda rt: agree.agree_and_gather(
       Header('process_allgather', payload=b'row %d' % rt.index),
       timeout=timeout, runtime=rt))
 
@@ -75,7 +75,7 @@ def test_a_message_recorded_in_another_run_with_the_same_secret_is_refused(
         recorded if key == 'multihost/0/0/0' else value)
     results = _gather(run_b)
     for p, (e, _) in enumerate(results):
-      assert isinstance(e, _errors.MultihostError), (p, e)
+      assert isinstance(e, errors.MultihostError), (p, e)
       assert 'failed authentication with the job secret' in str(e), e
   finally:
     fake.stop(run_b)
@@ -92,7 +92,7 @@ def test_a_planted_gave_up_mark_does_not_make_anyone_arrive_late(secret):
       writer.kv_set(key, b'')
 
     def exchange(rt):
-      return _control_rendezvous.Rendezvous(rt, 'process_allgather').exchange(
+      return rendezvous.Rendezvous(rt, 'process_allgather').exchange(
           b'row %d' % rt.index, timeout=10)
 
     results = fake.run(rts, exchange)
@@ -113,7 +113,7 @@ def test_a_data_plane_address_written_by_a_store_writer_is_refused():
   moved = real.replace(b'10.0.0.3|4242', b'127.0.0.1|5555')  # MAC kept
   other = _tcp_link.address_record(key, 1, '127.0.0.1', 5555)  # another's
   for forged in (relay, moved, other, b'', b'|||'):
-    with pytest.raises(_errors.MultihostError,
+    with pytest.raises(errors.MultihostError,
                        match="'multihost_transport/2' failed authentication"):
       _tcp_link.read_address(key, 2, forged, 'process_allgather')
 
@@ -131,7 +131,7 @@ def test_a_process_without_the_secret_gets_no_stacks_and_silences_no_one(
     outsider = fake.runtimes(2)[1][1]
     outsider.client = service.client(1)
     outsider.job_keys = (rts[1].job_keys[0], b'w' * 32)  # a wrong secret
-    assert _where.ask([0], timeout=2.5, runtime=outsider) == {0: None}
+    assert where.ask([0], timeout=2.5, runtime=outsider) == {0: None}
     # An 8 MiB request, correctly numbered, without a MAC: not answered.
     writer = service.client(1)
     n = writer.kv_increment('multihost_where/count', 1) - 1
@@ -141,7 +141,7 @@ def test_a_process_without_the_secret_gets_no_stacks_and_silences_no_one(
     assert writer.kv_try_get(f'multihost_where/resp/{n}/0') is None
     # One counter increment far ahead: a later real request is answered.
     writer.kv_increment('multihost_where/count', 1_000_000)
-    report = _where.ask([0], timeout=4, runtime=rts[1])[0]
+    report = where.ask([0], timeout=4, runtime=rts[1])[0]
     assert report is not None and report['process'] == 0
     # The requester deleted its request and the answers.
     left = [k for k, _ in writer.kv_dir('multihost_where/')
@@ -158,7 +158,7 @@ def test_a_process_without_the_secret_gets_no_stacks_and_silences_no_one(
 def test_a_short_secret_is_refused_with_how_to_make_one(monkeypatch):
   monkeypatch.setattr(_secret, '_TAKEN', {})
   monkeypatch.setenv(env_lib.JOB_SECRET, 'hunter2')
-  with pytest.raises(_errors.MultihostError) as e:
+  with pytest.raises(errors.MultihostError) as e:
     _secret.configured()
   assert 'of 7 bytes; at least 32' in str(e.value), e.value
   assert 'openssl rand -hex 32' in str(e.value), e.value
@@ -197,7 +197,7 @@ def test_a_secret_file_link_flipped_between_600_and_644_is_never_used(
     while time.monotonic() < deadline:
       try:
         used.append(_secret.configured())
-      except _errors.MultihostError as e:
+      except errors.MultihostError as e:
         assert 'a symbolic link is refused' in str(e), e
         refused += 1
   finally:
@@ -208,7 +208,7 @@ def test_a_secret_file_link_flipped_between_600_and_644_is_never_used(
   monkeypatch.setenv(env_lib.JOB_SECRET_FILE, str(private))
   assert _secret.configured() == b'p' * 64
   private.chmod(0o640)
-  with pytest.raises(_errors.MultihostError, match='chmod 600'):
+  with pytest.raises(errors.MultihostError, match='chmod 600'):
     _secret.configured()
 
 

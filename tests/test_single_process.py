@@ -110,10 +110,10 @@ def test_digests_use_the_fast_crc32_where_isal_is_installed():
   isal_zlib = pytest.importorskip(
       'isal.isal_zlib', reason='isal has no wheel for this platform; the '
       'digests then use zlib.crc32 (the same values)')
-  from multihost import _digest
-  assert _digest._crc32_of is isal_zlib.crc32
+  from multihost._src.api import digest
+  assert digest._crc32_of is isal_zlib.crc32
   data = np.random.default_rng(3).integers(0, 255, 5 << 20, np.uint8)
-  assert _digest._crc32_of(data) == zlib.crc32(data)
+  assert digest._crc32_of(data) == zlib.crc32(data)
 
 def test_array_conversions_on_one_process():
   mesh = jax.make_mesh((1, 4), ('host', 'dev'))
@@ -186,14 +186,14 @@ def test_call_watched_keeps_its_timeout_without_a_watchdog():
 
 
 def test_jax_internals_confined_to_one_module():
-  """Only multihost/_coordination.py may import jax._src (no public client)."""
+  """Only multihost/_src/runtime/coordination.py may import jax._src (no public client)."""
   offenders = []
   for folder in ('multihost', 'recovery', 'bin'):
     for path in sorted((ROOT / folder).rglob('*.py')):
       text = path.read_text()
       if re.search(r'^\s*(from|import)\s+jax\._src', text, re.M):
         offenders.append(str(path.relative_to(ROOT)))
-  assert offenders == ['multihost/_coordination.py']
+  assert offenders == ['multihost/_src/runtime/coordination.py']
 
 
 def test_public_names_match_jax_multihost_utils():

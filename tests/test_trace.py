@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import multihost
-from multihost import _flight
-from multihost import _metrics
-from multihost import _trace_format
 from multihost import env as env_lib
 from multihost import launch
+from multihost._src.diagnostics import metrics
+from multihost._src.diagnostics import trace_format
+from multihost._src.runtime import flight
 
 
 def _record(call, op='sync_global_devices', name='', start=0.0, end=None,
@@ -37,7 +37,7 @@ def _agreed(process, calls, shift=0.0):
 # --- The divergence (pure) ---------------------------------------------------
 
 def test_no_divergence_when_every_call_agreed_and_completed():
-  assert _trace_format.divergence([_agreed(0, range(5)),
+  assert trace_format.divergence([_agreed(0, range(5)),
                                    _agreed(1, range(5))], 2) is None
 
 
@@ -46,7 +46,7 @@ def test_divergence_names_the_first_call_with_different_names():
   b = _agreed(1, range(5))
   b['records'][3]['name'] = 'other'
   b['records'][4]['op'] = 'process_allgather'
-  line = _trace_format.divergence([a, b], 2)
+  line = trace_format.divergence([a, b], 2)
   assert line == ("divergence: at call 3 the processes disagreed: processes "
                   "[0] ran sync_global_devices('s3'); processes [1] ran "
                   "sync_global_devices('other').")
@@ -56,7 +56,7 @@ def test_divergence_names_the_process_that_stopped_arriving():
   a = _agreed(0, range(4))
   a['records'].append(_record(4, name='after', start=4.0, done=7.0))
   b = _agreed(1, range(4))
-  line = _trace_format.divergence([a, b], 3)  # process 2 left no dump
+  line = trace_format.divergence([a, b], 3)  # process 2 left no dump
   assert line == ("divergence: at call 4 (sync_global_devices('after')) "
                   "processes [1, 2] stopped arriving; processes [0] waited "
                   "3.0 s for them.")
@@ -66,7 +66,7 @@ def test_clock_offsets_are_the_median_of_barrier_exits():
   a = _agreed(0, range(9))
   b = _agreed(1, range(9), shift=2.0)
   b['records'][0]['end'] += 5  # one outlier does not move the median
-  assert _trace_format.clock_offsets([a, b]) == {0: 0.0, 1: 2.0}
+  assert trace_format.clock_offsets([a, b]) == {0: 0.0, 1: 2.0}
 
 
 def test_the_merged_trace_aligns_clocks_and_marks_the_failed_process():
@@ -76,7 +76,7 @@ def test_the_merged_trace_aligns_clocks_and_marks_the_failed_process():
                       'args': {'step': 1}})
   b = _agreed(1, range(3), shift=10.0)
   b['records'] = b['records'][:3]
-  trace = _trace_format.build(
+  trace = trace_format.build(
       [a, b], num_processes=2,
       failures={1: {'stopped': 3.2, 'how': 'killed by SIGKILL',
                     'last_line': 'ROUND 2'}})
@@ -110,9 +110,9 @@ def test_the_straggler_statistic_per_process():
   b = _agreed(1, range(4))
   for r in b['records'][:3]:
     r['start'] += 0.2  # came 0.2 s late to calls 0-2: waited 0.2 s less
-  lags = _trace_format.straggler_lags([a, b])
+  lags = trace_format.straggler_lags([a, b])
   assert lags[1] == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2, 3: 0.0})
-  assert _trace_format.straggler_labels(lags) == {
+  assert trace_format.straggler_labels(lags) == {
       0: 'last to 0 of 4 calls, mean lag 0.00 ms',
       1: 'last to 3 of 4 calls, mean lag 150.00 ms'}
 
@@ -121,7 +121,7 @@ def test_the_straggler_statistic_per_process():
 
 def test_the_ring_is_bounded_and_its_size_configurable(monkeypatch):
   monkeypatch.setenv(env_lib.FLIGHT_RING, '5')
-  recorder = _flight.Recorder()
+  recorder = flight.Recorder()
   for call in range(12):
     recorder.begin('op', call, float(call))
     recorder.event('e', 0.0, 1.0, {})
@@ -130,16 +130,16 @@ def test_the_ring_is_bounded_and_its_size_configurable(monkeypatch):
   assert [r.call for r in recorder.since(9)] == [9, 10, 11]
   monkeypatch.setenv(env_lib.FLIGHT_RING, 'many')
   with pytest.raises(ValueError, match='MULTIHOST_FLIGHT_RING'):
-    _flight.Recorder()
+    flight.Recorder()
 
 
 def test_a_call_that_raised_after_its_meeting_says_when():
   # E.g. a broadcast whose processes met, then whose transfer failed: the
   # where-responder reads `failed_at` of a call marked as raised.
-  recorder = _flight.Recorder()
+  recorder = flight.Recorder()
   record = recorder.begin('broadcast_one_to_all', 1, 10.0)
-  _flight.Recorder.end(record)
-  _metrics._finish(recorder, 'broadcast_one_to_all', 0, 10.0, 0,
+  flight.Recorder.end(record)
+  metrics._finish(recorder, 'broadcast_one_to_all', 0, 10.0, 0,
                    'CollectiveTimeoutError')
   failed = recorder.last_failed()
   assert failed is record and failed.error == 'CollectiveTimeoutError'
@@ -170,12 +170,12 @@ def test_sixteen_calls_in_one_process_give_sixteen_durations(listened):
   for k in range(8):
     multihost.broadcast_one_to_all(np.arange(4, dtype=np.int32))
     multihost.sync_global_devices(f'step {k}')
-  mine = [(s, m) for e, s, m in durations if e == _metrics.DURATION]
+  mine = [(s, m) for e, s, m in durations if e == metrics.DURATION]
   assert len(mine) >= 16
   assert {m['op'] for _, m in mine} == {'broadcast_one_to_all',
                                         'sync_global_devices'}
   assert all(s >= 0 for s, _ in mine)
-  sizes = [(v, m['op']) for e, v, m in scalars if e == _metrics.BYTES]
+  sizes = [(v, m['op']) for e, v, m in scalars if e == metrics.BYTES]
   assert sizes.count((16, 'broadcast_one_to_all')) == 8
 
 
@@ -183,8 +183,8 @@ def test_record_event_reports_its_duration_tier_and_bytes(listened):
   durations, scalars = listened
   multihost.record_event('checkpoint restore', 1.0, 3.5, step=4,
                          tier='local', bytes=1024)
-  assert (_metrics.EVENT, 2.5, {'name': 'checkpoint restore'}) in durations
-  assert (_metrics.EVENT_BYTES, 1024,
+  assert (metrics.EVENT, 2.5, {'name': 'checkpoint restore'}) in durations
+  assert (metrics.EVENT_BYTES, 1024,
           {'name': 'checkpoint restore', 'tier': 'local'}) in scalars
 
 

@@ -23,24 +23,24 @@ def test_large_payloads_over_each_transport(transport, lanes):
 
 
 def test_a_bad_lane_count_is_a_clear_error(monkeypatch):
-  from multihost import _tcp_link
+  from multihost._src.runtime import settings
   for bad, match in (('0', 'positive number'), ('9', 'more than 8'),
                      ('two', 'positive number')):
     monkeypatch.setenv(env_lib.TCP_LANES, bad)
     with pytest.raises(ValueError, match=match):
-      _tcp_link.lanes_setting()
+      settings.tcp_lanes()
   monkeypatch.setenv(env_lib.TCP_LANES, '')
-  assert _tcp_link.lanes_setting() == 2
+  assert settings.tcp_lanes() == 2
 
 
 def test_stripes_cover_the_payload_once():
-  from multihost import _data_tcp
-  assert _data_tcp.stripes(_data_tcp.STRIPE_BYTES - 1, 2) == [
-      (0, _data_tcp.STRIPE_BYTES - 1)]
-  assert _data_tcp.stripes(10 << 20, 1) == [(0, 10 << 20)]
-  for length in (_data_tcp.STRIPE_BYTES, (5 << 20) + 3, 64 << 20):
+  from multihost._src.transport.tcp import chain
+  assert chain.stripes(chain.STRIPE_BYTES - 1, 2) == [
+      (0, chain.STRIPE_BYTES - 1)]
+  assert chain.stripes(10 << 20, 1) == [(0, 10 << 20)]
+  for length in (chain.STRIPE_BYTES, (5 << 20) + 3, 64 << 20):
     for lanes in range(2, 9):
-      got = _data_tcp.stripes(length, lanes)
+      got = chain.stripes(length, lanes)
       assert 1 < len(got) <= lanes, (length, lanes, got)
       assert got[0][0] == 0 and got[-1][1] == length
       assert all(a[1] == b[0] for a, b in zip(got, got[1:]))

@@ -4,50 +4,50 @@ from __future__ import annotations
 
 import pytest
 
-from multihost import _data_plane
 from multihost import launch
+from multihost._src.transport import plane
 from tests._helpers import program
 
-BIG = _data_plane.DEVICE_BYTES + 1
+BIG = plane.DEVICE_BYTES + 1
 
 
 @pytest.mark.parametrize('backend', ['gpu', 'cuda', 'rocm', 'tpu', 'TPU'])
 def test_large_payloads_on_gpu_and_tpu_use_device_collectives(backend):
-  assert _data_plane.choose_transport(backend, BIG) == 'device'
-  assert _data_plane.choose_transport(backend, 64 << 20) == 'device'
+  assert plane.choose_transport(backend, BIG) == 'device'
+  assert plane.choose_transport(backend, 64 << 20) == 'device'
 
 
 @pytest.mark.parametrize('backend', ['gpu', 'tpu'])
 def test_small_payloads_on_gpu_and_tpu_use_tcp(backend):
-  for n in (0, 8, _data_plane.DEVICE_BYTES):
-    assert _data_plane.choose_transport(backend, n) == 'tcp'
+  for n in (0, 8, plane.DEVICE_BYTES):
+    assert plane.choose_transport(backend, n) == 'tcp'
 
 
 def test_every_payload_on_cpu_uses_tcp():
   for n in (0, 8, BIG, 1 << 30):
-    assert _data_plane.choose_transport('cpu', n) == 'tcp'
+    assert plane.choose_transport('cpu', n) == 'tcp'
 
 
 def test_the_override_wins_on_every_backend():
   for backend in ('cpu', 'gpu', 'tpu'):
     for n in (8, BIG):
-      assert _data_plane.choose_transport(backend, n,
+      assert plane.choose_transport(backend, n,
                                           override='device') == 'device'
-      assert _data_plane.choose_transport(backend, n,
+      assert plane.choose_transport(backend, n,
                                           override='tcp') == 'tcp'
 
 
 def test_the_environment_variable_is_read_and_checked(monkeypatch):
   monkeypatch.delenv('MULTIHOST_TRANSPORT', raising=False)
-  assert _data_plane.transport(BIG) == 'tcp'  # This machine's CPU backend.
+  assert plane.transport(BIG) == 'tcp'  # This machine's CPU backend.
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'device')
-  assert _data_plane.transport(8) == 'device'
-  assert not _data_plane.tcp_enabled()
+  assert plane.transport(8) == 'device'
+  assert not plane.tcp_enabled()
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'TCP')
-  assert _data_plane.transport(BIG) == 'tcp'
+  assert plane.transport(BIG) == 'tcp'
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'nccl')
   with pytest.raises(ValueError, match='MULTIHOST_TRANSPORT.*nccl'):
-    _data_plane.transport(8)
+    plane.transport(8)
 
 
 def test_on_cpu_small_and_large_payloads_travel_over_tcp():

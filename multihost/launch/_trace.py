@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from multihost import _trace_format
+from multihost._src.diagnostics import trace_format
 from multihost.launch import _report
 from multihost.launch import _restarts
 
@@ -63,12 +63,12 @@ def write(path: str, folder: str, result: _report.LaunchResult, *,
   dumps = read_dumps(folder)
   failures, attempts = failures_and_attempts(result, run_wall0=run_wall0,
                                              starts=starts)
-  trace = _trace_format.build(dumps, num_processes=num_processes,
+  trace = trace_format.build(dumps, num_processes=num_processes,
                               failures=failures, attempts=attempts)
   tmp = f'{path}.tmp'
   with open(tmp, 'w') as f:
     json.dump(trace, f)
   os.replace(tmp, path)
   last = len(attempts) - 1
-  return _trace_format.divergence(
+  return trace_format.divergence(
       [d for d in dumps if d.get('attempt', 0) == last], num_processes)

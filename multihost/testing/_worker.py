@@ -82,22 +82,21 @@ class WorkerSession:
     counter, so a test that left collectives unmatched on some process cannot
     pair them with these exchanges.
     """
-    from multihost import _control_rendezvous
-    from multihost import _coordination
-    from multihost import _process
-
-    count = _process.process_count()
+    from multihost._src.control import rendezvous
+    from multihost._src.runtime import coordination
+    from multihost._src.runtime import process
+    count = process.process_count()
     if count == 1:
       return [payload]
     prefix = f'{_KV_ROOT}/{self._seq}/{phase}/'
     # JSON, not pickle: reading a value written by anyone who can reach the
     # coordination service must not run code.
-    _coordination.kv_set(prefix + str(self._index),
+    coordination.kv_set(prefix + str(self._index),
                          json.dumps(payload).encode())
-    _control_rendezvous.barrier(prefix, f'pytest {phase} barrier',
+    rendezvous.barrier(prefix, f'pytest {phase} barrier',
                                 timeout=self._timeout)
     messages: list[Any] = [None] * count
-    for key, value in _coordination.kv_dir(prefix):
+    for key, value in coordination.kv_dir(prefix):
       messages[int(key.rsplit('/', 1)[1])] = json.loads(value)
     return messages
 
@@ -105,8 +104,7 @@ class WorkerSession:
   def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> None:
     """Enters the test through a barrier that checks all run the same test."""
     del nextitem
-    from multihost import _calls
-
+    from multihost._src.runtime import calls
     self._seq += 1
     # Marks the test in the process's output, for crash and hang reports.
     sys.__stderr__.write(f'\n[multihost.testing] start {item.nodeid}\n')
@@ -116,7 +114,7 @@ class WorkerSession:
     try:
       # Each process's next collective number: all restart from the largest,
       # so collectives stay matched even after a test left some unmatched.
-      mine = (item.nodeid, _calls.next_call_id())
+      mine = (item.nodeid, calls.next_call_id())
       everyone = self._exchange('start', mine)
       ids = [m[0] for m in everyone]
       if len(set(ids)) != 1:
@@ -124,7 +122,7 @@ class WorkerSession:
             f'[process={self._index}] the worker processes are not running '
             f'the same test: {dict(enumerate(ids))}. This is a bug in '
             'multihost.testing; please report it.')
-      _calls.reset(max(m[1] for m in everyone) + 1)
+      calls.reset(max(m[1] for m in everyone) + 1)
     except BaseException as e:  # noqa: BLE001  Reported as the test's error.
       self._start_error = e
     return None

@@ -170,12 +170,12 @@ def main() -> None:
   multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)
 
-  from multihost import _control_links  # noqa: PLC0415
-  from multihost import _runtime  # noqa: PLC0415
+  from multihost._src.control import links
+  from multihost._src.runtime import runtime
   # The calls agree through the service, so that the link 0<->2 opens at
   # the all-gather, through the proxy (the agreement's own links would open
   # it at once; their frames are attacked in test_control_links.py).
-  _control_links.service_only(_runtime.current())
+  links.service_only(runtime.current())
   me = jax.process_index()
   big = np.arange(1 << 20, dtype=np.float32) + 1000 * me  # 4 MiB
   want = [np.arange(1 << 20, dtype=np.float32) + 1000 * p for p in range(3)]
@@ -195,10 +195,10 @@ def main() -> None:
     proxy = Proxy(address(2))
     # Process 2 itself points the others at the proxy (signed with its job
     # key): the proxy stands for someone on the network path.
-    from multihost import _runtime  # noqa: PLC0415
-    from multihost import _tcp_link  # noqa: PLC0415
-    lowlevel.key_value_set('multihost_transport/2', _tcp_link.address_record(
-        _runtime.current().job_keys[1], 2, '127.0.0.1',
+    from multihost._src.runtime import runtime
+    from multihost._src.transport.tcp import link
+    lowlevel.key_value_set('multihost_transport/2', link.address_record(
+        runtime.current().job_keys[1], 2, '127.0.0.1',
         proxy.sock.getsockname()[1]))
   multihost.sync_global_devices('attacked')
 

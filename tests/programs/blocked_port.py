@@ -13,12 +13,12 @@ import time
 import numpy as np
 
 import multihost
-from multihost import _tcp_link
 from multihost import lowlevel
+from multihost._src.transport.tcp import link
 
 
 def _published_address(process: int) -> tuple[str, str]:
-  value = lowlevel.key_value_get(_tcp_link.ADDRESS_KEY.format(process), 5)
+  value = lowlevel.key_value_get(link.ADDRESS_KEY.format(process), 5)
   host, port = value.decode().split('|')[:2]  # then its MAC
   return host, port
 
@@ -28,7 +28,7 @@ def main() -> None:
   import jax  # noqa: PLC0415 (after initialize)
 
   me = jax.process_index()
-  plane = _tcp_link.get_plane('test', time.monotonic() + 30)
+  plane = link.get_plane('test', time.monotonic() + 30)
   if me == 1:
     address = plane.listener.getsockname()
     plane.listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(); refuses

@@ -51,11 +51,11 @@ def main() -> None:
   blob = multihost.broadcast_object(bytes(range(256)) * (24 << 10)
                                     if me == 0 else None)
   assert blob == bytes(range(256)) * (24 << 10)
-  from multihost import _runtime  # noqa: PLC0415
-  from multihost import _tcp_link  # noqa: PLC0415
-  plane = _runtime.current().plane
+  from multihost._src.runtime import runtime
+  from multihost._src.runtime import settings
+  plane = runtime.current().plane
   if lowlevel.tcp_transport_enabled():
-    lanes = _tcp_link.lanes_setting()
+    lanes = settings.tcp_lanes()
     # Every lane past the first has a link to each chain neighbour.
     opened = {k for k in plane.conns if isinstance(k, tuple)}
     want_lanes = {((me + d) % count, lane) for d in (1, -1)

@@ -13,7 +13,7 @@ import sys
 import time
 
 import multihost
-from multihost import _runtime
+from multihost._src.runtime import runtime
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
   import jax  # noqa: PLC0415 (after initialize)
   me = jax.process_index()
   if me == 0:
-    companion = _runtime.current().companion
+    companion = runtime.current().companion
     pid, forked = ((companion.pid, companion.forked) if companion is not None
                    else (-1, False))
     print(f'COMPANION {pid} {forked}', flush=True)

@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 import multihost
-from multihost import _control_links
-from multihost import _runtime
+from multihost._src.control import links
+from multihost._src.runtime import runtime
 
 
 def drill(mode: str, sleeper: int, me: int) -> None:
@@ -30,12 +30,12 @@ def drill(mode: str, sleeper: int, me: int) -> None:
   # Until the links are set up (every process switches in the same call).
   # The bound is a number of calls, the same on every process, so all stop
   # calling together; at 20 ms apart it outlasts the setup time (30 s).
-  for _ in range(int(_control_links.SETUP_S / 0.02)):
+  for _ in range(int(links.SETUP_S / 0.02)):
     multihost.sync_global_devices(f'setup {mode}')
-    if _control_links.usable(_runtime.current()):
+    if links.usable(runtime.current()):
       break
     time.sleep(0.02)
-  print(f'LINKS {_control_links.usable(_runtime.current())}', flush=True)
+  print(f'LINKS {links.usable(runtime.current())}', flush=True)
   if mode == 'mismatch':
     try:
       multihost.sync_global_devices('odd' if me == sleeper else 'even',
@@ -60,7 +60,7 @@ def drill(mode: str, sleeper: int, me: int) -> None:
 
 
 def _links() -> dict:
-  return dict(_runtime.current().plane.conns)
+  return dict(runtime.current().plane.conns)
 
 
 def eager(sleeper: int, me: int) -> None:

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 import multihost
-from multihost import _control_links
-from multihost import _runtime
 from multihost import env as mh_env
+from multihost._src.control import links
+from multihost._src.runtime import runtime
 
 
 def listening() -> list[str]:
@@ -47,12 +47,12 @@ def main() -> None:
   # shares, so all stop together): 16 MiB broadcasts in two stripes, one
   # per lane, down the chain of hosts; from process 0 its first stripe goes
   # out with its agreement frame.
-  for _ in range(int(_control_links.SETUP_S / 0.02)):
+  for _ in range(int(links.SETUP_S / 0.02)):
     multihost.sync_global_devices('links')
-    if _control_links.usable(_runtime.current()):
+    if links.usable(runtime.current()):
       break
     time.sleep(0.02)
-  report['links'] = _control_links.usable(_runtime.current())
+  report['links'] = links.usable(runtime.current())
   want = np.arange(4 << 20, dtype=np.float32)
   for source in (0, n - 1):
     t = time.monotonic()
@@ -61,7 +61,7 @@ def main() -> None:
     report[f'broadcast_16MiB_from_{source}_s'] = time.monotonic() - t
     np.testing.assert_array_equal(got, want)
   report['lane_links'] = sorted(
-      str(k) for k in _runtime.current().plane.conns if isinstance(k, tuple))
+      str(k) for k in runtime.current().plane.conns if isinstance(k, tuple))
 
   # A device collective: a jitted sum over one device per process (gloo).
   mesh = jax.make_mesh((n,), ('p',), devices=jax.devices())

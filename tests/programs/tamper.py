@@ -119,11 +119,11 @@ def main() -> None:
   multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)
 
-  from multihost import _control_links  # noqa: PLC0415
-  from multihost import _runtime  # noqa: PLC0415
+  from multihost._src.control import links
+  from multihost._src.runtime import runtime
   # The messages attacked here are the service path's (the agreement over
   # the links is attacked in test_control_links.py).
-  _control_links.service_only(_runtime.current())
+  links.service_only(runtime.current())
   me = jax.process_index()
   evil = b'D' + pickle.dumps(Evil(planted_file))
   for mode in modes:

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 import multihost
-from multihost import _data_plane
-from multihost import _data_tcp
+from multihost._src.transport import plane
+from multihost._src.transport.tcp import chain
 
 
 def main() -> None:
@@ -15,24 +15,24 @@ def main() -> None:
   me = jax.process_index()
   used = []
   for name in ('broadcast', 'allgather'):
-    real = getattr(_data_tcp, name)
+    real = getattr(chain, name)
 
     def spy(*args, real=real, name=name, **kwargs):
       used.append(name)
       return real(*args, **kwargs)
-    setattr(_data_tcp, name, spy)
+    setattr(chain, name, spy)
   for n in (8, 2 << 20):
     x = np.arange(n // 4, dtype=np.float32) + me
     used.clear()
     got = multihost.broadcast_one_to_all(x)
     ok = np.array_equal(got, np.arange(n // 4, dtype=np.float32))
-    print(f'broadcast {n}: {_data_plane.transport(n)} tcp={used} ok={ok}',
+    print(f'broadcast {n}: {plane.transport(n)} tcp={used} ok={ok}',
           flush=True)
     used.clear()
     got = multihost.process_allgather(x)
     ok = all(np.array_equal(got[p], np.arange(n // 4, dtype=np.float32) + p)
              for p in range(jax.process_count()))
-    print(f'allgather {n}: {_data_plane.transport(n)} tcp={used} ok={ok}',
+    print(f'allgather {n}: {plane.transport(n)} tcp={used} ok={ok}',
           flush=True)
   # Small and large leaves in one tree: the source sends large ones from
   # their own memory and joins the small ones (`_data_tcp.segments`).

@@ -1,0 +1,239 @@
+"""Runtime: `initialize()`, which brings up `jax.distributed`, builds the runtime on its client and starts the failure watchdog."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import os
+import socket
+import time
+from typing import Any
+
+from absl import logging
+import jax
+
+from multihost import env as _env
+from multihost._src.auth import secret
+from multihost._src.diagnostics import where
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import companion as _companion
+from multihost._src.runtime import coordination
+from multihost._src.runtime import failures
+from multihost._src.runtime import runtime
+from multihost._src.runtime import settings
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               local_device_ids: int | Sequence[int] | None = None,
+               cluster_detection_method: str | None = None,
+               initialization_timeout: int = 300,
+               heartbeat_timeout_seconds: int | None = None,
+               shutdown_timeout_seconds: int = 300,
+               coordinator_bind_address: str | None = None,
+               slice_index: int | None = None,
+               partition_index: int | None = None,
+               *,
+               detect_failures: bool | None = None,
+               heartbeat_timeout: float | None = None,
+               shutdown_timeout: float | None = None) -> None:
+  """Initializes `jax.distributed`; safe to call when it is already initialized.
+
+  Takes every argument of `jax.distributed.initialize`, by the same name and
+  position; its own options are keyword-only. Arguments are taken, in
+  order, from: this call; the environment that `multihost.launch` sets
+  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
+  cluster that JAX auto-detects (Slurm, Open MPI, Kubernetes, ...). With
+  none of these and no cluster, it does nothing and the program runs as a
+  single controller.
+
+  Args:
+    coordinator_address: 'host:port' of process 0's coordination service.
+    num_processes: number of controllers.
+    process_id: this controller's index.
+    local_device_ids: restricts this process to these local devices.
+    cluster_detection_method: passed to `jax.distributed.initialize`.
+    initialization_timeout: seconds to wait for every process to connect.
+    heartbeat_timeout_seconds: seconds without a heartbeat before the
+      coordination service declares a process dead. Default:
+      $MULTIHOST_HEARTBEAT_TIMEOUT, else 10 s with failure detection on
+      (JAX's default, 100 s, without).
+    shutdown_timeout_seconds: seconds the shutdown barrier waits (with
+      failure detection on: how long process 0 waits at exit for the
+      others).
+    coordinator_bind_address: where process 0's service listens. Default:
+      the host of coordinator_address (never all interfaces).
+    slice_index: passed to `jax.distributed.initialize` (deprecated there in
+      favour of `partition_index`).
+    partition_index: passed to `jax.distributed.initialize`.
+    detect_failures: turn on JAX's `jax_enable_recoverability` and start a
+      watchdog, so that when a peer dies every surviving process raises
+      `ProcessFailureError` naming it (within heartbeat_timeout + 2 s)
+      instead of being aborted by JAX. Default: on, unless
+      $MULTIHOST_DETECT_FAILURES=0 or $JAX_ENABLE_RECOVERABILITY is set false.
+    heartbeat_timeout: the same as `heartbeat_timeout_seconds` (kept for
+      programs written against earlier versions; pass one of the two).
+    shutdown_timeout: the same as `shutdown_timeout_seconds` (likewise).
+
+  Raises:
+    ValueError: for inconsistent arguments (the message repeats them).
+  """
+  if heartbeat_timeout is not None:
+    if heartbeat_timeout_seconds is not None:
+      raise ValueError(
+          'initialize() got heartbeat_timeout='
+          f'{heartbeat_timeout!r} and heartbeat_timeout_seconds='
+          f'{heartbeat_timeout_seconds!r}; pass only '
+          'heartbeat_timeout_seconds.')
+    heartbeat_timeout_seconds = heartbeat_timeout
+  if shutdown_timeout is not None:
+    if shutdown_timeout_seconds != 300:
+      raise ValueError(
+          f'initialize() got shutdown_timeout={shutdown_timeout!r} and '
+          f'shutdown_timeout_seconds={shutdown_timeout_seconds!r}; pass only '
+          'shutdown_timeout_seconds.')
+    shutdown_timeout_seconds = shutdown_timeout
+  if jax.distributed.is_initialized():
+    logging.info('%s jax.distributed is already initialized; leaving it as '
+                 'is.', failures.prefix())
+    rt = runtime.current()
+    watchdog.of(rt).ensure_started()
+    where.of(rt).ensure_started()
+    return
+  # Out of the environment before anything starts a child (the companion,
+  # the program's own subprocesses): children do not inherit the secret.
+  secret.take_from_environment()
+  env = os.environ
+  coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
+  if num_processes is None and env.get(_env.NUM_PROCESSES):
+    num_processes = int(env[_env.NUM_PROCESSES])
+  if process_id is None and env.get(_env.PROCESS_ID):
+    process_id = int(env[_env.PROCESS_ID])
+  if num_processes is not None and process_id is not None and not (
+      0 <= process_id < num_processes):
+    raise ValueError(
+        f'process_id must be in [0, num_processes); got process_id='
+        f'{process_id}, num_processes={num_processes}.')
+  explicit = None not in (coordinator_address, num_processes, process_id)
+  if not explicit and cluster_detection_method is None and not _env.in_cluster():
+    if any(v is not None for v in (coordinator_address, num_processes,
+                                   process_id)):
+      raise ValueError(
+          'initialize() needs coordinator_address, num_processes and '
+          f'process_id together; got coordinator_address='
+          f'{coordinator_address!r}, num_processes={num_processes!r}, '
+          f'process_id={process_id!r}. Pass all three, or run under '
+          '`python -m multihost.launch` or a cluster JAX detects.')
+    logging.info('No cluster or coordinator found: running as a single '
+                 'controller without jax.distributed.')
+    return
+  kwargs: dict[str, Any] = dict(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=local_device_ids,
+      cluster_detection_method=cluster_detection_method,
+      initialization_timeout=int(initialization_timeout),
+      shutdown_timeout_seconds=int(shutdown_timeout_seconds),
+  )
+  if slice_index is not None:
+    kwargs['slice_index'] = slice_index
+  if partition_index is not None:
+    kwargs['partition_index'] = partition_index
+  heartbeat = heartbeat_timeout_seconds
+  if heartbeat is None:
+    heartbeat = settings.heartbeat()
+  detect = _detect_failures(detect_failures)
+  if detect:
+    # Must be set before jax.distributed.initialize (the service reads it).
+    jax.config.update('jax_enable_recoverability', True)
+    if heartbeat is None:
+      heartbeat = _env.DEFAULT_HEARTBEAT_S
+  if heartbeat is not None:
+    kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat))
+  if (coordinator_bind_address is None and
+      not env.get(_env.COORDINATOR_BIND) and
+      not settings.external_service()):
+    if not explicit:
+      # What jax.distributed.initialize would derive from the cluster
+      # (Slurm, Open MPI, Kubernetes, ...): without a bind address of our
+      # own, JAX's process 0 listens on every interface.
+      address, count, index = coordination.detect_cluster(
+          coordinator_address, num_processes, process_id,
+          cluster_detection_method)
+      if None not in (address, count, index):
+        coordinator_address, num_processes, process_id = address, count, index
+        kwargs.update(coordinator_address=address, num_processes=count,
+                      process_id=index)
+    if process_id == 0 and coordinator_address:
+      coordinator_bind_address = _bind_address(coordinator_address)
+  if coordinator_bind_address is not None:
+    kwargs['coordinator_bind_address'] = coordinator_bind_address
+  companion = None
+  external = settings.external_service()
+  if detect and not external and _companion.enabled():
+    companion = _companion.start_for_job(kwargs, env)  # Process 0: starts it.
+  address, index = kwargs['coordinator_address'], kwargs['process_id']
+  if address and index not in (None, 0):
+    waited = time.monotonic()
+    _companion.await_service(address, kwargs['initialization_timeout'])
+    kwargs['initialization_timeout'] = max(1, int(
+        kwargs['initialization_timeout'] - (time.monotonic() - waited)))
+  try:
+    with _companion.cpp_advice_hidden():  # JAX's advice at the service start
+      if companion is not None or external:
+        # The companion (or a launcher) hosts the coordination service (see
+        # `_coordination.start_service`): process 0 must not start another.
+        coordination.initialize_without_service(**kwargs)
+      else:
+        jax.distributed.initialize(**kwargs)
+  except BaseException:
+    if companion is not None:
+      companion.finish()
+    raise
+  rt = runtime.current()  # The runtime on JAX's new client.
+  if companion is not None:
+    rt.companion = companion
+    rt.exit_steps['companion'] = companion.finish
+  if detect:
+    watchdog.of(rt).start(
+        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+        shutdown_timeout=shutdown_timeout_seconds)
+  where.of(rt).ensure_started()
+  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
+              rt.count, jax.local_device_count())
+
+
+def is_initialized() -> bool:
+  """Whether `jax.distributed` is initialized (by `initialize()` or by the program)."""
+  return jax.distributed.is_initialized()
+
+
+def _bind_address(coordinator_address: str) -> str:
+  """Where process 0's service listens: the coordinator address's own host, never all interfaces.
+
+  Raises:
+    ValueError: that host is not an address of this machine.
+  """
+  host, _, port = coordinator_address.rpartition(':')
+  host = host.strip('[]')
+  try:
+    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.bind((address[0], 0))
+  except (OSError, ValueError, IndexError) as e:
+    raise ValueError(
+        f'process 0 cannot bind the coordination service to the host of '
+        f'coordinator_address={coordinator_address!r} ({e}). Pass '
+        'coordinator_bind_address= (e.g. "10.0.0.5:1234"; "[::]:1234" for '
+        'all interfaces, which must then be firewalled).') from e
+  ip = address[0]
+  return f'[{ip}]:{port}' if ':' in ip else f'{ip}:{port}'
+
+
+def _detect_failures(detect_failures: bool | None) -> bool:
+  """Whether to turn on failure detection (see `initialize`)."""
+  if detect_failures is not None:
+    return bool(detect_failures)
+  return settings.detect_failures()

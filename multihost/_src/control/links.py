@@ -1,0 +1,361 @@
+"""Control plane: the agreement over the authenticated TCP links, in ceil(log2 P) dissemination rounds.
+
+Once the links are up (`met`: after the first calls, which meet through
+the coordination service), a call's agreement travels over them: in round k
+process i sends to (i + 2^k) mod P and receives from (i - 2^k) mod P. Each
+message carries the call id (in its frame header, MAC'd with the link's
+frame number, so forged, replayed or reordered frames are refused), the
+16-byte digest of the sender's header, a flag that says a difference was
+seen, and the small payloads the sender knows that the receiver does not.
+After the last round every process has every payload, and the flag is set
+on every process exactly when two digests differ (round k's flag covers the
+2^(k+1) processes before the receiver, joined by the receiver's own
+comparison), so every process reaches the same verdict: agreement, with the
+payloads (no second phase), or a difference, which the coordination
+service's full exchange then explains (ConsistencyError everywhere).
+
+A process never leaves the rounds alone on a slow peer: a process that
+completes knows every process started the call, and every process that
+started sends all its rounds, so either all complete or none does. What the
+service's fast window did becomes diagnosis: after `WINDOW_S` a waiting
+process publishes its presence beside the call (so a timeout names who is
+missing, and where), arms the stall report, and looks for gave-up marks (a
+latecomer then raises at once, as on the service path). At the timeout it
+raises the named CollectiveTimeoutError and leaves its own mark. Frames of
+an older call (a latecomer's, after the others gave up) are discarded.
+
+The service stays for liveness, first contact (addresses, link setup) and
+diagnosis; with MULTIHOST_TRANSPORT=device (e.g. where peers cannot open
+connections to each other) every call agrees through the service.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+import threading
+import time
+
+from multihost import env as _env
+from multihost._src.auth import marks as _control_marks
+from multihost._src.auth import secret as _secret
+from multihost._src.diagnostics import stalls
+from multihost._src.diagnostics import where
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import errors
+from multihost._src.runtime import failures
+from multihost._src.runtime import runtime
+from multihost._src.runtime import settings
+from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import sockets
+
+# Agreement frames have this bit set in their call field; data frames count
+# transfers (`Plane.seq`) and never reach it.
+AGREE_BIT = 1 << 63
+# After this long without completing, a waiting process starts its
+# diagnosis (presence, stall report, gave-up marks); then every `_MARKS_S`
+# it looks for gave-up marks again.
+WINDOW_S = 1.0
+_MARKS_S = 1.0
+# Connecting the links (on a thread) once every process met.
+SETUP_S = 30.0
+_HEAD = struct.Struct('<16sBI')  # digest, flags, entries
+_ENTRY = struct.Struct('<II')  # process, length
+_DIFFERS = 1
+# Each process's link-setup outcome: 'call|ok' or 'call|failed', MAC'd.
+_RECORDS = 'multihost/links/'
+
+def service_only(rt: runtime.Runtime) -> None:
+  """Makes `rt`'s calls agree through the service only (tests of that path)."""
+  rt.service_only = True
+
+
+def enabled(rt: runtime.Runtime) -> bool:
+  """Whether `rt`'s calls will agree over the links (TCP transport)."""
+  return (not rt.service_only and rt.count > 1
+          and settings.transport() in (None, 'tcp'))
+
+
+usable = _tcp_link.agreeing
+
+
+def _peers(me: int, count: int) -> list[tuple[int, int]]:
+  """(send to, receive from) of each round."""
+  rounds, step = [], 1
+  while step < count:
+    rounds.append(((me + step) % count, (me - step) % count))
+    step *= 2
+  return rounds
+
+
+def prepare(rt: runtime.Runtime, op: str, call: int) -> None:
+  """Before meeting through the service in `call`: listens (its address published), and records a finished link setup."""
+  plane = _tcp_link.plane_of(rt, op, time.monotonic() + SETUP_S)
+  if plane.setup in ('ok', 'failed'):
+    key = _RECORDS + str(rt.index)
+    value = f'{call}|{plane.setup}'.encode()
+    secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
+    rt.client.kv_set(key, _control_marks.mac(secret, key, value) + value)
+    plane.setup = 'recorded'
+
+
+def met(rt: runtime.Runtime, op: str, call: int) -> None:
+  """After every process met through the service in `call`: sets the links up, or switches to them.
+
+  Collective: every process calls this after the same calls. The setup
+  (connecting to the rounds' peers) runs on a thread; each process records
+  its outcome before a later meeting (`prepare`), and after each meeting
+  every process reads the records written before it, so all see the same
+  ones: all switch to the links in the same call once every process set
+  them up, or all stay on the service once one could not.
+  """
+  plane = rt.plane
+  if plane is None or plane.agrees or plane.refused:
+    return
+  if plane.setup is None:
+    plane.setup = 'running'
+    threading.Thread(target=_setup, args=(rt, plane, op), daemon=True,
+                     name='multihost-links-setup').start()
+  secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
+  keys = {_RECORDS + str(p) for p in range(rt.count)}
+  states = []
+  for key, stored in rt.client.kv_dir(_RECORDS):
+    value = stored[_control_marks.MAC:]
+    if key not in keys or not hmac.compare_digest(
+        stored[:_control_marks.MAC], _control_marks.mac(secret, key, value)):
+      continue  # planted: it changes nothing
+    written, _, state = value.decode().partition('|')
+    if int(written) <= call:
+      states.append(state)
+  if 'failed' in states:
+    plane.refused = True
+    rt.log.warning(
+        'the links between the processes could not all be set up (%s); '
+        'calls agree through the coordination service. Open TCP between '
+        'the hosts on the ports the processes publish, or set %s=device.',
+        plane.setup_error or 'a peer could not connect', _env.TRANSPORT)
+  elif len(states) == rt.count:
+    plane.agrees = True
+
+
+def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
+  """Opens the links of the rounds (on the setup thread)."""
+  deadline = time.monotonic() + SETUP_S
+  peers = {p for pair in _peers(rt.index, rt.count) for p in pair}
+  try:
+    # Connect first, then await the lower-numbered peers' connections: a
+    # connection needs only the acceptor's listener thread, so none waits.
+    for peer in sorted(peers, key=lambda p: (p < rt.index, p)):
+      plane.conn(peer, deadline, op)
+  except Exception as e:  # noqa: BLE001  Recorded; the service path stays.
+    plane.setup_error = failures.shorten(e, 200)
+    plane.setup = 'failed'
+    return
+  plane.setup = 'ok'
+
+
+def _encode(digest: bytes, flags: int, entries: dict[int, bytes]) -> bytes:
+  parts = [_HEAD.pack(digest, flags, len(entries))]
+  for p, value in entries.items():
+    parts.append(_ENTRY.pack(p, len(value)))
+    parts.append(value)
+  return b''.join(parts)
+
+
+def _decode(body: bytes, count: int) -> tuple[bytes, int, dict[int, bytes]]:
+  digest, flags, n = _HEAD.unpack_from(body)
+  at = _HEAD.size
+  entries = {}
+  for _ in range(n):
+    p, length = _ENTRY.unpack_from(body, at)
+    at += _ENTRY.size
+    if p >= count or at + length > len(body):
+      raise ValueError(f'entry of process {p} ({length} bytes) out of range')
+    entries[p] = body[at:at + length]
+    at += length
+  if at != len(body):
+    raise ValueError(f'{len(body) - at} bytes after the entries')
+  return digest, flags, entries
+
+
+class _Wait:
+  """A call's waiting over the links: the watchdog, diagnosis after the window, the timeout."""
+
+  def __init__(self, meeting, timeout: float):
+    self.m = meeting
+    self.timeout = timeout
+    self.deadline = meeting.start + timeout
+    self.diagnose_at = meeting.start + min(WINDOW_S, timeout / 2)
+    self.marks_at = None
+    self.stall = None
+
+  def slice(self) -> None:
+    """Between socket slices: raises if a peer is gone, late, or the timeout passed."""
+    m = self.m
+    watchdog.of(m.rt).check(m.op)
+    now = time.monotonic()
+    if now >= self.deadline:
+      raise self.timed_out(now)
+    if self.marks_at is None and now >= self.diagnose_at:
+      m._publish(b'D', self.timeout)  # presence, for naming the missing
+      self.stall = stalls.arm(
+          m.op, started=m.start, until=self.deadline, runtime=m.rt,
+          missing=lambda: _control_marks.absent(m.rt, m.prefix))
+      self.marks_at = now
+    if self.marks_at is not None and now >= self.marks_at:
+      self.marks_at = now + _MARKS_S
+      late(m, self.timeout)
+
+  def timed_out(self, now: float) -> errors.MultihostError:
+    m = self.m
+    error = _control_marks.named(
+        m.rt, TimeoutError('DEADLINE_EXCEEDED: the agreement over the links'),
+        m.op, m.prefix, waited=now - m.start, timeout=self.timeout)
+    if isinstance(error, errors.CollectiveTimeoutError):
+      _control_marks.leave_mark(m.rt, m.op, m.prefix, m.start)
+    return where.with_whereabouts(error, runtime=m.rt)
+
+  def end(self) -> None:
+    stalls.disarm(self.stall, runtime=self.m.rt)
+
+
+def late(meeting, timeout: float) -> None:
+  """Raises `arrived_late` if processes already gave this call up."""
+  marks = _control_marks.gave_up(meeting.rt, meeting.op, meeting.prefix)
+  if marks:
+    raise failures.arrived_late(
+        meeting.op, me=meeting.me, waited=time.monotonic() - meeting.start,
+        timeout=timeout,
+        late_by=_control_marks.late_by(marks, meeting.start),
+        source=meeting.rt.timeout_source(timeout))
+
+
+def _recv(link: _tcp_link.Link, n: int, wait: _Wait) -> bytes:
+  """`n` bytes from `link`, waiting in slices (`_Wait.slice` between them)."""
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    try:
+      k = link.sock.recv_into(view[got:])
+    except TimeoutError:
+      if got:  # Part of a frame came: its peer is in this call; keep on.
+        watchdog.of(wait.m.rt).check(wait.m.op)
+        if time.monotonic() >= wait.deadline:
+          raise
+        continue
+      wait.slice()
+      continue
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+  return bytes(buf)
+
+
+def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
+  """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded."""
+  op = wait.m.op
+  while True:
+    got_call, length = link.check(_recv(link, _tcp_link.FRAME_SIZE, wait), op,
+                                  peer)
+    if not got_call & AGREE_BIT:
+      # Data where an agreement frame is due: the stripe a source sent
+      # with its agreement frame of a call this process gave up, or came
+      # too late to (`_data_tcp.Eager`).
+      chain.drop(link, length, (op, wait.deadline))
+      continue
+    body = _recv(link, length, wait)
+    if got_call & AGREE_BIT and got_call < call:
+      continue  # A frame of a call this process gave up (a latecomer's).
+    if got_call != call:
+      raise failures.out_of_step(op, peer, (got_call, length),
+                                     (call, length))
+    return body
+
+
+def agree(meeting, digest: bytes, publish: bytes | None, *,
+          timeout: float,
+          eager: chain.Eager | None = None) -> dict[int, bytes] | None:
+  """Every process's published bytes (by process) when every digest equals `digest`; None when any differs.
+
+  Collective: every process must call this, in the same order. `meeting`
+  is the call's `Rendezvous`. A broadcast's source passes its `eager`
+  first stripe, started right after its first round's frame to the next
+  process (see `_data_tcp.Eager`); on a difference or a timeout its link
+  owes the rest, and the next process drops it (`_receive`).
+
+  Raises:
+    CollectiveTimeoutError: a process did not arrive in time (named).
+    ProcessFailureError: a peer is gone.
+    MultihostError: a forged or out-of-step frame (the links are closed).
+  """
+  rt, op, me, count = meeting.rt, meeting.op, meeting.me, meeting.count
+  last_end = rt.last_end
+  if last_end is None or meeting.start - last_end > WINDOW_S:
+    late(meeting, timeout)  # Come late: the others may have given the call up.
+  plane = rt.plane
+  call = meeting.call | AGREE_BIT
+  entries = {} if publish is None else {me: publish}
+  differs = False
+  wait = _Wait(meeting, timeout)
+  watch = (op, wait.deadline)
+  sender = None
+  links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
+  peer = me
+  step = 1
+  started = None  # the eager stripe this process started
+  try:
+    for dst, src in _peers(me, count):
+      peer = dst
+      out = links.get(dst) or links.setdefault(
+          dst, plane.conn(dst, wait.deadline, op))
+      body = {p: v for p, v in entries.items() if (dst - p) % count >= step}
+      body = _encode(digest, _DIFFERS if differs else 0, body)
+      out.sock.settimeout(sockets.SLICE_S)
+      if len(body) <= sockets.DIRECT_BYTES and sender is None:
+        sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
+        if eager is not None and step == 1:  # Right behind its frame.
+          started = eager
+          eager.start(plane, out)
+      else:  # Large: on a thread, so that rounds that all send never block.
+        sender = sender or plane.sends.sender(watch)
+        sender.send(out.sock, out.frame(call, len(body)) + body)
+      peer = src
+      link = links.get(src)
+      if link is None:  # (at 2 processes the peer sent to is this one)
+        link = links[src] = plane.conn(src, wait.deadline, op)
+        link.sock.settimeout(sockets.SLICE_S)
+      got_digest, got_flags, got = _decode(
+          _receive(link, call, src, wait), count)
+      differs = (differs or bool(got_flags & _DIFFERS)
+                 or got_digest != digest)
+      entries.update(got)
+      step *= 2
+    if sender is not None:
+      peer, done, sender = me, sender, None
+      done.close(wait.deadline)
+    if differs and started is not None:
+      # The rest of the stripe goes before the link's next frame, and the
+      # next process drops it: neither waits for the other here, so both
+      # go on to the full exchange that names the difference.
+      started.defer()
+  except (errors.CollectiveTimeoutError, errors.ProcessFailureError) as e:
+    if sender is not None:
+      sender.finish(time.monotonic() + 0.1)
+    if started is not None and isinstance(e, errors.CollectiveTimeoutError):
+      started.defer()  # As on a difference; a late next process drops it.
+    elif started is not None:
+      _tcp_link.break_plane(plane, e)  # A data frame is cut short.
+    raise
+  except (OSError, TimeoutError, ValueError, struct.error,
+          errors.MultihostError) as e:
+    if sender is not None:
+      sender.finish(time.monotonic() + 0.1)
+    _tcp_link.break_plane(plane, e)
+    if isinstance(e, (ValueError, struct.error)):
+      e = failures.forged_frame(op, peer, f'held no agreement ({e})')
+    raise _tcp_link.peer_error(op, peer, e) from e
+  finally:
+    wait.end()
+  return None if differs else entries

@@ -1,0 +1,358 @@
+"""Failure: the watchdog, a thread per process that sees a peer die (liveness polling).
+
+When a peer is killed, JAX does not tell the survivors in a way Python can
+catch: with `jax_enable_recoverability` off, every survivor is aborted
+(SIGABRT) at the heartbeat timeout; with it on, nothing is aborted, but a
+coordination-service barrier waits for the dead process until its own
+timeout, and a gloo device collective waits forever on every process that is
+not a ring neighbour of the dead one (neighbours get "Connection closed by
+peer" at once). See the README's failure section.
+
+So, with recoverability on (`multihost.initialize()` turns it on):
+
+* A daemon thread per process (the watchdog) asks the coordination service
+  which processes are alive, every `POLL_INTERVAL_S`. The service drops a
+  process when its heartbeats stop for `heartbeat_timeout` seconds, so a
+  failure is seen within about heartbeat_timeout + POLL_INTERVAL_S.
+* Every blocking step of a collective runs through `_blocking.call`, which
+  wakes when the watchdog sees a peer gone and raises `ProcessFailureError`
+  naming it, even if the step is stuck in C++.
+* Once a failure is known, every later collective raises at once (`check`).
+* At exit, the handshake of `_exit` uses what the watchdog saw: a peer that
+  exits normally is reported as "exited", not "failed", and process 0 waits
+  for the others to leave before it takes the service down with it.
+* When it sees a peer fail, it starts the policy of `_peer_loss_exit`
+  (`peer_loss`): unless a `ProcessFailureError` reaches the program within
+  the grace period (every error made here counts as delivered), the process
+  logs where its main thread is and leaves with exit status 75, because it
+  is stuck in a call Python cannot interrupt (a jitted step's collective).
+  `set_exit_on_peer_failure` and $MULTIHOST_EXIT_ON_PEER_FAILURE set it.
+
+Process 0 is special when it hosts the coordination service (JAX's
+default): when it dies, the C++ client of every other process aborts the
+process (SIGABRT, "Terminating process because the JAX distributed service
+detected fatal errors") about 1 ms after the connection drops, before any
+Python code can run; a Python `missed_heartbeat_callback` cannot replace that
+abort in jaxlib 0.10.2 (its status argument fails to convert: std::bad_cast,
+then std::terminate). The launcher reports it (process 0 died first). When a
+launcher hosts the service instead (`_coordination.start_service` and
+$MULTIHOST_EXTERNAL_SERVICE=1), or process 0's companion does (the default,
+`_companion`), process 0's death is an ordinary failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from multihost._src.liveness import exit_handshake
+from multihost._src.liveness import peer_loss_exit
+from multihost._src.runtime import errors
+from multihost._src.runtime import failures
+from multihost._src.runtime import runtime as _runtime
+from multihost._src.runtime import settings as _settings
+
+POLL_INTERVAL_S = 0.5
+DEFAULT_HEARTBEAT_S = 100.0  # JAX's default heartbeat_timeout_seconds
+# Beyond the heartbeat timeout: up to two polls (one in flight when the
+# service drops the process, the next that sees it) and a second for the
+# service's own heartbeat check.
+DETECTION_SLACK_S = 2 * POLL_INTERVAL_S + 1.0
+
+
+class Watchdog:
+  """What one process's watchdog knows about its peers; guarded by `cond`."""
+
+  def __init__(self, runtime: _runtime.Runtime):
+    self.runtime = runtime
+    self.cond = threading.Condition()
+    self.running = False
+    self.stopping = False
+    self.me = 0
+    self.count = 1
+    self.heartbeat_timeout = DEFAULT_HEARTBEAT_S
+    self.shutdown_timeout = 300.0
+    self.failed: dict[int, float] = {}  # process -> time.monotonic() seen.
+    self.exited: set[int] = set()
+    self.service_lost = False
+    self.thread: threading.Thread | None = None
+    # Kept by `_blocking.call`: its step thread, the steps whose callers
+    # wait (woken here), and the steps abandoned in C++ (awaited at exit).
+    self.step_thread: Any = None
+    self.pending: set[Any] = set()
+    self.abandoned = False
+    self.abandoned_steps: list[Any] = []
+    # The op of the last watched step that raised a timeout or a failure
+    # here (None once a later one completed); read by the exit handshake.
+    self.step_failed: str | None = None
+    # Leaving after a peer failure (see `_peer_loss_exit`), and what renders
+    # this process's main thread for its last line: `_where` sets a
+    # where-report; until then, a plain stack.
+    self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self._leave)
+    configure_peer_loss(self.peer_loss, runtime.settings)
+    self.describe: Callable[[], str] = _main_thread_stack
+
+  def _leave(self, status: int) -> None:
+    """Leaves with `status` at once, after the exit sequence's trace dump (a local file)."""
+    dump = self.runtime.exit_steps.pop('trace', None)
+    if dump is not None:
+      try:
+        dump()
+      except Exception:  # noqa: BLE001  Leaving matters more.
+        pass
+    os._exit(status)
+
+  def gone(self) -> bool:
+    """Whether a peer (or the service) is known to be gone."""
+    return bool(self.failed or self.exited or self.service_lost)
+
+  def detection_bound(self) -> float:
+    """Seconds within which the watchdog reports a peer that was killed.
+
+    README's failure section gives it as heartbeat timeout + DETECTION_SLACK_S.
+    """
+    return self.heartbeat_timeout + DETECTION_SLACK_S
+
+  def start(self, *, heartbeat_timeout: float,
+            shutdown_timeout: float = 300.0) -> bool:
+    """Starts the watchdog (once); returns whether it runs.
+
+    It runs only with more than one process, a coordination client and
+    recoverability on (without it, JAX aborts the survivors itself). Every
+    process must start it: asking the service which processes are alive is
+    a rendezvous of all live processes.
+
+    Args:
+      heartbeat_timeout: the `heartbeat_timeout_seconds` given to
+        `jax.distributed.initialize` (bounds the detection time).
+      shutdown_timeout: how long process 0 waits at exit for the others.
+    """
+    rt = self.runtime
+    with self.cond:
+      if self.running:
+        return True
+      if (self.stopping  # After the exit handshake: never start again.
+          or rt.client is None or rt.count == 1 or not rt.recoverable):
+        return False
+      self.me = rt.index
+      self.count = rt.count
+      self.heartbeat_timeout = float(heartbeat_timeout)
+      self.shutdown_timeout = float(shutdown_timeout)
+      self.running = True
+      self.thread = threading.Thread(target=self._poll,
+                                     name='multihost-watchdog', daemon=True)
+      self.thread.start()
+    rt.exit_steps['handshake'] = lambda: exit_handshake.leave(rt)
+    if rt.raw is not None:  # The process's own runtime, not a test's.
+      exit_handshake.note_uncaught_exceptions()
+    rt.log.info('multihost failure watchdog started: a killed peer is '
+                'reported within %.1f s (heartbeat timeout %g s + %g s).',
+                self.detection_bound(), self.heartbeat_timeout,
+                DETECTION_SLACK_S)
+    return True
+
+  def ensure_started(self) -> bool:
+    """Starts the watchdog with JAX's default timeouts if nobody did."""
+    return self.running or self.start(heartbeat_timeout=DEFAULT_HEARTBEAT_S)
+
+  def failed_processes(self) -> tuple[int, ...]:
+    """Processes the watchdog has seen fail or exit, in index order."""
+    with self.cond:
+      return tuple(sorted(set(self.failed) | self.exited))
+
+  def check(self, op: str) -> None:
+    """Raises `ProcessFailureError` if a peer is already known to be gone."""
+    if self.failed or self.exited or self.service_lost:
+      raise self.failure_error(op, waited=None)
+
+  def failure_error(self, op: str, *, waited: float | None,
+                    cause: BaseException | None = None
+                    ) -> errors.ProcessFailureError:
+    """A `ProcessFailureError` for `op` naming the processes known gone."""
+    with self.cond:
+      failed = sorted(self.failed)
+      exited = sorted(self.exited - set(self.failed))
+      service_lost = self.service_lost
+    # Every caller raises it to the program, which then has control: this
+    # process need not leave by itself.
+    self.peer_loss.delivered()
+    return failures.process_failure(
+        op, me=self.me, failed=failed, exited=exited,
+        service_lost=service_lost, waited=waited,
+        bound=self.detection_bound(), cause=cause)
+
+  def known_failure(self, op: str, *, waited: float,
+                    cause: BaseException | None = None
+                    ) -> errors.ProcessFailureError | None:
+    """`failure_error(...)` if the watchdog has seen a peer fail or exit, else None."""
+    if not (self.failed or self.exited):
+      return None
+    return self.failure_error(op, waited=waited, cause=cause)
+
+  def wait_for_named_failure(self) -> None:
+    """After a dropped connection, waits (bounded) for the watchdog to name it."""
+    deadline = time.monotonic() + self.detection_bound()
+    with self.cond:
+      while not self.gone():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self.running:
+          return
+        self.cond.wait(remaining)
+
+  def failed_within_bound(self) -> tuple[int, ...]:
+    """After a broken connection: the processes gone, once the watchdog names them.
+
+    Waits up to `detection_bound()` (not at all without a running watchdog);
+    may return () if nobody is named by then.
+    """
+    deadline = time.monotonic() + (
+        self.detection_bound() if self.running else 0.0)
+    while not self.failed_processes() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    failed = self.failed_processes()
+    if failed:  # The callers raise a ProcessFailureError naming them.
+      self.peer_loss.delivered()
+    return failed
+
+  def stop_polling(self) -> None:
+    """Stops the watchdog; it finishes its current liveness query first."""
+    self.stopping = True
+    if self.thread is not None:
+      self.thread.join(POLL_INTERVAL_S + 3.0)
+
+  def _wake_waiters(self) -> None:
+    """Called with `cond` held after recording a failure."""
+    self.cond.notify_all()
+    for step in list(self.pending):
+      step.notify()
+
+  def _poll(self) -> None:
+    rt = self.runtime
+    client = rt.client
+    everyone = list(range(self.count))
+    unreachable_since = None  # First failed liveness query of a streak.
+    while not self.stopping:
+      try:
+        alive = set(client.live_processes(everyone))
+        unreachable_since = None
+      except Exception as e:  # The service is unreachable.  # noqa: BLE001
+        if self.stopping or not rt.connected():
+          return  # Exiting, or the program shut jax.distributed down itself.
+        # A blip (a link down for less than the heartbeat timeout) is no
+        # failure: retry up to the heartbeat bound before giving up for good.
+        now = time.monotonic()
+        unreachable_since = unreachable_since or now
+        if now - unreachable_since < self.heartbeat_timeout:
+          time.sleep(POLL_INTERVAL_S)
+          continue
+        with self.cond:
+          self.service_lost = True
+          self._wake_waiters()
+        rt.log.error('multihost watchdog: the coordination service is '
+                     'unreachable (%s).', failures.shorten(e, 300))
+        return
+      gone = [p for p in everyone if p not in alive and p not in self.failed
+              and p not in self.exited]
+      if gone:
+        exited = set(exit_handshake.exited_processes(client))
+        now = time.monotonic()
+        with self.cond:
+          for p in gone:
+            if p in exited:
+              self.exited.add(p)
+            else:
+              self.failed[p] = now
+          self._wake_waiters()
+        dead = [p for p in gone if p not in exited]
+        if dead:
+          rt.log.error('multihost watchdog: process(es) %s failed (no '
+                       'heartbeat for %.0f s). Every collective now raises '
+                       'ProcessFailureError.', dead, self.heartbeat_timeout)
+          self.peer_loss.failure_seen(sorted(self.failed), prefix=rt.prefix,
+                                      describe=self.describe)
+      time.sleep(POLL_INTERVAL_S)
+
+
+def _main_thread_stack() -> str:
+  """The main thread's innermost frames on one line (without `_where`)."""
+  frames = sys._current_frames()  # pylint: disable=protected-access
+  frame = frames.get(threading.main_thread().ident)
+  if frame is None:
+    return 'main thread: no Python frames'
+  stack = traceback.extract_stack(frame)[-6:][::-1]
+  return 'main thread in ' + ' <- '.join(
+      f'{f.name} ({f.filename.rsplit("/", 1)[-1]}:{f.lineno})' for f in stack)
+
+
+def configure_peer_loss(policy: peer_loss_exit.PeerLossExit,
+                        settings: _settings.Settings) -> None:
+  """Applies the program's setting, else $MULTIHOST_EXIT_ON_PEER_FAILURE, to `policy`."""
+  enabled, grace, before_exit = settings.peer_loss()
+  policy.configure(enabled=enabled, grace=grace, before_exit=before_exit)
+
+
+def set_exit_on_peer_failure(
+    enabled: bool = True, *, grace: float | None = None,
+    before_exit: Callable[[list[int]], None] | None = None) -> None:
+  """Sets whether this process leaves by itself, with exit status 75, when a peer fails while it cannot be told.
+
+  When the failure watchdog sees a peer die and, within `grace` seconds, no
+  multihost call raises `ProcessFailureError` here (the main thread is stuck
+  in a call Python cannot interrupt, such as a jitted step's device
+  collective waiting for the dead peer), the process runs `before_exit`,
+  logs one line naming the failed processes and where its main thread is,
+  flushes its logs and leaves with `os._exit(75)` (BSD's EX_TEMPFAIL), so
+  that a launcher or a scheduler can restart the job. On by default (off
+  with $MULTIHOST_EXIT_ON_PEER_FAILURE=0). Our own collectives raise
+  `ProcessFailureError` as before, which cancels the exit.
+
+  Args:
+    enabled: whether to leave (False: stay, as a process without failure
+      detection would).
+    grace: seconds between seeing the failure and leaving (default 7; the
+      failure is seen within the heartbeat timeout + 2 s of the death).
+    before_exit: called with the list of failed process indices right before
+      leaving, e.g. to write host-local state; it may run for up to 60 s.
+
+  Raises:
+    ValueError: `grace` is negative.
+    TypeError: `before_exit` is not callable.
+  """
+  rt = _runtime.current()
+  # Checked (and applied to the running watchdog) before it is kept.
+  of(rt).peer_loss.configure(enabled=enabled, grace=grace,
+                             before_exit=before_exit)
+  rt.settings.exit_on_peer_failure = (bool(enabled), of(rt).peer_loss.grace,
+                                      before_exit)
+
+
+def of(runtime: _runtime.Runtime | None = None) -> Watchdog:
+  """The watchdog of `runtime` (default: the current one), made on first use."""
+  rt = runtime or _runtime.current()
+  watchdog = rt.watchdog
+  if watchdog is None:
+    with rt.lock:
+      if rt.watchdog is None:
+        rt.watchdog = Watchdog(rt)
+      watchdog = rt.watchdog
+  return watchdog
+
+
+def recoverability_enabled() -> bool:
+  """Whether the current runtime's service survives a process's death."""
+  return _runtime.current().recoverable
+
+
+def detection_bound() -> float:
+  """Seconds within which the watchdog reports a peer that was killed."""
+  return of().detection_bound()
+
+
+def failed_processes() -> tuple[int, ...]:
+  """Processes the current runtime's watchdog has seen fail or exit."""
+  return of().failed_processes()

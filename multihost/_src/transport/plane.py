@@ -1,0 +1,123 @@
+"""Data plane: the transport of each payload (TCP or a device collective), chosen by backend and size; a timeout says where the late peers are.
+
+The rule (`choose_transport`):
+* `MULTIHOST_TRANSPORT=tcp` or `device` forces one transport for every
+  payload.
+* Otherwise, on CPU every payload moves over TCP between the hosts: gloo's
+  device collectives move bytes several times slower there (see
+  bench/README.md).
+* On GPU and TPU, payloads of more than `DEVICE_BYTES` move with a device
+  collective (NCCL, ICI), smaller ones over TCP (a device collective's
+  launch costs more than a few TCP hops).
+Every input of the rule (the override, the backend, the payload size) is
+the same on every process once the agreement has passed, so every process
+picks the same transport without exchanging anything.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from multihost._src.diagnostics import where
+from multihost._src.runtime import errors
+from multihost._src.runtime import leaves
+from multihost._src.runtime import runtime
+from multihost._src.runtime import settings
+from multihost._src.transport import device
+from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import link
+
+# On GPU/TPU backends, payloads larger than this use a device collective.
+DEVICE_BYTES = 1 << 20
+_DEVICE_BACKENDS = ('gpu', 'cuda', 'rocm', 'tpu')
+
+
+def choose_transport(backend: str, nbytes: int, *,
+                     override: str | None = None) -> str:
+  """'tcp' or 'device': how a payload of `nbytes` per process moves.
+
+  Pure (the seam the tests use): `backend` is `jax.default_backend()`,
+  `override` the validated `MULTIHOST_TRANSPORT` (None when unset). See the
+  module docstring for the rule.
+  """
+  if override is not None:
+    return override
+  if backend.lower() in _DEVICE_BACKENDS and nbytes > DEVICE_BYTES:
+    return 'device'
+  return 'tcp'
+
+
+@functools.cache
+def _backend() -> str:
+  return jax.default_backend()
+
+
+def transport(nbytes: int) -> str:
+  """The transport of a payload of `nbytes` per process, on this job."""
+  return choose_transport(_backend(), nbytes, override=settings.transport())
+
+
+def tcp_enabled() -> bool:
+  """Whether small payloads travel over TCP (else in the control plane's headers)."""
+  return transport(0) == 'tcp'
+
+
+def carries_small_payloads() -> bool:
+  """Whether small payloads of arrays travel here rather than in the headers.
+
+  Over TCP, once the agreement barrier has passed, a small payload takes one
+  hop per process on an open connection, where the key-value store takes
+  one or two more RPCs. A device
+  collective is slower than those RPCs, so with it small payloads stay in
+  the headers. Once calls agree over the TCP links (`_control_links`), the
+  headers travel there, so small payloads ride along: no second phase.
+  """
+  return tcp_enabled() and not link.agreeing(runtime.current())
+
+
+def eager(parts: list[np.ndarray], length: int) -> chain.Eager | None:
+  """A broadcast source's first stripe to send during the agreement (`_data_tcp.Eager`), where its payload moves over TCP."""
+  if transport(length) != 'tcp' or not link.agreeing(
+      runtime.current()):
+    return None
+  return chain.Eager(parts, length)
+
+
+def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
+              op: str, timeout: float, source_result: bool = True,
+              eager: chain.Eager | None = None) -> np.ndarray | None:
+  """The source's `length` bytes, on every process.
+
+  Collective: every process must call this, in the same order, with the
+  same `length` and `source`; only the source passes its parts
+  (C-contiguous arrays, `length` bytes in all), and its `eager` if the
+  agreement started one. With `source_result=False` the source gets None
+  (it has the bytes already).
+  """
+  try:
+    if transport(length) == 'tcp':
+      return chain.broadcast(parts, length, source, op=op,
+                                 timeout=timeout, source_result=source_result,
+                                 eager=eager)
+    packed = None if parts is None else leaves.pack(parts)
+    return device.broadcast(packed, length, op=op, timeout=timeout)
+  except errors.CollectiveTimeoutError as e:
+    raise where.with_whereabouts(e) from e
+
+
+def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
+              timeout: float) -> np.ndarray:
+  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]].
+
+  Collective: every process must call this, in the same order, with the
+  same `sizes`.
+  """
+  try:
+    if transport(max(sizes)) == 'tcp':
+      return chain.allgather(buffer, sizes, op=op, timeout=timeout)
+    return device.allgather(buffer, max(sizes), op=op, timeout=timeout)
+  except errors.CollectiveTimeoutError as e:
+    raise where.with_whereabouts(e) from e

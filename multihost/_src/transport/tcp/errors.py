@@ -1,0 +1,53 @@
+"""Data plane: the named errors of the TCP transport (a link that could not be opened, a transfer that failed)."""
+
+from __future__ import annotations
+
+import socket
+
+from multihost._src.liveness import watchdog as _watchdog
+from multihost._src.runtime import errors
+from multihost._src.runtime import failures
+
+
+class Unreachable(Exception):
+  """A connection to a peer's published address could not be opened.
+
+  Raised under the plane's connector lock and named (`unreachable`) after
+  it is released: naming waits up to the watchdog's bound for a dead peer,
+  and another connector (a transfer behind the links' setup) must not wait
+  meanwhile.
+  """
+
+  def __init__(self, address: str, error: OSError):
+    super().__init__(address, error)
+    self.address = address
+    self.error = error
+
+
+def unreachable(op: str, peer: int, address: str,
+                error: OSError) -> errors.MultihostError:
+  """A named error for a connection to `peer` that could not be opened."""
+  if isinstance(error, (socket.timeout, TimeoutError)):
+    return failures.connect_timeout(op, peer, address)
+  dead = list(_watchdog.of().failed_within_bound())
+  if dead:  # refused because the peer is gone
+    return failures.connection_failure(op, peer, error, dead)
+  return failures.cannot_connect(op, peer, address, error)
+
+
+def peer_error(op: str, peer: int, error: BaseException,
+               waiting: bool = False) -> errors.MultihostError:
+  """A named error for a failed transfer with `peer`."""
+  if isinstance(error, errors.MultihostError):
+    return error
+  if isinstance(error, Unreachable):
+    return unreachable(op, peer, error.address, error.error)
+  if isinstance(error, (socket.timeout, TimeoutError)) or waiting:
+    return failures.transfer_timeout(op, peer,
+                                         'to send or receive its part')
+  # The watchdog names the dead process within its bound; wait for it.
+  watchdog = _watchdog.of()
+  dead = list(watchdog.failed_within_bound())
+  if not dead and watchdog.running:  # every process is alive
+    return failures.connection_cut(op, peer, error)
+  return failures.connection_failure(op, peer, error, dead or [peer])

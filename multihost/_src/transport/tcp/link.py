@@ -1,0 +1,372 @@
+"""Data plane: the TCP transport's links (listener, handshake proving the job secret, lanes) and the plane that holds them.
+
+Connections are opened on first use: every process listens on an ephemeral
+port of the interface that reaches the coordinator, publishes its address in
+the coordination service's key-value store (with a MAC under the job key, so
+a store writer cannot point a process at a relay), and the lower-numbered
+process of each pair connects. Both sides prove the job secret (HMAC over
+both nonces, the lane and the job id) before a link is kept; every frame
+header after that carries a MAC under the link's key for its direction and
+a frame number (`_tcp_frames`), so injected, replayed or reordered frames
+are refused. Each pair of processes has `lanes` links (lane 0 for the
+agreement and every transfer, the others for large broadcasts' stripes).
+The plane is the runtime's (`Runtime.plane`), made on the first transfer.
+
+Strangers who reach the port cannot hold it: each handshake has one
+deadline (`_HANDSHAKE_S`) for all of its bytes, at most `_PER_SOURCE`
+handshakes from one source address and `_MAX_HANDSHAKES` in all are pending,
+and a new connection past either limit closes the oldest pending one (a
+peer's handshake takes a round trip, a stranger's lasts to its deadline). A
+connector whose handshake was cut tries again until the transfer's
+deadline. After a failed transfer the links are closed and opened afresh by
+the next transfer (new nonces, new keys, frame numbers from 0).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+import threading
+import time
+
+from multihost._src.auth import secret
+from multihost._src.liveness import watchdog
+from multihost._src.runtime import errors
+from multihost._src.runtime import failures
+from multihost._src.runtime import runtime as _runtime
+from multihost._src.runtime import settings
+from multihost._src.transport.tcp import auth
+from multihost._src.transport.tcp import errors as _tcp_errors
+from multihost._src.transport.tcp import frames
+from multihost._src.transport.tcp import sockets
+
+ADDRESS_KEY = auth.ADDRESS_KEY
+address_record = auth.address_record
+read_address = auth.read_address
+peer_error = _tcp_errors.peer_error
+
+# Handshake (the lower index connects): hello = magic, connector, acceptor,
+# lane, connector's nonce; the acceptor answers its nonce and its proof; the
+# connector answers its proof; the acceptor answers one byte (accepted). The
+# lane is bound into both proofs and the frame keys (see `_nonces`), so a
+# relay cannot swap two lanes' connections.
+_HELLO = struct.Struct('<4sIIB16s')
+
+_MAGIC = b'MHT3'
+
+# Links per pair of processes: lane 0 carries the agreement and every
+# transfer; large broadcasts also stripe over the others (`_data_tcp`).
+
+_NONCE = 16
+
+
+_ACCEPTED = b'\x01'
+
+_HANDSHAKE_S = 5.0  # an accepted connection must authenticate within this
+
+_MAX_HANDSHAKES = 32  # pending at once; a new one closes the oldest
+
+_PER_SOURCE = 8  # pending at once from one address; likewise
+
+_RETRY_S = 0.05  # between a connector's attempts after a cut handshake
+
+def _nonces(connector: bytes, acceptor: bytes, lane: int) -> bytes:
+  """What a handshake's proofs and frame keys bind: both nonces and the lane."""
+  return connector + acceptor + bytes([lane])
+
+
+def _key(peer: int, lane: int) -> int | tuple[int, int]:
+  """`Plane.conns`' key of the link to `peer` on `lane` (lane 0's is the peer)."""
+  return peer if lane == 0 else (peer, lane)
+
+
+Link = frames.Link
+FRAME_SIZE = frames.FRAME_SIZE
+
+
+class Plane:
+  """This process's listener and its connections to peers."""
+
+  def __init__(self, rt: _runtime.Runtime, timeout: float, op: str):
+    self.rt = rt
+    self.me = rt.index
+    self.count = rt.count
+    self.job, self.secret = secret.job_keys(op, timeout=timeout, runtime=rt)
+    self.seq = 0  # Transfers so far: every process counts the same ones.
+    # Whether calls agree over the links, and the links' setup for that
+    # (see `_control_links.met`).
+    self.agrees = False
+    self.setup: str | None = None
+    self.setup_error = ''
+    self.refused = False  # a process could not set its links up
+    self.lock = threading.Condition()
+    self.connecting = threading.Lock()
+    self.conns: dict[int, Link] = {}
+    self.sends = sockets.SendThread()  # every transfer's background sends
+    # The links per peer a large broadcast stripes over, and a thread for
+    # each lane past the first (which runs on the calling thread).
+    self.lanes = settings.tcp_lanes()
+    self.lane_threads = [sockets.Lane(f'multihost-transport-lane-{k}')
+                         for k in range(1, self.lanes)]
+    # Accepted connections still in their handshake, oldest first:
+    # connection -> its source address.
+    self.pending: dict[socket.socket, str] = {}
+    host = auth.local_host(rt)
+    self.listener = socket.socket(sockets.family(host), socket.SOCK_STREAM)
+    self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self.listener.bind((host, 0))
+    # The kernel's largest backlog: a port scan of a few hundred connections
+    # must not fill the accept queue, where the SYN of a peer's real connect
+    # would be dropped and sent again only a second later.
+    self.listener.listen(socket.SOMAXCONN)
+    port = self.listener.getsockname()[1]
+    threading.Thread(target=self._accept, name='multihost-transport',
+                     daemon=True).start()
+    rt.client.kv_set(ADDRESS_KEY.format(self.me),
+                     address_record(self.secret, self.me, host, port))
+
+  def _accept(self) -> None:
+    """Accepts connections for ever; each handshake runs on its own thread."""
+    while True:
+      try:
+        conn, source = self.listener.accept()
+      except OSError as e:
+        if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+          return  # the listener was closed
+        # Out of file descriptors or memory, or a connection aborted before
+        # it was accepted: back off and keep listening.
+        time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
+                                       errno.ENOBUFS, errno.ENOMEM) else 0.001)
+        continue
+      self._admit(conn, source[0])
+      try:
+        threading.Thread(target=self._handshake, args=(conn,), daemon=True,
+                         name='multihost-transport-handshake').start()
+      except RuntimeError:
+        self._settled(conn)
+        sockets.close(conn)
+
+  def _admit(self, conn: socket.socket, source: str) -> None:
+    """Counts `conn` as pending; past a limit, cuts the oldest pending one."""
+    with self.lock:
+      same = [c for c, s in self.pending.items() if s == source]
+      oldest = None
+      if len(same) >= _PER_SOURCE:
+        oldest = same[0]
+      elif len(self.pending) >= _MAX_HANDSHAKES:
+        oldest = next(iter(self.pending))
+      if oldest is not None:
+        del self.pending[oldest]
+        try:  # Wakes its handshake thread, which closes it.
+          oldest.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+      self.pending[conn] = source
+
+  def _settled(self, conn: socket.socket) -> None:
+    with self.lock:
+      self.pending.pop(conn, None)
+
+  def _handshake(self, conn: socket.socket) -> None:
+    """Authenticates a connecting peer; keeps the connection only if it proves itself."""
+    keep = False
+    deadline = time.monotonic() + _HANDSHAKE_S  # for all of its bytes
+    try:
+      magic, peer, target, lane, nonce = _HELLO.unpack(
+          sockets.recv_by(conn, _HELLO.size, deadline))
+      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me
+          or lane >= settings.MAX_TCP_LANES):
+        return
+      mine = secrets.token_bytes(_NONCE)
+      nonces = _nonces(nonce, mine, lane)
+      conn.settimeout(max(deadline - time.monotonic(), 0.001))
+      conn.sendall(mine + auth.proof(self.secret, b'accept', self.job, peer,
+                                 self.me, nonces))
+      theirs = sockets.recv_by(conn, hashlib.sha256().digest_size, deadline)
+      if not hmac.compare_digest(theirs, auth.proof(
+          self.secret, b'connect', self.job, peer, self.me, nonces)):
+        return
+      with self.lock:
+        if self.pending.pop(conn, None) is None:
+          return  # cut as the oldest pending one meanwhile
+        conn.sendall(_ACCEPTED)
+        sockets.tune(conn)
+        # A proven new connection replaces the old link: the peer closed
+        # its end of that one after a failed transfer.
+        old = self.conns.get(_key(peer, lane))
+        if old is not None:
+          sockets.close(old.sock)
+        self.conns[_key(peer, lane)] = Link(
+            conn, *auth.link_keys(self.secret, self.job, peer, self.me, nonces,
+                              connector=False))
+        keep = True
+        self.lock.notify_all()
+    except (OSError, struct.error, ValueError):
+      pass
+    finally:
+      self._settled(conn)
+      if not keep:
+        sockets.close(conn)
+
+  def _connect(self, peer: int, lane: int, remaining: float,
+               op: str) -> Link:
+    """Opens and authenticates a connection to the higher-numbered `peer`."""
+    deadline = time.monotonic() + remaining
+    value = self.rt.client.kv_get(ADDRESS_KEY.format(peer), remaining)
+    host, port = read_address(self.secret, peer, value, op)
+    while True:
+      try:
+        return self._connect_once(peer, lane, host, port, deadline, op)
+      except (ConnectionResetError, BrokenPipeError) as e:
+        # Cut during the handshake (e.g. as the oldest pending one while
+        # strangers crowd the port): try again while there is time.
+        if time.monotonic() + _RETRY_S >= deadline:
+          raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
+        time.sleep(_RETRY_S)
+
+  def _connect_once(self, peer: int, lane: int, host: str, port: int,
+                    deadline: float, op: str) -> Link:
+    """One attempt of `_connect`."""
+    remaining = max(deadline - time.monotonic(), 0.001)
+    try:
+      conn = socket.create_connection((host, port), timeout=remaining)
+    except (ConnectionResetError, BrokenPipeError):
+      raise
+    except OSError as e:
+      raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
+    try:
+      nonce = secrets.token_bytes(_NONCE)
+      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, lane, nonce))
+      reply = sockets.recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
+      nonces = _nonces(nonce, reply[:_NONCE], lane)
+      if not hmac.compare_digest(reply[_NONCE:], auth.proof(
+          self.secret, b'accept', self.job, self.me, peer, nonces)):
+        raise errors.MultihostError(
+            f'{self.rt.prefix} the listener at {host}:{port} (published '
+            f'as process {peer}\'s) did not prove the job secret: it is not '
+            f'process {peer} of this job. Check that every process has the '
+            'same job secret and that nothing else took the address.')
+      conn.sendall(auth.proof(self.secret, b'connect', self.job, self.me, peer,
+                          nonces))
+      if sockets.recv_exact(conn, 1) != _ACCEPTED:
+        raise errors.MultihostError(
+            f'{self.rt.prefix} process {peer} at {host}:{port} did not accept '
+            'the handshake.')
+    except BaseException:
+      sockets.close(conn)
+      raise
+    sockets.tune(conn)
+    return Link(conn, *auth.link_keys(self.secret, self.job, self.me, peer,
+                                   nonces, connector=True))
+
+  def conn(self, peer: int, deadline: float, op: str, lane: int = 0) -> Link:
+    """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it."""
+    key = _key(peer, lane)
+    with self.lock:
+      link = self.conns.get(key)
+      if link is not None and not sockets.open_at_peer(link.sock, link.poll):
+        del self.conns[key]  # The peer dropped it after a failed transfer.
+        sockets.close(link.sock)
+        link = None
+    if link is not None:
+      if link.owed:  # Outside the lock: the peer may take a while to read.
+        _pay_owed(link, peer, deadline, op)
+      return link
+    if self.me < peer:
+      # One connector at a time (the agreement's link setup runs on a thread
+      # of its own): a second connection would replace the first.
+      # Errors are named after the lock is released (`Unreachable`).
+      try:
+        with self.connecting:
+          with self.lock:
+            link = self.conns.get(key)
+          if link is None:
+            link = self._connect(
+                peer, lane, max(deadline - time.monotonic(), 0.001), op)
+            with self.lock:
+              self.conns[key] = link
+          return link
+      except errors.MultihostError:
+        raise
+      except (OSError, TimeoutError, _tcp_errors.Unreachable) as e:
+        raise peer_error(op, peer, e) from e
+      except Exception as e:  # noqa: BLE001
+        raise peer_error(op, peer, e, waiting=True) from e
+    with self.lock:
+      while key not in self.conns:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise failures.connect_timeout(op, peer, None)
+        self.lock.wait(min(remaining, 0.5))
+        watchdog.of(self.rt).check(op)
+      return self.conns[key]
+
+
+def _pay_owed(link: Link, peer: int, deadline: float, op: str) -> None:
+  """Sends what `link` owes its peer (see `Link.owed`)."""
+  owed, link.owed = link.owed, None
+  try:
+    for view in owed:
+      sockets.send_all(link.sock, view, (op, deadline))
+  except (OSError, TimeoutError) as e:
+    sockets.close(link.sock)
+    raise peer_error(op, peer, e) from e
+
+
+def get_plane(op: str, deadline: float,
+               runtime: _runtime.Runtime | None = None) -> Plane:
+  """The runtime's plane (made on first use), with the sequence number of this transfer advanced."""
+  plane = plane_of(runtime or _runtime.current(), op, deadline)
+  plane.seq += 1
+  return plane
+
+
+def agreeing(rt: _runtime.Runtime) -> bool:
+  """Whether the links are set up for the agreement (every process set them up in the same call)."""
+  plane = rt.plane
+  return plane is not None and plane.agrees and not rt.service_only
+
+
+def plane_of(rt: _runtime.Runtime, op: str, deadline: float) -> Plane:
+  """The runtime's plane, made (listening, its address published) on first use."""
+  with rt.lock:
+    if rt.plane is None:
+      settings.tcp_lanes()  # a bad setting raises as itself, not as a timeout
+      try:
+        rt.plane = Plane(rt, max(deadline - time.monotonic(), 0.001), op)
+      except errors.MultihostError:
+        raise
+      except Exception as e:  # noqa: BLE001
+        raise failures.transfer_timeout(op, 0,
+                                            'to publish the job id') from e
+    return rt.plane
+
+
+def break_plane(plane: Plane, error: BaseException) -> None:
+  """Closes every link (bytes of a failed transfer may be in flight); the next transfer opens new ones."""
+  del error
+  with plane.lock:
+    for link in plane.conns.values():
+      try:  # Wakes a thread blocked on it (a close alone may not).
+        link.sock.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+      sockets.close(link.sock)
+    plane.conns.clear()
+
+
+def close_plane(plane: Plane) -> None:
+  """Closes the listener and every link (its accept thread then ends)."""
+  break_plane(plane, None)
+  plane.sends.stop()
+  for lane in plane.lane_threads:
+    lane.stop()
+  try:  # Wakes the accept thread (a close alone does not, on Linux).
+    plane.listener.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
+  sockets.close(plane.listener)

@@ -1,0 +1,293 @@
+"""Data plane: socket I/O of the TCP transport (exact reads, resumable sends, watched slices, background senders and lanes).
+
+Every socket wait of a transfer is sliced (`SLICE_S`): between slices the
+failure watchdog is checked, so a peer cut off or frozen (its socket
+silent, not closed) raises `ProcessFailureError` once the watchdog names it.
+"""
+
+from __future__ import annotations
+
+import queue
+import select
+import socket
+import threading
+import time
+
+from multihost._src.liveness import watchdog
+
+# is checked, so a peer cut off or frozen (its socket silent, not closed)
+# raises ProcessFailureError once the watchdog names it.
+SLICE_S = 0.25
+
+
+def close(conn: socket.socket) -> None:
+  try:
+    conn.close()
+  except OSError:
+    pass
+
+
+def family(host: str) -> int:
+  return socket.AF_INET6 if ':' in host else socket.AF_INET
+
+
+def tune(conn: socket.socket) -> None:
+  """No delay for small frames. The buffer sizes stay the kernel's.
+
+  Setting SO_SNDBUF or SO_RCVBUF turns off the kernel's autotuning of that
+  buffer, which for a large transfer grows it past any fixed size worth
+  asking for (tcp_rmem's maximum): the large broadcasts ran faster
+  without (bench/README.md).
+  """
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def recv_exact(conn: socket.socket, n: int,
+                watch: tuple[str, float] | None = None) -> bytes:
+  buf = bytearray(n)
+  recv_into(conn, memoryview(buf), watch)
+  return bytes(buf)
+
+
+def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+  """`n` bytes, all of them by `deadline` (one limit for the lot, not per recv)."""
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+      raise TimeoutError(f'{got} of {n} bytes by the deadline')
+    conn.settimeout(remaining)
+    k = conn.recv_into(view[got:])
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+  return bytes(buf)
+
+
+def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
+  """Whether the peer has not closed `conn` (bytes waiting count as open).
+
+  `poll` (registered for `conn`'s POLLIN) makes the common case, nothing
+  to read, one call.
+  """
+  if poll is not None and not poll.poll(0):  # Neither bytes nor EOF.
+    return True
+  # Python waits for a socket with a timeout to be readable before its recv,
+  # whatever the flags: peek with the socket non-blocking.
+  timeout = conn.gettimeout()
+  try:
+    conn.setblocking(False)
+    try:
+      return conn.recv(1, socket.MSG_PEEK) != b''
+    finally:
+      conn.settimeout(timeout)
+  except (BlockingIOError, InterruptedError):
+    return True
+  except OSError:
+    return False
+
+
+def recv_into(conn: socket.socket, view: memoryview,
+               watch: tuple[str, float] | None = None) -> None:
+  """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""
+  got = 0
+  while got < len(view):
+    k = _watched(conn.recv_into, view[got:], watch)
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+
+
+def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+  view = memoryview(view).cast('B')
+  sent = 0
+  while sent < len(view):
+    sent += _watched(conn.send, view[sent:], watch)
+
+
+def send_ready(conn: socket.socket, views: list[memoryview],
+               limit: int) -> int:
+  """Sends of `views`, in order, what `conn` takes without waiting, up to `limit` bytes; returns the bytes sent."""
+  timeout = conn.gettimeout()
+  sent = 0
+  conn.setblocking(False)
+  try:
+    for view in views:
+      at, end = 0, min(len(view), limit - sent)
+      while at < end:
+        try:
+          at += conn.send(view[at:end])
+        except (BlockingIOError, InterruptedError):
+          return sent + at
+      sent += at
+      if sent >= limit:
+        break
+  finally:
+    conn.settimeout(timeout)
+  return sent
+
+
+def _watched(io, view, watch: tuple[str, float] | None) -> int:
+  """`io(view)`, retried after each socket-timeout slice until `watch`'s deadline.
+
+  Between slices, raises `ProcessFailureError` once the watchdog knows a
+  peer is gone, and `socket.timeout` at the deadline. (A timed-out send or
+  recv moved no bytes, so retrying it is safe.)
+  """
+  if watch is None:
+    return io(view)
+  op, deadline = watch
+  while True:
+    try:
+      return io(view)
+    except TimeoutError:
+      watchdog.of().check(op)
+      if time.monotonic() >= deadline:
+        raise
+
+
+class SendThread:
+  """One thread that sends queued jobs in order, for every call of a plane (not one thread per call)."""
+
+  def __init__(self):
+    self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self.lock = threading.Lock()
+    self.thread: threading.Thread | None = None
+
+  def sender(self, watch: tuple[str, float]) -> Sender:
+    """A call's sender on this thread (started on first use)."""
+    with self.lock:
+      if self.thread is None or not self.thread.is_alive():
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name='multihost-transport-send')
+        self.thread.start()
+    return Sender(self.jobs, watch)
+
+  def _run(self) -> None:
+    while True:
+      call, conn, view = self.jobs.get()
+      if call is None:
+        return
+      if conn is None:  # The call's end marker: everything before it is out.
+        view.set()
+      elif call.error is None:
+        try:
+          send_all(conn, view, call.watch)
+        except BaseException as e:  # noqa: BLE001
+          call.error = e
+
+  def stop(self) -> None:
+    self.jobs.put((None, None, None))
+
+
+class Lane:
+  """One thread that runs a plane's transfers on one extra lane, a job at a time (not a thread per call)."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self.thread: threading.Thread | None = None
+
+  def run(self, fn) -> Job:
+    """Runs `fn()` on this lane's thread (started on first use)."""
+    if self.thread is None or not self.thread.is_alive():
+      self.thread = threading.Thread(target=self._run, daemon=True,
+                                     name=self.name)
+      self.thread.start()
+    job = Job()
+    self.jobs.put((fn, job))
+    return job
+
+  def _run(self) -> None:
+    while True:
+      fn, job = self.jobs.get()
+      if fn is None:
+        return
+      try:
+        fn()
+      except BaseException as e:  # noqa: BLE001  Handed to the caller.
+        job.error = e
+      job.done.set()
+
+  def stop(self) -> None:
+    self.jobs.put((None, None))
+
+
+class Job:
+  """A job on a `Lane`: set when it ended, with what it raised."""
+
+  def __init__(self):
+    self.done = threading.Event()
+    self.error: BaseException | None = None
+
+  def wait(self, deadline: float) -> BaseException | None:
+    """What the job raised (None when it returned), or TimeoutError at `deadline`."""
+    if not self.done.wait(max(deadline - time.monotonic(), 0.001)):
+      return TimeoutError('a lane of the transfer did not finish in time')
+    return self.error
+
+
+class Sender:
+  """One call's sends, queued on a `SendThread` and sent in order."""
+
+  def __init__(self, jobs: queue.SimpleQueue, watch: tuple[str, float]):
+    self.jobs = jobs
+    self.watch = watch
+    self.error: BaseException | None = None
+
+  def send(self, conn, view) -> None:
+    self.jobs.put((self, conn, view))
+
+  def finish(self, deadline: float) -> BaseException | None:
+    """Waits until this call's sends are out; returns what sending raised."""
+    done = threading.Event()
+    self.jobs.put((self, None, done))
+    if not done.wait(max(deadline - time.monotonic(), 0.001)):
+      return TimeoutError('sending did not finish in time')
+    return self.error
+
+  def close(self, deadline: float) -> None:
+    """Waits for the queued sends; raises what sending raised."""
+    error = self.finish(deadline)
+    if error is not None:
+      raise error
+
+
+class DirectSender:
+  """`Sender`'s interface, sending on the calling thread.
+
+  For messages that fit in any socket buffer (`DIRECT_BYTES`): a send then
+  never waits for the peer to read, so a ring of processes that all send
+  before they receive cannot deadlock.
+  """
+
+  def __init__(self, watch: tuple[str, float]):
+    self.watch = watch
+    self.error: BaseException | None = None
+
+  def send(self, conn, view) -> None:
+    send_all(conn, view, self.watch)
+
+  def finish(self, deadline: float) -> BaseException | None:
+    del deadline
+    return None
+
+  def close(self, deadline: float) -> None:
+    del deadline
+
+
+# At most this many payload bytes per message are sent on the calling thread:
+# with the frame header they fit in the smallest default socket buffers
+# (tcp_wmem/tcp_rmem start at 16 KiB and 128 KiB), which `tune` leaves to
+# the kernel.
+DIRECT_BYTES = 8 << 10
+
+
+def sender(watch: tuple[str, float], largest: int,
+           thread: SendThread) -> Sender | DirectSender:
+  """The sender of a call whose largest message is `largest` bytes."""
+  return (DirectSender(watch) if largest <= DIRECT_BYTES
+          else thread.sender(watch))

@@ -1,0 +1,1 @@
+"""The persistent tier: `Checkpoints` over Orbax's CheckpointManager, the folder's lock and contents, and how a run resumes."""

@@ -1,0 +1,172 @@
+"""How `Checkpoints.start` begins a run: resume modes, restarts, the tier and step.
+
+`MULTIHOST_RESTART_COUNT` is set by `multihost.launch` on a restart and
+`SLURM_RESTART_COUNT` by Slurm on a requeue. They are read here by name,
+with `os.environ`: `multihost.env` is the launcher's side of that contract.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from absl import logging
+
+from multihost import env as _env
+from multihost import record_event as _record_event
+from multihost.lowlevel import process_prefix as _prefix
+from recovery._src.state.errors import CheckpointError
+from recovery._src.state.errors import FolderNotFreshError
+from recovery._src.state.errors import NothingToResumeError
+from recovery._src.state.state import TransitionState
+
+IF_PRESENT = 'if_present'
+RESTART_COUNT_VARIABLES = (_env.RESTART_COUNT, _env.SLURM_RESTART_COUNT)
+
+
+def restart() -> tuple[str, int] | None:
+  """(variable, count) of the first restart counter above 0, if any."""
+  for name in RESTART_COUNT_VARIABLES:
+    raw = os.environ.get(name, '').strip()
+    if not raw:
+      continue
+    try:
+      count = int(raw)
+    except ValueError:
+      logging.warning('%s Ignoring %s=%r: not an integer.', _prefix(), name,
+                      raw)
+      continue
+    if count > 0:
+      return name, count
+  return None
+
+
+def mode(resume: bool | str | None,
+         restarted: tuple[str, int] | None) -> tuple[bool | str, str]:
+  """(True | False | IF_PRESENT, why) for `start(resume=...)` after `restarted`.
+
+  None (the default) is a strict fresh start, except on a restart or
+  requeue, which resumes if a checkpoint is present.
+
+  Raises:
+    ValueError: `resume` is none of True, False, 'if_present', None.
+  """
+  if resume is None:
+    if restarted is not None:
+      return IF_PRESENT, f'{restarted[0]}={restarted[1]}: a restart'
+    return False, 'no restart'
+  if resume is True or resume is False or resume == IF_PRESENT:
+    return resume, f'resume={resume!r}'
+  raise ValueError(
+      f"resume must be True, False, {IF_PRESENT!r} or None (the default: "
+      f"{IF_PRESENT!r} on a restart, else False); got {resume!r}.")
+
+
+def nothing_to_resume(directory: str, partial_steps: list[int]) -> str:
+  msg = (f'{_prefix()} No committed checkpoint in {directory}, so there is '
+         'nothing to resume from.')
+  if partial_steps:
+    msg += (f' Only partial saves (steps {partial_steps}) were found: a save '
+            'was interrupted before it committed.')
+  return msg + (' Start with resume=False to begin a fresh run, or with '
+                f'resume={IF_PRESENT!r} to resume only when a checkpoint '
+                'exists.')
+
+
+def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
+           directory: str, steps: list[int], partial_steps: list[int],
+           local_steps: tuple[int, ...] = (),
+           local_directory: str | None = None) -> int | None:
+  """The step to restore for `start(resume=...)`, or None to start fresh.
+
+  `steps` are every tier's; the log names the local folder when the newest
+  is a local step (in `local_steps`), which is then tried first.
+
+  Raises:
+    NothingToResumeError: a strict resume with no committed step.
+    FolderNotFreshError: a strict fresh start on a folder with steps.
+    ValueError: an unknown mode.
+  """
+  chosen, why = mode(resume, restarted)
+  latest = steps[-1] if steps else None
+  if chosen is False:
+    if latest is not None:
+      raise FolderNotFreshError(
+          f'{_prefix()} {directory} already holds checkpoint steps {steps}. '
+          f'Start with resume=True (or {IF_PRESENT!r}) to continue from step '
+          f'{latest}, or use a new folder for a fresh run.')
+    return None
+  if latest is None:
+    if chosen is True:
+      raise NothingToResumeError(nothing_to_resume(directory, partial_steps))
+    logging.info('%s No committed checkpoint in %s (%s, resume if present): '
+                 'starting fresh.', _prefix(), directory, why)
+    return None
+  if latest in local_steps:
+    logging.info('%s Resuming from local step %d in %s (%s), the persistent '
+                 'tier in %s as the fallback.', _prefix(), latest,
+                 local_directory, why, directory)
+  else:
+    logging.info('%s Resuming from checkpoint step %d in %s (%s).', _prefix(),
+                 latest, directory, why)
+  return latest
+
+
+def begin(ckpt: Any, initial: TransitionState, *,
+          resume: bool | str | None) -> TransitionState:
+  """`Checkpoints.start` (see there): the tier and step, the restore, the fallback.
+
+  Collective. Sets `ckpt.resumed_from` and `ckpt.resumed_tier`.
+  """
+  persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
+  restarted = ckpt._restarted  # pylint: disable=protected-access
+  tier = ckpt.local
+  local_step, candidates = None, []
+  if tier is not None and mode(resume, restarted)[0] is not False:
+    local_step, candidates = tier.newest()  # collective
+  step = decide(
+      resume, restarted=restarted, directory=ckpt.directory,
+      steps=sorted({*persistent, *candidates}),
+      partial_steps=ckpt.partial_steps, local_steps=tuple(candidates),
+      local_directory=tier.local if tier is not None else None)
+  if step is None:
+    if tier is not None:
+      tier.forget()
+    return initial
+  newest_persistent = persistent[-1] if persistent else None
+  if local_step is not None and (newest_persistent is None
+                                 or local_step >= newest_persistent):
+    t0 = time.monotonic()
+    got = tier.restore(initial, candidates=candidates,
+                       not_before=newest_persistent)
+    if got is not None:
+      state = got.state
+      ckpt.resumed_from, ckpt.resumed_tier = state.step, 'local'
+      _record_event('checkpoint restore', t0, step=state.step, tier='local',
+                    bytes=got.fetched)
+      logging.info(
+          '%s Restored local step %d (epoch %d, cursor %d) from the local '
+          'tier in %s in %.2f s; %d bytes came from peers to this process, '
+          '%d to all; newer local steps that failed their checks: %s; the '
+          'newest persistent step is %s.', _prefix(), state.step,
+          state.epoch, state.cursor, tier.local, time.monotonic() - t0,
+          got.fetched, got.fetched_total, list(got.failed) or 'none',
+          newest_persistent)
+      return state
+    if newest_persistent is None:
+      raise CheckpointError(
+          f'{_prefix()} No local step could be restored from {tier.local} '
+          f'(see the errors above) and {ckpt.directory} holds no committed '
+          'checkpoint. Start fresh in a new folder, or fix the local '
+          'folders.')
+    step = newest_persistent
+    logging.warning('%s No local step at or after persistent step %d '
+                    'restored from %s; falling back to the persistent tier: '
+                    'step %d in %s.', _prefix(), step, tier.local, step,
+                    ckpt.directory)
+  state = ckpt.restore(initial, step=step)
+  ckpt.resumed_from, ckpt.resumed_tier = step, 'persistent'
+  if tier is not None:
+    tier.last_saved = step
+  return state

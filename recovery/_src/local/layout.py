@@ -1,0 +1,115 @@
+"""Where a state's blocks live: hosts, block keys, the topology digest, assembly.
+
+A block is one leaf's piece as a device holds it, named by (leaf path, index
+key); a host-held or unplaced leaf is one block with the index key (). These
+facts come from the global shardings alone, so every process computes the
+same ones without a collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import socket
+from typing import Any
+
+import jax
+import numpy as np
+
+from recovery._src.local.folder import EntryKey
+from recovery._src.state import digest
+
+# Overrides the host name that tells hosts apart, for containers whose
+# hostnames repeat, and for drills that simulate several hosts on one.
+HOST_ID_VARIABLE = 'RECOVERY_HOST_ID'
+
+
+def host_id() -> str:
+  """This process's host: $RECOVERY_HOST_ID, else the hostname."""
+  return os.environ.get(HOST_ID_VARIABLE, '').strip() or socket.gethostname()
+
+
+def index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+  """A device index (slices) as ((start, stop), ...), one pair per dimension."""
+  return tuple((s.indices(n)[0], s.indices(n)[1])
+               for s, n in zip(index, shape, strict=True))
+
+
+@functools.lru_cache(maxsize=256)
+def array_layout(sharding: jax.sharding.Sharding,
+                 shape: tuple[int, ...]) -> tuple[dict, tuple]:
+  """({index key: processes holding it}, (device id, process, key) sorted)."""
+  holders: dict[tuple, set[int]] = {}
+  placed = []
+  for device, index in sharding.devices_indices_map(shape).items():
+    key = index_key(index, shape)
+    holders.setdefault(key, set()).add(device.process_index)
+    placed.append((device.id, device.process_index, key))
+  return ({k: frozenset(v) for k, v in holders.items()}, tuple(sorted(placed)))
+
+
+def is_placed(x: Any) -> bool:
+  """Whether a storable (or abstract) leaf is a global array on a sharding."""
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and getattr(
+      x, 'sharding', None) is not None
+
+
+def named_leaves(tree) -> list[tuple[str, Any]]:
+  return [(digest.path_name(p), x)
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def topology(tree) -> str:
+  """A digest of where each placed leaf's blocks live (devices, processes).
+
+  Equal for a saving run and a restoring run on the same topology and
+  shardings; an elastic restore (other processes, devices or shardings)
+  differs, and takes the persistent tier.
+  """
+  h = hashlib.sha256(f'{jax.process_count()}/{jax.device_count()}'.encode())
+  for name, x in named_leaves(tree):
+    if is_placed(x):
+      h.update(repr((name, tuple(x.shape),
+                     array_layout(x.sharding, tuple(x.shape))[1])).encode())
+  return h.hexdigest()
+
+
+def needed(tree, process: int) -> set[EntryKey]:
+  """The blocks `process` needs to rebuild its part of `tree`."""
+  out = set()
+  for name, x in named_leaves(tree):
+    if is_placed(x):
+      for _, p, key in array_layout(x.sharding, tuple(x.shape))[1]:
+        if p == process:
+          out.add((name, key))
+    else:
+      out.add((name, ()))
+  return out
+
+
+def assemble(abstract, blocks: dict[EntryKey, np.ndarray]):
+  """The storable tree, each placed leaf built from this process's blocks.
+
+  Raises:
+    KeyError: a block this process needs is missing from `blocks`.
+    TypeError: a block's dtype differs from the target leaf's.
+  """
+
+  def leaf(path, x):
+    name = digest.path_name(path)
+    if is_placed(x):
+      shape = tuple(x.shape)
+      arrays = []
+      for device, index in x.sharding.addressable_devices_indices_map(
+          shape).items():
+        block = blocks[(name, index_key(index, shape))]
+        if block.dtype != np.dtype(x.dtype):
+          raise TypeError(f'block of {name} has dtype {block.dtype}, the '
+                          f'target {np.dtype(x.dtype)}')
+        arrays.append(jax.device_put(block, device))
+      return jax.make_array_from_single_device_arrays(shape, x.sharding,
+                                                      arrays)
+    return np.asarray(blocks[(name, ())])
+
+  return jax.tree_util.tree_map_with_path(leaf, abstract)

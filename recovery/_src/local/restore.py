@@ -1,0 +1,159 @@
+"""The local tier's restore: the newest local step that is complete and passes its checks.
+
+Candidates are tried newest first, down to the newest persistent step: one
+saved on another topology or sharding, or with blocks that no host holds,
+is skipped; one whose reading, digest or consistency check fails is
+skipped too, and the next older one is tried. For a step, each process
+reads what its host holds; what it lacks comes from the lowest process of
+the first host (in host order) that holds it, in one
+`multihost.allgather_object`. Every decision is taken from gathered facts,
+so all processes try the same steps and take the same one, or all return
+None and the caller falls back to the persistent tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl import logging
+
+import multihost
+from multihost.lowlevel import process_prefix as _prefix
+from multihost.lowlevel import shorten as _short
+from recovery._src.local import folder
+from recovery._src.local import layout as _layout
+from recovery._src.local.folder import EntryKey
+from recovery._src.state import consistency
+from recovery._src.state import digest
+from recovery._src.state import leaves
+from recovery._src.state import meta as _meta
+from recovery._src.state.state import TransitionState
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """A restored local step, and what it took."""
+  state: TransitionState
+  step: int
+  fetched: int  # bytes this process received from peers
+  fetched_total: int  # bytes all processes received from peers
+  failed: tuple[int, ...]  # newer complete local steps that failed a check
+
+
+def restore(tier: Any, target: TransitionState, *, candidates: list[int],
+            not_before: int | None) -> Restored | None:
+  """The newest local step in `candidates` (>= `not_before`) that restores.
+
+  Collective: every process must call this, in the same order, after
+  `tier.newest()` (whose inventory `tier.inventory` it reads). Returns None
+  on every process when no such step restores (each reason is logged).
+  """
+  target_tree = target.to_tree()
+  base = leaves.restore_target(target_tree)
+  sig = _layout.topology(base)
+  needs = [_layout.needed(base, p) for p in range(len(tier.hosts))]
+  failed: list[int] = []
+  for step in candidates:
+    if not_before is not None and step < not_before:
+      break
+    info = tier.inventory[step]
+    if info['topology'] != sig:
+      logging.info('%s Local step %d was saved on another topology or '
+                   'sharding; not restoring it from the local tier.',
+                   _prefix(), step)
+      continue
+    missing = sorted({k[0] for need in needs for k in need
+                      if k not in info['keys']})
+    if missing:
+      logging.info('%s Local step %d is incomplete across the hosts (no copy '
+                   'of blocks of %s).', _prefix(), step, ', '.join(missing))
+      continue
+    got = _restore_step(tier, step, info, target, target_tree, needs)
+    if got is not None:
+      state, fetched, total = got
+      return Restored(state=state, step=step, fetched=fetched,
+                      fetched_total=total, failed=tuple(failed))
+    failed.append(step)
+    logging.warning('%s Local step %d failed its checks; trying older local '
+                    'steps (down to step %s) before the persistent tier.',
+                    _prefix(), step, not_before)
+  return None
+
+
+def _restore_step(tier, step: int, info: dict, target: TransitionState,
+                  target_tree, needs: list[set[EntryKey]]):
+  """(state, bytes fetched here, bytes fetched in all) of `step`, or None everywhere."""
+  where = f'Local checkpoint step {step} in {tier.local}'
+  transfers = []  # (source process, destination process, key): the same
+  for p, need in enumerate(needs):  # list on every process.
+    for key in sorted(need):
+      holders = info['keys'][key]
+      if tier.hosts[p] in holders:
+        continue
+      src_host = min(holders, key=tier.host_order.index)
+      transfers.append((tier.lowest[src_host], p, key))
+  error, blocks, meta = None, {}, info['meta']
+  local_entries: dict[EntryKey, folder.Entry] = {}
+  try:
+    for s in folder.scan(tier.local):
+      if s.step == step and s.manifest.get('directory') == tier.directory:
+        for key, entry in s.entries.items():
+          local_entries.setdefault(key, entry)
+    for key in needs[tier.me]:
+      if key in local_entries:
+        blocks[key] = folder.read_block(local_entries[key])
+  except Exception as e:  # pylint: disable=broad-except
+    error = f'{type(e).__name__}: {_short(e)}'
+  fetched = total = 0
+  if transfers:
+    outgoing = []
+    for src, dst, key in transfers:
+      if src == tier.me:
+        try:
+          outgoing.append((dst, key, blocks[key] if key in blocks else
+                           folder.read_block(local_entries[key])))
+        except Exception as e:  # pylint: disable=broad-except
+          error = error or f'{type(e).__name__}: {_short(e)}'
+    for sent in multihost.allgather_object(outgoing):
+      for dst, key, block in sent:
+        total += block.nbytes
+        if dst == tier.me:
+          blocks[key] = block
+          fetched += block.nbytes
+  restored = None
+  if error is None:
+    try:
+      abstract = leaves.restore_target(target_tree, meta.get('leaves'))
+      _meta.check_fits(meta, abstract, where=where)
+      restored = _layout.assemble(abstract, blocks)
+    except Exception as e:  # pylint: disable=broad-except
+      error = f'{type(e).__name__}: {_short(e)}'
+  if not _agree(error, where, 'reading it'):
+    return None
+  digests = digest.checkpoint_leaf_digests(restored)
+  got = digest.combine(digests)
+  error = (None if got == meta['digest'] else
+           f'its blocks digest to {got[:16]}..., not the saved '
+           f'{meta["digest"][:16]}...')
+  if not _agree(error, where, 'its digest check'):
+    return None
+  try:
+    consistency.check_consistent(
+        restored, what=f'After restoring local step {step}', digests=digests)
+  except multihost.ConsistencyError as e:  # raised on every process
+    logging.error('%s %s: %s', _prefix(), where, _short(e))
+    return None
+  state = TransitionState.from_tree(
+      leaves.rebuild(target_tree, restored), key_like=target.key)
+  return state, fetched, total
+
+
+def _agree(error: str | None, where: str, during: str) -> bool:
+  """Whether no process saw an error; the first ones are logged everywhere."""
+  errors = multihost.allgather_object(error)
+  failed = [(p, e) for p, e in enumerate(errors) if e is not None]
+  if failed:
+    logging.error('%s %s failed %s on %s.', _prefix(), where, during,
+                  '; '.join(f'process {p}: {e}' for p, e in failed[:4]))
+  return not failed

@@ -1,0 +1,260 @@
+"""The local checkpoint tier: each host saves what it holds, with peer copies.
+
+Every `every` steps each process writes, to its host's own local folder
+(`_local_folder`), only the blocks it holds: its addressable shards of
+arrays sharded across processes, and every other leaf (replicated arrays,
+host values) once per host, by the lowest process index of that host that
+holds it. A block that lives on one host only is also copied to the next
+host in the ring (hosts ordered by their lowest process index), through
+`multihost.allgather_object` (sealed with the job secret), so losing any one
+host's local disk loses nothing. The files are written by a background
+thread; the training step only waits for the (collective) consistency check,
+the copy to host memory and the peer exchange.
+
+A restore gathers every host's list of committed local steps and the blocks
+each holds (`newest`), then restores the newest one that is complete on
+this topology and passes its checks (`_local_restore`).
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+import multihost
+from multihost.lowlevel import process_prefix as _prefix
+from multihost.lowlevel import shorten as _short
+from recovery._src.local import folder
+from recovery._src.local import layout as _layout
+from recovery._src.local import restore as _local_restore
+from recovery._src.local.layout import HOST_ID_VARIABLE as HOST_ID_VARIABLE
+from recovery._src.state import consistency
+from recovery._src.state import leaves
+from recovery._src.state import meta as _meta
+from recovery._src.state.state import TransitionState
+
+
+class LocalTier:
+  """One run's local checkpoint tier (see the module docstring).
+
+  Constructing it is a collective (every process learns every process's
+  host): every process must construct it, in the same order.
+  """
+
+  def __init__(self, local_directory: str | os.PathLike, *, directory: str,
+               every: int, keep: int = 2):
+    if every < 1 or keep < 1:
+      raise ValueError(
+          f'local_save_every and local_keep must be >= 1; got '
+          f'local_save_every={every}, local_keep={keep}.')
+    self.local = os.path.abspath(os.fspath(local_directory))
+    self.directory = directory
+    self.every = int(every)
+    self.keep = int(keep)
+    self.me = jax.process_index()
+    os.makedirs(folder.process_folder(self.local, self.me),
+                exist_ok=True)
+    folder.remove_tmp(self.local, self.me)
+    self.hosts: list[str] = list(multihost.allgather_object(_layout.host_id()))
+    order: list[str] = []
+    for h in self.hosts:
+      if h not in order:
+        order.append(h)
+    self.host_order = order
+    self.host = self.hosts[self.me]
+    self.lowest = {h: self.hosts.index(h) for h in order}
+    self.successor = (order[(order.index(self.host) + 1) % len(order)]
+                      if len(order) > 1 else None)
+    self._pool = futures.ThreadPoolExecutor(
+        1, thread_name_prefix='recovery-local-save')
+    self._writing: futures.Future | None = None
+    self.last_saved: int | None = None
+    self.restored_bytes_from_peers = 0
+    self.inventory: dict[int, dict] = {}  # by `newest`: step -> what is where
+    self.saves = 0
+    self.save_seconds = 0.0  # spent by `save` on the calling thread
+    self.peer_bytes_sent = 0
+
+  # -- save ------------------------------------------------------------------
+
+  def due(self, step: int) -> bool:
+    return step > 0 and step % self.every == 0 and step != self.last_saved
+
+  def save(self, state: TransitionState) -> None:
+    """Saves `state` to this host's local folder (the files in the background).
+
+    Collective: every process must call this, in the same order.
+
+    Raises:
+      multihost.ConsistencyError: the controllers hold different states.
+    """
+    step, t0 = state.step, time.monotonic()
+    raw = state.to_tree()
+    tree = leaves.storable(raw)
+    digests = consistency.check_consistent(
+        tree, what=f'Before the local save of step {step}')
+    meta = _meta.build(state, raw, tree, digests, reason='local')
+    own, sends, peers_needed = [], [], False
+    for name, x in _layout.named_leaves(tree):
+      if _layout.is_placed(x):
+        holders, _ = _layout.array_layout(x.sharding, tuple(x.shape))
+        mine = {}
+        for shard in x.addressable_shards:
+          mine.setdefault(_layout.index_key(shard.index, tuple(x.shape)), shard.data)
+      else:
+        holders = {(): frozenset(range(len(self.hosts)))}
+        mine = {(): x}
+      for key, where in holders.items():
+        on_hosts = {self.hosts[p] for p in where}
+        single = len(on_hosts) == 1 and self.successor is not None
+        peers_needed |= single
+        if key not in mine:
+          continue
+        writer = min(p for p in where if self.hosts[p] == self.host)
+        if writer != self.me:
+          continue
+        block = np.asarray(mine[key])
+        own.append(((name, key), block))
+        if single:
+          sends.append(((name, key), block))
+    peer_blocks = []
+    if peers_needed:  # The same decision on every process (global layout).
+      gathered = multihost.allgather_object(sends)
+      self.peer_bytes_sent += sum(b.nbytes for _, b in sends)
+      if self.me == self.lowest[self.host]:
+        for p, blocks in enumerate(gathered):
+          if p != self.me and self._successor_of(self.hosts[p]) == self.host:
+            peer_blocks.extend(blocks)
+    manifest = {'directory': self.directory, 'host': self.host,
+                'topology': _layout.topology(tree), 'meta': meta,
+                'peer_keys': [[k[0], [list(i) for i in k[1]]]
+                              for k, _ in peer_blocks]}
+    self.wait()
+    self._writing = self._pool.submit(self._write, step, manifest,
+                                      own + peer_blocks)
+    self.last_saved = step
+    self.saves += 1
+    spent = time.monotonic() - t0
+    self.save_seconds += spent
+    logging.info(
+        '%s Local save of step %d to %s: %d own and %d peer bytes, %d bytes '
+        'sent to a peer, %.3f s on the training thread (the files are written '
+        'in the background).', _prefix(), step, self.local,
+        sum(b.nbytes for _, b in own), sum(b.nbytes for _, b in peer_blocks),
+        sum(b.nbytes for _, b in sends), spent)
+
+  def _successor_of(self, host: str) -> str | None:
+    order = self.host_order
+    if len(order) < 2:
+      return None
+    return order[(order.index(host) + 1) % len(order)]
+
+  def _write(self, step: int, manifest: dict, blocks: list) -> None:
+    t0 = time.monotonic()
+    written = folder.write_step(self.local, self.me, step, manifest,
+                                       blocks)
+    folder.prune(self.local, self.me, self.keep)
+    logging.debug('%s Local step %d: %d bytes written to %s in %.3f s.',
+                  _prefix(), step, written, self.local,
+                  time.monotonic() - t0)
+
+  def wait(self) -> None:
+    """Waits for the local save in flight; a failed one is logged, not raised.
+
+    The local tier is a faster way back, not the record: a failed local
+    write leaves the persistent tier (and older local steps) to restore from.
+    """
+    writing, self._writing = self._writing, None
+    if writing is None:
+      return
+    try:
+      writing.result()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error('%s A local save to %s failed (%s: %s); restores fall '
+                    'back to older local steps or the persistent tier. Check '
+                    'that the folder is writable and has space.', _prefix(),
+                    self.local, type(e).__name__, _short(e))
+
+  def close(self) -> None:
+    self.wait()
+    self._pool.shutdown(wait=True)
+
+  def forget(self) -> None:
+    """A fresh run: deletes this host's local steps of the same checkpoint folder.
+
+    Left in place, an older run's local steps would be restored on this
+    run's first restart. Run by the lowest process of each host; local.
+    """
+    if self.me != self.lowest[self.host]:
+      return
+    stale = [s for s in folder.scan(self.local)
+             if s.manifest.get('directory') == self.directory]
+    if stale:
+      logging.warning('%s Fresh start: deleting %d local steps of an earlier '
+                      'run on %s from %s.', _prefix(), len(stale),
+                      self.directory, self.local)
+      folder.remove_steps(stale)
+
+  # -- restore ---------------------------------------------------------------
+
+  def newest(self) -> tuple[int | None, list]:
+    """The newest step restorable from the local tiers, and what each holds.
+
+    Collective: every process must call this, in the same order. The step
+    is the same on every process; None when there is none. (Its topology is
+    checked by `restore`.)
+    """
+    stored = folder.scan(self.local)
+    mine: dict[int, dict] = {}
+    for s in stored:
+      if s.manifest.get('directory') != self.directory:
+        continue
+      info = mine.setdefault(s.step, {
+          'digest': s.manifest['meta']['digest'],
+          'topology': s.manifest.get('topology'), 'keys': set(),
+          'meta': s.manifest['meta'], 'conflict': False})
+      if (info['digest'] != s.manifest['meta']['digest']
+          or info['topology'] != s.manifest.get('topology')):
+        info['conflict'] = True
+      info['keys'] |= set(s.entries)
+    inventories = multihost.allgather_object({'host': self.host,
+                                              'steps': mine})
+    by_host: dict[str, dict] = {}
+    for inv in inventories:
+      by_host.setdefault(inv['host'], inv['steps'])
+    steps: dict[int, dict] = {}
+    for host, held in by_host.items():
+      for step, info in held.items():
+        agg = steps.setdefault(step, {'digest': info['digest'],
+                                      'topology': info['topology'],
+                                      'meta': info['meta'],
+                                      'keys': {}, 'conflict': False})
+        agg['conflict'] |= (info['conflict']
+                            or agg['digest'] != info['digest']
+                            or agg['topology'] != info['topology'])
+        for key in info['keys']:
+          agg['keys'].setdefault(key, []).append(host)
+    self.inventory = steps
+    usable = sorted((s for s, i in steps.items() if not i['conflict']),
+                    reverse=True)
+    return (usable[0] if usable else None), usable
+
+  def restore(self, target: TransitionState, *, candidates: list[int],
+              not_before: int | None) -> _local_restore.Restored | None:
+    """The newest local step in `candidates` (>= `not_before`) that restores.
+
+    Collective: every process must call this, in the same order, after
+    `newest`. Older candidates are tried when a newer one fails its checks
+    (`_local_restore`); None on every process when none restores.
+    """
+    got = _local_restore.restore(self, target, candidates=candidates,
+                                 not_before=not_before)
+    if got is not None:
+      self.restored_bytes_from_peers = got.fetched
+      self.last_saved = got.step
+    return got

@@ -1,0 +1,119 @@
+"""A checkpoint's `meta` item: what a save records, and the restore checks against it.
+
+Each check raises on its own process with the step, the folder, what differed
+and what to do (`hint`: the step to fall back to). The comparison across
+controllers after a restore is `_consistency`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from multihost.lowlevel import process_prefix as _prefix
+from recovery._src.state import digest
+from recovery._src.state import leaves
+from recovery._src.state.errors import CheckpointCorruptError
+from recovery._src.state.errors import CheckpointError
+from recovery._src.state.errors import CheckpointMismatchError
+
+FORMAT = 'recovery-checkpoint-v2'
+# Earlier formats this version restores: v1 stored the same leaves (global
+# jax.Arrays and NumPy arrays, in nested dicts) and did not list their kinds.
+READABLE_FORMATS = (FORMAT, 'recovery-checkpoint-v1')
+
+
+def build(state, raw, tree, digests: dict[str, str], *,
+          reason: str) -> dict[str, Any]:
+  """The meta item of `state`: `raw` is `state.to_tree()`, `tree` its storable form."""
+  return {
+      'format': FORMAT,
+      'step': state.step,
+      'epoch': state.epoch,
+      'cursor': state.cursor,
+      'digest': digest.combine(digests),
+      'leaf_digests': digests,
+      'digest_algorithm': digest.DIGEST_ALGORITHM,
+      'key_impl': str(jax.random.key_impl(state.key)),
+      'leaves': leaf_specs(tree),
+      'kinds': leaf_kinds(raw),
+      'process_count': jax.process_count(),
+      'device_count': jax.device_count(),
+      'reason': reason,
+  }
+
+
+def leaf_specs(stored) -> dict[str, list]:
+  """{path: [shape, dtype]} of a storable (or abstract storable) tree."""
+  return {digest.path_name(path): leaves.spec(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+
+
+def leaf_kinds(tree) -> dict[str, str]:
+  """{path: how the saving run held the leaf}, for people reading metadata."""
+  flat, _ = leaves.leaves(tree)
+  return {leaf.name: leaves.kind(leaf.value) for leaf in flat}
+
+
+def check_format(meta: dict[str, Any], *, where: str, hint: str) -> None:
+  """Raises `CheckpointError` unless `meta` is of a format this version reads."""
+  if meta.get('format') not in READABLE_FORMATS or 'digest' not in meta:
+    raise CheckpointError(
+        f'{_prefix()} {where} is not a {" or ".join(READABLE_FORMATS)} '
+        f'checkpoint (format {meta.get("format")!r}, metadata keys: '
+        f'{sorted(meta)}). {hint}')
+
+
+def check_fits(meta: dict[str, Any], abstract, *, where: str) -> None:
+  """Raises `CheckpointMismatchError` unless the stored leaves fit the target's."""
+  want = leaf_specs(abstract)
+  have = meta.get('leaves', {})
+  problems = []
+  for name in sorted(set(want) | set(have)):
+    if name not in have:
+      problems.append(f'{name}: missing from the checkpoint, this run '
+                      f'expects {want[name]}')
+    elif name not in want:
+      problems.append(f'{name}: in the checkpoint ({have[name]}) but not '
+                      'in this run\'s state')
+    elif list(have[name]) != list(want[name]):
+      problems.append(f'{name}: checkpoint has {have[name]}, this run '
+                      f'expects {want[name]}')
+  if problems:
+    raise CheckpointMismatchError(
+        f'{_prefix()} {where} does not fit this run: ' + '; '.join(problems)
+        + '. It was made with a different model or data configuration: '
+        'restore it onto a target built with the configuration that made it, '
+        'or start fresh in a new folder.')
+
+
+def check_digest(meta: dict[str, Any], restored, *, where: str,
+                 hint: str) -> dict[str, str]:
+  """Checks the restored tree's digest against the stored one; returns its leaf digests.
+
+  Collective (when some leaf is sharded across processes): every process
+  must call this, in the same order.
+
+  Raises:
+    CheckpointError: the checkpoint was digested with another algorithm.
+    CheckpointCorruptError: the digests differ (the changed leaves named).
+  """
+  if meta.get('digest_algorithm') != digest.DIGEST_ALGORITHM:
+    raise CheckpointError(
+        f'{_prefix()} {where} was digested with '
+        f'{meta.get("digest_algorithm")!r}; this version checks '
+        f'{digest.DIGEST_ALGORITHM!r}. Restore it with the version that '
+        'wrote it.')
+  digests = digest.checkpoint_leaf_digests(restored)
+  got = digest.combine(digests)
+  if got != meta['digest']:
+    stored = meta.get('leaf_digests', {})
+    changed = sorted(k for k in digests if stored.get(k) != digests[k])
+    raise CheckpointCorruptError(
+        f'{_prefix()} {where} fails its digest check: stored '
+        f'{meta["digest"][:16]}..., restored state digests to {got[:16]}... '
+        f'(leaves that changed: {", ".join(changed) or "unknown"}). Its files '
+        'were altered or damaged after the save committed; refusing to resume '
+        f'from it. {hint}')
+  return digests

@@ -1,0 +1,142 @@
+"""The packages under multihost/_src and recovery/_src form layers: imports run one way.
+
+Read from the packages themselves: each `_src/__init__.py` names its
+packages top to bottom (LAYERS); every package found on disk must be listed,
+and a module may import only modules of its own package or of the packages
+listed after it. Modules must not import each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ('multihost', 'recovery')
+
+
+def _layers(top: str) -> tuple[str, ...]:
+  return importlib.import_module(f'{top}._src').LAYERS
+
+
+def _modules(top: str) -> dict[str, pathlib.Path]:
+  """Every module of `top`, by dotted name."""
+  base = ROOT / top
+  out = {}
+  for path in sorted(base.rglob('*.py')):
+    parts = path.relative_to(ROOT).with_suffix('').parts
+    if parts[-1] == '__init__':
+      parts = parts[:-1]
+    out['.'.join(parts)] = path
+  return out
+
+
+def _imports(path: pathlib.Path, name: str) -> set[str]:
+  """The dotted modules `path` imports (function-local ones included)."""
+  out = set()
+  package = name if path.name == '__init__.py' else name.rsplit('.', 1)[0]
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      module = node.module or ''
+      if node.level:
+        module = '.'.join(package.split('.')[:len(package.split('.')) -
+                                            node.level + 1] +
+                          ([module] if module else []))
+      out.add(module)
+      out.update(f'{module}.{a.name}' for a in node.names)
+  return out
+
+
+def _part(top: str, dotted: str) -> str | None:
+  """The _src package `dotted` belongs to, or None outside _src."""
+  parts = dotted.split('.')
+  if parts[0] == top and len(parts) > 2 and parts[1] == '_src':
+    return parts[2]
+  return None
+
+
+@pytest.mark.parametrize('top', PACKAGES)
+def test_every_package_has_a_layer(top):
+  found = sorted(p.name for p in (ROOT / top / '_src').iterdir()
+                 if (p / '__init__.py').exists())
+  assert sorted(_layers(top)) == found
+
+
+@pytest.mark.parametrize('top', PACKAGES)
+def test_imports_run_one_way(top):
+  rank = {name: i for i, name in enumerate(_layers(top))}
+  upward = []
+  for name, path in _modules(top).items():
+    mine = _part(top, name)
+    if mine is None:
+      continue
+    for dep in _imports(path, name):
+      theirs = _part(top, dep)
+      if theirs is not None and rank[theirs] < rank[mine]:
+        upward.append(f'{name} imports {dep}')
+  assert sorted(upward) == []
+
+
+@pytest.mark.parametrize('top', PACKAGES)
+def test_no_import_cycle(top):
+  modules = _modules(top)
+  graph = {name: {d for d in _imports(path, name) if d in modules} - {name}
+           for name, path in modules.items()}
+  done: set[str] = set()
+  cycles = []
+
+  def visit(name, stack):
+    if name in stack:
+      cycles.append(stack[stack.index(name):] + [name])
+      return
+    if name in done:
+      return
+    for dep in sorted(graph.get(name, ())):
+      # A package's __init__ importing its own modules is not a cycle.
+      if not dep.startswith(name + '.'):
+        visit(dep, stack + [name])
+    done.add(name)
+
+  for name in sorted(graph):
+    visit(name, [])
+  assert cycles == []
+
+
+@pytest.mark.parametrize('top', PACKAGES)
+def test_src_packages_are_small(top):
+  """No package holds more than 14 modules; the top folder at most 12 files."""
+  assert len([p for p in (ROOT / top).iterdir() if p.is_file()]) <= 12
+  for package in (ROOT / top / '_src').rglob('__init__.py'):
+    modules = [p for p in package.parent.glob('*.py')
+               if p.name != '__init__.py']
+    assert len(modules) <= 14, (package.parent, len(modules))
+
+
+def test_multihost_never_imports_recovery_or_orbax():
+  offenders = [f'{name} imports {dep}'
+               for name, path in _modules('multihost').items()
+               for dep in _imports(path, name)
+               if dep.split('.')[0] in ('recovery', 'orbax')]
+  assert offenders == []
+
+
+def test_recovery_uses_multihost_public_names_only():
+  offenders = [f'{name} imports {dep}'
+               for name, path in _modules('recovery').items()
+               for dep in _imports(path, name)
+               if dep.startswith('multihost._src')
+               or dep.startswith('orbax.checkpoint._src')]
+  assert offenders == []
+
+
+def test_leaves_imports_no_other_multihost_module():
+  """The pure pytree/bytes module must not pull in the watchdog (or anything)."""
+  path = ROOT / 'multihost/_src/runtime/leaves.py'
+  deps = {d for d in _imports(path, 'multihost._src.runtime.leaves')
+          if d.startswith('multihost')}
+  assert deps == set()
