@@ -13,6 +13,7 @@ from multihost._src.liveness import watchdog
 from multihost._src.runtime import companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
+from multihost._src.runtime import files
 from multihost._src.transport import plane
 
 
@@ -74,3 +75,9 @@ def key_value_get(key: str, timeout: float) -> bytes:
 def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:
   """Every (key, value) under `prefix` (ending with '/') in the coordination service's store."""
   return coordination.kv_dir(prefix)
+
+
+def write_atomic(path, data: bytes | str, *, mode: int = 0o644,
+                 sync: bool = True) -> None:
+  """Replaces file `path` with `data` at once, never through a link (see `multihost._src.runtime.files`)."""
+  files.write_atomic(path, data, mode=mode, sync=sync)
