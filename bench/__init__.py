@@ -10,4 +10,6 @@ Not an installed package: `bin/bench.py` puts the repository root on
   reference.py       reference rows: raw barrier, plain jitted collectives,
                      loopback TCP, torch.distributed
   recovery_suite.py  recovery.Checkpoints against plain Orbax
+  record_cost.py     (a script) the per-call cost of a collective's trace
+                     record and metrics, measured on multihost's internals
 """

@@ -14,7 +14,7 @@ from multihost._src.runtime import companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
 from multihost._src.runtime import files
-from multihost._src.transport import plane
+from multihost._src.transport import choice
 
 
 def wait_at_barrier(barrier_id: str, timeout: float) -> None:
@@ -44,7 +44,7 @@ def failure_detection_bound() -> float:
 
 def tcp_transport_enabled() -> bool:
   """Whether this job's data plane is TCP for small payloads (large ones may take a device collective on GPU/TPU); validates $MULTIHOST_TRANSPORT."""
-  return plane.tcp_enabled()
+  return choice.tcp_enabled()
 
 
 def cpp_warnings_hidden():

@@ -58,7 +58,6 @@ import threading
 PREFIX = 'mhh-'
 """Every namespace this module creates is named `mhh-<pid>-<n>-...`."""
 
-DEFAULT_SUBNET = '10.213.0.0/24'
 PRIVATE_FOLDER_VARIABLE = 'MULTIHOST_NETNS_PRIVATE_FOLDER'
 """The default of `SimulatedHosts(private_folder=...)` when set and not empty."""
 _CMD_TIMEOUT = 30

@@ -24,6 +24,7 @@ from multihost._src.diagnostics import where
 from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import leaves
+from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 
 Header = agree.Header
@@ -182,7 +183,7 @@ def test_a_forged_frame_is_refused(job):
   _, rts = job
   # Someone on the path writes a frame header process 1 did not MAC.
   link = rts[0].plane.conns[1]
-  link.sock.sendall(bytes(_tcp_link.FRAME_SIZE))
+  link.sock.sendall(bytes(frames.FRAME_SIZE))
   results = fake.run(rts, lambda rt: _sync(rt, timeout=3))
   forged = results[1][0]
   assert isinstance(forged, errors.MultihostError), forged

@@ -45,7 +45,7 @@ _PROGRAM = textwrap.dedent('''
     from multihost import live_devices
 
     MODE, VICTIM, BLOCKS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    multihost.initialize(heartbeat_timeout=float(sys.argv[4]))
+    multihost.initialize(heartbeat_timeout_seconds=float(sys.argv[4]))
     seen = threading.Event()  # live_devices logged a death during a block
 
 

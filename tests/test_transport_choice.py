@@ -1,53 +1,77 @@
-"""The transport rule (`_data_plane.choose_transport`) and the real CPU path."""
+"""The `Transport` interface, the rule that picks one per payload (`choice.choose_transport`), and the real CPU path."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
 from multihost import launch
-from multihost._src.transport import plane
+from multihost._src.transport import choice
+from multihost._src.transport import device
+from multihost._src.transport import interface
+from multihost._src.transport.tcp import chain
 from tests._helpers import program
 
-BIG = plane.DEVICE_BYTES + 1
+BIG = choice.DEVICE_BYTES + 1
 
 
 @pytest.mark.parametrize('backend', ['gpu', 'cuda', 'rocm', 'tpu', 'TPU'])
 def test_large_payloads_on_gpu_and_tpu_use_device_collectives(backend):
-  assert plane.choose_transport(backend, BIG) == 'device'
-  assert plane.choose_transport(backend, 64 << 20) == 'device'
+  assert choice.choose_transport(backend, BIG) == 'device'
+  assert choice.choose_transport(backend, 64 << 20) == 'device'
 
 
 @pytest.mark.parametrize('backend', ['gpu', 'tpu'])
 def test_small_payloads_on_gpu_and_tpu_use_tcp(backend):
-  for n in (0, 8, plane.DEVICE_BYTES):
-    assert plane.choose_transport(backend, n) == 'tcp'
+  for n in (0, 8, choice.DEVICE_BYTES):
+    assert choice.choose_transport(backend, n) == 'tcp'
 
 
 def test_every_payload_on_cpu_uses_tcp():
   for n in (0, 8, BIG, 1 << 30):
-    assert plane.choose_transport('cpu', n) == 'tcp'
+    assert choice.choose_transport('cpu', n) == 'tcp'
 
 
 def test_the_override_wins_on_every_backend():
   for backend in ('cpu', 'gpu', 'tpu'):
     for n in (8, BIG):
-      assert plane.choose_transport(backend, n,
+      assert choice.choose_transport(backend, n,
                                           override='device') == 'device'
-      assert plane.choose_transport(backend, n,
+      assert choice.choose_transport(backend, n,
                                           override='tcp') == 'tcp'
 
 
 def test_the_environment_variable_is_read_and_checked(monkeypatch):
   monkeypatch.delenv('MULTIHOST_TRANSPORT', raising=False)
-  assert plane.transport(BIG) == 'tcp'  # This machine's CPU backend.
+  assert choice.transport(BIG) == 'tcp'  # This machine's CPU backend.
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'device')
-  assert plane.transport(8) == 'device'
-  assert not plane.tcp_enabled()
+  assert choice.transport(8) == 'device'
+  assert not choice.tcp_enabled()
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'TCP')
-  assert plane.transport(BIG) == 'tcp'
+  assert choice.transport(BIG) == 'tcp'
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'nccl')
   with pytest.raises(ValueError, match='MULTIHOST_TRANSPORT.*nccl'):
-    plane.transport(8)
+    choice.transport(8)
+
+
+@pytest.mark.parametrize('impl', [chain.TCP, device.DEVICE],
+                         ids=['tcp', 'device'])
+def test_both_transports_implement_the_interface_with_its_signatures(impl):
+  assert isinstance(impl.name, str)
+  for method in ('broadcast', 'allgather'):
+    theirs = inspect.signature(getattr(type(impl), method)).parameters
+    ours = inspect.signature(getattr(interface.Transport, method)).parameters
+    assert [(p.name, p.kind, p.default) for p in theirs.values()] == [
+        (p.name, p.kind, p.default) for p in ours.values()], method
+
+
+def test_choose_returns_the_named_transport(monkeypatch):
+  monkeypatch.delenv('MULTIHOST_TRANSPORT', raising=False)
+  assert choice.choose(BIG) is chain.TCP
+  monkeypatch.setenv('MULTIHOST_TRANSPORT', 'device')
+  assert choice.choose(8) is device.DEVICE
+  assert choice.choose(8).name == choice.transport(8) == 'device'
 
 
 def test_on_cpu_small_and_large_payloads_travel_over_tcp():

@@ -23,7 +23,7 @@ from multihost import lowlevel
 def main() -> None:
   mode, size, sleeper = sys.argv[1], sys.argv[2], int(sys.argv[3])
   if os.environ['DRILL_HB']:
-    multihost.initialize(heartbeat_timeout=float(os.environ['DRILL_HB']))
+    multihost.initialize(heartbeat_timeout_seconds=float(os.environ['DRILL_HB']))
   else:  # The defaults.
     multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)

@@ -103,7 +103,7 @@ def eager(sleeper: int, me: int) -> None:
 def main() -> None:
   modes = sys.argv[1].split(',')
   sleepers = [int(s) for s in sys.argv[2].split(',')]
-  multihost.initialize(heartbeat_timeout=3)
+  multihost.initialize(heartbeat_timeout_seconds=3)
   import jax  # noqa: PLC0415 (after initialize)
   me = jax.process_index()
   for mode, sleeper in zip(modes, sleepers, strict=True):

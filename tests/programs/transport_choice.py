@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 import multihost
-from multihost._src.transport import plane
+from multihost._src.transport import choice
 from multihost._src.transport.tcp import chain
 
 
@@ -26,13 +26,13 @@ def main() -> None:
     used.clear()
     got = multihost.broadcast_one_to_all(x)
     ok = np.array_equal(got, np.arange(n // 4, dtype=np.float32))
-    print(f'broadcast {n}: {plane.transport(n)} tcp={used} ok={ok}',
+    print(f'broadcast {n}: {choice.transport(n)} tcp={used} ok={ok}',
           flush=True)
     used.clear()
     got = multihost.process_allgather(x)
     ok = all(np.array_equal(got[p], np.arange(n // 4, dtype=np.float32) + p)
              for p in range(jax.process_count()))
-    print(f'allgather {n}: {plane.transport(n)} tcp={used} ok={ok}',
+    print(f'allgather {n}: {choice.transport(n)} tcp={used} ok={ok}',
           flush=True)
   # Small and large leaves in one tree: the source sends large ones from
   # their own memory and joins the small ones (`_data_tcp.segments`).

@@ -13,7 +13,7 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import leaves as _leaves
 from multihost._src.runtime import process
-from multihost._src.transport import plane
+from multihost._src.transport import choice
 
 # it is the source (then its inline data follows).
 _SOURCE = b'\x01'
@@ -74,7 +74,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   size = sum(v.nbytes for v in values)
   # The size follows from the specs, which every process checks are equal.
   inline = (size <= agree.INLINE_BYTES
-            and not plane.carries_small_payloads())
+            and not choice.carries_small_payloads())
   header = agree.Header(
       op, _leaves.signature(treedef), tuple(paths), specs, size=size,
       payload=_leaves.pack(values).tobytes() if is_source and inline else None,
@@ -100,7 +100,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   else:
     # The source's bytes start down the chain with its agreement frame:
     # every process knows process 0 is the source.
-    eager = plane.eager(values, size) if is_source else None
+    eager = choice.early_stripe(values, size) if is_source else None
     headers = agree.agree(header, timeout=timeout,
                                    eager=eager).headers
   if headers is not None:
@@ -110,9 +110,9 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   if payload is not None:
     buffer = np.frombuffer(payload, np.uint8)
   else:
-    buffer = plane.broadcast(values if is_source else None, size,
+    buffer = choice.broadcast(values if is_source else None, size,
                                    source, op=op, timeout=timeout,
-                                   eager=eager)
+                                   early=eager)
   return _leaves.rebuild(buffer, specs, treedef)
 
 
@@ -159,7 +159,7 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   payload = headers[source].payload
   if payload is None:
     size = headers[source].size
-    received = plane.broadcast(
+    received = choice.broadcast(
         [np.frombuffer(data, np.uint8)] if is_source else None, size, source,
         op=op, timeout=timeout, source_result=False)
     payload = b'' if is_source else memoryview(received)

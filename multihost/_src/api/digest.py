@@ -271,11 +271,6 @@ def _is_sharded(x) -> bool:
   return _leaves.is_global(x) and not x.is_fully_replicated
 
 
-def leaf_digest(x, op: str = 'tree_digest') -> bytes:
-  """The digest of one leaf's full value (collective for a sharded array)."""
-  return _digests([x], op)[0]
-
-
 def _digests(leaves: list, op: str) -> list[bytes]:
   """`array_digest` of each leaf's global value, never gathering it whole.
 

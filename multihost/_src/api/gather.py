@@ -13,7 +13,7 @@ from multihost._src.control import agree
 from multihost._src.diagnostics import metrics
 from multihost._src.runtime import leaves as _leaves
 from multihost._src.runtime import process as _process
-from multihost._src.transport import plane
+from multihost._src.transport import choice
 
 PyTree = Any
 
@@ -76,7 +76,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   # layouts, which the agreement covers, so every process knows every size.
   sizes = [_size_of(specs, layouts, p) for p in range(count)]
   inline = (max(sizes) * count <= _INLINE_TOTAL
-            and not plane.carries_small_payloads())
+            and not choice.carries_small_payloads())
   header = agree.Header(
       op, _leaves.signature(treedef), tuple(paths), tuple(specs), size=size,
       payload=_leaves.pack(parts).tobytes() if inline else None,
@@ -91,7 +91,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     if inline:
       received = [np.frombuffer(p, np.uint8) for p in payloads]
     else:
-      rows = plane.allgather(_leaves.pack(parts, copy=False), sizes,
+      rows = choice.allgather(_leaves.pack(parts, copy=False), sizes,
                                    op=op, timeout=timeout)
       received = [rows[p, :n] for p, n in enumerate(sizes)]
     if not has_global:
@@ -118,7 +118,7 @@ def _receive(headers, parts, op, timeout) -> list[np.ndarray]:
   if all(h.payload is not None for h in headers):
     return [np.frombuffer(h.payload, np.uint8) for h in headers]
   sizes = [h.size for h in headers]
-  rows = plane.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
+  rows = choice.allgather(_leaves.pack(parts, copy=False), sizes, op=op,
                                timeout=timeout)
   return [rows[p, :n] for p, n in enumerate(sizes)]
 
@@ -267,7 +267,7 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
     payloads = [h.payload for h in headers]
   else:
     sizes = [h.size for h in headers]
-    rows = plane.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
+    rows = choice.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
                                  timeout=timeout)
     payloads = [memoryview(rows[p, :n]) for p, n in enumerate(sizes)]
   return [obj if p == me else

@@ -34,9 +34,7 @@ def initialize(coordinator_address: str | None = None,
                slice_index: int | None = None,
                partition_index: int | None = None,
                *,
-               detect_failures: bool | None = None,
-               heartbeat_timeout: float | None = None,
-               shutdown_timeout: float | None = None) -> None:
+               detect_failures: bool | None = None) -> None:
   """Initializes `jax.distributed`; safe to call when it is already initialized.
 
   Takes every argument of `jax.distributed.initialize`, by the same name and
@@ -71,28 +69,10 @@ def initialize(coordinator_address: str | None = None,
       `ProcessFailureError` naming it (within heartbeat_timeout + 2 s)
       instead of being aborted by JAX. Default: on, unless
       $MULTIHOST_DETECT_FAILURES=0 or $JAX_ENABLE_RECOVERABILITY is set false.
-    heartbeat_timeout: the same as `heartbeat_timeout_seconds` (kept for
-      programs written against earlier versions; pass one of the two).
-    shutdown_timeout: the same as `shutdown_timeout_seconds` (likewise).
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
   """
-  if heartbeat_timeout is not None:
-    if heartbeat_timeout_seconds is not None:
-      raise ValueError(
-          'initialize() got heartbeat_timeout='
-          f'{heartbeat_timeout!r} and heartbeat_timeout_seconds='
-          f'{heartbeat_timeout_seconds!r}; pass only '
-          'heartbeat_timeout_seconds.')
-    heartbeat_timeout_seconds = heartbeat_timeout
-  if shutdown_timeout is not None:
-    if shutdown_timeout_seconds != 300:
-      raise ValueError(
-          f'initialize() got shutdown_timeout={shutdown_timeout!r} and '
-          f'shutdown_timeout_seconds={shutdown_timeout_seconds!r}; pass only '
-          'shutdown_timeout_seconds.')
-    shutdown_timeout_seconds = shutdown_timeout
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', failures.prefix())

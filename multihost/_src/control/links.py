@@ -47,6 +47,7 @@ from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
 
@@ -257,7 +258,7 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
   """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded."""
   op = wait.m.op
   while True:
-    got_call, length = link.check(_recv(link, _tcp_link.FRAME_SIZE, wait), op,
+    got_call, length = link.check(_recv(link, frames.FRAME_SIZE, wait), op,
                                   peer)
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent

@@ -23,7 +23,6 @@ from multihost._src.runtime import process
 from multihost._src.runtime import runtime
 
 OP = 'live_devices'
-_OP = OP
 _ROOT = 'multihost_live'
 # One barrier window: the service checks barrier deadlines about once a
 # second, so a shorter window would not notice a change sooner.
@@ -67,7 +66,7 @@ def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
       and me == min(candidates)):
     # Nobody reads that group now.
     coordination.kv_delete(f'{_ROOT}/{who}/{n // _GROUP - 2}/')
-  secret = _secret.job_secret(_OP, timeout=timeout)
+  secret = _secret.job_secret(OP, timeout=timeout)
   if status:
     key = statuses_dir + str(me)
     coordination.kv_set(key, mac(secret, key, status) + status)
@@ -96,7 +95,7 @@ def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
     if stall is None:  # The slow path: say who is here, watch for a stall.
       coordination.kv_set(here + str(me), b'')
       stall = stalls.arm(
-          f'{_OP} ({phase} of block {n})', started=start, until=deadline,
+          f'{OP} ({phase} of block {n})', started=start, until=deadline,
           # The latest live set, on purpose: the loop rebinds it.
           missing=lambda: sorted(live - published(here, live)))  # noqa: B023
     given_up_on = given_up(gave_up)
@@ -104,7 +103,7 @@ def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
       stalls.disarm(stall)
       waited = time.monotonic() - start
       if me in given_up_on:  # It gave up on this one: it came too late.
-        raise failures.arrived_late(f'{_OP} ({phase} of block {n})',
+        raise failures.arrived_late(f'{OP} ({phase} of block {n})',
                                         me=me, waited=waited, timeout=timeout)
       raise _where.with_whereabouts(timed_out(
           phase, n, sorted(given_up_on), waited, timeout))
@@ -117,7 +116,7 @@ def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
       if p in live:
         value = stored[_MAC:]
         if not hmac.compare_digest(stored[:_MAC], mac(secret, k, value)):
-          raise failures.forged_message(_OP, k)
+          raise failures.forged_message(OP, k)
         statuses[p] = value
   return live, statuses
 
@@ -168,11 +167,11 @@ def timed_out(phase: str, n: int, missing: list[int], waited: float,
                timeout: float) -> errors.CollectiveTimeoutError:
   where = 'start' if phase == 'enter' else 'end'
   return errors.CollectiveTimeoutError(
-      f'{failures.prefix()} {_OP}: timed out after {waited:.1f} s '
+      f'{failures.prefix()} {OP}: timed out after {waited:.1f} s '
       f'(timeout={timeout:g} s) at the {where} of block {n}, waiting for '
       f'process(es) {missing}, which the coordination service still sees '
       f'alive. A process may be stuck in the block\'s body (e.g. in a device '
       f'collective over a dead process\'s device) or slow. '
       f'{failures.SAME_ORDER}, or '
       f'{failures.larger_timeout(runtime.current().timeout_source(timeout))}.',
-      operation=_OP, missing=missing, waited=waited)
+      operation=OP, missing=missing, waited=waited)

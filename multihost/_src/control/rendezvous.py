@@ -17,7 +17,7 @@ import functools
 import hmac
 import time
 
-from multihost._src.auth import marks as _control_marks
+from multihost._src.auth import marks
 from multihost._src.auth import secret as _secret
 from multihost._src.control import links
 from multihost._src.diagnostics import stalls
@@ -50,10 +50,6 @@ _BACKOFF_CALLS = 8
 
 _FELL_BACK = b'F'
 _DIRECT = b'D'
-_MAC = _control_marks.MAC
-_mac = _control_marks.mac
-_named = _control_marks.named
-_absent = _control_marks.absent
 # Barrier ids cycle through this many slots, so that the service, which
 # keeps every barrier id it saw, holds a bounded set. Call c and c + _CYCLE
 # share a slot; they cannot meet there: every call needs every process, so
@@ -151,7 +147,7 @@ class Rendezvous:
       # and a failed peer is then caught by the full exchange.
       self.client.wait_at_barrier(f'{self._slot}a{agreement.hex()}', window)
     except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
-      failure = _named(self.rt, e, self.op, self.prefix,
+      failure = marks.named(self.rt, e, self.op, self.prefix,
                        waited=time.monotonic() - self.start, timeout=timeout)
       if isinstance(failure, errors.ProcessFailureError):
         raise failure from e
@@ -198,12 +194,12 @@ class Rendezvous:
     # one else will reach: it is then in step again for the next call.
     # Either way the next calls take the full exchange directly: a
     # latecomer then meets the others without another fast-path window.
-    marks = _control_marks.gave_up(rt, self.op, self.prefix)
-    if marks:
+    gave_up = marks.gave_up(rt, self.op, self.prefix)
+    if gave_up:
       rt.backoff = _BACKOFF_CALLS
       raise failures.arrived_late(
           self.op, me=self.me, waited=waited, timeout=timeout,
-          late_by=_control_marks.late_by(marks, self.start),
+          late_by=marks.late_by(gave_up, self.start),
           source=rt.timeout_source(timeout))
     # The whole time left: the service fails a barrier up to a second after
     # its deadline, never before, so a timeout is never early.
@@ -214,7 +210,7 @@ class Rendezvous:
               published=self.prefix, runtime=rt)
     except errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
-      _control_marks.leave_mark(rt, self.op, self.prefix, self.start)
+      marks.leave_mark(rt, self.op, self.prefix, self.start)
       raise
     self.record.end = time.monotonic()
     messages = self._read_everyone()
@@ -250,14 +246,14 @@ class Rendezvous:
     """Puts `value` under this process's key, authenticated with the job secret."""
     key = self.prefix + str(self.me)
     secret = _secret.job_secret(self.op, timeout=timeout, runtime=self.rt)
-    self.client.kv_set(key, _mac(secret, key, value) + value)
+    self.client.kv_set(key, marks.mac(secret, key, value) + value)
 
   def _open(self, key: str, stored: bytes) -> bytes:
     """The value under `key`, if a process of this job wrote it there; else raises."""
     secret = _secret.job_secret(self.op, timeout=1.0, runtime=self.rt)
-    value = stored[_MAC:]
-    if len(stored) < _MAC + 1 or not hmac.compare_digest(
-        stored[:_MAC], _mac(secret, key, value)):
+    value = stored[marks.MAC:]
+    if len(stored) < marks.MAC + 1 or not hmac.compare_digest(
+        stored[:marks.MAC], marks.mac(secret, key, value)):
       raise failures.forged_message(self.op, key, me=self.me)
     return value
 
@@ -315,7 +311,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
   where = published or barrier_id
   stall = stalls.arm(  # The slow path: a lock, no RPC.
       op, started=start - waited_before, until=start + timeout,
-      missing=lambda: _absent(rt, where), runtime=rt)
+      missing=lambda: marks.absent(rt, where), runtime=rt)
   try:
     # In a step thread, so that a peer's death raises here within the
     # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
@@ -323,7 +319,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
                    runtime=rt)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001
     stalls.disarm(stall, runtime=rt)
-    raise _where.with_whereabouts(_named(
+    raise _where.with_whereabouts(marks.named(
         rt, e, op, where,
         waited=time.monotonic() - start + waited_before,
         timeout=timeout if total_timeout is None else total_timeout),

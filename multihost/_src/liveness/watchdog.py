@@ -343,11 +343,6 @@ def of(runtime: _runtime.Runtime | None = None) -> Watchdog:
   return watchdog
 
 
-def recoverability_enabled() -> bool:
-  """Whether the current runtime's service survives a process's death."""
-  return _runtime.current().recoverable
-
-
 def detection_bound() -> float:
   """Seconds within which the watchdog reports a peer that was killed."""
   return of().detection_bound()

@@ -287,12 +287,6 @@ def connection_cut(op: str, peer: int,
       'delivered. Restart the job, and check the network path.')
 
 
-def plane_broken(op: str, why: str) -> errors.MultihostError:
-  return errors.MultihostError(
-      f'{prefix()} {op}: the TCP data plane stopped after an earlier failure '
-      f'({why}); later bulk transfers cannot stay in step. Restart the job.')
-
-
 def forged_frame(op: str, peer: int, what: str) -> errors.MultihostError:
   return errors.MultihostError(
       f'{prefix()} {op}: a frame header on the authenticated connection from '

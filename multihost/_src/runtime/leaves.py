@@ -143,13 +143,6 @@ def dtype_name(dtype: np.dtype) -> str:
   return np.dtype(dtype).name
 
 
-def from_bytes(buffer, spec: LeafSpec):
-  """Rebuilds a leaf from its bytes (a memoryview or uint8 array)."""
-  dtype = np_dtype(spec.dtype)
-  value = np.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
-  return finish(value, spec)
-
-
 def finish(value: np.ndarray, spec: LeafSpec):
   """Wraps key data back into a typed key array; other leaves stay numpy."""
   if spec.key_impl is None:

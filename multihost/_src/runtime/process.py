@@ -38,8 +38,3 @@ def process_index() -> int:
 
 def process_count() -> int:
   return runtime.current().count
-
-
-def is_multiprocess() -> bool:
-  """True when more than one controller takes part (jax.distributed is up)."""
-  return runtime.current().count > 1

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from multihost._src.liveness import blocking
+from multihost._src.runtime import leaves
 
 _AXIS = 'processes'
 
@@ -101,3 +102,27 @@ def broadcast(buffer: np.ndarray | None, length: int, *, op: str,
   row = _row(source, bucket(length))
   out = blocking.call(op, _run, _sum_fn(), row, timeout=timeout)
   return out.reshape(-1)[:length]
+
+
+class DeviceTransport:
+  """The `Transport` over JAX device collectives (NCCL, ICI; gloo on CPU)."""
+
+  name = 'device'
+
+  def broadcast(self, parts: list[np.ndarray] | None, length: int,
+                source: int, *, op: str, timeout: float,
+                source_result: bool = True,
+                early: object | None = None) -> np.ndarray | None:
+    """See `Transport.broadcast` (a sum in which only the source adds bytes)."""
+    del source, early  # Every process but the source adds zeros.
+    packed = None if parts is None else leaves.pack(parts)
+    out = broadcast(packed, length, op=op, timeout=timeout)
+    return out if parts is None or source_result else None
+
+  def allgather(self, buffer: np.ndarray, sizes: list[int], *, op: str,
+                timeout: float) -> np.ndarray:
+    """See `Transport.allgather`."""
+    return allgather(buffer, max(sizes), op=op, timeout=timeout)
+
+
+DEVICE = DeviceTransport()

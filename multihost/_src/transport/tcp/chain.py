@@ -350,3 +350,25 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
   return rows
+
+
+class TcpTransport:
+  """The `Transport` over the authenticated TCP links: a pipelined chain per lane for broadcast, a ring for all-gather."""
+
+  name = 'tcp'
+
+  def broadcast(self, parts: list[np.ndarray] | None, length: int,
+                source: int, *, op: str, timeout: float,
+                source_result: bool = True,
+                early: Eager | None = None) -> np.ndarray | None:
+    """See `Transport.broadcast`."""
+    return broadcast(parts, length, source, op=op, timeout=timeout,
+                     source_result=source_result, eager=early)
+
+  def allgather(self, buffer: np.ndarray, sizes: list[int], *, op: str,
+                timeout: float) -> np.ndarray:
+    """See `Transport.allgather`."""
+    return allgather(buffer, sizes, op=op, timeout=timeout)
+
+
+TCP = TcpTransport()

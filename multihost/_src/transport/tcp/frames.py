@@ -24,7 +24,7 @@ _MAC = 16
 # computes a few, and it costs a third of an HMAC-SHA256 of a short message.
 _FRAME = struct.Struct('<QQQ')
 
-_FRAME_SIZE = _FRAME.size + _MAC
+FRAME_SIZE = _FRAME.size + _MAC
 
 
 def _frame_mac(key: bytes, head: bytes) -> bytes:
@@ -59,7 +59,7 @@ class Link:
   def read_frame(self, call: int, length: int, op: str, peer: int,
                  watch: tuple[str, float] | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = self.check(sockets.recv_exact(self.sock, _FRAME_SIZE, watch), op,
+    got = self.check(sockets.recv_exact(self.sock, FRAME_SIZE, watch), op,
                      peer)
     if got != (call, length):
       raise failures.out_of_step(op, peer, got, (call, length))
@@ -78,5 +78,3 @@ class Link:
     self.received += 1
     return got_call, got_length
 
-
-FRAME_SIZE = _FRAME_SIZE

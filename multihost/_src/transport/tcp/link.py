@@ -85,7 +85,6 @@ def _key(peer: int, lane: int) -> int | tuple[int, int]:
 
 
 Link = frames.Link
-FRAME_SIZE = frames.FRAME_SIZE
 
 
 class Plane:

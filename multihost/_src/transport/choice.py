@@ -1,4 +1,4 @@
-"""Data plane: the transport of each payload (TCP or a device collective), chosen by backend and size; a timeout says where the late peers are.
+"""The choice of each payload's `Transport` (TCP or a device collective), by backend and size; a timeout says where the late peers are.
 
 The rule (`choose_transport`):
 * `MULTIHOST_TRANSPORT=tcp` or `device` forces one transport for every
@@ -23,10 +23,10 @@ import numpy as np
 
 from multihost._src.diagnostics import where
 from multihost._src.runtime import errors
-from multihost._src.runtime import leaves
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 from multihost._src.transport import device
+from multihost._src.transport import interface
 from multihost._src.transport.tcp import chain
 from multihost._src.transport.tcp import link
 
@@ -56,8 +56,13 @@ def _backend() -> str:
 
 
 def transport(nbytes: int) -> str:
-  """The transport of a payload of `nbytes` per process, on this job."""
+  """The name of the transport of a payload of `nbytes` per process, on this job."""
   return choose_transport(_backend(), nbytes, override=settings.transport())
+
+
+def choose(nbytes: int) -> interface.Transport:
+  """The transport that moves a payload of `nbytes` per process (the same on every process)."""
+  return chain.TCP if transport(nbytes) == 'tcp' else device.DEVICE
 
 
 def tcp_enabled() -> bool:
@@ -72,52 +77,43 @@ def carries_small_payloads() -> bool:
   hop per process on an open connection, where the key-value store takes
   one or two more RPCs. A device
   collective is slower than those RPCs, so with it small payloads stay in
-  the headers. Once calls agree over the TCP links (`_control_links`), the
+  the headers. Once calls agree over the TCP links (`control.links`), the
   headers travel there, so small payloads ride along: no second phase.
   """
   return tcp_enabled() and not link.agreeing(runtime.current())
 
 
-def eager(parts: list[np.ndarray], length: int) -> chain.Eager | None:
-  """A broadcast source's first stripe to send during the agreement (`_data_tcp.Eager`), where its payload moves over TCP."""
-  if transport(length) != 'tcp' or not link.agreeing(
-      runtime.current()):
+def early_stripe(parts: list[np.ndarray], length: int) -> chain.Eager | None:
+  """A broadcast source's first stripe, to send during the agreement (`tcp.chain.Eager`), where its payload moves over TCP and calls agree over the links; else None."""
+  if transport(length) != 'tcp' or not link.agreeing(runtime.current()):
     return None
   return chain.Eager(parts, length)
 
 
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
-              eager: chain.Eager | None = None) -> np.ndarray | None:
-  """The source's `length` bytes, on every process.
+              early: chain.Eager | None = None) -> np.ndarray | None:
+  """The source's `length` bytes, on every process, over the chosen transport (see `Transport.broadcast`); a timeout says where the late peers are.
 
   Collective: every process must call this, in the same order, with the
-  same `length` and `source`; only the source passes its parts
-  (C-contiguous arrays, `length` bytes in all), and its `eager` if the
-  agreement started one. With `source_result=False` the source gets None
-  (it has the bytes already).
+  same `length` and `source`.
   """
   try:
-    if transport(length) == 'tcp':
-      return chain.broadcast(parts, length, source, op=op,
-                                 timeout=timeout, source_result=source_result,
-                                 eager=eager)
-    packed = None if parts is None else leaves.pack(parts)
-    return device.broadcast(packed, length, op=op, timeout=timeout)
+    return choose(length).broadcast(parts, length, source, op=op,
+                                    timeout=timeout,
+                                    source_result=source_result, early=early)
   except errors.CollectiveTimeoutError as e:
     raise where.with_whereabouts(e) from e
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
               timeout: float) -> np.ndarray:
-  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]].
+  """Every process's bytes, as rows: process p's are rows[p, :sizes[p]], over the chosen transport (see `Transport.allgather`).
 
   Collective: every process must call this, in the same order, with the
   same `sizes`.
   """
   try:
-    if transport(max(sizes)) == 'tcp':
-      return chain.allgather(buffer, sizes, op=op, timeout=timeout)
-    return device.allgather(buffer, max(sizes), op=op, timeout=timeout)
+    return choose(max(sizes)).allgather(buffer, sizes, op=op, timeout=timeout)
   except errors.CollectiveTimeoutError as e:
     raise where.with_whereabouts(e) from e

@@ -1,6 +1,6 @@
 """Measures the per-call cost of a collective's trace record and jax.monitoring metrics (one process, no peers).
 
-  python bin/record_cost.py
+  python bench/record_cost.py
 
 Times a stand-in collective that only begins and ends a flight record (what
 every rendezvous does anyway), without and with `_metrics.recorded` (the
