@@ -18,6 +18,7 @@ import time
 from jax import monitoring
 import numpy as np
 
+import multihost._src.api  # noqa: F401  Assembles the runtime.
 from multihost._src.diagnostics import metrics
 from multihost._src.runtime import runtime
 

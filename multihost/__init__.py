@@ -55,6 +55,7 @@ def __getattr__(name: str):
   if name in _SUBMODULES:
     value = importlib.import_module(f'multihost.{name}')
   elif name in _WHERE:
+    importlib.import_module('multihost._src.api')  # Assembles runtimes.
     value = getattr(importlib.import_module(f'multihost.{_WHERE[name]}'),
                     name)
   else:

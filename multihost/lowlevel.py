@@ -9,6 +9,7 @@ it goes through here.
 
 from __future__ import annotations
 
+import multihost._src.api  # noqa: F401  Assembles the runtimes this uses.
 from multihost._src.liveness import watchdog
 from multihost._src.runtime import companion
 from multihost._src.runtime import coordination

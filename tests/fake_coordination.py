@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+import multihost._src.api  # noqa: F401  Registers the runtimes' parts.
 from multihost._src.control import links as _control_links
 from multihost._src.runtime import runtime
 from multihost._src.transport.tcp import link

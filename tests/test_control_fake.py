@@ -44,11 +44,11 @@ def job(request):
     # Threads stand for processes here: none may leave with os._exit(75)
     # (the tests of that policy give it an exit function of their own).
     rt.settings.exit_on_peer_failure = (False, None, None)
-    watchdog.of(rt).start(heartbeat_timeout=2)
-    where.of(rt).ensure_started()
+    rt.watchdog.start(heartbeat_timeout=2)
+    rt.where.ensure_started()
   yield service, rts
   for rt in rts:
-    watchdog.of(rt).peer_loss.cancel()
+    rt.watchdog.peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -206,7 +206,7 @@ def test_a_where_request_written_after_a_later_one_is_still_answered(job):
 def _policy(rt, grace):
   """Gives `rt`'s watchdog a leave-on-peer-failure policy that records the exit instead."""
   exits = []
-  wd = watchdog.of(rt)
+  wd = rt.watchdog
   wd.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=exits.append)
   wd.peer_loss.configure(enabled=True, grace=grace)
   return exits
@@ -426,7 +426,7 @@ def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
   service, rts = fake.runtimes(2)
   rt = rts[0]
   rt.settings.exit_on_peer_failure = (False, None, None)
-  wd = watchdog.of(rt)
+  wd = rt.watchdog
   try:
     assert wd.start(heartbeat_timeout=multihost.env.DEFAULT_HEARTBEAT_S)
     assert wd.detection_bound() == bound

@@ -20,8 +20,6 @@ import pytest
 
 from multihost._src.control import agree
 from multihost._src.control import links
-from multihost._src.diagnostics import where
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import leaves
 from multihost._src.transport.tcp import frames
@@ -39,8 +37,8 @@ def _started(count):
   service, rts = fake.runtimes(count, links=True)
   for rt in rts:  # As multihost.initialize() does (see test_control_fake).
     rt.settings.exit_on_peer_failure = (False, None, None)
-    watchdog.of(rt).start(heartbeat_timeout=2)
-    where.of(rt).ensure_started()
+    rt.watchdog.start(heartbeat_timeout=2)
+    rt.where.ensure_started()
   return service, rts
 
 
@@ -63,7 +61,7 @@ def job(request):
   assert all(links.usable(rt) for rt in rts)  # all in one call
   yield service, rts
   for rt in rts:
-    watchdog.of(rt).peer_loss.cancel()
+    rt.watchdog.peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -251,6 +249,6 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
     assert not any(links.usable(rt) for rt in rts)
   finally:
     for rt in rts:
-      watchdog.of(rt).peer_loss.cancel()
+      rt.watchdog.peer_loss.cancel()
     fake.stop(rts)
   del service

@@ -24,8 +24,8 @@ from multihost._src.auth import secret as _secret
 from multihost._src.control import agree
 from multihost._src.control import rendezvous
 from multihost._src.diagnostics import where
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
+from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import link as _tcp_link
 
 Header = agree.Header
@@ -44,8 +44,8 @@ def secret(monkeypatch):
 def _job(count=3):
   service, rts = fake.runtimes(count)
   for rt in rts:
-    watchdog.of(rt).start(heartbeat_timeout=2)
-    where.of(rt).ensure_started()
+    rt.watchdog.start(heartbeat_timeout=2)
+    rt.where.ensure_started()
   return service, rts
 
 
@@ -107,15 +107,15 @@ def test_a_planted_gave_up_mark_does_not_make_anyone_arrive_late(secret):
 
 def test_a_data_plane_address_written_by_a_store_writer_is_refused():
   key = os.urandom(32)
-  real = _tcp_link.address_record(key, 2, '10.0.0.3', 4242)
-  assert _tcp_link.read_address(key, 2, real, 'op') == ('10.0.0.3', 4242)
+  real = auth.address_record(key, 2, '10.0.0.3', 4242)
+  assert auth.read_address(key, 2, real, 'op') == ('10.0.0.3', 4242)
   relay = b'127.0.0.1|5555'  # as the store held before: no MAC
   moved = real.replace(b'10.0.0.3|4242', b'127.0.0.1|5555')  # MAC kept
-  other = _tcp_link.address_record(key, 1, '127.0.0.1', 5555)  # another's
+  other = auth.address_record(key, 1, '127.0.0.1', 5555)  # another's
   for forged in (relay, moved, other, b'', b'|||'):
     with pytest.raises(errors.MultihostError,
                        match="'multihost_transport/2' failed authentication"):
-      _tcp_link.read_address(key, 2, forged, 'process_allgather')
+      auth.read_address(key, 2, forged, 'process_allgather')
 
 
 # --- Where-requests ----------------------------------------------------------
@@ -246,9 +246,9 @@ def plane(secret, monkeypatch):
   _, rts = fake.runtimes(2)
   fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
   p = _tcp_link.Plane(rts[1], 5.0, 'test')
-  yield p, _tcp_link.read_address(
+  yield p, auth.read_address(
       rts[1].job_keys[1], 1,
-      rts[1].client.kv_try_get(_tcp_link.ADDRESS_KEY.format(1)), 'test')
+      rts[1].client.kv_try_get(auth.ADDRESS_KEY.format(1)), 'test')
   p.listener.close()
   fake.stop(rts)
 

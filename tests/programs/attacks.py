@@ -196,8 +196,8 @@ def main() -> None:
     # Process 2 itself points the others at the proxy (signed with its job
     # key): the proxy stands for someone on the network path.
     from multihost._src.runtime import runtime
-    from multihost._src.transport.tcp import link
-    lowlevel.key_value_set('multihost_transport/2', link.address_record(
+    from multihost._src.transport.tcp import auth
+    lowlevel.key_value_set('multihost_transport/2', auth.address_record(
         runtime.current().job_keys[1], 2, '127.0.0.1',
         proxy.sock.getsockname()[1]))
   multihost.sync_global_devices('attacked')

@@ -14,11 +14,12 @@ import numpy as np
 
 import multihost
 from multihost import lowlevel
+from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import link
 
 
 def _published_address(process: int) -> tuple[str, str]:
-  value = lowlevel.key_value_get(link.ADDRESS_KEY.format(process), 5)
+  value = lowlevel.key_value_get(auth.ADDRESS_KEY.format(process), 5)
   host, port = value.decode().split('|')[:2]  # then its MAC
   return host, port
 

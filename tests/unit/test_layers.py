@@ -34,11 +34,24 @@ def _modules(top: str) -> dict[str, pathlib.Path]:
   return out
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+  """The ids of nodes under `if TYPE_CHECKING:` (imports for annotations only)."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+      out.update(id(sub) for stmt in node.body for sub in ast.walk(stmt))
+  return out
+
+
 def _imports(path: pathlib.Path, name: str) -> set[str]:
-  """The dotted modules `path` imports (function-local ones included)."""
+  """The dotted modules `path` imports at run time (function-local ones included; not those for annotations only)."""
   out = set()
   package = name if path.name == '__init__.py' else name.rsplit('.', 1)[0]
-  for node in ast.walk(ast.parse(path.read_text())):
+  tree = ast.parse(path.read_text())
+  skip = _typing_only(tree)
+  for node in ast.walk(tree):
+    if id(node) in skip:
+      continue
     if isinstance(node, ast.Import):
       out.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom):

@@ -13,8 +13,6 @@ import jax
 
 from multihost import env as _env
 from multihost._src.auth import secret
-from multihost._src.diagnostics import where
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
@@ -77,8 +75,8 @@ def initialize(coordinator_address: str | None = None,
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', failures.prefix())
     rt = runtime.current()
-    watchdog.of(rt).ensure_started()
-    where.of(rt).ensure_started()
+    rt.watchdog.ensure_started()
+    rt.where.ensure_started()
     return
   # Out of the environment before anything starts a child (the companion,
   # the program's own subprocesses): children do not inherit the secret.
@@ -176,10 +174,10 @@ def initialize(coordinator_address: str | None = None,
     rt.companion = companion
     rt.exit_steps['companion'] = companion.finish
   if detect:
-    watchdog.of(rt).start(
+    rt.watchdog.start(
         heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
         shutdown_timeout=shutdown_timeout_seconds)
-  where.of(rt).ensure_started()
+  rt.where.ensure_started()
   rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
               rt.count, jax.local_device_count())
 

@@ -75,18 +75,6 @@ class Blocks:
     self.warner: threading.Thread | None = None
 
 
-def of(runtime: _runtime.Runtime | None = None) -> Blocks:
-  """The blocks of `runtime` (default: the current one), made on first use."""
-  rt = runtime or _runtime.current()
-  blocks = rt.live_blocks
-  if blocks is None:
-    with rt.lock:
-      if rt.live_blocks is None:
-        rt.live_blocks = Blocks()
-      blocks = rt.live_blocks
-  return blocks
-
-
 def live_devices(devices: Iterable[jax.Device], *,
                  timeout: float | None = None) -> _Block:
   """A block that runs on the live ones of `devices`; it ends normally everywhere or raises everywhere.
@@ -175,20 +163,20 @@ class _Block:
     if process.process_count() == 1:
       self.live = processes
       return self._devices
-    watchdog.of().ensure_started()
+    _runtime.current().watchdog.ensure_started()
     where.ensure_started()
-    if not watchdog.of().running:
+    if not _runtime.current().watchdog.running:
       _warn_unwatched()
     # Numbered per set of processes: those of another set do not count
     # these blocks.
-    with of().lock:
-      self._n = of().blocks.get(processes, 0)
-      of().blocks[processes] = self._n + 1
+    with _runtime.current().live_blocks.lock:
+      self._n = _runtime.current().live_blocks.blocks.get(processes, 0)
+      _runtime.current().live_blocks.blocks[processes] = self._n + 1
     self._who = live_barrier.digest(processes)
     live, _ = live_barrier.meet(self._who, self._n, 'enter', processes,
                     timeout=self._timeout)
-    previous = of().last_live
-    of().last_live = live_barrier.merge(previous, processes, live)
+    previous = _runtime.current().live_blocks.last_live
+    _runtime.current().live_blocks.last_live = live_barrier.merge(previous, processes, live)
     self.live = live
     gone = sorted((previous & processes) - live) if previous else []
     if gone:
@@ -200,12 +188,12 @@ class _Block:
           f'the devices of processes {sorted(live)}. {_HANG_ADVICE}',
           operation=_OP, failed=gone,
           failed_devices=self._devices_of(gone))
-    of().active = self
+    _runtime.current().live_blocks.active = self
     _start_warner()
     return [d for d in self._devices if d.process_index in live]
 
   def __exit__(self, exc_type, exc, tb) -> bool:
-    of().active = None
+    _runtime.current().live_blocks.active = None
     if exc is not None and not isinstance(exc, Exception):
       return False  # KeyboardInterrupt, SystemExit: leave at once.
     if process.process_count() == 1:
@@ -215,7 +203,7 @@ class _Block:
         f'{type(exc).__name__}: {failures.shorten(exc, 300)}'.encode())
     live, statuses = live_barrier.meet(self._who, self._n, 'exit', self.live,
                            timeout=self._timeout, status=status)
-    of().last_live = live_barrier.merge(of().last_live, self.live, live)
+    _runtime.current().live_blocks.last_live = live_barrier.merge(_runtime.current().live_blocks.last_live, self.live, live)
     gone = sorted(self.live - live)
     if gone:
       raise errors.ProcessFailureError(
@@ -244,9 +232,9 @@ class _Block:
 
 
 def _warn_unwatched() -> None:
-  if of().unwatched_warned:
+  if _runtime.current().live_blocks.unwatched_warned:
     return
-  of().unwatched_warned = True
+  _runtime.current().live_blocks.unwatched_warned = True
   logging.warning(
       '%s %s: failure detection is off (jax_enable_recoverability is off, or '
       'multihost.initialize(detect_failures=False)): when a process dies, JAX '
@@ -256,11 +244,11 @@ def _warn_unwatched() -> None:
 
 
 def _start_warner() -> None:
-  with of().lock:
-    if of().warner is None:
-      of().warner = threading.Thread(target=_warn, name='multihost-live',
+  with _runtime.current().live_blocks.lock:
+    if _runtime.current().live_blocks.warner is None:
+      _runtime.current().live_blocks.warner = threading.Thread(target=_warn, name='multihost-live',
                                        daemon=True)
-      of().warner.start()
+      _runtime.current().live_blocks.warner.start()
 
 
 def _warn() -> None:
@@ -272,7 +260,7 @@ def _warn() -> None:
   """
   while True:
     time.sleep(watchdog.POLL_INTERVAL_S)
-    block = of().active
+    block = _runtime.current().live_blocks.active
     if block is None:
       continue
     new = sorted((block.live & set(watchdog.failed_processes()))

@@ -14,7 +14,6 @@ import hmac
 import time
 
 from multihost._src.auth import secret as _secret
-from multihost._src.liveness import watchdog as _watchdog
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
@@ -89,7 +88,7 @@ def named(rt: runtime.Runtime, error: BaseException, op: str, where: str, *,
   present = None
   if where.endswith('/'):
     present = lambda: published(rt, where)  # noqa: E731
-  watchdog = _watchdog.of(rt)
+  watchdog = rt.watchdog
   error_named = failures.coordination_failure(
       error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
       known=watchdog.known_failure(op, waited=waited, cause=error),

@@ -41,12 +41,13 @@ from multihost._src.auth import marks as _control_marks
 from multihost._src.auth import secret as _secret
 from multihost._src.diagnostics import stalls
 from multihost._src.diagnostics import where
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
+from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
@@ -194,7 +195,7 @@ class _Wait:
   def slice(self) -> None:
     """Between socket slices: raises if a peer is gone, late, or the timeout passed."""
     m = self.m
-    watchdog.of(m.rt).check(m.op)
+    m.rt.watchdog.check(m.op)
     now = time.monotonic()
     if now >= self.deadline:
       raise self.timed_out(now)
@@ -242,7 +243,7 @@ def _recv(link: _tcp_link.Link, n: int, wait: _Wait) -> bytes:
       k = link.sock.recv_into(view[got:])
     except TimeoutError:
       if got:  # Part of a frame came: its peer is in this call; keep on.
-        watchdog.of(wait.m.rt).check(wait.m.op)
+        wait.m.rt.watchdog.check(wait.m.op)
         if time.monotonic() >= wait.deadline:
           raise
         continue
@@ -264,7 +265,7 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
       # too late to (`_data_tcp.Eager`).
-      chain.drop(link, length, (op, wait.deadline))
+      chain.drop(link, length, Deadline(op, wait.deadline, wait.m.rt.watchdog))
       continue
     body = _recv(link, length, wait)
     if got_call & AGREE_BIT and got_call < call:
@@ -300,7 +301,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   entries = {} if publish is None else {me: publish}
   differs = False
   wait = _Wait(meeting, timeout)
-  watch = (op, wait.deadline)
+  watch = Deadline(op, wait.deadline, rt.watchdog)
   sender = None
   links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
@@ -356,7 +357,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
     _tcp_link.break_plane(plane, e)
     if isinstance(e, (ValueError, struct.error)):
       e = failures.forged_frame(op, peer, f'held no agreement ({e})')
-    raise _tcp_link.peer_error(op, peer, e) from e
+    raise tcp_errors.peer_error(op, peer, e, rt.watchdog) from e
   finally:
     wait.end()
   return None if differs else entries

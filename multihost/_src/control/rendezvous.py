@@ -23,7 +23,6 @@ from multihost._src.control import links
 from multihost._src.diagnostics import stalls
 from multihost._src.diagnostics import where as _where
 from multihost._src.liveness import blocking
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
@@ -91,7 +90,7 @@ class Rendezvous:
     self.rt = rt
     self.client: coordination.Client = (
         rt.client or coordination.require_client())
-    watchdog.of(rt).check(op)  # A peer known to be gone: raise at once.
+    rt.watchdog.check(op)  # A peer known to be gone: raise at once.
     self.op = op
     self.me = rt.index
     self.count = rt.count
@@ -99,7 +98,7 @@ class Rendezvous:
     self.prefix = f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
     self.start = time.monotonic()
     self.record = rt.flight.begin(op, self.call, self.start, name)
-    _where.of(rt).ensure_started()
+    rt.where.ensure_started()
     self._may_agree = rt.backoff == 0
     rt.backoff = max(0, rt.backoff - 1)
     self._fell_back = False

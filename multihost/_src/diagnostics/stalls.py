@@ -110,13 +110,7 @@ def arm(op: str, *, started: float, until: float,
   after = stall_report_after(rt)
   if after <= 0 or started + after >= until or rt.client is None:
     return None
-  stalls = rt.stalls
-  if stalls is None:
-    with rt.lock:
-      if rt.stalls is None:
-        rt.stalls = Stalls(rt)
-      stalls = rt.stalls
-  return stalls.add(op, started=started, after=after, missing=missing)
+  return rt.stalls.add(op, started=started, after=after, missing=missing)
 
 
 def disarm(token: int | None, *,

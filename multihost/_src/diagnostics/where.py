@@ -45,7 +45,6 @@ import traceback
 from multihost._src.auth import secret
 from multihost._src.diagnostics import where_signal
 from multihost._src.diagnostics import where_text
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime as _runtime
@@ -360,22 +359,6 @@ class Responder:
       return n
 
 
-def of(runtime: _runtime.Runtime | None = None) -> Responder:
-  """The responder of `runtime` (default: the current one), made on first use."""
-  rt = runtime or _runtime.current()
-  responder = rt.where
-  if responder is None:
-    with rt.lock:
-      if rt.where is None:
-        rt.where = Responder(rt)
-      responder = rt.where
-    # The line a process logs as it leaves after a peer failure (see
-    # `_peer_loss_exit`) tells where its main thread is, as reports do.
-    watchdog.of(rt).describe = lambda: where_text.main_thread(
-        local_report(rt))
-  return responder
-
-
 def ensure_started() -> None:
   """Starts the current runtime's responder once (see `Responder`)."""
-  of().ensure_started()
+  _runtime.current().where.ensure_started()

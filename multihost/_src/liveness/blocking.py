@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime as _runtime
 
@@ -51,7 +50,7 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     Whatever `fn` raises, otherwise.
   """
   rt = runtime or _runtime.current()
-  wd = watchdog.of(rt)
+  wd = rt.watchdog
   if not wd.running and not wd.ensure_started():
     if timeout is None:
       return fn(*args)

@@ -68,7 +68,8 @@ DETECTION_SLACK_S = 2 * POLL_INTERVAL_S + 1.0
 class Watchdog:
   """What one process's watchdog knows about its peers; guarded by `cond`."""
 
-  def __init__(self, runtime: _runtime.Runtime):
+  def __init__(self, runtime: _runtime.Runtime, *,
+               describe: Callable[[], str] | None = None):
     self.runtime = runtime
     self.cond = threading.Condition()
     self.running = False
@@ -95,7 +96,7 @@ class Watchdog:
     # where-report; until then, a plain stack.
     self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self._leave)
     configure_peer_loss(self.peer_loss, runtime.settings)
-    self.describe: Callable[[], str] = _main_thread_stack
+    self.describe: Callable[[], str] = describe or _main_thread_stack
 
   def _leave(self, status: int) -> None:
     """Leaves with `status` at once, after the exit sequence's trace dump (a local file)."""
@@ -325,29 +326,17 @@ def set_exit_on_peer_failure(
   """
   rt = _runtime.current()
   # Checked (and applied to the running watchdog) before it is kept.
-  of(rt).peer_loss.configure(enabled=enabled, grace=grace,
+  rt.watchdog.peer_loss.configure(enabled=enabled, grace=grace,
                              before_exit=before_exit)
-  rt.settings.exit_on_peer_failure = (bool(enabled), of(rt).peer_loss.grace,
+  rt.settings.exit_on_peer_failure = (bool(enabled), rt.watchdog.peer_loss.grace,
                                       before_exit)
-
-
-def of(runtime: _runtime.Runtime | None = None) -> Watchdog:
-  """The watchdog of `runtime` (default: the current one), made on first use."""
-  rt = runtime or _runtime.current()
-  watchdog = rt.watchdog
-  if watchdog is None:
-    with rt.lock:
-      if rt.watchdog is None:
-        rt.watchdog = Watchdog(rt)
-      watchdog = rt.watchdog
-  return watchdog
 
 
 def detection_bound() -> float:
   """Seconds within which the watchdog reports a peer that was killed."""
-  return of().detection_bound()
+  return _runtime.current().watchdog.detection_bound()
 
 
 def failed_processes() -> tuple[int, ...]:
   """Processes the current runtime's watchdog has seen fail or exit."""
-  return of().failed_processes()
+  return _runtime.current().watchdog.failed_processes()

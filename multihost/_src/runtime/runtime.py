@@ -4,9 +4,12 @@
 coordination client (a `_coordination.Client`), the job secret, the call
 counter, the rendezvous' fast-path state, the flight recorder, the logger
 that owns the `[process=N]` prefix, and the parts that run threads: the
-failure watchdog, the where-responder and the TCP data plane (each made by
-its own module on first use, see `_watchdog.of`, `_where.of`,
-`_tcp_link.get_plane`) and, on process 0, the coordination-service companion.
+failure watchdog, the where-responder, the stall reports and the live
+blocks (built with the runtime, by the assembler that
+`multihost._src.api.assembly` registers: the parts' classes live in the
+packages above this one), the TCP links (`transport.tcp.link.plane_of`,
+made on the first transfer: they listen and publish an address) and, on
+process 0, the coordination-service companion (set by `initialize()`).
 
 `current()` is the process's runtime. Without `jax.distributed` it is a
 local one (one process, no client); once `jax.distributed` is initialized
@@ -30,6 +33,7 @@ import functools
 import itertools
 import os
 import threading
+import typing
 from typing import Any
 
 from absl import logging
@@ -38,6 +42,14 @@ import jax
 from multihost._src.runtime import coordination
 from multihost._src.runtime import flight
 from multihost._src.runtime import settings as _settings
+
+if typing.TYPE_CHECKING:  # The parts' types; the assembler imports them.
+  from multihost._src.api.live_devices import Blocks
+  from multihost._src.diagnostics.stalls import Stalls
+  from multihost._src.diagnostics.where import Responder
+  from multihost._src.liveness.watchdog import Watchdog
+  from multihost._src.runtime.companion import Companion
+  from multihost._src.transport.tcp.link import Plane
 
 # The exit sequence (see `Runtime.shutdown`). The flight recorder's dump
 # goes first: it only writes a local file, and a later step may block.
@@ -95,7 +107,7 @@ class Runtime:
     self.service_address = service_address
     self.settings = settings or _settings.Settings()
     self.raw = raw
-    self.lock = threading.Lock()  # Guards the creation of the parts below.
+    self.lock = threading.Lock()  # Guards the creation of the TCP links.
     self.log = Logger(self)
     self.flight = flight.Recorder()
     self._calls = itertools.count()
@@ -109,19 +121,27 @@ class Runtime:
     # Whether calls agree through the service only, never over the links
     # (tests of that path set it).
     self.service_only = False
-    # The parts that run threads or hold connections, made on first use.
-    self.watchdog: Any = None  # _watchdog.Watchdog
-    self.where: Any = None  # _where.Responder
-    self.stalls: Any = None  # _stalls.Stalls
-    self.plane: Any = None  # _data_tcp's plane
-    self.companion: Any = None  # _companion.Companion (process 0)
-    self.live_blocks: Any = None  # _live_devices.Blocks
     # The exit sequence's steps, by name, set by the parts that need one;
     # `shutdown` runs them in EXIT_ORDER.
     self.exit_steps: dict[str, Callable[[], None]] = {}
     # The type of the uncaught exception ending the program, if any (noted
     # by `_exit.note_uncaught_exceptions`, read by the exit handshake).
     self.uncaught: str | None = None
+    # The TCP links, made on the first transfer; process 0's companion.
+    self.plane: Plane | None = None
+    self.companion: Companion | None = None
+    # The parts that run threads (which they start when first needed),
+    # built now by the registered assembler.
+    self.watchdog: Watchdog
+    self.where: Responder
+    self.stalls: Stalls
+    self.live_blocks: Blocks
+    if _assembler is None:
+      raise RuntimeError(
+          'multihost\'s runtime parts are not assembled: import '
+          'multihost._src.api (any public multihost function does) before '
+          'making a Runtime.')
+    _assembler(self)
 
   @property
   def index(self) -> int:
@@ -223,15 +243,22 @@ class Runtime:
         step()
 
 
-_current = Runtime(None)
+_assembler: Callable[[Runtime], None] | None = None
+_current: Runtime | None = None
 _lock = threading.Lock()
 _exit_registered = False
+
+
+def set_assembler(assemble: Callable[[Runtime], None]) -> None:
+  """Registers what builds a new runtime's parts (`multihost._src.api.assembly.assemble`)."""
+  global _assembler
+  _assembler = assemble
 
 
 def current() -> Runtime:
   """This process's runtime (a new one once `jax.distributed` has a new client)."""
   rt = _current
-  if rt.raw is not coordination.raw_client():
+  if rt is None or rt.raw is not coordination.raw_client():
     rt = _rebuild()
   return rt
 
@@ -240,11 +267,12 @@ def _rebuild() -> Runtime:
   global _current, _exit_registered
   with _lock:
     raw = coordination.raw_client()
-    if _current.raw is raw:
+    if _current is not None and _current.raw is raw:
       return _current
     old = _current
+    settings = None if old is None else old.settings
     if raw is None:
-      _current = Runtime(None, settings=old.settings)
+      _current = Runtime(None, settings=settings)
       return _current
     # Starts the backends (and their atexit finalizers) before ours is
     # registered, so that ours runs first.
@@ -254,7 +282,7 @@ def _rebuild() -> Runtime:
         recoverable=bool(jax.config.jax_enable_recoverability),
         runs_service=coordination.runs_service(),
         service_address=coordination.coordinator_address(),
-        settings=old.settings, raw=raw)
+        settings=settings, raw=raw)
     folder = _settings.trace_dir()
     if folder:  # `multihost.launch --trace` merges these dumps.
       _current.exit_steps['trace'] = functools.partial(_current.dump_flight,
@@ -266,4 +294,5 @@ def _rebuild() -> Runtime:
 
 
 def _at_exit() -> None:
-  _current.shutdown()
+  if _current is not None:
+    _current.shutdown()

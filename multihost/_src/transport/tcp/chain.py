@@ -23,7 +23,9 @@ import time
 import numpy as np
 
 from multihost._src.runtime import errors
+from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport import buffers
+from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
 
@@ -48,7 +50,7 @@ def _failed(plane: _tcp_link.Plane,
   if sender is not None:
     sender.finish(time.monotonic() + 0.1)
   _tcp_link.break_plane(plane, error)
-  return _tcp_link.peer_error(op, peer, error)
+  return tcp_errors.peer_error(op, peer, error, plane.rt.watchdog)
 
 
 def _start(op: str, peer: int, link: _tcp_link.Link, deadline: float) -> None:
@@ -80,7 +82,7 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
 
 
 def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
-                   out: np.ndarray | None, watch: tuple[str, float],
+                   out: np.ndarray | None, watch: Deadline,
                    already: int = 0) -> None:
   """Sends `segments_` down the chain; with `out`, copies the payload there too.
 
@@ -188,7 +190,7 @@ class Eager:
     self.link = None
 
 
-def drop(link: _tcp_link.Link, length: int, watch: tuple[str, float]) -> None:
+def drop(link: _tcp_link.Link, length: int, watch: Deadline) -> None:
   """Reads and drops the `length` bytes of a frame whose header was read."""
   scratch = memoryview(bytearray(min(length, _CHUNK)))
   while length:
@@ -259,7 +261,7 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
   rank = (me - source) % count
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
-  watch = (op, deadline)
+  watch = Deadline(op, deadline, plane.rt.watchdog)
   # The source sends on its thread (it has no reads to keep going
   # meanwhile); a process in the middle of the chain forwards on a sender
   # (lane 0) or on its lane's thread between reads (the others).
@@ -320,7 +322,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   blocks = [rows[p, :n] for p, n in enumerate(sizes)]
   copied = False
   peer = prev
-  watch = (op, deadline)
+  watch = Deadline(op, deadline, plane.rt.watchdog)
   sender = sockets.sender(watch, max(sizes), plane.sends)
   try:
     down = plane.conn(nxt, deadline, op)

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import socket
+from typing import Protocol
 
-from multihost._src.liveness import watchdog as _watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
+
+
+class Watched(Protocol):
+  """What naming a failure asks of the runtime's watchdog."""
+
+  running: bool
+
+  def failed_within_bound(self) -> Iterable[int]:
+    """The processes seen gone, waiting up to the detection bound for one."""
+    ...
 
 
 class Unreachable(Exception):
@@ -24,30 +35,29 @@ class Unreachable(Exception):
     self.error = error
 
 
-def unreachable(op: str, peer: int, address: str,
-                error: OSError) -> errors.MultihostError:
+def unreachable(op: str, peer: int, address: str, error: OSError,
+                liveness: Watched) -> errors.MultihostError:
   """A named error for a connection to `peer` that could not be opened."""
   if isinstance(error, (socket.timeout, TimeoutError)):
     return failures.connect_timeout(op, peer, address)
-  dead = list(_watchdog.of().failed_within_bound())
+  dead = list(liveness.failed_within_bound())
   if dead:  # refused because the peer is gone
     return failures.connection_failure(op, peer, error, dead)
   return failures.cannot_connect(op, peer, address, error)
 
 
-def peer_error(op: str, peer: int, error: BaseException,
+def peer_error(op: str, peer: int, error: BaseException, liveness: Watched, *,
                waiting: bool = False) -> errors.MultihostError:
-  """A named error for a failed transfer with `peer`."""
+  """A named error for a failed transfer with `peer`; `liveness` (the runtime's watchdog) names a dead process."""
   if isinstance(error, errors.MultihostError):
     return error
   if isinstance(error, Unreachable):
-    return unreachable(op, peer, error.address, error.error)
+    return unreachable(op, peer, error.address, error.error, liveness)
   if isinstance(error, (socket.timeout, TimeoutError)) or waiting:
     return failures.transfer_timeout(op, peer,
                                          'to send or receive its part')
   # The watchdog names the dead process within its bound; wait for it.
-  watchdog = _watchdog.of()
-  dead = list(watchdog.failed_within_bound())
-  if not dead and watchdog.running:  # every process is alive
+  dead = list(liveness.failed_within_bound())
+  if not dead and liveness.running:  # every process is alive
     return failures.connection_cut(op, peer, error)
   return failures.connection_failure(op, peer, error, dead or [peer])

@@ -14,6 +14,7 @@ import socket
 import struct
 
 from multihost._src.runtime import failures
+from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import sockets
 
 _MAC = 16
@@ -57,9 +58,9 @@ class Link:
     return head + _frame_mac(self.send_key, head)
 
   def read_frame(self, call: int, length: int, op: str, peer: int,
-                 watch: tuple[str, float] | None = None) -> None:
+                 deadline: Deadline | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = self.check(sockets.recv_exact(self.sock, FRAME_SIZE, watch), op,
+    got = self.check(sockets.recv_exact(self.sock, FRAME_SIZE, deadline), op,
                      peer)
     if got != (call, length):
       raise failures.out_of_step(op, peer, got, (call, length))

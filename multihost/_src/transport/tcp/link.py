@@ -34,20 +34,15 @@ import threading
 import time
 
 from multihost._src.auth import secret
-from multihost._src.liveness import watchdog
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime as _runtime
 from multihost._src.runtime import settings
+from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import errors as _tcp_errors
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import sockets
-
-ADDRESS_KEY = auth.ADDRESS_KEY
-address_record = auth.address_record
-read_address = auth.read_address
-peer_error = _tcp_errors.peer_error
 
 # Handshake (the lower index connects): hello = magic, connector, acceptor,
 # lane, connector's nonce; the acceptor answers its nonce and its proof; the
@@ -125,8 +120,8 @@ class Plane:
     port = self.listener.getsockname()[1]
     threading.Thread(target=self._accept, name='multihost-transport',
                      daemon=True).start()
-    rt.client.kv_set(ADDRESS_KEY.format(self.me),
-                     address_record(self.secret, self.me, host, port))
+    rt.client.kv_set(auth.ADDRESS_KEY.format(self.me),
+                     auth.address_record(self.secret, self.me, host, port))
 
   def _accept(self) -> None:
     """Accepts connections for ever; each handshake runs on its own thread."""
@@ -215,8 +210,8 @@ class Plane:
                op: str) -> Link:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
     deadline = time.monotonic() + remaining
-    value = self.rt.client.kv_get(ADDRESS_KEY.format(peer), remaining)
-    host, port = read_address(self.secret, peer, value, op)
+    value = self.rt.client.kv_get(auth.ADDRESS_KEY.format(peer), remaining)
+    host, port = auth.read_address(self.secret, peer, value, op)
     while True:
       try:
         return self._connect_once(peer, lane, host, port, deadline, op)
@@ -273,7 +268,7 @@ class Plane:
         link = None
     if link is not None:
       if link.owed:  # Outside the lock: the peer may take a while to read.
-        _pay_owed(link, peer, deadline, op)
+        _pay_owed(link, peer, Deadline(op, deadline, self.rt.watchdog))
       return link
     if self.me < peer:
       # One connector at a time (the agreement's link setup runs on a thread
@@ -292,28 +287,30 @@ class Plane:
       except errors.MultihostError:
         raise
       except (OSError, TimeoutError, _tcp_errors.Unreachable) as e:
-        raise peer_error(op, peer, e) from e
+        raise _tcp_errors.peer_error(op, peer, e, self.rt.watchdog) from e
       except Exception as e:  # noqa: BLE001
-        raise peer_error(op, peer, e, waiting=True) from e
+        raise _tcp_errors.peer_error(op, peer, e, self.rt.watchdog,
+                                     waiting=True) from e
     with self.lock:
       while key not in self.conns:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
           raise failures.connect_timeout(op, peer, None)
         self.lock.wait(min(remaining, 0.5))
-        watchdog.of(self.rt).check(op)
+        self.rt.watchdog.check(op)
       return self.conns[key]
 
 
-def _pay_owed(link: Link, peer: int, deadline: float, op: str) -> None:
+def _pay_owed(link: Link, peer: int, deadline: Deadline) -> None:
   """Sends what `link` owes its peer (see `Link.owed`)."""
   owed, link.owed = link.owed, None
   try:
     for view in owed:
-      sockets.send_all(link.sock, view, (op, deadline))
+      sockets.send_all(link.sock, view, deadline)
   except (OSError, TimeoutError) as e:
     sockets.close(link.sock)
-    raise peer_error(op, peer, e) from e
+    raise _tcp_errors.peer_error(op=deadline.op, peer=peer, error=e,
+                                 liveness=deadline.liveness) from e
 
 
 def get_plane(op: str, deadline: float,

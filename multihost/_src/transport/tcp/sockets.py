@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 
-from multihost._src.liveness import watchdog
+from multihost._src.runtime.deadline import Deadline
 
 # is checked, so a peer cut off or frozen (its socket silent, not closed)
 # raises ProcessFailureError once the watchdog names it.
@@ -43,9 +43,9 @@ def tune(conn: socket.socket) -> None:
 
 
 def recv_exact(conn: socket.socket, n: int,
-                watch: tuple[str, float] | None = None) -> bytes:
+                deadline: Deadline | None = None) -> bytes:
   buf = bytearray(n)
-  recv_into(conn, memoryview(buf), watch)
+  recv_into(conn, memoryview(buf), deadline)
   return bytes(buf)
 
 
@@ -90,22 +90,22 @@ def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
 
 
 def recv_into(conn: socket.socket, view: memoryview,
-               watch: tuple[str, float] | None = None) -> None:
-  """Fills `view`; with `watch=(op, deadline)`, in watched slices (`_watched`)."""
+               deadline: Deadline | None = None) -> None:
+  """Fills `view`; with a `deadline`, in watched slices (`_watched`)."""
   got = 0
   while got < len(view):
-    k = _watched(conn.recv_into, view[got:], watch)
+    k = _watched(conn.recv_into, view[got:], deadline)
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
 
 
-def send_all(conn: socket.socket, view, watch: tuple[str, float]) -> None:
+def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
   """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
   view = memoryview(view).cast('B')
   sent = 0
   while sent < len(view):
-    sent += _watched(conn.send, view[sent:], watch)
+    sent += _watched(conn.send, view[sent:], deadline)
 
 
 def send_ready(conn: socket.socket, views: list[memoryview],
@@ -130,22 +130,21 @@ def send_ready(conn: socket.socket, views: list[memoryview],
   return sent
 
 
-def _watched(io, view, watch: tuple[str, float] | None) -> int:
-  """`io(view)`, retried after each socket-timeout slice until `watch`'s deadline.
+def _watched(io, view, deadline: Deadline | None) -> int:
+  """`io(view)`, retried after each socket-timeout slice until the `deadline`.
 
-  Between slices, raises `ProcessFailureError` once the watchdog knows a
-  peer is gone, and `socket.timeout` at the deadline. (A timed-out send or
-  recv moved no bytes, so retrying it is safe.)
+  Between slices, raises `ProcessFailureError` once the deadline's liveness
+  check knows a peer is gone, and `socket.timeout` at the deadline. (A
+  timed-out send or recv moved no bytes, so retrying it is safe.)
   """
-  if watch is None:
+  if deadline is None:
     return io(view)
-  op, deadline = watch
   while True:
     try:
       return io(view)
     except TimeoutError:
-      watchdog.of().check(op)
-      if time.monotonic() >= deadline:
+      deadline.check()
+      if deadline.expired():
         raise
 
 
@@ -157,14 +156,14 @@ class SendThread:
     self.lock = threading.Lock()
     self.thread: threading.Thread | None = None
 
-  def sender(self, watch: tuple[str, float]) -> Sender:
+  def sender(self, deadline: Deadline) -> Sender:
     """A call's sender on this thread (started on first use)."""
     with self.lock:
       if self.thread is None or not self.thread.is_alive():
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name='multihost-transport-send')
         self.thread.start()
-    return Sender(self.jobs, watch)
+    return Sender(self.jobs, deadline)
 
   def _run(self) -> None:
     while True:
@@ -175,7 +174,7 @@ class SendThread:
         view.set()
       elif call.error is None:
         try:
-          send_all(conn, view, call.watch)
+          send_all(conn, view, call.deadline)
         except BaseException as e:  # noqa: BLE001
           call.error = e
 
@@ -233,9 +232,9 @@ class Job:
 class Sender:
   """One call's sends, queued on a `SendThread` and sent in order."""
 
-  def __init__(self, jobs: queue.SimpleQueue, watch: tuple[str, float]):
+  def __init__(self, jobs: queue.SimpleQueue, deadline: Deadline):
     self.jobs = jobs
-    self.watch = watch
+    self.deadline = deadline
     self.error: BaseException | None = None
 
   def send(self, conn, view) -> None:
@@ -264,12 +263,12 @@ class DirectSender:
   before they receive cannot deadlock.
   """
 
-  def __init__(self, watch: tuple[str, float]):
-    self.watch = watch
+  def __init__(self, deadline: Deadline):
+    self.deadline = deadline
     self.error: BaseException | None = None
 
   def send(self, conn, view) -> None:
-    send_all(conn, view, self.watch)
+    send_all(conn, view, self.deadline)
 
   def finish(self, deadline: float) -> BaseException | None:
     del deadline
@@ -286,8 +285,8 @@ class DirectSender:
 DIRECT_BYTES = 8 << 10
 
 
-def sender(watch: tuple[str, float], largest: int,
+def sender(deadline: Deadline, largest: int,
            thread: SendThread) -> Sender | DirectSender:
   """The sender of a call whose largest message is `largest` bytes."""
-  return (DirectSender(watch) if largest <= DIRECT_BYTES
-          else thread.sender(watch))
+  return (DirectSender(deadline) if largest <= DIRECT_BYTES
+          else thread.sender(deadline))
