@@ -19,8 +19,7 @@ from multihost._src.liveness import watchdog
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
-from multihost._src.runtime import process
-from multihost._src.runtime import runtime
+from multihost._src.runtime import runtime as _runtime
 
 OP = 'live_devices'
 _OP = OP
@@ -45,18 +44,21 @@ def merge(previous: frozenset[int] | None, asked: frozenset[int],
 
 
 def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
-          timeout: float, status: bytes = b''
+          timeout: float, status: bytes = b'',
+          runtime: _runtime.Runtime | None = None
           ) -> tuple[frozenset[int], dict[int, bytes]]:
   """The barrier of block `n` (of the processes `who`) at `phase`, over the live `candidates`; returns (who met, each one's status).
 
   Collective: every live process of `candidates` must call this, in the
-  same order.
+  same order. `runtime` is this process's (default: the current one).
 
   Raises:
     CollectiveTimeoutError: a live process did not arrive within `timeout`
       (named, with where it is), or this one came after the others gave up.
   """
-  me = process.process_index()
+  rt = runtime or _runtime.current()
+  client = rt.client or coordination.require_client()
+  me = rt.index
   start = time.monotonic()
   deadline = start + timeout
   group = f'{_ROOT}/{who}/{n // _GROUP}/'
@@ -66,53 +68,55 @@ def meet(who: str, n: int, phase: str, candidates: frozenset[int], *,
   if (phase == 'enter' and n % _GROUP == 0 and n >= 2 * _GROUP
       and me == min(candidates)):
     # Nobody reads that group now.
-    coordination.kv_delete(f'{_ROOT}/{who}/{n // _GROUP - 2}/')
-  secret = _secret.job_secret(_OP, timeout=timeout)
+    client.kv_delete(f'{_ROOT}/{who}/{n // _GROUP - 2}/')
+  secret = _secret.job_secret(_OP, timeout=timeout, runtime=rt)
   if status:
     key = statuses_dir + str(me)
-    coordination.kv_set(key, mac(secret, key, status) + status)
+    client.kv_set(key, mac(secret, key, status) + status)
   stall = None
+  dog = watchdog.of(rt)
   while True:
-    live = frozenset(candidates - set(watchdog.failed_processes())) | {me}
+    live = frozenset(candidates - set(dog.failed_processes())) | {me}
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-      stalls.disarm(stall)
-      missing = sorted(live - published(here, live))
+      stalls.disarm(stall, runtime=rt)
+      missing = sorted(live - published(client, here, live))
       try:  # Who this process gave up on, for those still waiting.
-        coordination.kv_set(gave_up + str(me),
-                             ','.join(map(str, missing)).encode())
+        client.kv_set(gave_up + str(me), ','.join(map(str, missing)).encode())
       except Exception:  # noqa: BLE001  The service may be gone.
         pass
-      raise _where.with_whereabouts(timed_out(phase, n, missing,
-                                               time.monotonic() - start,
-                                               timeout))
+      raise _where.with_whereabouts(
+          timed_out(rt, phase, n, missing, time.monotonic() - start, timeout),
+          runtime=rt)
     attempt = time.monotonic()
     try:
-      coordination.wait_at_barrier(barrier_id(who, phase, n, live),
-                                    min(WINDOW_S, remaining), sorted(live))
+      client.wait_at_barrier(barrier_id(who, phase, n, live),
+                             min(WINDOW_S, remaining), sorted(live))
       break
     except Exception:  # The client raises JaxRuntimeError.  # noqa: BLE001
       pass  # A window passed (or the live sets differed): look again.
     if stall is None:  # The slow path: say who is here, watch for a stall.
-      coordination.kv_set(here + str(me), b'')
+      client.kv_set(here + str(me), b'')
       stall = stalls.arm(
           f'{_OP} ({phase} of block {n})', started=start, until=deadline,
           # The latest live set, on purpose: the loop rebinds it.
-          missing=lambda: sorted(live - published(here, live)))  # noqa: B023
-    given_up_on = given_up(gave_up)
+          missing=lambda: sorted(
+              live - published(client, here, live)),  # noqa: B023
+          runtime=rt)
+    given_up_on = given_up(client, gave_up)
     if given_up_on is not None:  # Another process timed out: so does this.
-      stalls.disarm(stall)
+      stalls.disarm(stall, runtime=rt)
       waited = time.monotonic() - start
       if me in given_up_on:  # It gave up on this one: it came too late.
         raise failures.arrived_late(f'{_OP} ({phase} of block {n})',
-                                        me=me, waited=waited, timeout=timeout)
+                                    me=me, waited=waited, timeout=timeout)
       raise _where.with_whereabouts(timed_out(
-          phase, n, sorted(given_up_on), waited, timeout))
+          rt, phase, n, sorted(given_up_on), waited, timeout), runtime=rt)
     time.sleep(max(0.0, _RETRY_S - (time.monotonic() - attempt)))
-  stalls.disarm(stall)
+  stalls.disarm(stall, runtime=rt)
   statuses = {}
   if phase == 'exit':  # Every status was published before the barrier.
-    for k, stored in coordination.kv_dir(statuses_dir):
+    for k, stored in client.kv_dir(statuses_dir):
       p = process_of(k, statuses_dir)
       if p in live:
         value = stored[_MAC:]
@@ -146,33 +150,35 @@ def process_of(key: str, prefix: str) -> int | None:
   return int(rest) if key.startswith(prefix) and rest.isdigit() else None
 
 
-def given_up(gave_up: str) -> frozenset[int] | None:
+def given_up(client: coordination.Client,
+             gave_up: str) -> frozenset[int] | None:
   """The processes given up on by those that timed out; None if none did."""
-  marks = coordination.kv_dir(gave_up)
+  marks = client.kv_dir(gave_up)
   if not marks:
     return None
   return frozenset(int(p) for _, value in marks
                    for p in value.decode().split(',') if p.isdigit())
 
 
-def published(prefix: str, live: frozenset[int]) -> frozenset[int]:
+def published(client: coordination.Client, prefix: str,
+              live: frozenset[int]) -> frozenset[int]:
   """The processes of `live` with a key under `prefix` (none if the store is gone)."""
   try:
-    return frozenset(p for k, _ in coordination.kv_dir(prefix)
+    return frozenset(p for k, _ in client.kv_dir(prefix)
                      if (p := process_of(k, prefix)) in live)
   except Exception:  # noqa: BLE001
     return frozenset()
 
 
-def timed_out(phase: str, n: int, missing: list[int], waited: float,
-               timeout: float) -> errors.CollectiveTimeoutError:
+def timed_out(rt: _runtime.Runtime, phase: str, n: int, missing: list[int],
+              waited: float, timeout: float) -> errors.CollectiveTimeoutError:
   where = 'start' if phase == 'enter' else 'end'
   return errors.CollectiveTimeoutError(
-      f'{failures.prefix()} {_OP}: timed out after {waited:.1f} s '
+      f'{rt.prefix} {_OP}: timed out after {waited:.1f} s '
       f'(timeout={timeout:g} s) at the {where} of block {n}, waiting for '
       f'process(es) {missing}, which the coordination service still sees '
       f'alive. A process may be stuck in the block\'s body (e.g. in a device '
       f'collective over a dead process\'s device) or slow. '
       f'{failures.SAME_ORDER}, or '
-      f'{failures.larger_timeout(runtime.current().timeout_source(timeout))}.',
+      f'{failures.larger_timeout(rt.timeout_source(timeout))}.',
       operation=_OP, missing=missing, waited=waited)
