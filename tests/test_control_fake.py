@@ -21,6 +21,7 @@ import pytest
 
 from multihost._src.auth import secret
 from multihost._src.control import agree
+from multihost._src.control import live_barrier
 from multihost._src.diagnostics import where
 from multihost._src.diagnostics import where_text
 from multihost._src.liveness import exit_handshake
@@ -436,3 +437,13 @@ def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
             ) in caplog.text
   finally:
     fake.stop(rts)
+
+
+def test_the_live_barrier_of_block_32_deletes_group_0s_keys(job):
+  service, rts = job
+  service.client(0).kv_set('multihost_live/w/0/0/enter.here/0', b'old')
+  results = fake.run(rts, lambda rt: live_barrier.meet(
+      'w', 32, 'enter', frozenset({0, 1, 2}), timeout=10, runtime=rt))
+  for p, (out, _) in enumerate(results):
+    assert out == (frozenset({0, 1, 2}), {}), (p, out)
+  assert not [k for k in service.store if k.startswith('multihost_live/w/0/')]

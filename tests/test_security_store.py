@@ -20,8 +20,10 @@ import fake_coordination as fake
 import pytest
 
 from multihost import env as env_lib
+from multihost._src.auth import marks
 from multihost._src.auth import secret as _secret
 from multihost._src.control import agree
+from multihost._src.control import live_barrier
 from multihost._src.control import rendezvous
 from multihost._src.diagnostics import where
 from multihost._src.runtime import errors
@@ -98,6 +100,73 @@ def test_a_planted_gave_up_mark_does_not_make_anyone_arrive_late(secret):
     results = fake.run(rts, exchange)
     for p, (out, _) in enumerate(results):
       assert out == [b'row 0', b'row 1', b'row 2'], (p, out)
+  finally:
+    fake.stop(rts)
+
+
+# The keys of the live barrier of block 0's entry, of the processes 'w'.
+_LIVE = 'multihost_live/w/0/0/enter'
+
+
+def _live_meet(timeout):
+  return lambda rt: live_barrier.meet('w', 0, 'enter', frozenset({0, 1, 2}),
+                                      timeout=timeout, runtime=rt)
+
+
+def test_a_planted_gave_up_mark_does_not_end_a_live_barrier(secret):
+  del secret
+  service, rts = _job()
+  try:
+    writer = service.client(99)
+    # As a process that gave up would leave them, without their MAC: one of
+    # process 1 giving up on process 0, one of a process that does not exist.
+    writer.kv_set(f'{_LIVE}.gave-up/1', b'0')
+    writer.kv_set(f'{_LIVE}.gave-up/7', b'0,1')
+    # Process 2 comes after a barrier window: 0 and 1 look for marks.
+    results = fake.run(rts, _live_meet(timeout=20), delays={2: 2.5})
+    for p, (out, _) in enumerate(results):
+      assert out == (frozenset({0, 1, 2}), {}), (p, out)
+  finally:
+    fake.stop(rts)
+
+
+def test_a_forged_presence_mark_does_not_hide_the_missing_process(secret):
+  del secret
+  service, rts = _job()
+  try:
+    # Process 2 never comes; a store writer says it is there.
+    service.client(99).kv_set(f'{_LIVE}.here/2', b'')
+    results = fake.run(rts, lambda rt: (
+        None if rt.index == 2 else _live_meet(timeout=2.5)(rt)))
+    for p, (out, _) in enumerate(results[:2]):
+      assert isinstance(out, errors.CollectiveTimeoutError), (p, out)
+      assert out.missing == (2,), (p, out)
+  finally:
+    fake.stop(rts)
+
+
+def test_a_mark_moved_to_another_key_or_badly_maced_is_ignored(secret):
+  del secret
+  _, rts = _job()
+  try:
+    for rt in rts:  # The job key (process 0 first: it publishes the job id).
+      _secret.job_secret('test', timeout=5, runtime=rt)
+    op, call = 'live_devices', 'multihost/0/0/'
+    marks.leave_mark(rts[1], op, call, time.monotonic(), given_up_on=[0])
+    [mark] = marks.gave_up(rts[0], op, call)
+    assert (mark.process, mark.given_up_on) == (1, frozenset({0}))
+    assert marks.gave_up(rts[0], op, call, processes={0, 2}) == []
+    # Process 1's authentic mark of a call, moved to a live barrier's.
+    moved = rts[0].client.kv_try_get('multihost/0/0.gave-up/1')
+    rts[0].client.kv_set(f'{_LIVE}.gave-up/1', moved)
+    assert marks.gave_up(rts[0], op, _LIVE + '/') == []
+    here = f'{_LIVE}.here/'
+    marks.leave_presence(rts[2], op, here)
+    assert marks.published(rts[0], op, here) == [2]
+    rts[0].client.kv_set(here + '1', rts[0].client.kv_try_get(here + '2'))
+    rts[0].client.kv_set(here + '0', b'\0' * marks.MAC + b'here')
+    assert marks.published(rts[0], op, here) == [2]
+    assert marks.absent(rts[0], op, here) == [0, 1]
   finally:
     fake.stop(rts)
 

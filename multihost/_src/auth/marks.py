@@ -1,17 +1,27 @@
-"""Control plane: what a call leaves in the coordination service for its diagnosis (MACs, gave-up marks, who published).
+"""Control plane: what a barrier leaves in the coordination service for its diagnosis (MACs, gave-up and presence marks, who published).
 
-Shared by the two ways a call agrees (`_control_rendezvous` through the
-service, `_control_links` over the TCP links): either way a process that
-times out leaves an authenticated mark beside the call's messages, so that
-a latecomer raises at once, and a timeout names the processes without a
-message under the call's directory.
+One implementation for every barrier: the two ways a call agrees
+(`_control_rendezvous` through the service, `_control_links` over the TCP
+links) and the timed barrier of the live processes that `live_devices`
+blocks meet at (`_control_live_barrier`). Either way a process that times
+out leaves an authenticated mark beside the call's messages, so that a
+latecomer raises at once, and a timeout names the processes without an
+authenticated message (or presence mark) under the call's directory.
+
+Whoever reaches the store can write any key: every mark is MAC'd with the
+job key (`_secret`) over its key and value, and one that does not verify,
+or sits under the key of no process of the barrier, is ignored. A planted
+mark can neither make a process raise a timeout that did not happen nor
+change which processes a timeout names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import hashlib
 import hmac
 import time
+from typing import NamedTuple
 
 from multihost._src.auth import secret as _secret
 from multihost._src.runtime import coordination
@@ -19,13 +29,25 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 
-# (Not inside the call's directory, where only the processes' keys belong.)
+# Beside the call's directory (`beside`), not inside it, where only the
+# processes' keys belong: the gave-up marks, and the presence marks of a
+# barrier whose processes publish no message (the live barrier).
 GAVE_UP = '.gave-up/'
+HERE = '.here/'
 _GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `gave_up`)
+_HERE_MARK = b'here'  # a presence mark's value (see `leave_presence`)
 # Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
 # derived from the secret and this job's random id (`_secret`), so a
 # message recorded in another run with the same secret does not verify.
 MAC = 16
+
+
+class Mark(NamedTuple):
+  """An authentic gave-up mark: who left it, when it started the call (wall clock), whom it gave up on."""
+
+  process: int
+  started: float
+  given_up_on: frozenset[int]
 
 
 def mac(secret: bytes, key: str, value: bytes) -> bytes:
@@ -33,61 +55,83 @@ def mac(secret: bytes, key: str, value: bytes) -> bytes:
                      hashlib.sha256)[:MAC]
 
 
-def leave_mark(rt: runtime.Runtime, op: str, prefix: str,
-               start: float) -> None:
-  """Marks that this process gave up the call under `prefix` (best effort).
+def authentic(secret: bytes, key: str, stored: bytes) -> bool:
+  """Whether `stored` is a value that a process of this job put under `key` (its MAC, then the value)."""
+  return len(stored) >= MAC and hmac.compare_digest(
+      stored[:MAC], mac(secret, key, stored[MAC:]))
+
+
+def beside(prefix: str, kind: str) -> str:
+  """The directory of the marks of `kind` (`GAVE_UP`, `HERE`) of the call whose messages are under `prefix`."""
+  return prefix[:-1] + kind
+
+
+def _keys(rt: runtime.Runtime, where: str,
+          processes: Iterable[int] | None) -> dict[str, int]:
+  """The key under `where` of each process of the barrier (default: every process of the job)."""
+  return {where + str(p): p
+          for p in (range(rt.count) if processes is None else processes)}
+
+
+def leave_mark(rt: runtime.Runtime, op: str, prefix: str, start: float, *,
+               given_up_on: Iterable[int] = ()) -> None:
+  """Marks that this process gave up the call under `prefix`, and on which processes (best effort).
 
   The mark holds when it started the call (wall clock): the latecomer says
   how late it came. MAC'd, so a planted mark changes nothing.
   """
   try:
-    key = prefix[:-1] + GAVE_UP + str(rt.index)
-    started = repr(time.time() - (time.monotonic() - start)).encode()
+    key = beside(prefix, GAVE_UP) + str(rt.index)
+    started = repr(time.time() - (time.monotonic() - start))
+    value = f'{started}|{",".join(map(str, sorted(given_up_on)))}'.encode()
     secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
-    rt.client.kv_set(key, mac(secret, key, _GAVE_UP_MARK + started) + started)
+    rt.client.kv_set(key, mac(secret, key, _GAVE_UP_MARK + value) + value)
   except Exception:  # noqa: BLE001  The service may be gone; best effort.
     pass
 
 
-def gave_up(rt: runtime.Runtime, op: str, prefix: str) -> list[float]:
-  """When each process with an authentic gave-up mark for the call under `prefix` started it (wall clock).
+def gave_up(rt: runtime.Runtime, op: str, prefix: str, *,
+            processes: Iterable[int] | None = None) -> list[Mark]:
+  """The authentic gave-up marks of the call under `prefix`, of `processes` (default: every process of the job).
 
-  A mark that fails authentication, or names no process of this job, was
-  planted by someone who reaches the store: it is ignored, so it cannot
+  A mark that fails authentication, or names no process of the barrier,
+  was planted by someone who reaches the store: it is ignored, so it cannot
   make every process raise a timeout that did not happen.
   """
-  where = prefix[:-1] + GAVE_UP
+  where = beside(prefix, GAVE_UP)
   secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
-  keys = {where + str(p) for p in range(rt.count)}
-  starts = []
+  keys = _keys(rt, where, processes)
+  marks = []
   for key, stored in rt.client.kv_dir(where):
-    tag, started = stored[:MAC], stored[MAC:]
-    if key in keys and hmac.compare_digest(
-        tag, mac(secret, key, _GAVE_UP_MARK + started)):
-      try:
-        starts.append(float(started))
-      except ValueError:
-        pass
-  return starts
+    value = stored[MAC:]
+    if key not in keys or not hmac.compare_digest(
+        stored[:MAC], mac(secret, key, _GAVE_UP_MARK + value)):
+      continue  # planted: it changes nothing
+    started, _, whom = value.decode(errors='replace').partition('|')
+    try:
+      marks.append(Mark(keys[key], float(started),
+                        frozenset(int(p) for p in whom.split(',') if p)))
+    except ValueError:
+      pass
+  return marks
 
 
-def late_by(starts: list[float], start: float) -> float | None:
+def late_by(marks: list[Mark], start: float) -> float | None:
   """How much later than the last of those that gave up this process started the call.
 
   By the hosts' wall clocks (each mark holds when its process started);
   None if there is no mark.
   """
-  if not starts:
+  if not marks:
     return None
-  return time.time() - (time.monotonic() - start) - max(starts)
-
-
+  return time.time() - (time.monotonic() - start) - max(
+      m.started for m in marks)
 def named(rt: runtime.Runtime, error: BaseException, op: str, where: str, *,
           waited: float, timeout: float) -> errors.MultihostError:
   """The named error for a coordination-service failure (see `_diagnostics`)."""
   present = None
   if where.endswith('/'):
-    present = lambda: published(rt, where)  # noqa: E731
+    present = lambda: published(rt, op, where)  # noqa: E731
   watchdog = rt.watchdog
   error_named = failures.coordination_failure(
       error, op, me=rt.index, count=rt.count, waited=waited, timeout=timeout,
@@ -99,19 +143,32 @@ def named(rt: runtime.Runtime, error: BaseException, op: str, where: str, *,
   return error_named
 
 
-def absent(rt: runtime.Runtime, where: str) -> list[int]:
-  """The processes without a message under `where` (none known if it is no directory)."""
+def absent(rt: runtime.Runtime, op: str, where: str) -> list[int]:
+  """The processes without an authenticated message under `where` (none known if it is no directory)."""
   if not where.endswith('/'):
     return []
-  present = set(published(rt, where))
+  present = set(published(rt, op, where))
   return [p for p in range(rt.count) if p not in present]
 
 
-def published(rt: runtime.Runtime, prefix: str) -> list[int]:
-  """The processes with a message under `prefix` (none if the store is gone)."""
+def leave_presence(rt: runtime.Runtime, op: str, where: str) -> None:
+  """Marks under `where` that this process waits at its barrier (MAC'd; see `published`)."""
+  key = where + str(rt.index)
+  secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
+  rt.client.kv_set(key, mac(secret, key, _HERE_MARK) + _HERE_MARK)
+
+
+def published(rt: runtime.Runtime, op: str, prefix: str,
+              processes: Iterable[int] | None = None) -> list[int]:
+  """The processes of `processes` (default: every process of the job) with an authenticated message or presence mark under `prefix` (none if the store is gone).
+
+  A value that fails authentication, or a key of no such process, was
+  planted: it does not count, so it cannot hide a missing process.
+  """
   try:
-    expected = {prefix + str(p): p for p in range(rt.count)}
-    return [expected[key] for key, _ in rt.client.kv_dir(prefix)
-            if key in expected]
+    secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
+    keys = _keys(rt, prefix, processes)
+    return [keys[key] for key, stored in rt.client.kv_dir(prefix)
+            if key in keys and authentic(secret, key, stored)]
   except Exception:  # noqa: BLE001
     return []

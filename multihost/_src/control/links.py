@@ -203,7 +203,7 @@ class _Wait:
       m._publish(b'D', self.timeout)  # presence, for naming the missing
       self.stall = stalls.arm(
           m.op, started=m.start, until=self.deadline, runtime=m.rt,
-          missing=lambda: _control_marks.absent(m.rt, m.prefix))
+          missing=lambda: _control_marks.absent(m.rt, m.op, m.prefix))
       self.marks_at = now
     if self.marks_at is not None and now >= self.marks_at:
       self.marks_at = now + _MARKS_S

@@ -310,7 +310,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
   where = published or barrier_id
   stall = stalls.arm(  # The slow path: a lock, no RPC.
       op, started=start - waited_before, until=start + timeout,
-      missing=lambda: marks.absent(rt, where), runtime=rt)
+      missing=lambda: marks.absent(rt, op, where), runtime=rt)
   try:
     # In a step thread, so that a peer's death raises here within the
     # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
