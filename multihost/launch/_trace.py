@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from multihost._src.diagnostics import trace_format
+from multihost._src.runtime import files  # JAX-free (tests/test_init.py).
 from multihost.launch import _report
 from multihost.launch import _restarts
 
@@ -59,16 +60,17 @@ def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
 def write(path: str, folder: str, result: _report.LaunchResult, *,
           num_processes: int, run_wall0: float,
           starts: collections.abc.Sequence[float]) -> str | None:
-  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None."""
+  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None.
+
+  The file is written atomically and never through a link
+  (`files.write_atomic`).
+  """
   dumps = read_dumps(folder)
   failures, attempts = failures_and_attempts(result, run_wall0=run_wall0,
                                              starts=starts)
   trace = trace_format.build(dumps, num_processes=num_processes,
                               failures=failures, attempts=attempts)
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(trace, f)
-  os.replace(tmp, path)
+  files.write_atomic(path, json.dumps(trace))
   last = len(attempts) - 1
   return trace_format.divergence(
       [d for d in dumps if d.get('attempt', 0) == last], num_processes)
