@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
+import subprocess
+import sys
 
 from _helpers import program
 from jax import monitoring
@@ -299,3 +303,41 @@ def test_restarts_appear_on_the_launcher_track_with_each_attempts_calls(
                     if e.get('cat') == 'collective' and e['pid'] == 0)
   assert survivor == [(0, 0), (0, 1), (0, 2), (0, 3),
                       (1, 0), (1, 1), (1, 2), (1, 3)]
+
+
+# --- Finding 7: a trace that cannot be written is named as such ---------------
+
+def test_a_failed_trace_write_keeps_the_runs_status_and_summary():
+  """Was: `cannot run '/bin/sh': No such file or directory`, exit 127, no summary."""
+  proc = subprocess.run(
+      [sys.executable, '-m', 'multihost.launch', '--num_processes=2',
+       '--trace=/nonexistent/dir/t.json', '--', '/bin/sh', '-c',
+       'echo hi; exit 3'],
+      capture_output=True, text=True, timeout=60,
+      cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert proc.returncode == 3, proc.stderr
+  assert '[p0] hi\n' in proc.stdout and '[p1] hi\n' in proc.stdout
+  assert 'exit status 3.' in proc.stderr  # The summary's first line.
+  assert 'First failure: process' in proc.stderr
+  assert ('trace: could not write the trace file /nonexistent/dir/t.json '
+          '(FileNotFoundError: No such file or directory)') in proc.stderr
+  assert 'cannot run' not in proc.stderr
+  # No controller initialized multihost: no dumps, nothing kept.
+  assert 'nothing was kept' in proc.stderr
+
+
+def test_a_failed_trace_write_keeps_the_controllers_dumps_and_says_where(
+    tmp_path):
+  path = tmp_path / 'missing' / 'run.json'
+  result = launch.launch(program('traced', 1), num_processes=2, timeout=120,
+                         trace=path)
+  assert result.ok, result.summary
+  (line,) = [x for x in result.summary.splitlines() if x.startswith('trace:')]
+  assert line.startswith(f'trace: could not write the trace file {path} '
+                         '(FileNotFoundError: No such file or directory)')
+  folder = line.split('dumps are kept in ')[1].split(' ')[0]
+  try:
+    assert sorted(p.name for p in pathlib.Path(folder).iterdir()) == [
+        'process-0.attempt-0.json', 'process-1.attempt-0.json']
+  finally:
+    shutil.rmtree(folder)

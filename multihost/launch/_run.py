@@ -56,6 +56,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       controller dumps its flight recorder at exit into a folder named by
       $MULTIHOST_TRACE_DIR, merged here at the end, failures marked; the
       summary then names the first divergence between the processes' calls.
+      A trace that cannot be written is said so in the summary (with the
+      folder where the dumps were kept); the run's result is its own.
 
   Returns:
     A `LaunchResult`; `result.exit_code` is what a launcher should exit with.
@@ -78,17 +80,24 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     if restore is not None:
       restore()
   if folder is not None:
+    keep = False
     try:
       # The run started when the controllers' clock did (`Controllers`).
       run_wall0 += cluster.run_start - run_mono0
-      line = _trace.write(os.fspath(trace), folder, result,
-                          num_processes=num_processes, run_wall0=run_wall0,
-                          starts=cluster.attempt_starts)
-      note = f'trace: {os.fspath(trace)}' + (f'; {line}' if line else '')
+      try:
+        line = _trace.write(os.fspath(trace), folder, result,
+                            num_processes=num_processes, run_wall0=run_wall0,
+                            starts=cluster.attempt_starts)
+      except _trace.TraceWriteError as e:
+        keep = e.folder is not None  # The dumps: all left of the timeline.
+        note = str(e) + (f'\n{e.divergence}' if e.divergence else '')
+      else:
+        note = f'trace: {os.fspath(trace)}' + (f'; {line}' if line else '')
       result = dataclasses.replace(result,
                                    summary=f'{result.summary}\n{note}')
     finally:
-      shutil.rmtree(folder, ignore_errors=True)
+      if not keep:
+        shutil.rmtree(folder, ignore_errors=True)
   if summary_stream is not None:
     summary_stream.write(result.summary + '\n')
     summary_stream.flush()

@@ -9,8 +9,44 @@ import os
 from typing import Any
 
 from multihost._src.diagnostics import trace_format
+from multihost._src.runtime import files  # JAX-free (tests/test_init.py).
 from multihost.launch import _report
 from multihost.launch import _restarts
+
+
+class TraceWriteError(Exception):
+  """The merged trace file could not be written; the run itself is unaffected.
+
+  Not an OSError, so that it is never taken for the command failing to
+  start. `str()` is the summary's line: the path, the error, where the
+  controllers' dumps were kept and what to do.
+
+  Attributes:
+    path: the trace file.
+    folder: the folder that holds the controllers' dumps, kept; None when
+      there were none (nothing to keep).
+    error: the OSError writing `path` raised.
+    divergence: the last attempt's divergence line (found without the
+      file), or None.
+  """
+
+  def __init__(self, path: str, folder: str | None, error: OSError,
+               divergence: str | None):
+    self.path = path
+    self.folder = folder
+    self.error = error
+    self.divergence = divergence
+    if folder is None:
+      kept = ('No controller left a flight-recorder dump (none initialized '
+              'multihost), so nothing was kept')
+    else:
+      kept = ("The controllers' flight-recorder dumps are kept in "
+              f'{folder} (process-N.attempt-K.json); remove it when done')
+    super().__init__(
+        f'trace: could not write the trace file {path} '
+        f'({type(error).__name__}: {error.strerror or error}); the run\'s '
+        f'exit status and summary above are its own. {kept}. Give --trace '
+        'a path in a folder that exists and this user can write.')
 
 
 def read_dumps(folder: str) -> list[dict[str, Any]]:
@@ -59,16 +95,25 @@ def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
 def write(path: str, folder: str, result: _report.LaunchResult, *,
           num_processes: int, run_wall0: float,
           starts: collections.abc.Sequence[float]) -> str | None:
-  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None."""
+  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None.
+
+  The file is written atomically and never through a link
+  (`files.write_atomic`).
+
+  Raises:
+    TraceWriteError: `path` could not be written (`folder` is left as it
+      is, for the caller to keep when it holds dumps).
+  """
   dumps = read_dumps(folder)
   failures, attempts = failures_and_attempts(result, run_wall0=run_wall0,
                                              starts=starts)
   trace = trace_format.build(dumps, num_processes=num_processes,
                               failures=failures, attempts=attempts)
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(trace, f)
-  os.replace(tmp, path)
   last = len(attempts) - 1
-  return trace_format.divergence(
+  line = trace_format.divergence(
       [d for d in dumps if d.get('attempt', 0) == last], num_processes)
+  try:
+    files.write_atomic(path, json.dumps(trace))
+  except OSError as e:
+    raise TraceWriteError(path, folder if dumps else None, e, line) from e
+  return line

@@ -7,6 +7,7 @@ import os
 
 from multihost._src.api import gather
 from multihost._src.diagnostics import trace_format
+from multihost._src.runtime import files
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 
@@ -35,6 +36,9 @@ def write_trace(path: str | os.PathLike, *,
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
+    OSError: on process 0, `path` could not be written (its folder is
+      missing or not writable); the file is then unchanged (see
+      `multihost.lowlevel.write_atomic`), and the others return as usual.
   """
   rt = runtime.current()
   attempt = settings.restart_count()
@@ -42,8 +46,5 @@ def write_trace(path: str | os.PathLike, *,
   dumps = gather.allgather_object(mine, timeout=timeout)
   if rt.index == 0:
     trace = trace_format.build(dumps, num_processes=rt.count)
-    tmp = f'{os.fspath(path)}.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(trace, f)
-    os.replace(tmp, path)
+    files.write_atomic(path, json.dumps(trace))
   return trace_format.divergence(dumps, rt.count)

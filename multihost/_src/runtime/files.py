@@ -50,23 +50,34 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *,
 
   Raises:
     OSError: the folder is missing or not writable, or the disk is full; the
-      target is then unchanged and no temporary file is left.
+      target is then unchanged and no temporary file is left. Its
+      `filename` is `path` (never the temporary name, which means nothing
+      to the reader).
   """
   path = os.fspath(path)
   if isinstance(data, str):
     data = data.encode()
   tmp = temporary_name(path)
-  fd = os.open(tmp, _FLAGS, mode)
   try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-      if sync:
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
-    raise
+    fd = os.open(tmp, _FLAGS, mode)
+    try:
+      try:
+        view = memoryview(data).cast('B')
+        while view:
+          view = view[os.write(fd, view):]
+        if sync:
+          os.fsync(fd)
+      finally:
+        os.close(fd)
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+      raise
+  except OSError as e:
+    if e.errno is None:
+      raise
+    # Named by the target: the temporary name means nothing to the reader.
+    raise OSError(e.errno, e.strerror, path) from e
   if sync:
     fsync_folder(os.path.dirname(path))

@@ -28,6 +28,7 @@ import os
 import time
 from typing import Any
 
+from multihost._src.runtime import files
 from multihost._src.runtime import settings
 
 
@@ -179,9 +180,10 @@ class Recorder:
             'events': events, **extra}
 
   def dump(self, path: str, process: int, **extra: Any) -> None:
-    """Writes `snapshot()` to `path` as JSON (atomically: a reader sees all or nothing)."""
+    """Writes `snapshot()` to `path` as JSON, atomically and never through a link (`files.write_atomic`).
+
+    Not flushed to disk: it is written in the exit sequence, for a reader on
+    this host after the exit (the launcher), whom the page cache serves.
+    """
     data = self.snapshot(process, **extra)
-    tmp = f'{path}.{os.getpid()}.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(data, f, default=repr)
-    os.replace(tmp, path)
+    files.write_atomic(path, json.dumps(data, default=repr), sync=False)
