@@ -209,6 +209,33 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
                    r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
 
 
+def test_a_local_step_equal_to_the_newest_persistent_one_takes_the_local_tier(
+    tmp_path, monkeypatch):
+  """A local step equal to the newest persistent step wins the tie: the restore reads the local tier."""
+  _train(tmp_path, 12, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  # Local steps 9 and 12; persistent steps 4, 8 and 12 (the final save).
+  state, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (12, 'local')
+  assert state.step == 12
+
+
+def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_persistent_one(
+    tmp_path, monkeypatch, caplog):
+  """Past a damaged newer local step, the older local step equal to the newest persistent one restores from the local tier."""
+  reference, _ = _train(tmp_path / 'ref', 12, monkeypatch=monkeypatch)
+  _train(tmp_path, 9, save_every=6, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 9)  # As if killed after step 9: persistent 6.
+  _flip_last_byte(tmp_path, 9)  # Local steps 6 and 9; 9 fails its digest.
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 12, save_every=6, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+
+
 @pytest.mark.parametrize('devices', [
     pytest.param(lambda d: d[:2], id='fewer-devices'),
     pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
