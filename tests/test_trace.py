@@ -109,6 +109,25 @@ def test_the_merged_trace_aligns_clocks_and_marks_the_failed_process():
                     1: 'attempt 0: last to 0 of 3 calls, mean lag 0.00 ms'}
 
 
+def test_each_attempt_aligns_clocks_with_its_own_offsets():
+  """Clock offsets come from each attempt's dumps alone: a restart's different skew (same call numbers) aligns its own calls."""
+  dumps = [_agreed(0, range(3)), _agreed(1, range(3), shift=10.0),
+           _agreed(0, range(3), shift=50.0), _agreed(1, range(3), shift=50.0)]
+  for d in dumps[2:]:  # The restart: call numbers from 0 again.
+    d['attempt'] = 1
+  trace = _trace_format.build(dumps, num_processes=2)
+  assert trace['otherData']['clock_offsets_s'] == {
+      'attempt 0': {'0': 0.0, '1': 10.0}, 'attempt 1': {'0': 0.0, '1': 0.0}}
+  x = {(e['args']['attempt'], e['pid'], e['args']['call']): e['ts']
+       for e in trace['traceEvents']
+       if e['ph'] == 'X' and e['cat'] == 'collective'}
+  assert len(x) == 12
+  for attempt in (0, 1):
+    for call in range(3):
+      assert x[(attempt, 0, call)] == x[(attempt, 1, call)], (attempt, call)
+  assert x[(1, 0, 0)] - x[(0, 0, 0)] == 50e6  # the restart came 50 s later
+
+
 def test_the_straggler_statistic_per_process():
   a = _agreed(0, range(4))
   b = _agreed(1, range(4))
