@@ -1,11 +1,10 @@
-"""The striped broadcast's lanes (`_data_tcp.broadcast`), on an in-memory coordination service.
+"""The striped broadcast's lanes (`transport.tcp.chain.broadcast`), on an in-memory coordination service.
 
 Threads stand for processes, each with its own runtime on one
 `fake_coordination.FakeService` and its own plane: real authenticated TCP
-links on loopback, real lane threads. `_data_tcp.broadcast` finds its
-process's runtime through `_runtime.current()`, which is process-wide; here
-each thread sees its own (the lane threads, which only check the watchdog,
-see the process-wide one). The multi-process tests of the same transfers are
+links on loopback, real lane threads. `chain.broadcast` finds its
+process's runtime through `runtime.current()`, which is process-wide; here
+each thread sees its own. The multi-process tests of the same transfers are
 in test_transport.py and test_failures.py.
 """
 
@@ -17,40 +16,39 @@ import fake_coordination as fake
 import numpy as np
 import pytest
 
-from multihost import _data_tcp
-from multihost import _errors
-from multihost import _runtime
-from multihost import _secret
-from multihost import _watchdog
 from multihost import env as env_lib
+from multihost._src.auth import secret
+from multihost._src.runtime import errors
+from multihost._src.runtime import runtime
+from multihost._src.transport.tcp import chain
 
 # Two stripes: lane 0's on the calling thread, lane 1's on the plane's lane
 # thread.
-LENGTH = 2 * _data_tcp.STRIPE_BYTES
+LENGTH = 2 * chain.STRIPE_BYTES
 
 
 @pytest.fixture
 def job(monkeypatch):
   """(runtimes, bind) of 2 processes on two lanes; `bind(rt)` makes `rt` the calling thread's runtime."""
-  monkeypatch.setattr(_secret, '_TAKEN', {})
+  monkeypatch.setattr(secret, '_TAKEN', {})
   monkeypatch.delenv(env_lib.JOB_SECRET, raising=False)
   monkeypatch.delenv(env_lib.JOB_SECRET_FILE, raising=False)
   monkeypatch.setenv(env_lib.TCP_LANES, '2')
   local = threading.local()
-  process_wide = _runtime.current
-  monkeypatch.setattr(_runtime, 'current',
+  process_wide = runtime.current
+  monkeypatch.setattr(runtime, 'current',
                       lambda: getattr(local, 'rt', None) or process_wide())
   _, rts = fake.runtimes(2)
   for rt in rts:  # As multihost.initialize() does (see test_control_links).
     rt.settings.exit_on_peer_failure = (False, None, None)
-    _watchdog.of(rt).start(heartbeat_timeout=2)
+    rt.watchdog.start(heartbeat_timeout=2)
 
   def bind(rt):
     local.rt = rt
 
   yield rts, bind
   for rt in rts:
-    _watchdog.of(rt).peer_loss.cancel()
+    rt.watchdog.peer_loss.cancel()
   fake.stop(rts)
 
 
@@ -59,12 +57,12 @@ def test_a_failed_lane_past_the_first_fails_the_broadcast_on_every_process(
   """A broadcast whose lane 1 fails while lane 0 completes raises on every process; none returns the partly filled result."""
   rts, bind = job
   payload = np.arange(LENGTH, dtype=np.uint8)
-  assert len(_data_tcp.stripes(LENGTH, 2)) == 2
+  assert len(chain.stripes(LENGTH, 2)) == 2
 
   def broadcast(rt, timeout):
     bind(rt)
     parts = [payload] if rt.index == 0 else None
-    out = _data_tcp.broadcast(parts, LENGTH, 0, op='broadcast_one_to_all',
+    out = chain.broadcast(parts, LENGTH, 0, op='broadcast_one_to_all',
                               timeout=timeout)
     return bytes(out)
 
@@ -82,7 +80,7 @@ def test_a_failed_lane_past_the_first_fails_the_broadcast_on_every_process(
   finally:
     release.set()
   returned = [p for p, (out, _) in enumerate(results)
-              if not isinstance(out, _errors.MultihostError)]
+              if not isinstance(out, errors.MultihostError)]
   assert not returned, (
       f'processes {returned} returned (lane 1 failed, lane 0 completed): '
       f'{[(type(out).__name__, round(s, 1)) for out, s in results]}')

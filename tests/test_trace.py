@@ -115,7 +115,7 @@ def test_each_attempt_aligns_clocks_with_its_own_offsets():
            _agreed(0, range(3), shift=50.0), _agreed(1, range(3), shift=50.0)]
   for d in dumps[2:]:  # The restart: call numbers from 0 again.
     d['attempt'] = 1
-  trace = _trace_format.build(dumps, num_processes=2)
+  trace = trace_format.build(dumps, num_processes=2)
   assert trace['otherData']['clock_offsets_s'] == {
       'attempt 0': {'0': 0.0, '1': 10.0}, 'attempt 1': {'0': 0.0, '1': 0.0}}
   x = {(e['args']['attempt'], e['pid'], e['args']['call']): e['ts']
