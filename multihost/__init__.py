@@ -15,7 +15,7 @@ and `testing` (the pytest plugin).
 # Public names load on first use (PEP 562), so that a process that only
 # needs the launcher, `multihost.env` or `multihost.netns` (e.g.
 # `python -m multihost.launch`) does not import JAX. Static tools read the
-# imports under TYPE_CHECKING below; tests/test_init.py checks that they and
+# imports under TYPE_CHECKING below; tests/unit/test_init.py checks that they and
 # `_PUBLIC` name the same things.
 import importlib
 import typing

@@ -1,6 +1,6 @@
 """Training states real code carries, trained, saved, stopped and resumed.
 
-Used in-process by tests/test_states.py (one controller) and run as a script
+Used in-process by tests/unit/test_states.py (one controller) and run as a script
 by it in several controllers:
 
   python tests/states_workload.py fresh OUT.json DIR   # reference, stop, resume

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from multihost._src.diagnostics import trace_format
-from multihost._src.runtime import files  # JAX-free (tests/test_init.py).
+from multihost._src.runtime import files  # JAX-free (tests/unit/test_init.py).
 from multihost.launch import _report
 from multihost.launch import _restarts
 

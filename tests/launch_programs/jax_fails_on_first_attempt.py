@@ -19,7 +19,7 @@ def main() -> None:
 
   jax.distributed.initialize()
   got = multihost_utils.process_allgather(np.array([jax.process_index()]))
-  # One write per line (see tests/test_launch.py: gloo writes to fd 1 too).
+  # One write per line (see tests/multiprocess/test_launch.py: gloo writes to fd 1 too).
   os.write(1, (f'facts {jax.process_index()} {jax.process_count()} '
                f'{jax.device_count()} {got.ravel().tolist()} attempt '
                f'{attempt}\n').encode())

@@ -1,0 +1,168 @@
+"""Smoke test of bin/bench.py: a tiny run at 2 controllers, its JSON rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import statistics
+import sys
+
+from multihost import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = str(ROOT / 'bin' / 'bench.py')
+KEYS = ('op', 'payload_bytes', 'leaves', 'processes', 'ours_ms', 'jax_ms',
+        'ratio', 'ours_first_ms', 'jax_first_ms')
+
+
+def _positive(row, key):
+  value = row[key]
+  assert isinstance(value, (int, float)) and value > 0 and math.isfinite(
+      value), f'{key}={value!r} in {row}'
+
+
+def test_quick_run_at_two_processes_writes_every_row(tmp_path):
+  out = tmp_path / 'bench.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--quick', '--recovery', f'--json={out}',
+       f'--recovery_dir={tmp_path}', '--small_repeats=4'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  # Process 0 prints the markdown table.
+  assert ('| op | payload | ours = jax | ours ms | jax ms | ours/jax |'
+          in result.outputs[0])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  for row in rows:
+    assert set(KEYS) <= set(row), row
+    assert row['processes'] == 2, row
+
+  compare = [r for r in rows if r['kind'] == 'compare']
+  ops = {r['op'] for r in compare}
+  assert ops >= {'sync_global_devices', 'broadcast_one_to_all',
+                 'process_allgather', 'assert_equal',
+                 'process_allgather(tiled)'}, ops
+  payloads = {(r['op'], r['payload_bytes'], r['leaves']) for r in compare}
+  assert ('broadcast_one_to_all', 8, 1) in payloads
+  assert ('process_allgather', 1024, 1) in payloads
+  assert ('assert_equal', 80, 10) in payloads  # --quick: 10 leaves x 8 B.
+  for row in compare:
+    for key in ('ours_ms', 'ours_first_ms'):
+      _positive(row, key)
+    if row['jax_ms'] is None:
+      # Only JAX's own failures are n/a, and the table says why, or the case
+      # has no JAX equivalent (the mismatch: ours alone).
+      assert 'jax n/a' in row['note'] or 'alone' in row['note'], row
+    else:
+      for key in ('jax_ms', 'jax_first_ms', 'ratio'):
+        _positive(row, key)
+      # Recomputed from the raw per-iteration times (slowest process each):
+      # the medians, and the ratio of the medians.
+      ours = statistics.median(row['ours_times_ms'])
+      theirs = statistics.median(row['jax_times_ms'])
+      # --quick: 3 samples; one leaf (or none) of at most 1 MiB: 4.
+      small = row['leaves'] <= 1 and row['payload_bytes'] <= 1 << 20
+      assert (len(row['ours_times_ms']) == len(row['jax_times_ms'])
+              == (4 if small else 3)), row
+      assert math.isclose(row['ours_ms'], ours), row
+      assert math.isclose(row['jax_ms'], theirs), row
+      assert math.isclose(row['ratio'], ours / theirs), row
+    # Every comparable case was compared, and ours gave JAX's output.
+    if row['jax_ms'] is not None or 'alone' in row['note']:
+      assert row['outputs_equal'] is True, row
+  assert {'broadcast_object', 'allgather_object',
+          'broadcast_one_to_all(is_source=last)'} <= ops, ops
+  assert any('late' in r['payload'] for r in compare), compare
+  mismatch = [r for r in compare if 'mismatched' in r['payload']]
+  assert len(mismatch) == 1 and mismatch[0]['outputs_equal'], mismatch
+
+  refs = {r['op']: r for r in rows if r['kind'] == 'reference'}
+  for name in ('coordination service wait_at_barrier',
+               'loopback TCP, process 0 -> 1'):
+    _positive(refs[name], 'ref_ms')
+
+  recovery = [r for r in rows if r['kind'] == 'recovery']
+  assert len(recovery) == 6, recovery  # Replicated and sharded states.
+  assert {r['payload'].rsplit(', ', 1)[1] for r in recovery} == {
+      'replicated', 'sharded'}, recovery
+  for row in recovery:
+    for key in ('ours_ms', 'jax_ms', 'ratio', 'ours_first_ms',
+                'jax_first_ms'):
+      _positive(row, key)
+  # The checkpoint folders were removed.
+  assert not list(tmp_path.glob('multihost-bench-*'))
+
+
+def test_an_output_mismatch_fails_the_run(tmp_path):
+  result = launch.launch(
+      [sys.executable, BENCH, '--break_ours', '--ops=broadcast_one_to_all',
+       '--sizes=8', '--leaves=0', '--repeats=1', '--small_repeats=1',
+       '--warmup=0', '--nomemory',
+       f'--json={tmp_path / "b.jsonl"}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert not result.ok and list(result.returncodes) == [1, 1], result.summary
+  assert 'OUTPUT MISMATCH' in result.outputs[0], result.outputs[0][-3000:]
+  assert '| **NO** |' in result.outputs[0], result.outputs[0][-3000:]
+
+
+def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
+  out = tmp_path / 'v.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--ops=', '--versus=2', '--versus_sizes=8',
+       '--soak=200', f'--json={out}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  versus = {r['op']: r for r in rows if r['kind'] == 'versus'}
+  assert {'barrier', 'broadcast 8 B', 'all-gather 8 B',
+          'raw TCP stream 64 MiB'} <= set(versus), versus
+  for row in versus.values():
+    assert len(row['ours_times_ms']) == 2, row
+    assert math.isclose(row['ours_ms'], statistics.median(
+        row['ours_times_ms'])), row
+  soak = [r for r in rows if r['kind'] == 'soak']
+  assert [r['calls'] for r in soak] == [2, 20, 50, 100, 150, 200], soak
+  for r in soak:
+    assert len(r['processes']) == 2, r
+    for s in r['processes']:
+      assert s['rss'] > 0 and s['fds'] > 0 and s['threads'] > 0, s
+  text = result.outputs[0]
+  assert '| target (P=2) | measured' in text, text[-3000:]
+  assert '| soak: fds constant (calls 20 -> 200) |' in text, text[-3000:]
+  # 64 MiB was not run: its targets say so rather than met or missed.
+  assert '| broadcast 64 MiB <= torch gloo | n/a | not measured |' in text
+
+
+def test_targets_mark_met_and_missed_from_the_medians():
+  sys.path.insert(0, str(ROOT))
+  from bench import model
+  from bench import soak
+  from bench import versus
+  r = versus.Result
+  results = [r('barrier', 0, [1.0, 3.0, 2.0], [2.5, 2.5, 2.5]),
+             r('broadcast 64 MiB', 1, [20.0], [19.0]),
+             r('raw TCP stream 64 MiB', 1, [16.0], None),
+             r('all-gather 64 MiB', 1, [50.0], [100.0])]
+  rows = {t: (m, s) for t, m, s in versus.targets(results)}
+  assert rows['barrier <= torch gloo'] == ('2.00 vs 2.50 ms = 0.80x', 'met')
+  assert rows['broadcast 64 MiB <= torch gloo'][1] == 'missed'
+  assert rows['broadcast 64 MiB <= 1.3x a raw stream'] == (
+      '20.0 vs 16.0 ms = 1.25x', 'met')
+  assert rows['all-gather 64 MiB <= 0.5x torch gloo'][1] == 'met'
+  assert rows['broadcast 8 B <= torch gloo'] == ('n/a', 'not measured')
+  mib = 1 << 20
+  def point(calls, rss1, fds1=9):
+    return {'calls': calls, 'seconds': 0, 'processes': [
+        {'rss': 100 * mib, 'fds': 9, 'threads': 5},
+        {'rss': rss1, 'fds': fds1, 'threads': 5}]}
+  grew = {t: s for t, _, s in soak.targets(
+      [point(1000, 90 * mib), point(10000, 90 * mib),
+       point(100000, 95 * mib, fds1=10)])}
+  assert list(grew.values()) == ['missed', 'missed', 'met', 'met'], grew
+  flat = {t: s for t, _, s in soak.targets(
+      [point(10000, 90 * mib), point(100000, 94 * mib)])}
+  assert list(flat.values()) == ['met'] * 4, flat
+  text = model.render(model.rows())
+  assert '| 1024 | agreement over TCP links (dissemination) | 10 |' in text
+  assert '| 4096 | agreement over TCP links (dissemination) | 12 |' in text
+  assert '| 4096 | agreement at the service (full exchange) | 3 |' in text

@@ -1,0 +1,97 @@
+"""docs/restart.sbatch, the Slurm restart recipe, run as sbatch would with a stand-in `srun` (tests/slurm_standin/srun).
+
+bin/train.py at 2 tasks x 2 devices under the recipe: a SIGKILL of task 1
+mid-run ends the step (--kill-on-bad-exit), the recipe starts it again
+with MULTIHOST_RESTART_COUNT=1, the run resumes from the newest checkpoint
+and ends with 0, and its final state is bitwise equal to an uninterrupted
+run's. Nothing of the job (tagged by its SLURM_JOB_ID) is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import re
+import signal
+import subprocess
+import sys
+
+from _helpers import clean_env
+from _helpers import quick_compile_env
+import pytest
+
+from multihost import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECIPE = ROOT / 'docs' / 'restart.sbatch'
+STANDIN = ROOT / 'tests' / 'slurm_standin'
+TRAIN = ROOT / 'bin' / 'train.py'
+K = 5  # --save_every
+STEPS = 30
+KILL_AFTER = 17
+BOUND_S = 300
+
+
+def _job_processes(job: str) -> list[int]:
+  """Pids whose environment holds SLURM_JOB_ID=`job` (only this test's)."""
+  mark = f'SLURM_JOB_ID={job}'.encode()
+  pids = []
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{pid}/environ', 'rb') as f:
+        if mark in f.read().split(b'\0'):
+          pids.append(int(pid))
+    except OSError:
+      pass
+  return pids
+
+
+def _sbatch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
+  job = str(random.randrange(10**5, 10**6))
+  env = clean_env(
+      PATH=f'{STANDIN}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
+      SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
+      JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(launch.find_free_port()),
+      MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
+      **quick_compile_env())
+  command = ['bash', str(RECIPE), 'python', str(TRAIN),
+             f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
+             f'--save_every={K}', *flags]
+  proc = subprocess.Popen(command, env=env, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=BOUND_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGTERM)  # The stand-in srun ends its step.
+    out, err = proc.communicate(timeout=30)
+    pytest.fail(f'the recipe ran past {BOUND_S} s:\n{out[-3000:]}'
+                f'{err[-3000:]}')
+  assert not _job_processes(job), 'processes of the job outlived it'
+  return subprocess.CompletedProcess(command, proc.returncode, out, err), job
+
+
+def _digest(out: str) -> str:
+  (digest,) = re.findall(r'Finished step \d+ .*digest (\w+)', out)
+  return digest
+
+
+def test_a_sigkilled_task_is_restarted_by_the_recipe_bitwise_equal(tmp_path):
+  reference, _ = _sbatch(tmp_path / 'reference')
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  assert 'restart.sbatch' not in reference.stderr
+  run, _ = _sbatch(tmp_path / 'killed', f'--drill_kill_after_step={KILL_AFTER}')
+  log = run.stdout + run.stderr
+  assert run.returncode == 0, log[-5000:]
+  assert f'Drill: process 1 SIGKILLs itself after step {KILL_AFTER}' in log
+  assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
+          '(restart 1 of 2).') in run.stderr, run.stderr[-3000:]
+  # Every process resumed from the same step: the newest committed save
+  # (step 15's asynchronous commit may not have finished at the kill).
+  resumed = re.findall(r'\[process=(\d)\] Resumed from step (\d+)', log)
+  assert sorted(p for p, _ in resumed) == ['0', '1'], log[-3000:]
+  (step,) = {int(s) for _, s in resumed}
+  assert step % K == 0 and 0 < KILL_AFTER - step <= 2 * K, log[-3000:]
+  assert 'attempt 1 failed' not in run.stderr
+  assert _digest(log) == _digest(reference.stdout + reference.stderr)

@@ -1,0 +1,33 @@
+"""Both data planes for large payloads, at an odd process count."""
+
+from __future__ import annotations
+
+from _helpers import program
+import pytest
+
+from multihost import env as env_lib
+from multihost import launch
+
+
+@pytest.mark.parametrize('transport,lanes', [('tcp', ''), ('tcp', '3'),
+                                             ('device', '')])
+def test_large_payloads_over_each_transport(transport, lanes):
+  result = launch.launch(program('bulk_transfers'), num_processes=3,
+                         devices_per_process=1, timeout=120,
+                         env={env_lib.TRANSPORT: transport,
+                              env_lib.TCP_LANES: lanes})
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert all('TRANSPORT OK' in out for out in result.outputs)
+  if transport == 'tcp':
+    assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
+
+
+def test_a_blocked_data_plane_port_says_how_to_get_through():
+  # Process 1's data-plane port refuses connections (see the program). The
+  # processes leave after the error within the watchdog's detection bound:
+  # a 3 s heartbeat keeps that wait short (nothing here depends on it).
+  result = launch.launch(program('blocked_port'), num_processes=2,
+                         devices_per_process=1, timeout=120,
+                         env={env_lib.HEARTBEAT: '3'})
+  assert all('BLOCKED-PORT OK' in out for out in result.outputs), (
+      result.summary + '\n'.join(result.outputs))

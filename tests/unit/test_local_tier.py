@@ -1,0 +1,322 @@
+"""The local checkpoint tier: atomic per-process steps, peer copies, restores.
+
+Single-process tests (4 virtual devices) check the folder format, keep-N, the
+choice between the tiers and the fallbacks. The drills run `bin/train.py` as
+2 controllers x 2 devices under `multihost.launch --max_restarts=1`, each
+controller on a simulated host of its own ($RECOVERY_HOST_ID and its own
+local folder), and SIGKILL process 1 mid-run: the restarted run resumes from
+the local tier, refilling a wiped host from its peer, and ends bitwise equal
+to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import _helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multihost import launch
+import recovery
+from recovery._src.local import folder
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / 'bin' / 'train.py')
+PY = sys.executable
+WIDTH = 8
+SAMPLES = 12
+BATCH = 4
+
+
+# -- a small model, sharded or replicated over this process's 4 devices ------
+
+
+def _loop(sharding) -> recovery.ResilientLoop:
+  rng = np.random.default_rng(0)
+  data = rng.normal(size=(SAMPLES, WIDTH)).astype(np.float32)
+  targets = data @ np.linspace(-1, 1, WIDTH, dtype=np.float32)
+  rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+  def step(user, batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y)**2))(
+        user['w'])
+    v = 0.8 * user['v'] + g
+    return {'w': user['w'] - 0.05 * v, 'v': v}, loss
+
+  step_fn = jax.jit(step, out_shardings=({'w': sharding, 'v': sharding}, rep))
+
+  def data_fn(ids):
+    return (jax.device_put(data[ids], rep), jax.device_put(targets[ids], rep))
+
+  return recovery.ResilientLoop(
+      step_fn, data_fn=data_fn, sampler=recovery.EpochSampler(SAMPLES, BATCH))
+
+
+def _sharded(devices=None):
+  mesh = jax.make_mesh((len(devices or jax.devices()),), ('data',),
+                       devices=devices)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+
+
+def _initial(loop, sharding) -> recovery.TransitionState:
+  zeros = np.zeros(WIDTH, np.float32)
+  return loop.init({'w': jax.device_put(zeros, sharding),
+                    'v': jax.device_put(zeros, sharding)}, jax.random.key(3))
+
+
+def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
+           restart=False, monkeypatch=None, local='local'):
+  """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints)."""
+  sharding = sharding or _sharded()
+  loop = _loop(sharding)
+  initial = _initial(loop, sharding)
+  if monkeypatch is not None:
+    if restart:
+      monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
+    else:
+      monkeypatch.delenv('MULTIHOST_RESTART_COUNT', raising=False)
+  with recovery.Checkpoints(tmp_path / 'ckpt', save_every=save_every,
+                            async_save=False,
+                            local_directory=tmp_path / local,
+                            local_save_every=local_every) as ckpt:
+    state = ckpt.start(initial)
+    result = loop.run(state, until_step=steps, checkpoints=ckpt)
+  return result.state, ckpt
+
+
+def _delete_persistent(tmp_path, step):
+  shutil.rmtree(tmp_path / 'ckpt' / str(step))
+
+
+# -- the folder format --------------------------------------------------------
+
+
+def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
+    tmp_path):
+  block = (('w', ((0, 4),)), np.arange(4, dtype=np.float32))
+  folder.write_step(str(tmp_path), 0, 5, {'meta': {'digest': 'a'}},
+                           [block])
+  own = tmp_path / 'process_0'
+  # A write killed before its rename: a temporary folder with data only.
+  (own / '7.tmp-dead').mkdir()
+  (own / '7.tmp-dead' / 'data.bin').write_bytes(b'x' * 16)
+  # A complete-looking folder without its commit marker.
+  (own / '8').mkdir()
+  for name in ('manifest.json', 'data.bin'):
+    (own / '8' / name).write_bytes((own / '5' / name).read_bytes())
+  stored = folder.scan(str(tmp_path))
+  assert [s.step for s in stored] == [5]
+  np.testing.assert_array_equal(
+      folder.read_block(stored[0].entries[block[0]]), block[1])
+  # A truncated data file makes the step unusable, not garbage.
+  with open(own / '5' / 'data.bin', 'r+b') as f:
+    f.truncate(8)
+  assert folder.scan(str(tmp_path)) == []
+  folder.remove_tmp(str(tmp_path), 0)
+  assert not (own / '7.tmp-dead').exists()
+
+
+def test_a_0d_block_keeps_its_shape(tmp_path):
+  folder.write_step(str(tmp_path), 2, 1, {'meta': {'digest': 'a'}},
+                           [(('step', ()), np.asarray(7, np.int64))])
+  (stored,) = folder.scan(str(tmp_path))
+  assert folder.read_block(stored.entries[('step', ())]).shape == ()
+
+
+# -- saving, keep-N and the choice of tier ------------------------------------
+
+
+def test_local_steps_are_saved_on_their_own_schedule_and_pruned(
+    tmp_path, monkeypatch):
+  _train(tmp_path, 10, save_every=100, local_every=3, monkeypatch=monkeypatch)
+  local = tmp_path / 'local' / 'process_0'
+  assert sorted(int(p.name) for p in local.iterdir()) == [6, 9]
+  assert sorted(int(p.name) for p in (tmp_path / 'ckpt').iterdir()
+                if p.name.isdigit()) == [10]
+
+
+def test_a_restart_takes_the_newer_tier_and_ends_like_the_uninterrupted_run(
+    tmp_path, monkeypatch):
+  reference, _ = _train(tmp_path / 'ref', 14, monkeypatch=monkeypatch)
+  _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 11)  # The final save: as if killed after 11.
+  # Local step 9 is newer than persistent step 8.
+  state, ckpt = _train(tmp_path, 14, save_every=4, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (9, 'local')
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+  # Persistent step 14 is newer than local step 12.
+  _, ckpt = _train(tmp_path, 14, save_every=4, restart=True,
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (14, 'persistent')
+
+
+def test_a_damaged_local_step_falls_back_to_the_persistent_tier(
+    tmp_path, monkeypatch, caplog):
+  _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 11)
+  for step in (6, 9):
+    data = tmp_path / 'local' / 'process_0' / str(step) / 'data.bin'
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xff  # a flipped bit in the last leaf's bytes
+    data.write_bytes(bytes(raw))
+  _, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
+  assert 'failed its digest check' in caplog.text
+
+
+def _flip_last_byte(tmp_path, step):
+  data = tmp_path / 'local' / 'process_0' / str(step) / 'data.bin'
+  raw = bytearray(data.read_bytes())
+  raw[-1] ^= 0xff
+  data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize('damage', ['digest', 'incomplete'])
+def test_a_damaged_newest_local_step_restores_the_older_local_one(
+    tmp_path, monkeypatch, caplog, damage):
+  reference, _ = _train(tmp_path / 'ref', 14, monkeypatch=monkeypatch)
+  _train(tmp_path, 11, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  for step in (10, 11):  # As if killed after step 9: persistent step 5.
+    _delete_persistent(tmp_path, step)
+  if damage == 'digest':
+    _flip_last_byte(tmp_path, 9)
+  else:  # Its commit marker gone: a write killed before its rename.
+    (tmp_path / 'local' / 'process_0' / '9' / 'COMMIT').unlink()
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 14, save_every=5, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+  local = str(tmp_path / 'local')
+  newest = 9 if damage == 'digest' else 6
+  assert f'Resuming from local step {newest} in {local}' in caplog.text
+  if damage == 'digest':
+    assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert re.search(rf'Restored local step 6 .* from the local tier in {local}'
+                   r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
+
+
+def test_a_local_step_equal_to_the_newest_persistent_one_takes_the_local_tier(
+    tmp_path, monkeypatch):
+  """A local step equal to the newest persistent step wins the tie: the restore reads the local tier."""
+  _train(tmp_path, 12, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  # Local steps 9 and 12; persistent steps 4, 8 and 12 (the final save).
+  state, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (12, 'local')
+  assert state.step == 12
+
+
+def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_persistent_one(
+    tmp_path, monkeypatch, caplog):
+  """Past a damaged newer local step, the older local step equal to the newest persistent one restores from the local tier."""
+  reference, _ = _train(tmp_path / 'ref', 12, monkeypatch=monkeypatch)
+  _train(tmp_path, 9, save_every=6, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 9)  # As if killed after step 9: persistent 6.
+  _flip_last_byte(tmp_path, 9)  # Local steps 6 and 9; 9 fails its digest.
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 12, save_every=6, restart=True,
+                       monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+
+
+@pytest.mark.parametrize('devices', [
+    pytest.param(lambda d: d[:2], id='fewer-devices'),
+    pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
+def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
+                                                     devices):
+  _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 11)
+  _, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
+                   sharding=_sharded(devices(jax.devices())),
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
+
+
+def test_a_fresh_run_deletes_the_older_local_steps_of_its_folder(
+    tmp_path, monkeypatch):
+  _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 7)
+  other = tmp_path / 'other'
+  _train(other, 4, local_every=3, monkeypatch=monkeypatch, local='../local')
+  # A strict fresh start on the (now empty) folder: its local steps 3 and 6
+  # are stale, the other folder's step 3 is not this run's business.
+  _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch)
+  steps = {(s.manifest['directory'], s.step)
+           for s in folder.scan(str(tmp_path / 'local'))}
+  assert steps == {(str(other / 'ckpt'), 3)}
+
+
+def test_local_options_are_checked(tmp_path):
+  with pytest.raises(ValueError, match='local_save_every=3 needs'):
+    recovery.Checkpoints(tmp_path, local_save_every=3)
+  with pytest.raises(ValueError, match='local_save_every and local_keep'):
+    recovery.Checkpoints(tmp_path / 'a', local_directory=tmp_path / 'l',
+                         local_save_every=0)
+
+
+# -- drills: 2 controllers x 2 devices, SIGKILL, --max_restarts=1 -------------
+
+K = 5
+STEPS = 30
+KILL_AFTER = 17
+
+
+def _drill(tmp_path, *extra, kill=True, one_host=False):
+  """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one."""
+  args = [f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
+          '--save_every=50', f'--local_save_every={K}',
+          f'--metrics_out={tmp_path}/metrics.jsonl', *extra]
+  if kill:
+    args.append(f'--drill_kill_after_step={KILL_AFTER}')
+  if one_host:  # Both processes share the host's folder.
+    command = (f'exec "{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local '
+               + ' '.join(args))
+  else:
+    command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+               f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
+               '$JAX_PROCESS_ID ' + ' '.join(args))
+  env = {**{k: v for k, v in os.environ.items()
+            if k != recovery.HOST_ID_VARIABLE},
+         **_helpers.quick_compile_env()}
+  result = launch.launch(['sh', '-c', command], num_processes=2,
+                         devices_per_process=2, grace_period=1,
+                         kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,
+                         env=env)
+  assert result.ok, result.summary + '\n' + '\n'.join(
+      o[-3000:] for o in result.outputs)
+  out = '\n'.join(o for a in result.attempts for o in a.outputs)
+  (digest,) = re.findall(r'Finished step \d+ .*digest (\w+)', out)
+  return result, out, digest
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  _, _, digest = _drill(tmp_path_factory.mktemp('reference'), kill=False)
+  return digest
+
+
+def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
+  proc = subprocess.run(
+      [PY, TRAIN, f'--checkpoint_dir={tmp_path}', '--local_save_every=3'],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  assert '--local_save_every=3 needs --local_checkpoint_dir' in proc.stderr

@@ -1,0 +1,409 @@
+"""Single-controller tests of `recovery`: sampler, state, checkpoints, replay.
+
+These run in the pytest process on whatever CPU devices it has (one or more);
+multi-controller behaviour is in test_recovery_multiprocess.py and
+test_train.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multihost import env as env_lib
+import recovery
+
+WIDTH = 4
+SAMPLES = 12
+BATCH = 4  # 3 steps per epoch.
+
+
+def _mesh():
+  return jax.make_mesh((jax.device_count(),), ('data',))
+
+
+def _rep():
+  return jax.sharding.NamedSharding(_mesh(), jax.sharding.PartitionSpec())
+
+
+def _toy_loop(*, check_fn=None) -> recovery.ResilientLoop:
+  """A tiny least-squares model with momentum, replicated on every device."""
+  rng = np.random.default_rng(0)
+  data = rng.normal(size=(SAMPLES, WIDTH)).astype(np.float32)
+  targets = data @ np.linspace(-1, 1, WIDTH, dtype=np.float32)
+  rep = _rep()
+
+  @jax.jit
+  def step_fn(user, batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y)**2))(
+        user['w'])
+    v = 0.8 * user['v'] + g
+    return {'w': user['w'] - 0.05 * v, 'v': v}, loss
+
+  def data_fn(ids):
+    return (jax.device_put(data[ids], rep), jax.device_put(targets[ids], rep))
+
+  return recovery.ResilientLoop(
+      step_fn, data_fn=data_fn, sampler=recovery.EpochSampler(SAMPLES, BATCH),
+      check_fn=check_fn)
+
+
+def _initial(loop, seed=3) -> recovery.TransitionState:
+  zeros = np.zeros(WIDTH, np.float32)
+  user = {'w': jax.device_put(zeros, _rep()),
+          'v': jax.device_put(zeros, _rep())}
+  return loop.init(user, jax.random.key(seed))
+
+
+def _run(loop, state, steps):
+  records = []
+  for _ in range(steps):
+    state, rec = loop.step(state)
+    records.append(rec)
+  return state, records
+
+
+# -- sampler and state --------------------------------------------------------
+
+
+def test_sampler_reshuffles_from_the_carried_key_at_epoch_boundaries():
+  loop = _toy_loop()
+  state, records = _run(loop, _initial(loop), 7)
+  epochs = [r.epoch for r in records]
+  assert epochs == [0, 0, 0, 1, 1, 1, 2]
+  first = np.concatenate([r.ids for r in records[:3]])
+  second = np.concatenate([r.ids for r in records[3:6]])
+  # Each epoch is a permutation of all samples, and a different one.
+  assert sorted(first.tolist()) == list(range(SAMPLES))
+  assert sorted(second.tolist()) == list(range(SAMPLES))
+  assert first.tolist() != second.tolist()
+  # The same key gives the same ids; another key another order.
+  _, again = _run(loop, _initial(loop), 7)
+  assert [r.ids.tolist() for r in again] == [r.ids.tolist() for r in records]
+  _, other = _run(loop, _initial(loop, seed=4), 3)
+  assert ([r.ids.tolist() for r in other]
+          != [r.ids.tolist() for r in records[:3]])
+  assert (state.step, state.epoch, state.cursor) == (7, 2, BATCH)
+
+
+def test_sampler_rejects_bad_sizes():
+  with pytest.raises(ValueError, match='batch_size=5, num_samples=4'):
+    recovery.EpochSampler(4, 5)
+
+
+def test_transition_state_round_trips_through_its_tree_with_typed_key():
+  loop = _toy_loop()
+  state, _ = _run(loop, _initial(loop), 4)
+  tree = state.to_tree()
+  assert tree['data']['key'].dtype == np.uint32
+  back = recovery.TransitionState.from_tree(tree, key_like=state.key)
+  assert jax.dtypes.issubdtype(back.key.dtype, jax.dtypes.prng_key)
+  assert recovery.checkpoint_digest(back) == recovery.checkpoint_digest(state)
+  # The restored key draws the same next batches.
+  _, a = _run(loop, state, 3)
+  _, b = _run(loop, back, 3)
+  assert [r.ids.tolist() for r in a] == [r.ids.tolist() for r in b]
+
+
+def test_init_rejects_raw_uint32_keys():
+  loop = _toy_loop()
+  with pytest.raises(TypeError, match='typed PRNG key'):
+    loop.init({}, jax.random.PRNGKey(0))
+
+
+def test_digest_is_the_same_on_any_placement_and_changes_with_content():
+  value = np.arange(8, dtype=np.float32)
+  mesh = _mesh()
+  sharded = value
+  if 8 % jax.device_count() == 0:
+    sharded = jax.device_put(value, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec('data')))
+  single = jax.device_put(value, jax.devices()[0])
+  digests = {recovery.checkpoint_digest({'x': v})
+             for v in (value, single, sharded, jax.device_put(value, _rep()))}
+  assert len(digests) == 1
+  assert recovery.checkpoint_digest({'x': value + 1}) not in digests
+  assert recovery.checkpoint_digest({'y': value}) not in digests  # Paths count.
+  # The same bytes under another dtype.
+  assert recovery.checkpoint_digest({'x': value.view(np.int32)}) not in digests
+
+
+def test_step_check_failure_names_the_step():
+  def check(old, new, ids, loss):
+    del old, new, loss
+    np.testing.assert_array_less(ids, 0, err_msg='ids must be negative')
+  loop = _toy_loop(check_fn=check)
+  with pytest.raises(recovery.StepCheckError,
+                     match=r'Step 1 \(sample ids .*\) failed its independent '
+                     r'check(.|\n)*ids must be'):
+    loop.step(_initial(loop))
+
+
+# -- checkpoints --------------------------------------------------------------
+
+
+def _saved_run(tmp_path, steps=7, save_every=3, keep=2):
+  loop = _toy_loop()
+  directory = tmp_path / 'ckpt'
+  with recovery.Checkpoints(directory, save_every=save_every,
+                            keep=keep) as ckpt:
+    result = loop.run(_initial(loop), until_step=steps, checkpoints=ckpt)
+    assert ckpt.steps() == [6, 7]
+  return loop, directory, result.state
+
+
+def test_checkpoint_round_trip_onto_the_targets_shardings(tmp_path):
+  loop, directory, final = _saved_run(tmp_path)
+  with recovery.Checkpoints(directory) as ckpt:
+    restored = ckpt.start(_initial(loop), resume=True)
+    assert restored.step == 7
+    assert recovery.checkpoint_digest(restored) == recovery.checkpoint_digest(final)
+    assert restored.user['w'].sharding == _rep()
+    older = ckpt.restore(_initial(loop), step=6)
+    assert older.step == 6
+    meta = ckpt.read_meta(7)
+    assert meta['digest'] == recovery.checkpoint_digest(final)
+    assert meta['reason'] == 'final'
+
+
+def test_start_is_strict_about_resume(tmp_path):
+  loop, directory, _ = _saved_run(tmp_path)
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.FolderNotFreshError,
+                       match=r'already holds checkpoint steps \[6, 7\]\. '
+                       r'Start with resume=True'):
+      ckpt.start(_initial(loop), resume=False)
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop))  # The default, without a restart.
+  with recovery.Checkpoints(tmp_path / 'fresh') as ckpt:
+    with pytest.raises(recovery.NothingToResumeError,
+                       match="No committed checkpoint.*Start with "
+                       "resume=False.*resume='if_present'"):
+      ckpt.start(_initial(loop), resume=True)
+    with pytest.raises(ValueError, match="resume must be True, False, "
+                       "'if_present' or None.*got 'yes'"):
+      ckpt.start(_initial(loop), resume='yes')
+
+
+def _without_restart(monkeypatch):
+  for name in recovery.RESTART_COUNT_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+
+
+def test_resume_if_present_starts_fresh_then_resumes(tmp_path, monkeypatch,
+                                                     caplog):
+  _without_restart(monkeypatch)
+  loop = _toy_loop()
+  folder = tmp_path / 'ckpt'
+  with recovery.Checkpoints(folder, save_every=3) as ckpt:
+    state = ckpt.start(_initial(loop), resume='if_present')
+    assert state.step == 0 and ckpt.resumed_from is None
+    first = loop.run(state, until_step=4, checkpoints=ckpt)
+  with caplog.at_level('INFO'):
+    with recovery.Checkpoints(folder, save_every=3) as ckpt:
+      state = ckpt.start(_initial(loop), resume='if_present')
+      assert ckpt.resumed_from == 4
+  assert 'Resuming from checkpoint step 4' in caplog.text
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(first.state))
+
+
+@pytest.mark.parametrize('variable', ['SLURM_RESTART_COUNT',
+                                      'MULTIHOST_RESTART_COUNT'])
+def test_a_restart_resumes_if_present_by_default(tmp_path, monkeypatch,
+                                                 variable):
+  _without_restart(monkeypatch)
+  loop, directory, final = _saved_run(tmp_path)
+  monkeypatch.setenv(variable, '1')
+  with recovery.Checkpoints(tmp_path / 'empty') as ckpt:
+    assert ckpt.start(_initial(loop)).step == 0  # Nothing yet: fresh.
+  with recovery.Checkpoints(directory) as ckpt:
+    state = ckpt.start(_initial(loop))
+    assert ckpt.resumed_from == 7
+    assert (recovery.checkpoint_digest(state)
+            == recovery.checkpoint_digest(final))
+    # The strict modes stay strict on a restart.
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop), resume=False)
+  with recovery.Checkpoints(tmp_path / 'empty2') as ckpt:
+    with pytest.raises(recovery.NothingToResumeError):
+      ckpt.start(_initial(loop), resume=True)
+  monkeypatch.setenv(variable, '0')  # A first run: the strict default.
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.FolderNotFreshError):
+      ckpt.start(_initial(loop))
+
+
+def test_wrong_shapes_give_a_clear_error(tmp_path):
+  _, directory, _ = _saved_run(tmp_path)
+  zeros = np.zeros(WIDTH + 2, np.float32)
+  loop = _toy_loop()
+  target = loop.init({'w': jax.device_put(zeros, _rep()),
+                      'v': jax.device_put(zeros, _rep())}, jax.random.key(3))
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointError,
+                       match=r'does not fit this run: user/v: checkpoint has '
+                       r'\[\[4\], .float32.\], this run expects '
+                       r'\[\[6\].*different model or data configuration'
+                       ) as raised:
+      ckpt.restore(target)
+  assert isinstance(raised.value, recovery.CheckpointMismatchError)
+  assert '--' not in str(raised.value)  # recovery names no binary's flags
+
+
+def test_altered_checkpoint_fails_its_digest_check(tmp_path):
+  """A value changed behind Orbax's back reads cleanly; the digest sees it."""
+  loop, directory, _ = _saved_run(tmp_path)
+  # Another run's step-7 state item (same structure, other values) replaces
+  # this run's, keeping this run's metadata (and so its digest).
+  other = tmp_path / 'other'
+  with recovery.Checkpoints(other) as ckpt:
+    loop.run(_initial(loop, seed=99), until_step=7, checkpoints=ckpt)
+  shutil.rmtree(directory / '7' / 'state')
+  shutil.copytree(other / '7' / 'state', directory / '7' / 'state')
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointCorruptError,
+                       match=r'step 7 .* fails its digest check.*changed: '
+                       r'data/key, data/order, user/v, user/w\).*previous '
+                       r'checkpoint \(step 6\)'):
+      ckpt.start(_initial(loop), resume=True)
+    assert ckpt.restore(_initial(loop), step=6).step == 6  # Untouched.
+  # bin/verify_checkpoint.py reports the same mismatch and exits 1.
+  done = subprocess.run(
+      [sys.executable, str(pathlib.Path(__file__).parents[2] / 'bin' /
+                           'verify_checkpoint.py'),
+       f'--checkpoint_dir={directory}'],
+      capture_output=True, text=True, timeout=300,
+      env={**os.environ, env_lib.PLATFORMS: 'cpu'})
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert re.search(r'step 7: FAIL CheckpointCorruptError: .*fails its digest '
+                   r'check.*changed: data/key, data/order, user/v, user/w',
+                   done.stdout), done.stdout + done.stderr
+  assert re.search(r'step 6: OK', done.stdout), done.stdout
+  assert 'FAIL: 1 of 2 checkpoints are bad.' in done.stdout, done.stdout
+
+
+def test_damaged_array_bytes_give_a_clear_error(tmp_path):
+  loop, directory, _ = _saved_run(tmp_path)
+  pattern = str(directory / '7' / 'state' / '**' / 'd' / '*')
+  files = [f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)]
+  assert files
+  for f in files:
+    size = os.path.getsize(f)
+    with open(f, 'r+b') as fh:
+      fh.write(np.random.default_rng(1).bytes(size))
+  # Bytes damaged this badly fail TensorStore's own decoding before any
+  # digest is computed: a plain CheckpointError saying the files cannot be
+  # read, naming the step to fall back to (README, "Checkpoints"). Altered
+  # bytes that still decode give CheckpointCorruptError (test above).
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointError,
+                       match=r'Checkpoint step 7 .*cannot be read.*damaged '
+                       r'or incomplete.*step 6') as raised:
+      ckpt.restore(_initial(loop))
+  assert type(raised.value) is recovery.CheckpointError, raised.value
+
+
+# Orbax leaves an asyncio callback behind when the JSON item fails to parse.
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+def test_corrupt_metadata_gives_a_clear_error(tmp_path):
+  loop, directory, _ = _saved_run(tmp_path)
+  (directory / '7' / 'meta' / 'metadata').write_text('{not json')
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointError,
+                       match=r'step 7 .*`meta` item cannot be read.*step 6'):
+      ckpt.restore(_initial(loop))
+
+
+def test_partial_save_is_ignored_and_reported(tmp_path):
+  loop, directory, _ = _saved_run(tmp_path)
+  shutil.copytree(directory / '7', directory / '9.orbax-checkpoint-tmp')
+  shutil.rmtree(directory / '9.orbax-checkpoint-tmp' / 'state')
+  with recovery.Checkpoints(directory) as ckpt:
+    assert ckpt.partial_steps == [9]
+    assert ckpt.latest_step() == 7
+    assert ckpt.start(_initial(loop), resume=True).step == 7
+
+
+def test_unwritable_folder_is_a_clear_error(tmp_path):
+  blocker = tmp_path / 'a-file'
+  blocker.write_text('x')
+  with pytest.raises(recovery.CheckpointError, match='is not writable'):
+    recovery.Checkpoints(blocker / 'ckpt')
+
+
+def test_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path):
+  loop = _toy_loop()
+  straight, _ = _run(loop, _initial(loop), 10)
+  with recovery.Checkpoints(tmp_path / 'a', save_every=4) as ckpt:
+    loop.run(_initial(loop), until_step=5, checkpoints=ckpt)
+  with recovery.Checkpoints(tmp_path / 'a', save_every=4) as ckpt:
+    resumed = ckpt.start(_initial(loop), resume=True)
+    assert resumed.step == 5
+    result = loop.run(resumed, until_step=10, checkpoints=ckpt)
+    assert ckpt.steps() == [8, 10] or ckpt.steps()[-1] == 10
+  assert recovery.checkpoint_digest(result.state) == recovery.checkpoint_digest(straight)
+
+
+# -- replay -------------------------------------------------------------------
+
+
+def test_verify_replay_across_an_epoch_boundary(tmp_path):
+  loop = _toy_loop()
+  with recovery.Checkpoints(tmp_path / 'r', save_every=2) as ckpt:
+    result = loop.run(_initial(loop), until_step=2, checkpoints=ckpt)
+    restored = ckpt.restore(_initial(loop), step=2)
+  replay = recovery.verify_replay(loop, result.state, restored, 3)
+  assert [r.step for r in replay] == [3, 4, 5]
+  # Step 4 starts epoch 1: the replay drew a reshuffled order there too.
+  _, straight = _run(loop, _initial(loop), 5)
+  assert [r.ids.tolist() for r in replay] == [
+      r.ids.tolist() for r in straight[2:]]
+  assert [r.epoch for r in straight[2:]] == [0, 1, 1]
+  assert all(r.reference_loss == r.replayed_loss for r in replay)
+
+
+def test_verify_replay_detects_a_diverging_state(tmp_path):
+  loop = _toy_loop()
+  state, _ = _run(loop, _initial(loop), 2)
+  bad = state.replace(user={'w': state.user['w'] + 1e-3, 'v': state.user['v']})
+  with pytest.raises(recovery.ReplayMismatchError, match='user/w'):
+    recovery.verify_replay(loop, state, bad, 2)
+  shifted = state.replace(cursor=0)
+  with pytest.raises(recovery.ReplayMismatchError, match='data/cursor'):
+    recovery.verify_replay(loop, state, shifted, 2)
+
+
+# -- preemption on a single controller ----------------------------------------
+
+
+def test_single_controller_sigterm_saves_and_stops(tmp_path):
+  loop = _toy_loop()
+  before = signal.getsignal(signal.SIGTERM)
+
+  def on_step(state, record):
+    del record
+    if state.step == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  with recovery.Checkpoints(tmp_path / 'p', save_every=100) as ckpt:
+    result = loop.run(_initial(loop), until_step=50, checkpoints=ckpt,
+                      on_step=on_step)
+    assert result.preempted
+    assert result.state.step == 4
+    assert ckpt.steps() == [4]
+    assert json.loads(json.dumps(ckpt.read_meta(4)))['reason'] == 'preemption'
+  assert signal.getsignal(signal.SIGTERM) == before
