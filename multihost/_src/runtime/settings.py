@@ -158,9 +158,10 @@ def restart_count() -> int:
                     zero_ok=True, integer=True))
 
 
-def shared() -> dict[str, Any]:
-  """The settings every process must share to agree on a call, by variable name."""
-  return {env.TCP_LANES: tcp_lanes(), env.TRANSPORT: transport()}
+def shared() -> tuple[tuple[str, str], ...]:
+  """The settings every process must share to agree on a call: (variable, value) pairs, part of every call's agreement."""
+  return ((env.TCP_LANES, str(tcp_lanes())),
+          (env.TRANSPORT, transport() or 'unset'))
 
 
 class Settings:
