@@ -2,7 +2,7 @@
 
 Each test runs a few "processes" as threads of this one, each with its own
 `multihost._src.runtime.runtime.Runtime` on one `fake_coordination.FakeService`, and
-calls the control plane (`_control_agree`) with that runtime. The
+calls the control plane (`control.agree`) with that runtime. The
 real-process tests of the same paths (test_failures.py, test_security.py,
 test_collectives.py) stay: they cover what a fake cannot (signals, gloo,
 the real service's timing).

@@ -268,7 +268,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first round's frame to the next
-  process (see `_data_tcp.Eager`); on a difference or a timeout its link
+  process (see `transport.tcp.chain.Eager`); on a difference or a timeout its link
   owes the rest, and the next process drops it (`_receive`).
 
   Raises:

@@ -1,6 +1,6 @@
 """Pure: per-process flight-recorder dumps -> one Chrome trace-event timeline, clock offsets, the first divergence.
 
-A dump is `_flight.Recorder.snapshot()`'s data (times on that process's
+A dump is `runtime.flight.Recorder.snapshot()`'s data (times on that process's
 wall clock, seconds). Nothing here reads a clock, a file or a process, so
 the merge and the analysis are unit-tested on plain data; the launcher
 (`--trace`) and `multihost.write_trace` feed them.

@@ -1,6 +1,6 @@
 """Diagnostics: where-reports rendered as text (one sentence per process in errors, one line per stall, the full report of `multihost.where()`).
 
-Pure: it renders the reports `_where` collects (JSON-able dicts, None for a
+Pure: it renders the reports `diagnostics.where` collects (JSON-able dicts, None for a
 process that did not answer) and asks nothing.
 """
 

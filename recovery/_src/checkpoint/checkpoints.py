@@ -259,7 +259,7 @@ class Checkpoints:
     return steps[-1] if steps else None
 
   def _prune(self) -> None:
-    """Keeps the newest `keep` of `_committed` (`_orbax.prune`)."""
+    """Keeps the newest `keep` of `_committed` (`checkpoint.manager.prune`)."""
     if not self.read_only:
       manager.prune(self._manager, self.directory, self._committed,
                    keep=self.keep)

@@ -1,7 +1,7 @@
 """The local checkpoint tier: each host saves what it holds, with peer copies.
 
 Every `every` steps each process writes, to its host's own local folder
-(`_local_folder`), only the blocks it holds: its addressable shards of
+(`local.folder`), only the blocks it holds: its addressable shards of
 arrays sharded across processes, and every other leaf (replicated arrays,
 host values) once per host, by the lowest process index of that host that
 holds it. A block that lives on one host only is also copied to the next
@@ -13,7 +13,7 @@ the copy to host memory and the peer exchange.
 
 A restore gathers every host's list of committed local steps and the blocks
 each holds (`newest`), then restores the newest one that is complete on
-this topology and passes its checks (`_local_restore`).
+this topology and passes its checks (`local.restore`).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class LocalTier:
 
     Collective: every process must call this, in the same order, after
     `newest`. Older candidates are tried when a newer one fails its checks
-    (`_local_restore`); None on every process when none restores.
+    (`local.restore`); None on every process when none restores.
     """
     got = _local_restore.restore(self, target, candidates=candidates,
                                  not_before=not_before)

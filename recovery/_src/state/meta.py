@@ -2,7 +2,7 @@
 
 Each check raises on its own process with the step, the folder, what differed
 and what to do (`hint`: the step to fall back to). The comparison across
-controllers after a restore is `_consistency`'s.
+controllers after a restore is `state.consistency`'s.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
 
 def recv_into(conn: socket.socket, view: memoryview,
                deadline: Deadline | None = None) -> None:
-  """Fills `view`; with a `deadline`, in watched slices (`_watched`)."""
+  """Fills `view`; with a `deadline`, in watched slices (`api.watched`)."""
   got = 0
   while got < len(view):
     k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
