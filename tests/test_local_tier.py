@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import _helpers
 import jax
@@ -234,6 +235,41 @@ def test_a_fresh_run_deletes_the_older_local_steps_of_its_folder(
   steps = {(s.manifest['directory'], s.step)
            for s in folder.scan(str(tmp_path / 'local'))}
   assert steps == {(str(other / 'ckpt'), 3)}
+
+
+def test_a_local_save_writes_the_state_as_it_was_when_save_returned(
+    tmp_path, monkeypatch):
+  release = threading.Event()
+  write_step = folder.write_step
+
+  def delayed(*args, **kwargs):  # The writer runs after the update below.
+    release.wait(60)
+    return write_step(*args, **kwargs)
+
+  monkeypatch.setattr(folder, 'write_step', delayed)
+  saved = np.arange(8, dtype=np.float32)
+  state = recovery.TransitionState(
+      user={'w': saved.copy()}, key=jax.random.key(0),
+      order=np.arange(4, dtype=np.int32), cursor=0, epoch=0, step=3)
+
+  def checkpoints():
+    return recovery.Checkpoints(tmp_path / 'ckpt', save_every=100,
+                                async_save=False,
+                                local_directory=tmp_path / 'local',
+                                local_save_every=3)
+
+  monkeypatch.delenv('MULTIHOST_RESTART_COUNT', raising=False)
+  with checkpoints() as ckpt:
+    ckpt.start(state.replace(step=0))
+    ckpt.save(state)  # local step 3; its files are written in the background
+    state.user['w'] += 100  # the next step updates the state in place
+    release.set()
+  monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
+  with checkpoints() as ckpt:
+    restored = ckpt.start(
+        state.replace(user={'w': np.zeros(8, np.float32)}, step=0))
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (3, 'local')
+  np.testing.assert_array_equal(restored.user['w'], saved)
 
 
 def test_local_options_are_checked(tmp_path):

@@ -9,7 +9,8 @@ host in the ring (hosts ordered by their lowest process index), through
 `multihost.allgather_object` (sealed with the job secret), so losing any one
 host's local disk loses nothing. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
-the copy to host memory and the peer exchange.
+the copy to host memory (made before `save` returns, so the caller may update
+its arrays in place at once) and the peer exchange.
 
 A restore gathers every host's list of committed local steps and the blocks
 each holds (`newest`), then restores the newest one that is complete on
@@ -118,7 +119,10 @@ class LocalTier:
         writer = min(p for p in where if self.hosts[p] == self.host)
         if writer != self.me:
           continue
-        block = np.asarray(mine[key])
+        # A copy, on this thread: the caller may update its arrays in place
+        # (or donate their buffers) as soon as `save` returns, while the
+        # files are still being written.
+        block = np.array(np.asarray(mine[key]), copy=True)
         own.append(((name, key), block))
         if single:
           sends.append(((name, key), block))
