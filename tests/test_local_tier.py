@@ -11,6 +11,7 @@ to an uninterrupted run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -178,7 +179,7 @@ def test_prune_ranks_and_deletes_only_this_run_s_real_step_folders(tmp_path):
   assert folder.prune(str(tmp_path), 0, RUN, keep=2, written=5) == [2, 8]
   assert sorted(p.name for p in own.iterdir()) == sorted([
       f'1-{OTHER_RUN}', f'9-{OTHER_RUN}', f'6-{OTHER_RUN}.tmp-0a0b',
-      f'6-{RUN}.tmp-0a0b', f'3-{RUN}', f'4-{RUN}', f'5-{RUN}'])
+      f'3-{RUN}', f'4-{RUN}', f'5-{RUN}'])
   assert (elsewhere / 'x').is_dir()
   assert sorted((s.run, s.step) for s in folder.scan(str(tmp_path))) == [
       (RUN, 3), (RUN, 5), (OTHER_RUN, 1), (OTHER_RUN, 9)]
@@ -437,6 +438,22 @@ def test_a_start_leaves_another_run_s_write_in_progress_alone(
   (theirs / 'data.bin').write_bytes(b'x' * 16)
   _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
   assert (theirs / 'data.bin').read_bytes() == b'x' * 16
+
+
+def test_a_failed_local_write_leaves_no_temporary_folder(
+    tmp_path, monkeypatch, caplog):
+  write_step = folder.write_step
+
+  def disk_full(local, process, step, manifest, blocks):
+    def some():
+      yield blocks[0]
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return write_step(local, process, step, manifest, some())
+
+  monkeypatch.setattr(folder, 'write_step', disk_full)
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  assert 'A local save to' in caplog.text
+  assert os.listdir(tmp_path / 'local' / 'process_0') == []
 
 
 # -- drills: 2 controllers x 2 devices, SIGKILL, --max_restarts=1 -------------

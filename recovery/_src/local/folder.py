@@ -14,8 +14,9 @@ local folder leave each other's steps and writes in progress alone. Each
 process writes only its own `process_<P>` subfolder, so several processes
 on one host share the folder without locks. A step is written into a
 temporary folder, the commit marker last, then renamed into place: a kill
-at any point leaves the previous committed steps intact, and a reader never
-takes a folder without its marker.
+at any point leaves the previous committed steps intact, a failed write
+removes its temporary folder, and a reader never takes a folder without its
+marker.
 
 Nothing under `<local>` is followed through a symlink. `<local>` and each
 `process_<P>` must be real folders of this user that its group and others
@@ -218,7 +219,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
 
   The step belongs to run `manifest['run']`. Atomic: a temporary folder
   holds the data, the manifest and the commit marker (last), then is renamed
-  to `<step>-<run>`. A committed folder of the
+  to `<step>-<run>`; a failed write removes it. A committed folder of the
   same step of the same run (a restarted run saving a step again) is
   replaced; other runs' folders are never touched.
 
@@ -226,7 +227,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
     CheckpointFolderError: `local` or the process subfolder fails
       `check_private`.
     ValueError: `manifest['run']` is not a run identity.
-    OSError: the write failed (e.g. the disk is full).
+    OSError: the write failed (e.g. the disk is full); nothing is left of it.
   """
   run = manifest.get('run')
   if not is_run(run):
@@ -236,28 +237,32 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   name = step_name(step, run)
   tmp = os.path.join(own, f'{name}{_TMP}{secrets.token_hex(8)}')
   os.mkdir(tmp, 0o700)
-  listed, offset = [], 0
-  with _open_file(os.path.join(tmp, DATA),
-                  os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
-    for (leaf, index), block in blocks:
-      block = np.require(block, requirements='C')  # keeps 0-d as 0-d
-      f.write(memoryview(block.reshape(-1).view(np.uint8)))
-      listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                     'dtype': block.dtype.str, 'shape': list(block.shape),
-                     'offset': offset, 'nbytes': block.nbytes})
-      offset += block.nbytes
-    f.flush()
-    os.fsync(f.fileno())
-  write_atomic(os.path.join(tmp, MANIFEST), json.dumps(
-      {**manifest, 'format': FORMAT, 'step': step, 'process': process,
-       'entries': listed}), mode=0o600)
-  write_atomic(os.path.join(tmp, COMMIT), str(step), mode=0o600)
-  final = os.path.join(own, name)
-  if os.path.lexists(final) and not _remove(final):
-    raise OSError(errno.EEXIST, f'{final} exists and is not a folder (a '
-                  f'symlink or a file), so local step {step} cannot take '
-                  'its place; remove it by hand.')
-  os.rename(tmp, final)
+  try:
+    listed, offset = [], 0
+    with _open_file(os.path.join(tmp, DATA),
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+      for (leaf, index), block in blocks:
+        block = np.require(block, requirements='C')  # keeps 0-d as 0-d
+        f.write(memoryview(block.reshape(-1).view(np.uint8)))
+        listed.append({'leaf': leaf, 'index': [list(i) for i in index],
+                       'dtype': block.dtype.str, 'shape': list(block.shape),
+                       'offset': offset, 'nbytes': block.nbytes})
+        offset += block.nbytes
+      f.flush()
+      os.fsync(f.fileno())
+    write_atomic(os.path.join(tmp, MANIFEST), json.dumps(
+        {**manifest, 'format': FORMAT, 'step': step, 'process': process,
+         'entries': listed}), mode=0o600)
+    write_atomic(os.path.join(tmp, COMMIT), str(step), mode=0o600)
+    final = os.path.join(own, name)
+    if os.path.lexists(final) and not _remove(final):
+      raise OSError(errno.EEXIST, f'{final} exists and is not a folder (a '
+                    f'symlink or a file), so local step {step} cannot take '
+                    'its place; remove it by hand.')
+    os.rename(tmp, final)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   _fsync_folder(own)
   return offset
 
@@ -367,7 +372,8 @@ def prune(local: str, process: int, run: str, *, keep: int,
   never touched. Steps of `run` newer than `written` are deleted: the run
   has gone back to an older step (they failed their checks at the restore,
   or a persistent step was newer), so a later restart must not return to
-  them. Returns the steps deleted.
+  them. This run's temporary folders are removed too: `written` was the
+  process's one write in flight. Returns the steps deleted.
 
   Raises:
     CheckpointFolderError: `local` or the process subfolder fails
@@ -379,6 +385,9 @@ def prune(local: str, process: int, run: str, *, keep: int,
     m = _STEP.fullmatch(name)
     if m and m.group(2) == run and _is_dir(os.path.join(own, name)):
       mine[int(m.group(1))] = name
+    m = _WRITING.fullmatch(name)
+    if m and m.group(2) == run:
+      _remove(os.path.join(own, name))
   older = sorted(s for s in mine if s < written)
   deleted = sorted([*older[:max(0, len(older) - (keep - 1))],
                     *(s for s in mine if s > written)])
