@@ -1,4 +1,4 @@
-"""The timeline: flight records in a bounded ring, their merge into one Chrome trace, the first divergence, and the metrics through jax.monitoring."""
+"""The timeline of real runs: `launch --trace` merges every controller's flight recorder (a SIGKILL, restarts, a trace file that cannot be written)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Both data planes for large payloads, at an odd process count."""
+"""Both data planes for large payloads at an odd process count, a blocked data-plane port, and lanes that differ across processes."""
 
 from __future__ import annotations
 

@@ -22,13 +22,11 @@ import subprocess
 import sys
 import threading
 
-import _helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multihost import launch
 import recovery
 from recovery._src.local import folder
 
@@ -481,47 +479,6 @@ def test_a_failed_local_write_leaves_no_temporary_folder(
   _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
   assert 'A local save to' in caplog.text
   assert os.listdir(tmp_path / 'local' / 'process_0') == []
-
-
-# -- drills: 2 controllers x 2 devices, SIGKILL, --max_restarts=1 -------------
-
-K = 5
-STEPS = 30
-KILL_AFTER = 17
-
-
-def _drill(tmp_path, *extra, kill=True, one_host=False):
-  """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one."""
-  args = [f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
-          '--save_every=50', f'--local_save_every={K}',
-          f'--metrics_out={tmp_path}/metrics.jsonl', *extra]
-  if kill:
-    args.append(f'--drill_kill_after_step={KILL_AFTER}')
-  if one_host:  # Both processes share the host's folder.
-    command = (f'exec "{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local '
-               + ' '.join(args))
-  else:
-    command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
-               f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
-               '$JAX_PROCESS_ID ' + ' '.join(args))
-  env = {**{k: v for k, v in os.environ.items()
-            if k != recovery.HOST_ID_VARIABLE},
-         **_helpers.quick_compile_env()}
-  result = launch.launch(['sh', '-c', command], num_processes=2,
-                         devices_per_process=2, grace_period=1,
-                         kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,
-                         env=env)
-  assert result.ok, result.summary + '\n' + '\n'.join(
-      o[-3000:] for o in result.outputs)
-  out = '\n'.join(o for a in result.attempts for o in a.outputs)
-  (digest,) = re.findall(r'Finished step \d+ .*digest (\w+)', out)
-  return result, out, digest
-
-
-@pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
-  _, _, digest = _drill(tmp_path_factory.mktemp('reference'), kill=False)
-  return digest
 
 
 def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
 from recovery._src.state.errors import CheckpointFolderError
 
@@ -183,19 +184,6 @@ def _open_file(path: str, flags: int, mode: int = 0o600):
                    'wb' if flags & os.O_WRONLY else 'rb')
 
 
-def _fsync_folder(path: str) -> None:
-  try:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
-  finally:
-    os.close(fd)
-
-
 def _is_dir(path: str) -> bool:
   """Whether `path` is a folder itself (not a link to one)."""
   try:
@@ -263,7 +251,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  _fsync_folder(own)
+  fsync_folder(own)
   return offset
 
 
