@@ -236,8 +236,16 @@ class Checkpoints:
                    f'checkpoint (step {self._on_disk()}) is untouched.'))
     self._pending = step
     _record_event('checkpoint save', start, step=step, reason=reason)
-    logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(), step,
-                 reason or 'scheduled', self.directory)
+    # One line per event: a scheduled save is routine (absl's
+    # --verbosity=1 shows it); a preemption's or the final one is said once,
+    # by process 0.
+    reason = reason or 'scheduled'
+    if reason != 'scheduled' and jax.process_index() == 0:
+      logging.info('%s Saving checkpoint step %d (%s) to %s.', _prefix(),
+                   step, reason, self.directory)
+    else:
+      logging.debug('%s Saving checkpoint step %d (%s) to %s.', _prefix(),
+                    step, reason, self.directory)
     return True
 
   def wait(self) -> None:

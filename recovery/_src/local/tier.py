@@ -213,7 +213,7 @@ class LocalTier:
     self.saves += 1
     spent = time.monotonic() - t0
     self.save_seconds += spent
-    logging.info(
+    logging.debug(  # Routine, every few steps: --verbosity=1 shows it.
         '%s Local save of step %d to %s: %d own and %d peer bytes, %d bytes '
         'sent to a peer, %.3f s on the training thread (the files are written '
         'in the background).', _prefix(), step, self.local,
