@@ -7,11 +7,13 @@ this module as `_train_flags`.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import signal
 import time
 
 from absl import flags
+import numpy as np
 
 STEPS = flags.DEFINE_integer('steps', 20, 'Train until this step.',
                               lower_bound=1)
@@ -100,17 +102,41 @@ DRILL_WIPE_LOCAL = flags.DEFINE_boolean(
     'drill_wipe_local', False,
     'For fault drills: the killed process first deletes its host\'s '
     '--local_checkpoint_dir (a replaced host).')
+DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
+    'drill_damage_newest', False,
+    'For fault drills: the killed process first overwrites the array data '
+    'files of the newest committed step in --checkpoint_dir with random '
+    'bytes (a damaged checkpoint), so that the restart must set it aside '
+    'and resume from the previous one. With --noasync_save, every save due '
+    'by then has committed.')
 
 ORBAX_INFO = flags.DEFINE_boolean(
     'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
 
 
-def drill(step: int, pid: int, *, first_attempt: bool) -> None:
+def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   """The fault drill: process --drill_kill_process SIGKILLs itself after --drill_kill_after_step, on the first attempt only."""
   if (step == DRILL_KILL_AFTER.value and first_attempt
       and pid == DRILL_KILL_PROCESS.value):
     if DRILL_WIPE_LOCAL.value and LOCAL_DIR.value:
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
+    if DRILL_DAMAGE_NEWEST.value:
+      _damage_newest(checkpoints.directory)
     print(f'Drill: process {pid} SIGKILLs itself after step {step} '
           f'at {time.time():.3f}.', flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _damage_newest(directory: str) -> None:
+  """Overwrites the array data files (`state/**/d/*`) of the newest committed step with random bytes."""
+  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  if not steps:
+    raise AssertionError(f'--drill_damage_newest: no committed step in '
+                         f'{directory} yet; kill after a later step, or save '
+                         'sooner (--save_every, --noasync_save).')
+  files = [f for f in (pathlib.Path(directory) / str(steps[-1])).rglob('*')
+           if f.is_file() and f.parent.name == 'd']
+  for f in files:
+    f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
+  print(f'Drill: damaged step {steps[-1]} in {directory} ({len(files)} data '
+        f'files overwritten) at {time.time():.3f}.', flush=True)

@@ -14,7 +14,8 @@ Several controllers on this machine:
 Continue after a preemption (same or another topology):
   python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume
 Resume if there is a checkpoint, else start fresh (for jobs a scheduler
-requeues; the default on a restart or requeue):
+requeues; the default on a restart or requeue); a damaged newest checkpoint
+is then set aside and the previous one resumed:
   python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume_if_present
 """
 
@@ -163,6 +164,9 @@ def _flag_advice(e: recovery.CheckpointError) -> str:
             'pass a new --checkpoint_dir.')
   if isinstance(e, recovery.CheckpointFolderError):
     return ' Here: pass another --checkpoint_dir.'
+  if (isinstance(e, recovery.CheckpointDamagedError)
+      and f"resume='{recovery.IF_PRESENT}'" in str(e)):
+    return ' Here: pass --resume_if_present instead of --resume.'
   return ''
 
 
@@ -246,7 +250,8 @@ def main(argv):
           metrics.write(json.dumps({'event': 'save', 'step': record.step}) +
                         '\n')
         metrics.flush()
-    F.drill(record.step, pid, first_attempt=first_attempt)
+    F.drill(record.step, pid, first_attempt=first_attempt,
+            checkpoints=checkpoints)
 
   if pid == 0:  # The same on every process.
     logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
@@ -280,6 +285,11 @@ def main(argv):
         metrics.write(json.dumps({'event': 'restart' if restarted else 'resume',
                                   'step': state.step, 'tier':
                                   checkpoints.resumed_tier}) + '\n')
+      for step, moved in sorted(checkpoints.set_aside.items(), reverse=True):
+        if metrics is not None:  # A damaged step, renamed (bin/plot.py).
+          metrics.write(json.dumps({'event': 'set_aside', 'step': step,
+                                    'moved_to': moved,
+                                    'resumed_from': state.step}) + '\n')
       if resumed:
         tier = checkpoints.resumed_tier
         peers = (checkpoints.local.restored_bytes_from_peers

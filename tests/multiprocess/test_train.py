@@ -294,8 +294,9 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   # in flight when its restore failed.)
   for ours in ('multihost', 'recovery', 'bin'):
     assert f'File "{ROOT / ours}' not in out, out[-3000:]
-  assert 'error: [process=0] CheckpointError' in out
-  assert 'to resume from the previous checkpoint (step 5)' in out
+  assert 'error: [process=0] CheckpointDamagedError' in out
+  assert 'resume from the previous checkpoint (step 5)' in out
+  assert 'Here: pass --resume_if_present instead of --resume.' in out
   # A checkpoint of another width is refused with the fix.
   shutil.rmtree(ckpt / '10')
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
@@ -554,3 +555,55 @@ def test_sigkill_of_a_controller_during_a_save_at_two_processes(tmp_path):
   assert f'Finished step {killed_at + 3} ' in resumed.outputs[0]
   # _metrics checks that re-run steps were recomputed identically.
   assert sorted(_metrics(metrics)) == list(range(1, killed_at + 4))
+
+
+# -- a damaged checkpoint under --max_restarts ----------------------------------
+
+
+def _restarting(directory, metrics, *extra):
+  """bin/train.py on 2 controllers under --max_restarts=1; (result, output of all attempts)."""
+  args = [TRAIN, f'--checkpoint_dir={directory}', f'--metrics_out={metrics}',
+          '--steps=20', '--save_every=5', '--keep=3', '--noasync_save',
+          *extra]
+  result = launch.launch([PY, *args], num_processes=2, devices_per_process=1,
+                         grace_period=1, kill_wait=0.5, timeout=RUN_TIMEOUT_S,
+                         max_restarts=1, cwd=ROOT,
+                         env=_helpers.quick_compile_env())
+  out = '\n'.join(o for a in result.attempts for o in a.outputs)
+  assert result.ok, result.summary + '\n' + out[-4000:]
+  assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
+                 for pid in a.pids)
+  return result, out
+
+
+def test_a_restart_sets_a_damaged_newest_checkpoint_aside_and_loses_nothing(
+    tmp_path):
+  """Process 1 damages step 10 and dies after step 12; the restart resumes from 5."""
+  _, reference = _restarting(tmp_path / 'ref', tmp_path / 'ref.jsonl')
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  t0 = time.monotonic()
+  result, out = _restarting(ckpt, metrics, '--drill_kill_after_step=12',
+                            '--drill_kill_process=1', '--drill_damage_newest')
+  took = time.monotonic() - t0
+  assert result.restart_count == 1, result.summary
+  assert 'Drill: damaged step 10 in' in out and 'SIGKILLs itself' in out
+  assert _final_digest(out) == _final_digest(reference)
+  (moved,) = [n for n in os.listdir(ckpt) if '.damaged-' in n]
+  assert re.fullmatch(r'10\.damaged-\d{8}T\d{6}Z', moved), moved
+  for p in (0, 1):  # One line each, naming the step, why, where, instead.
+    lines = re.findall(rf'\[process={p}\] Checkpoint step 10 in .*', out)
+    assert len(lines) == 1, lines
+    assert re.search(
+        rf'step 10 in {re.escape(str(ckpt))} is damaged: its files cannot be '
+        r'read \(.*\)\. Set it aside as '
+        rf'{re.escape(str(ckpt / moved))} \(kept, never read or deleted\); '
+        r'resuming from persistent step 5 instead\.', lines[0]), lines[0]
+    assert f'[process={p}] Resumed from step 5 (epoch' in out
+  assert sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) == [
+      10, 15, 20]
+  assert {'event': 'set_aside', 'step': 10, 'moved_to': str(ckpt / moved),
+          'resumed_from': 5} in [json.loads(ln) for ln in
+                                  metrics.read_text().splitlines()]
+  # _metrics checks that steps 6-12, run twice, were recomputed identically.
+  assert sorted(_metrics(metrics)) == list(range(1, 21))
+  print(f'damaged-checkpoint drill: {took:.1f} s (both attempts)')

@@ -287,6 +287,39 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
           == recovery.checkpoint_digest(reference))
 
 
+def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
+    tmp_path, monkeypatch, caplog):
+  """Past damaged local step 9 and persistent steps 9 and 8, local step 6 restores; 9 and 8 are set aside."""
+  reference, _ = _train(tmp_path / 'ref', 12, monkeypatch=monkeypatch)
+  _train(tmp_path, 9, save_every=4, local_every=3, local_keep=3,
+         monkeypatch=monkeypatch)  # persistent 4, 8, 9; local 3, 6, 9
+  _flip_last_byte(tmp_path, 9)
+  for step in (8, 9):
+    for f in (tmp_path / 'ckpt' / str(step) / 'state').rglob('*'):
+      if f.is_file() and f.parent.name == 'd':
+        f.write_bytes(np.random.default_rng(step).bytes(f.stat().st_size))
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 12, save_every=4, local_every=3,
+                       local_keep=3, restart=True, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert sorted(ckpt.set_aside) == [8, 9]
+  lines = [r.getMessage() for r in caplog.records
+           if 'Set it aside as' in r.getMessage()]
+  assert len(lines) == 2, lines
+  for step, line in zip((9, 8), lines):
+    assert re.search(rf'Checkpoint step {step} in .* is damaged: its files '
+                     rf'cannot be read .*Set it aside as .*/{step}\.damaged-'
+                     r'.*; resuming from local step 6 instead\.', line), line
+  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  # Step 8 was saved again; the damaged folders are kept beside it.
+  assert ckpt.steps() == [4, 8, 12]
+  names = sorted(os.listdir(tmp_path / 'ckpt'))
+  assert [n.split('.damaged-')[0] for n in names if '.damaged-' in n] == [
+      '8', '9'], names
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+
+
 @pytest.mark.parametrize('devices', [
     pytest.param(lambda d: d[:2], id='fewer-devices'),
     pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
