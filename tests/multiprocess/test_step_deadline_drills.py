@@ -89,7 +89,7 @@ def test_train_heals_a_stuck_step_under_max_restarts(tmp_path):
           '--straggler_every=0']
   started = time.monotonic()
   result = launch.launch(args, num_processes=2, devices_per_process=2,
-                         grace_period=20, kill_wait=0.5, timeout=120,
+                         grace_period=20, kill_wait=0.5, timeout=90,
                          max_restarts=1, cwd=ROOT, env=quick_compile_env())
   took = time.monotonic() - started
   print(f'healed run: {took:.1f} s')

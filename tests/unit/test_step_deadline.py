@@ -8,7 +8,8 @@ threads standing for two processes on `fake_coordination`: a step past its
 deadline is reported once, naming the process behind and where it is, and
 the process leaves with status 75 (recorded here instead); a step that
 ends in time, or ends while the others are asked, does not make it leave.
-The real-process drills are in tests/multiprocess/test_step_deadline_drills.py.
+`recovery`'s loop runs each step under the watch unless told not to. The
+real-process drills are in tests/multiprocess/test_step_deadline_drills.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 import time
 
 import fake_coordination as fake
+import jax
+import numpy as np
 import pytest
 
 import multihost
@@ -26,6 +29,7 @@ from multihost._src.diagnostics import where
 from multihost._src.diagnostics import where_text
 from multihost._src.liveness import step_deadline
 from multihost._src.runtime import settings as settings_lib
+import recovery
 
 Rule = step_deadline.Rule
 
@@ -296,3 +300,33 @@ def test_an_unanswered_ask_is_bounded(pair, monkeypatch):
   finally:
     hang.set()
     watch.stop()
+
+
+# -- recovery's loop ----------------------------------------------------------
+
+
+def test_recovery_s_loop_watches_each_step_unless_told_not_to():
+  rep = jax.sharding.NamedSharding(jax.make_mesh((1,), ('d',),
+                                                 devices=jax.devices()[:1]),
+                                   jax.sharding.PartitionSpec())
+  seen = []
+
+  def data_fn(ids):
+    seen.append(multihost.step_watch().position())
+    return jax.device_put(np.float32(len(ids)), rep)
+
+  loop = recovery.ResilientLoop(
+      jax.jit(lambda user, batch: (user + batch, batch)), data_fn=data_fn,
+      sampler=recovery.EpochSampler(8, 2))
+  state = loop.init(jax.device_put(np.float32(0), rep), jax.random.key(0))
+  watch = multihost.step_watch()
+  before = watch.learner.steps
+  state = loop.run(state, until_step=3).state
+  # Inside step n while loading its batch, arrived after it, learned from.
+  assert [(p['step'], p['state']) for p in seen] == [
+      (1, 'preparing'), (2, 'preparing'), (3, 'preparing')]
+  assert watch.learner.steps == before + 3
+  assert watch.position()['step'] == 3 and watch.position()['arrivals']
+  loop.run(state, until_step=5, step_deadline=False)
+  assert watch.learner.steps == before + 3
+  assert watch.position()['step'] == 3
