@@ -1,4 +1,4 @@
-"""bin/train.py's flags, and its fault drill (a module of that binary, not one itself).
+"""bin/train.py's flags, and its fault drills (a module of that binary, not one itself).
 
 `python bin/train.py` puts bin/ first on sys.path, so train.py imports
 this module as `_train_flags`.
@@ -110,8 +110,82 @@ DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
     'and resume from the previous one. With --noasync_save, every save due '
     'by then has committed.')
 
+DRILL_STALL_AT = flags.DEFINE_integer(
+    'drill_stall_at_step', 0,
+    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
+    'or 0), process --drill_stall_process sleeps --drill_stall_seconds in '
+    'its data loader of this step (alive, but stuck: the step deadline ends '
+    'it; 0: never).', lower_bound=0)
+DRILL_STALL_PROCESS = flags.DEFINE_integer(
+    'drill_stall_process', 1, 'For fault drills: the process that stalls.',
+    lower_bound=0)
+DRILL_STALL_SECONDS = flags.DEFINE_float(
+    'drill_stall_seconds', 3600.0,
+    'For fault drills: how long the stalled process sleeps.', lower_bound=0)
+
+
+def _deadline_ok(value: str) -> bool:
+  """Whether --step_deadline is auto, off or a positive number."""
+  value = value.strip().lower()
+  if value in ('auto', 'off'):
+    return True
+  try:
+    return float(value) > 0
+  except ValueError:
+    return False
+
+
+STEP_DEADLINE = flags.DEFINE_string(
+    'step_deadline', 'auto',
+    'How long a training step may take before every process leaves with '
+    'exit status 75, naming the process behind (multihost.set_step_deadline):'
+    ' auto (learned: after --step_deadline_warmup steps, max('
+    '--step_deadline_floor, --step_deadline_multiple x the longest step)), '
+    'off, or a fixed number of seconds. Without any --step_deadline* flag: '
+    '$MULTIHOST_STEP_DEADLINE, else auto.')
+flags.register_validator(
+    'step_deadline', _deadline_ok,
+    message='--step_deadline must be auto, off or a positive number of '
+    'seconds.')
+STEP_DEADLINE_WARMUP = flags.DEFINE_integer(
+    'step_deadline_warmup', 3, 'auto: the first steps, never judged '
+    '(compilation).', lower_bound=0)
+STEP_DEADLINE_MULTIPLE = flags.DEFINE_float(
+    'step_deadline_multiple', 5.0, 'auto: a step may take this many times '
+    'the longest step seen.', lower_bound=1)
+STEP_DEADLINE_FLOOR = flags.DEFINE_float(
+    'step_deadline_floor', 60.0, 'auto: a step always gets at least this '
+    'many seconds.', lower_bound=0.001)
+
 ORBAX_INFO = flags.DEFINE_boolean(
     'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
+
+
+def step_deadline_rule() -> dict[str, object] | None:
+  """`multihost.set_step_deadline`'s arguments from the --step_deadline* flags; None when none is given."""
+  given = (STEP_DEADLINE, STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
+           STEP_DEADLINE_FLOOR)
+  if not any(flag.present for flag in given):
+    return None
+  value = STEP_DEADLINE.value.strip().lower()
+  if value == 'off':
+    return {'enabled': False}
+  rule = {'warmup_steps': STEP_DEADLINE_WARMUP.value,
+          'multiple': STEP_DEADLINE_MULTIPLE.value,
+          'floor': STEP_DEADLINE_FLOOR.value}
+  if value != 'auto':
+    rule['fixed'] = float(value)
+  return rule
+
+
+def stall(step: int, pid: int, *, first_attempt: bool) -> None:
+  """The stall drill: process --drill_stall_process sleeps in its data loader of step --drill_stall_at_step, on the first attempt only."""
+  if (step == DRILL_STALL_AT.value and first_attempt
+      and pid == DRILL_STALL_PROCESS.value):
+    print(f'Drill: process {pid} stalls in its data loader of step {step} '
+          f'for {DRILL_STALL_SECONDS.value:g} s at {time.time():.3f}.',
+          flush=True)
+    time.sleep(DRILL_STALL_SECONDS.value)
 
 
 def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:

@@ -184,6 +184,9 @@ def main(argv):
   if multihost.env.NUM_CPU_DEVICES not in os.environ:
     jax.config.update('jax_num_cpu_devices', F.NUM_CPU_DEVICES.value)
   multihost.initialize()
+  rule = F.step_deadline_rule()
+  if rule is not None:
+    multihost.set_step_deadline(**rule)
   pid = jax.process_index()
   prefix = lowlevel.process_prefix()
   count = jax.device_count()
@@ -223,7 +226,13 @@ def main(argv):
   first_attempt = os.environ.get(multihost.env.RESTART_COUNT, '0') in ('',
                                                                       '0')
   sampler = recovery.EpochSampler(F.SAMPLES.value, batch_size)
-  loop = recovery.ResilientLoop(model.update, data_fn=model.batch,
+  upcoming = [0]  # The step whose batch data_fn loads next.
+
+  def data_fn(ids):
+    F.stall(upcoming[0], pid, first_attempt=first_attempt)
+    return model.batch(ids)
+
+  loop = recovery.ResilientLoop(model.update, data_fn=data_fn,
                                 sampler=sampler, check_fn=model.check)
   initial = loop.init(model.initial_user_state(),
                       jax.random.key(F.SEED.value))
@@ -252,6 +261,7 @@ def main(argv):
         metrics.flush()
     F.drill(record.step, pid, first_attempt=first_attempt,
             checkpoints=checkpoints)
+    upcoming[0] = record.step + 1
 
   if pid == 0:  # The same on every process.
     logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
@@ -267,6 +277,7 @@ def main(argv):
                               ) as checkpoints:
       state = checkpoints.start(initial, resume=resume)
       resumed = checkpoints.resumed_from is not None
+      upcoming[0] = state.step + 1
       if state.step > F.STEPS.value:
         raise recovery.CheckpointError(
             f'{prefix} The latest checkpoint in {directory} is at step '

@@ -52,6 +52,11 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # `multihost.set_exit_on_peer_failure`, which overrides it).
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
+# How long a training step may take before the process leaves with exit
+# status 75 (see `multihost.set_step_deadline`, which overrides it): unset or
+# 'auto': learned from the step times; 'off' or 0: never; SECONDS: fixed.
+STEP_DEADLINE = 'MULTIHOST_STEP_DEADLINE'
+
 # Idle result buffers (MiB) each process keeps for the next large collective
 # (default 512; 0: none); see `multihost._src.transport.buffers`.
 RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'

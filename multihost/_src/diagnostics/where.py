@@ -5,7 +5,8 @@ waits on the coordination service's key-value store for requests and
 answers them with this process's report: every thread's innermost Python
 frames (main thread first, read with `sys._current_frames()`, so a main
 thread stuck in user code or in a blocking call that releases the GIL does
-not matter) and its last collectives from the flight recorder (`runtime.flight`).
+not matter), its last collectives from the flight recorder (`runtime.flight`)
+and where it is in its training steps (`liveness.step_deadline`).
 The requester writes `multihost_where/req/<n>` naming the processes it asks
 (n from an atomic counter); every responder reads the requests in order,
 blocked in one key-value get with a 1 s timeout at a time, and the processes
@@ -94,6 +95,7 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
                                          'ago': now - last.end},
       'now_in': None if current is None else {
           'label': current.label(), 'for': now - current.start},
+      'step': rt.step_watch.position(),
       'raised': None if failed is None else {
           'label': failed.label(), 'error': failed.error,
           'ago': now - failed.failed_at},

@@ -94,12 +94,17 @@ class Watchdog:
     # Leaving after a peer failure (see `liveness.peer_loss_exit`), and what renders
     # this process's main thread for its last line: `diagnostics.where` sets a
     # where-report; until then, a plain stack.
-    self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self._leave)
+    self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self.leave)
     configure_peer_loss(self.peer_loss, runtime.settings)
     self.describe: Callable[[], str] = describe or _main_thread_stack
 
-  def _leave(self, status: int) -> None:
-    """Leaves with `status` at once, after the exit sequence's trace dump (a local file)."""
+  def leave(self, status: int) -> None:
+    """Leaves with `status` at once, after the exit sequence's trace dump (a local file).
+
+    How this process leaves by itself: after a peer's failure
+    (`liveness.peer_loss_exit`) and after a stuck step
+    (`liveness.step_deadline`).
+    """
     dump = self.runtime.exit_steps.pop('trace', None)
     if dump is not None:
       try:

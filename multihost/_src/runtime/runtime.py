@@ -4,8 +4,8 @@
 coordination client (a `runtime.coordination.Client`), the job secret, the call
 counter, the rendezvous' fast-path state, the flight recorder, the logger
 that owns the `[process=N]` prefix, and the parts that run threads: the
-failure watchdog, the where-responder, the stall reports and the live
-blocks (built with the runtime, by the assembler that
+failure watchdog, the where-responder, the stall reports, the live
+blocks and the step deadline (built with the runtime, by the assembler that
 `multihost._src.api.assembly` registers: the parts' classes live in the
 packages above this one), the TCP links (`transport.tcp.link.plane_of`,
 made on the first transfer: they listen and publish an address) and, on
@@ -47,6 +47,7 @@ if typing.TYPE_CHECKING:  # The parts' types; the assembler imports them.
   from multihost._src.api.live_devices import Blocks
   from multihost._src.diagnostics.stalls import Stalls
   from multihost._src.diagnostics.where import Responder
+  from multihost._src.liveness.step_deadline import StepWatch
   from multihost._src.liveness.watchdog import Watchdog
   from multihost._src.runtime.companion import Companion
   from multihost._src.transport.tcp.link import Plane
@@ -136,6 +137,7 @@ class Runtime:
     self.where: Responder
     self.stalls: Stalls
     self.live_blocks: Blocks
+    self.step_watch: StepWatch
     if _assembler is None:
       raise RuntimeError(
           'multihost\'s runtime parts are not assembled: import '
