@@ -226,8 +226,15 @@ def main(argv):
 
   metrics = None
   checked = [time.monotonic()]  # When the straggler check last ran.
+  # Set when the run resumed: the first step after it is announced.
+  announce_first_step = [False]
 
   def on_step(state, record):
+    if announce_first_step[0]:
+      announce_first_step[0] = False
+      # Every process: when each one trains again (bench/restart_drill.py).
+      print(f'{prefix} Training again: step {record.step} done at '
+            f'{time.time():.3f}.', flush=True)
     every = F.STRAGGLER_EVERY.value
     if every and jax.process_count() > 1 and record.step % every == 0:
       report = multihost.straggler_report()  # Every process, same step.
@@ -281,6 +288,7 @@ def main(argv):
                                   'step': state.step, 'tier':
                                   checkpoints.resumed_tier}) + '\n')
       if resumed:
+        announce_first_step[0] = True
         tier = checkpoints.resumed_tier
         peers = (checkpoints.local.restored_bytes_from_peers
                  if tier == 'local' else 0)
