@@ -170,8 +170,6 @@ RESTART_COUNT = 'MULTIHOST_RESTART_COUNT'
 # launcher gives every attempt the same one (unless the user set it), so that
 # a restarted attempt loads what the first one compiled.
 COMPILATION_CACHE_DIR = 'JAX_COMPILATION_CACHE_DIR'
-# The shortest compile (seconds) JAX writes to that cache (JAX's default: 1).
-PERSISTENT_CACHE_MIN_COMPILE_TIME = 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'
 
 # --- Exit statuses: what a controller's status tells its launcher. ---------
 # "Restarting will not help" (BSD's EX_CONFIG, a configuration error): a
