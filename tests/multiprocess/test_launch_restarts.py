@@ -13,9 +13,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from multihost import env as env_lib
 from multihost import launch
+from multihost.launch import _processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / 'tests' / 'launch_programs'
@@ -210,3 +212,24 @@ def test_every_attempt_gets_the_same_compilation_cache_folder(
   # Without restarts, no folder is made.
   result = _fails_as_told(max_restarts=0, FAIL_UNTIL_ATTEMPT='-1')
   assert result.ok and set(_caches(result).values()) == {'None False'}
+
+
+def test_an_exited_process_is_told_apart_before_it_is_reaped():
+  # What keeps a process that died by itself, unreaped when the launcher
+  # stops the others at once, from being counted as stopped by it.
+  done = subprocess.Popen([PY, '-c', 'pass'])
+  running = subprocess.Popen([PY, '-c', 'import time; time.sleep(30)'])
+  try:
+    stat = pathlib.Path(f'/proc/{done.pid}/stat')
+    deadline = time.monotonic() + 30
+    while stat.read_text().rsplit(')', 1)[1].split()[0] != 'Z':
+      assert time.monotonic() < deadline, 'the child did not exit'
+      time.sleep(0.02)
+    assert _processes.exited(done.pid)
+    assert stat.exists()  # Still a zombie: exited() did not reap it.
+    assert done.wait(timeout=10) == 0
+    assert _processes.exited(done.pid)  # Reaped.
+    assert not _processes.exited(running.pid)
+  finally:
+    running.kill()
+    running.wait(timeout=10)
