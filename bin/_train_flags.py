@@ -188,6 +188,29 @@ def stall(step: int, pid: int, *, first_attempt: bool) -> None:
     time.sleep(DRILL_STALL_SECONDS.value)
 
 
+# The flags every process must agree on: they shape the model, the data order,
+# the schedule of saves and collectives, or the checkpoint folder. The others
+# may differ: --local_checkpoint_dir's path (each host its own; only whether
+# there is one must agree), --metrics_out (process 0 writes it), the logging
+# flags, --num_cpu_devices and --handle_sigterm (this process's own).
+_MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
+               RESUME_IF_PRESENT, VERIFY_REPLAY, WIDTH, SAMPLES, BATCH_SIZE,
+               SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
+               SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
+               DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST, DRILL_STALL_AT,
+               DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
+               STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
+               STEP_DEADLINE_FLOOR)
+
+
+def must_agree() -> dict[str, object]:
+  """{'--flag': value} of the flags every process must agree on, and whether --resume and --local_checkpoint_dir were given."""
+  values: dict[str, object] = {f'--{f.name}': f.value for f in _MUST_AGREE}
+  values['whether --resume was given'] = RESUME.present
+  values['whether --local_checkpoint_dir is set'] = bool(LOCAL_DIR.value)
+  return values
+
+
 def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   """The fault drill: process --drill_kill_process SIGKILLs itself after --drill_kill_after_step, on the first attempt only."""
   if (step == DRILL_KILL_AFTER.value and first_attempt

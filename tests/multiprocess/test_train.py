@@ -40,6 +40,8 @@ PY = sys.executable
 # an epoch's end (8 steps an epoch); short enough for CI.
 STEPS = 400
 RUN_TIMEOUT_S = 120
+# bin/train.py's status when restarting will not help.
+NO_RETRY = env_lib.NO_RETRY_EXIT_STATUS
 # Cluster variables a single-controller run must not inherit.
 _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
                  env_lib.PROCESS_ID, env_lib.OMPI_HNP_URI, env_lib.OMPI_SIZE,
@@ -287,7 +289,8 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   assert 'step 5: OK' in out and 'step 10: FAIL' in out
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
                          '--resume'], log=tmp_path / 'resume.log')
-  assert rc == 2, out[-3000:]
+  # No usable checkpoint where one is required: restarting will not help.
+  assert rc == NO_RETRY, out[-3000:]
   # No traceback through our code. (Orbax may print its own, from
   # site-packages, which can be inside ROOT/.venv: a read task whose error
   # nobody retrieved, or TensorStore's 'Event loop is closed', for reads still
@@ -301,11 +304,12 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   shutil.rmtree(ckpt / '10')
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
                          '--resume', '--width=16'], log=tmp_path / 'w.log')
-  assert rc == 2 and 'does not fit this run' in out and '--width' in out
+  assert rc == NO_RETRY and 'does not fit this run' in out, out[-3000:]
+  assert '--width' in out
   # Starting fresh in a folder that holds a checkpoint is refused.
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20'],
                         log=tmp_path / 'fresh.log')
-  assert rc == 2 and 'already holds checkpoint steps [5]' in out
+  assert rc == NO_RETRY and 'already holds checkpoint steps [5]' in out
 
 
 def test_resume_if_present_and_requeues(tmp_path):
@@ -332,13 +336,39 @@ def test_resume_if_present_and_requeues(tmp_path):
   # The strict modes stay: --noresume on a folder with checkpoints,
   rc, out = _run_single([*args, '--steps=15', '--noresume'],
                         log=tmp_path / 'strict.log', env=requeue)
-  assert rc == 2 and 'FolderNotFreshError' in out, out[-3000:]
+  assert rc == NO_RETRY and 'FolderNotFreshError' in out, out[-3000:]
   assert 'Here: pass --resume (or --resume_if_present)' in out, out[-3000:]
   # and --resume on an empty one, with this binary's flags in the advice.
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={tmp_path / "empty"}',
                          '--resume'], log=tmp_path / 'empty.log', env=requeue)
-  assert rc == 2 and 'nothing to resume from' in out, out[-3000:]
+  assert rc == NO_RETRY and 'nothing to resume from' in out, out[-3000:]
   assert 'Here: run without --resume for a fresh run' in out, out[-3000:]
+
+
+def test_configuration_errors_exit_78_and_are_not_restarted(tmp_path):
+  """Bad flags, bad usage and flags that differ across processes: status 78 (restarting will not help)."""
+  # A flag's value out of bounds (absl's parsing), before JAX starts.
+  rc, out = _run_single([TRAIN, '--steps=0'], log=tmp_path / 'flag.log')
+  assert rc == NO_RETRY and 'FATAL Flags parsing error' in out, out[-3000:]
+  # Usage: a batch that cannot be sharded over the 4 devices.
+  rc, out = _run_single([TRAIN, '--batch_size=6'], log=tmp_path / 'use.log')
+  assert rc == NO_RETRY and 'must be a multiple of the device count' in out
+  # Processes given different --steps: every one says so and exits 78, and
+  # the launcher does not restart them.
+  command = (f'exec "{PY}" "{TRAIN}" --checkpoint_dir={tmp_path}/ckpt '
+             '--steps=$((10 + JAX_PROCESS_ID))')
+  result = launch.launch(['sh', '-c', command], num_processes=2,
+                         devices_per_process=2, timeout=RUN_TIMEOUT_S,
+                         grace_period=30, max_restarts=2, cwd=ROOT,
+                         env=_helpers.quick_compile_env())
+  assert result.returncodes == (NO_RETRY, NO_RETRY), result.summary
+  assert result.restart_count == 0, result.summary
+  for i in (0, 1):
+    assert (f'error: [process={i}] ConsistencyError: the processes run with '
+            'different flags: --steps: p0=10, p1=11.') in result.outputs[i]
+  assert f'not restarted: process {result.first_failure} exited with status ' \
+      f'{NO_RETRY}' in result.summary
+  assert not (tmp_path / 'ckpt').exists()
 
 
 def _readme_cluster_commands() -> dict[str, list[str]]:
