@@ -98,7 +98,10 @@ def test_train_heals_a_stuck_step_under_max_restarts(tmp_path):
   assert result.restart_count == 1, result.summary
   first, last = result.attempts
   assert first.returncodes == (75, 75), first.summary
-  assert not first.stopped, first.summary
+  # Each left on its own with its report (the launcher, restarting at once,
+  # may have signalled one that was already leaving: its status is still 75).
+  for out in first.outputs:
+    assert len(_report_lines(out)) == 1, out[-3000:]
   (line,) = _report_lines(first.outputs[0])
   assert '[process=0] multihost: step 8 has run for ' in line, line
   assert 'Behind the others: process 1 is in step 8 ' in line, line

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
 
@@ -520,5 +521,7 @@ def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
       [PY, TRAIN, f'--checkpoint_dir={tmp_path}', '--local_save_every=3'],
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
       check=False)
-  assert proc.returncode == 1, proc.stdout + proc.stderr
+  # Bad flags: restarting will not help.
+  assert proc.returncode == env_lib.NO_RETRY_EXIT_STATUS, (proc.stdout +
+                                                          proc.stderr)
   assert '--local_save_every=3 needs --local_checkpoint_dir' in proc.stderr
