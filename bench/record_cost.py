@@ -3,7 +3,7 @@
   python bench/record_cost.py
 
 Times a stand-in collective that only begins and ends a flight record (what
-every rendezvous does anyway), without and with `_metrics.recorded` (the
+every rendezvous does anyway), without and with `diagnostics.metrics.recorded` (the
 `done`/bytes stamps and the three `jax.monitoring` reports), best of 5 runs
 of 200000 calls; then again with one no-op listener per kind registered.
 Compare the difference with the 8 B broadcast's median from

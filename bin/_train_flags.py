@@ -1,4 +1,4 @@
-"""bin/train.py's flags, and its fault drill (a module of that binary, not one itself).
+"""bin/train.py's flags, and its fault drills (a module of that binary, not one itself).
 
 `python bin/train.py` puts bin/ first on sys.path, so train.py imports
 this module as `_train_flags`.
@@ -7,11 +7,13 @@ this module as `_train_flags`.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import signal
 import time
 
 from absl import flags
+import numpy as np
 
 STEPS = flags.DEFINE_integer('steps', 20, 'Train until this step.',
                               lower_bound=1)
@@ -100,17 +102,138 @@ DRILL_WIPE_LOCAL = flags.DEFINE_boolean(
     'drill_wipe_local', False,
     'For fault drills: the killed process first deletes its host\'s '
     '--local_checkpoint_dir (a replaced host).')
+DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
+    'drill_damage_newest', False,
+    'For fault drills: the killed process first overwrites the array data '
+    'files of the newest committed step in --checkpoint_dir with random '
+    'bytes (a damaged checkpoint), so that the restart must set it aside '
+    'and resume from the previous one. With --noasync_save, every save due '
+    'by then has committed.')
+
+DRILL_STALL_AT = flags.DEFINE_integer(
+    'drill_stall_at_step', 0,
+    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
+    'or 0), process --drill_stall_process sleeps --drill_stall_seconds in '
+    'its data loader of this step (alive, but stuck: the step deadline ends '
+    'it; 0: never).', lower_bound=0)
+DRILL_STALL_PROCESS = flags.DEFINE_integer(
+    'drill_stall_process', 1, 'For fault drills: the process that stalls.',
+    lower_bound=0)
+DRILL_STALL_SECONDS = flags.DEFINE_float(
+    'drill_stall_seconds', 3600.0,
+    'For fault drills: how long the stalled process sleeps.', lower_bound=0)
+
+
+def _deadline_ok(value: str) -> bool:
+  """Whether --step_deadline is auto, off or a positive number."""
+  value = value.strip().lower()
+  if value in ('auto', 'off'):
+    return True
+  try:
+    return float(value) > 0
+  except ValueError:
+    return False
+
+
+STEP_DEADLINE = flags.DEFINE_string(
+    'step_deadline', 'auto',
+    'How long a training step may take before every process leaves with '
+    'exit status 75, naming the process behind (multihost.set_step_deadline):'
+    ' auto (learned: after --step_deadline_warmup steps, max('
+    '--step_deadline_floor, --step_deadline_multiple x the longest step)), '
+    'off, or a fixed number of seconds. Without any --step_deadline* flag: '
+    '$MULTIHOST_STEP_DEADLINE, else auto.')
+flags.register_validator(
+    'step_deadline', _deadline_ok,
+    message='--step_deadline must be auto, off or a positive number of '
+    'seconds.')
+STEP_DEADLINE_WARMUP = flags.DEFINE_integer(
+    'step_deadline_warmup', 3, 'auto: the first steps, never judged '
+    '(compilation).', lower_bound=0)
+STEP_DEADLINE_MULTIPLE = flags.DEFINE_float(
+    'step_deadline_multiple', 5.0, 'auto: a step may take this many times '
+    'the longest step seen.', lower_bound=1)
+STEP_DEADLINE_FLOOR = flags.DEFINE_float(
+    'step_deadline_floor', 60.0, 'auto: a step always gets at least this '
+    'many seconds.', lower_bound=0.001)
 
 ORBAX_INFO = flags.DEFINE_boolean(
     'orbax_info_logs', False, 'Show Orbax\'s INFO log lines (many per save).')
 
 
-def drill(step: int, pid: int, *, first_attempt: bool) -> None:
+def step_deadline_rule() -> dict[str, object] | None:
+  """`multihost.set_step_deadline`'s arguments from the --step_deadline* flags; None when none is given."""
+  given = (STEP_DEADLINE, STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
+           STEP_DEADLINE_FLOOR)
+  if not any(flag.present for flag in given):
+    return None
+  value = STEP_DEADLINE.value.strip().lower()
+  if value == 'off':
+    return {'enabled': False}
+  rule = {'warmup_steps': STEP_DEADLINE_WARMUP.value,
+          'multiple': STEP_DEADLINE_MULTIPLE.value,
+          'floor': STEP_DEADLINE_FLOOR.value}
+  if value != 'auto':
+    rule['fixed'] = float(value)
+  return rule
+
+
+def stall(step: int, pid: int, *, first_attempt: bool) -> None:
+  """The stall drill: process --drill_stall_process sleeps in its data loader of step --drill_stall_at_step, on the first attempt only."""
+  if (step == DRILL_STALL_AT.value and first_attempt
+      and pid == DRILL_STALL_PROCESS.value):
+    print(f'Drill: process {pid} stalls in its data loader of step {step} '
+          f'for {DRILL_STALL_SECONDS.value:g} s at {time.time():.3f}.',
+          flush=True)
+    time.sleep(DRILL_STALL_SECONDS.value)
+
+
+# The flags every process must agree on: they shape the model, the data order,
+# the schedule of saves and collectives, or the checkpoint folder. The others
+# may differ: --local_checkpoint_dir's path (each host its own; only whether
+# there is one must agree), --metrics_out (process 0 writes it), the logging
+# flags, --num_cpu_devices and --handle_sigterm (this process's own).
+_MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
+               RESUME_IF_PRESENT, VERIFY_REPLAY, WIDTH, SAMPLES, BATCH_SIZE,
+               SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
+               SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
+               DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST, DRILL_STALL_AT,
+               DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
+               STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
+               STEP_DEADLINE_FLOOR)
+
+
+def must_agree() -> dict[str, object]:
+  """{'--flag': value} of the flags every process must agree on, and whether --resume and --local_checkpoint_dir were given."""
+  values: dict[str, object] = {f'--{f.name}': f.value for f in _MUST_AGREE}
+  values['whether --resume was given'] = RESUME.present
+  values['whether --local_checkpoint_dir is set'] = bool(LOCAL_DIR.value)
+  return values
+
+
+def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   """The fault drill: process --drill_kill_process SIGKILLs itself after --drill_kill_after_step, on the first attempt only."""
   if (step == DRILL_KILL_AFTER.value and first_attempt
       and pid == DRILL_KILL_PROCESS.value):
     if DRILL_WIPE_LOCAL.value and LOCAL_DIR.value:
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
+    if DRILL_DAMAGE_NEWEST.value:
+      _damage_newest(checkpoints.directory)
     print(f'Drill: process {pid} SIGKILLs itself after step {step} '
           f'at {time.time():.3f}.', flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _damage_newest(directory: str) -> None:
+  """Overwrites the array data files (`state/**/d/*`) of the newest committed step with random bytes."""
+  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  if not steps:
+    raise AssertionError(f'--drill_damage_newest: no committed step in '
+                         f'{directory} yet; kill after a later step, or save '
+                         'sooner (--save_every, --noasync_save).')
+  files = [f for f in (pathlib.Path(directory) / str(steps[-1])).rglob('*')
+           if f.is_file() and f.parent.name == 'd']
+  for f in files:
+    f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
+  print(f'Drill: damaged step {steps[-1]} in {directory} ({len(files)} data '
+        f'files overwritten) at {time.time():.3f}.', flush=True)

@@ -14,8 +14,16 @@ Several controllers on this machine:
 Continue after a preemption (same or another topology):
   python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume
 Resume if there is a checkpoint, else start fresh (for jobs a scheduler
-requeues; the default on a restart or requeue):
+requeues; the default on a restart or requeue); a damaged newest checkpoint
+is then set aside and the previous one resumed:
   python bin/train.py --checkpoint_dir=/tmp/ckpt --steps=200 --resume_if_present
+
+Exit status 78 (`multihost.env.NO_RETRY_EXIT_STATUS`) says that restarting
+will not help, so that `multihost.launch --max_restarts` and
+docs/restart.sbatch stop: bad flags or usage, flags that differ across the
+processes, and a checkpoint that is required and missing or unusable (when
+the run starts: nothing to resume from, a folder that is not fresh, a
+checkpoint of another model or a damaged one, one beyond --steps).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import time
 
 import _train_flags as F  # bin/_train_flags.py: the flags, the drill.
 from absl import app
+from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -41,6 +50,15 @@ import recovery
 
 BASE_LR = 0.04
 MOMENTUM = 0.8
+# Restarting will not help (see the module's docstring).
+NO_RETRY = multihost.env.NO_RETRY_EXIT_STATUS
+
+
+class UsageError(app.UsageError):
+  """Bad flags or usage: absl prints the usage, the process exits with NO_RETRY."""
+
+  def __init__(self, message: str):
+    super().__init__(message, exitcode=NO_RETRY)
 
 
 def learning_rate(width: int, batch_size: int) -> float:
@@ -142,7 +160,7 @@ def _resume_mode() -> bool | str | None:
   """recovery's resume mode from --resume / --noresume / --resume_if_present."""
   if F.RESUME_IF_PRESENT.value:
     if F.RESUME.present:
-      raise app.UsageError(
+      raise UsageError(
           '--resume_if_present cannot be combined with --resume or '
           '--noresume; pass one of them.')
     return recovery.IF_PRESENT
@@ -163,13 +181,50 @@ def _flag_advice(e: recovery.CheckpointError) -> str:
             'pass a new --checkpoint_dir.')
   if isinstance(e, recovery.CheckpointFolderError):
     return ' Here: pass another --checkpoint_dir.'
+  if (isinstance(e, recovery.CheckpointDamagedError)
+      and f"resume='{recovery.IF_PRESENT}'" in str(e)):
+    return ' Here: pass --resume_if_present instead of --resume.'
   return ''
 
 
 def _fail(message: str, code: int = 2) -> None:
   # One line, on stderr (where absl's log lines go too).
+  if code == NO_RETRY:
+    message += (f' (Exit status {NO_RETRY}: restarting will not help; a '
+                'launcher with restarts stops here.)')
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, except that bad flags exit with NO_RETRY (restarting will not help)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.stderr.write(f'FATAL Flags parsing error: {e}\nPass --helpshort or '
+                     f'--helpfull to see help on flags. (Exit status '
+                     f'{NO_RETRY}: restarting will not help.)\n')
+    sys.exit(NO_RETRY)
+
+
+def _check_same_flags(prefix: str) -> None:
+  """Exits with NO_RETRY on every process unless all run with the same training flags (collective)."""
+  mine = F.must_agree()
+  everyone = multihost.allgather_object(mine)
+  differ = [name for name in mine
+            if any(other.get(name) != mine[name] for other in everyone)]
+  if not differ:
+    return
+  values = '; '.join(
+      f'{name}: ' + ', '.join(f'p{i}={other.get(name)!r}'
+                                for i, other in enumerate(everyone))
+      for name in differ)
+  error = multihost.ConsistencyError(
+      f'the processes run with different flags: {values}. Every process '
+      'must get the same training flags (only --local_checkpoint_dir\'s '
+      'path, --metrics_out and the logging flags may differ); fix the '
+      'command and run again.')
+  _fail(f'{prefix} {type(error).__name__}: {error}', code=NO_RETRY)
 
 
 def main(argv):
@@ -180,36 +235,40 @@ def main(argv):
   if multihost.env.NUM_CPU_DEVICES not in os.environ:
     jax.config.update('jax_num_cpu_devices', F.NUM_CPU_DEVICES.value)
   multihost.initialize()
+  rule = F.step_deadline_rule()
+  if rule is not None:
+    multihost.set_step_deadline(**rule)
   pid = jax.process_index()
   prefix = lowlevel.process_prefix()
+  _check_same_flags(prefix)
   count = jax.device_count()
   batch_size = F.BATCH_SIZE.value
   if batch_size % count:
-    raise app.UsageError(
+    raise UsageError(
         f'--batch_size={batch_size} must be a multiple of the device count '
         f'({count}), since the batch is sharded over all devices.')
   if batch_size > F.SAMPLES.value:
-    raise app.UsageError(
+    raise UsageError(
         f'--batch_size={batch_size} exceeds --samples={F.SAMPLES.value}.')
   directory = F.CHECKPOINT_DIR.value
   if not directory:
     if jax.process_count() > 1:
-      raise app.UsageError(
+      raise UsageError(
           'A multi-controller run needs --checkpoint_dir, a folder shared by '
           'every process.')
     if F.RESUME.value:
-      raise app.UsageError('--resume needs --checkpoint_dir.')
+      raise UsageError('--resume needs --checkpoint_dir.')
     directory = tempfile.mkdtemp(prefix='multihost-train-')
   resume = _resume_mode()
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
 
   if F.LOCAL_SAVE_EVERY.value and not F.LOCAL_DIR.value:
-    raise app.UsageError(
+    raise UsageError(
         f'--local_save_every={F.LOCAL_SAVE_EVERY.value} needs '
         '--local_checkpoint_dir (the host-local folder of the local tier).')
   if F.SHARD_PARAMS.value and F.WIDTH.value % count:
-    raise app.UsageError(
+    raise UsageError(
         f'--shard_params needs --width={F.WIDTH.value} to be a multiple of the '
         f'device count ({count}).')
   mesh = jax.make_mesh((count,), ('data',))
@@ -219,15 +278,28 @@ def main(argv):
   first_attempt = os.environ.get(multihost.env.RESTART_COUNT, '0') in ('',
                                                                       '0')
   sampler = recovery.EpochSampler(F.SAMPLES.value, batch_size)
-  loop = recovery.ResilientLoop(model.update, data_fn=model.batch,
+  upcoming = [0]  # The step whose batch data_fn loads next.
+
+  def data_fn(ids):
+    F.stall(upcoming[0], pid, first_attempt=first_attempt)
+    return model.batch(ids)
+
+  loop = recovery.ResilientLoop(model.update, data_fn=data_fn,
                                 sampler=sampler, check_fn=model.check)
   initial = loop.init(model.initial_user_state(),
                       jax.random.key(F.SEED.value))
 
   metrics = None
   checked = [time.monotonic()]  # When the straggler check last ran.
+  # Set when the run resumed: the first step after it is announced.
+  announce_first_step = [False]
 
   def on_step(state, record):
+    if announce_first_step[0]:
+      announce_first_step[0] = False
+      # Every process: when each one trains again (bench/restart_drill.py).
+      print(f'{prefix} Training again: step {record.step} done at '
+            f'{time.time():.3f}.', flush=True)
     every = F.STRAGGLER_EVERY.value
     if every and jax.process_count() > 1 and record.step % every == 0:
       report = multihost.straggler_report()  # Every process, same step.
@@ -246,12 +318,17 @@ def main(argv):
           metrics.write(json.dumps({'event': 'save', 'step': record.step}) +
                         '\n')
         metrics.flush()
-    F.drill(record.step, pid, first_attempt=first_attempt)
+    F.drill(record.step, pid, first_attempt=first_attempt,
+            checkpoints=checkpoints)
+    upcoming[0] = record.step + 1
 
   if pid == 0:  # The same on every process.
     logging.info('%s %d processes, %d devices, width=%d samples=%d batch=%d '
                  'lr=%g', prefix, jax.process_count(), count, F.WIDTH.value,
                  F.SAMPLES.value, batch_size, model.lr)
+  # Until training starts, a CheckpointError means no usable checkpoint
+  # where the run needs one: every attempt would fail the same way.
+  started = False
   try:
     with recovery.Checkpoints(directory, save_every=F.SAVE_EVERY.value,
                               keep=F.KEEP.value,
@@ -262,17 +339,19 @@ def main(argv):
                               ) as checkpoints:
       state = checkpoints.start(initial, resume=resume)
       resumed = checkpoints.resumed_from is not None
+      upcoming[0] = state.step + 1
       if state.step > F.STEPS.value:
         raise recovery.CheckpointError(
             f'{prefix} The latest checkpoint in {directory} is at step '
             f'{state.step}, beyond --steps={F.STEPS.value}. Pass a larger '
             '--steps to continue training.')
+      started = True
       if F.METRICS_OUT.value and pid == 0:
         try:
           # A resumed run continues the file; a fresh run starts it anew.
           metrics = open(F.METRICS_OUT.value, 'a' if resumed else 'w')
         except OSError as e:
-          raise app.UsageError(
+          raise UsageError(
               f'--metrics_out={F.METRICS_OUT.value} cannot be opened for '
               f'writing: {e}') from e
       if metrics is not None and resumed:  # bin/plot.py marks it.
@@ -280,7 +359,13 @@ def main(argv):
         metrics.write(json.dumps({'event': 'restart' if restarted else 'resume',
                                   'step': state.step, 'tier':
                                   checkpoints.resumed_tier}) + '\n')
+      for step, moved in sorted(checkpoints.set_aside.items(), reverse=True):
+        if metrics is not None:  # A damaged step, renamed (bin/plot.py).
+          metrics.write(json.dumps({'event': 'set_aside', 'step': step,
+                                    'moved_to': moved,
+                                    'resumed_from': state.step}) + '\n')
       if resumed:
+        announce_first_step[0] = True
         tier = checkpoints.resumed_tier
         peers = (checkpoints.local.restored_bytes_from_peers
                  if tier == 'local' else 0)
@@ -319,7 +404,8 @@ def main(argv):
               [[r.reference_loss, r.replayed_loss] for r in replay]),
               flush=True)
   except recovery.CheckpointError as e:
-    _fail(f'{prefix} {type(e).__name__}: {e}{_flag_advice(e)}')
+    _fail(f'{prefix} {type(e).__name__}: {e}{_flag_advice(e)}',
+          code=2 if started else NO_RETRY)
   except (recovery.ReplayMismatchError, recovery.StepCheckError,
           multihost.ConsistencyError) as e:
     _fail(f'{prefix} {type(e).__name__}: {e}')
@@ -335,4 +421,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

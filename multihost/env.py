@@ -52,6 +52,11 @@ COMPANION_SERVICE = 'MULTIHOST_COMPANION_SERVICE'
 # `multihost.set_exit_on_peer_failure`, which overrides it).
 EXIT_ON_PEER_FAILURE = 'MULTIHOST_EXIT_ON_PEER_FAILURE'
 
+# How long a training step may take before the process leaves with exit
+# status 75 (see `multihost.set_step_deadline`, which overrides it): unset or
+# 'auto': learned from the step times; 'off' or 0: never; SECONDS: fixed.
+STEP_DEADLINE = 'MULTIHOST_STEP_DEADLINE'
+
 # Idle result buffers (MiB) each process keeps for the next large collective
 # (default 512; 0: none); see `multihost._src.transport.buffers`.
 RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
@@ -166,3 +171,18 @@ def external_service_env(heartbeat_timeout_s: float) -> dict[str, str]:
 # How many times the launcher restarted the job before this attempt (0, 1,
 # ...; `--max_restarts`), as torchrun exports TORCHELASTIC_RESTART_COUNT.
 RESTART_COUNT = 'MULTIHOST_RESTART_COUNT'
+# JAX's persistent compilation cache folder. Under `--max_restarts` the
+# launcher gives every attempt the same one (unless the user set it), so that
+# a restarted attempt loads what the first one compiled.
+COMPILATION_CACHE_DIR = 'JAX_COMPILATION_CACHE_DIR'
+
+# --- Exit statuses: what a controller's status tells its launcher. ---------
+# "Restarting will not help" (BSD's EX_CONFIG, a configuration error): a
+# controller exits with it for bad flags or usage, a checkpoint that is
+# required and missing or does not fit, or a configuration the processes
+# disagree on. Every attempt would fail the same way, so `multihost.launch
+# --max_restarts` and docs/restart.sbatch end the run after the attempt in
+# which a controller exited with it, and say so, instead of spending their
+# restarts. (A survivor that left because a peer failed exits with 75,
+# EX_TEMPFAIL: a restart may help; see `multihost.set_exit_on_peer_failure`.)
+NO_RETRY_EXIT_STATUS = 78

@@ -82,3 +82,8 @@ def write_atomic(path, data: bytes | str, *, mode: int = 0o644,
                  sync: bool = True) -> None:
   """Replaces file `path` with `data` at once, never through a link (see `multihost._src.runtime.files`)."""
   files.write_atomic(path, data, mode=mode, sync=sync)
+
+
+def fsync_folder(folder) -> None:
+  """Flushes `folder`'s entries to disk (after a rename in it), never through a link."""
+  files.fsync_folder(folder)

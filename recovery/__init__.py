@@ -45,6 +45,9 @@ from recovery._src.state.digest import host_value as host_value
 from recovery._src.state.errors import (
     CheckpointCorruptError as CheckpointCorruptError,
 )
+from recovery._src.state.errors import (
+    CheckpointDamagedError as CheckpointDamagedError,
+)
 from recovery._src.state.errors import CheckpointError as CheckpointError
 from recovery._src.state.errors import (
     CheckpointFolderError as CheckpointFolderError,

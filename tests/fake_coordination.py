@@ -87,7 +87,7 @@ def _timed_out(barrier_id: str, b: _Barrier) -> str:
 
 
 class FakeClient:
-  """Process `me`'s client of a `FakeService` (a `_coordination.Client`)."""
+  """Process `me`'s client of a `FakeService` (a `runtime.coordination.Client`)."""
 
   def __init__(self, service: FakeService, me: int):
     self.service = service

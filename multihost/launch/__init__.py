@@ -4,7 +4,8 @@ Usage:
 
   python -m multihost.launch --num_processes=2 --devices_per_process=2 \\
       [--timeout=SECONDS] [--grace_period=SECONDS] [--max_restarts=N] \\
-      [--host_service] [--hosts=netns] [--trace=PATH] -- python train.py --flag
+      [--compilation_cache_dir=DIR] [--host_service] [--hosts=netns] \\
+      [--trace=PATH] -- python train.py --flag
 
 Each controller gets an environment in which both `multihost.initialize()`
 and a bare `jax.distributed.initialize()` work unchanged (see `child_env`):
@@ -17,9 +18,15 @@ signal); a summary says who failed first (by when it raised or exited,
 whichever came first), how, and what the others were doing then. With
 `--max_restarts=N` a failed run starts all controllers again, up to N
 times, each with `MULTIHOST_RESTART_COUNT` set to its attempt (0, 1, ...),
-as torchrun does; the summary lists every attempt. When process 0, which
-hosts JAX's coordination service, dies first, the summary says so and does
-not blame the survivors that the JAX runtime then aborted. `--timeout`
+as torchrun does; the summary lists every attempt. While restarts are left
+the first failure stops the others at once (no grace period), and a
+controller that exits with status 78 (`multihost.env.NO_RETRY_EXIT_STATUS`:
+restarting will not help) ends the run after its attempt. Every attempt
+gets the same JAX persistent compilation cache folder
+(`--compilation_cache_dir`, else $JAX_COMPILATION_CACHE_DIR if set, else a
+temporary one). When process 0, which hosts JAX's coordination service,
+dies first, the summary says so and does not blame the survivors that the
+JAX runtime then aborted. `--timeout`
 bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
 launcher are forwarded to the controllers, which are then killed; nothing is
 left running. `--trace=PATH` writes the run's timeline (see `_trace`).
@@ -43,9 +50,10 @@ Modules (one job each):
   _output.py       capture their output, with when each line was read;
                    stream it live with `[pN] ` prefixes
   _signals.py      SIGINT/SIGTERM/SIGHUP to the launcher -> a stop request
-  _policy.py       the run policy: first failure + grace period, timeout,
-                   SIGTERM then SIGKILL, restarts (`next_step` and
-                   `after_attempt` are pure)
+  _policy.py       the run policy: first failure + grace period (or at
+                   once when a restart follows), timeout, SIGTERM then
+                   SIGKILL, restarts, status 78 (`next_step`,
+                   `after_attempt`, `not_retryable` are pure)
   _evidence.py     pure: what a process's output says (its first traceback,
                    its last line by then, the peers it named as failed)
   _report.py       pure: who failed first (by raise or exit; process-0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections.abc
+import os
 import sys
 
 from multihost.launch import _environment
@@ -30,7 +31,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
       description='Run N JAX controllers of a command on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
             '[--timeout=S] [--grace_period=S] [--max_restarts=N] '
-            '[--host_service] [--trace=PATH] '
+            '[--compilation_cache_dir=DIR] [--host_service] [--trace=PATH] '
             '[--hosts=netns] -- COMMAND '
             '[ARGS...]')
   p.add_argument('--num_processes', type=int, required=True,
@@ -44,9 +45,17 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  default=_policy.DEFAULT_GRACE_PERIOD_S,
                  help='seconds the others get after the first failure')
   p.add_argument('--max_restarts', type=int, default=0,
-                 help='after a failure, stop all controllers and start all '
-                 'again, up to N times (torchrun\'s --max-restarts); each '
-                 'gets MULTIHOST_RESTART_COUNT=0, 1, ...')
+                 help='after a failure, stop all controllers at once and '
+                 'start all again, up to N times (torchrun\'s '
+                 '--max-restarts); each gets MULTIHOST_RESTART_COUNT=0, 1, '
+                 '...; a controller that exits with status 78 (restarting '
+                 'will not help) ends the run')
+  p.add_argument('--compilation_cache_dir', default=None, metavar='DIR',
+                 help='JAX\'s persistent compilation cache folder '
+                 '(JAX_COMPILATION_CACHE_DIR) for every attempt, kept '
+                 'afterwards; default: $JAX_COMPILATION_CACHE_DIR if set, '
+                 'else with --max_restarts a temporary folder shared by the '
+                 'attempts and removed at the end')
   p.add_argument('--host_service', action='store_true',
                  help='host the coordination service in the launcher '
                  'instead of in process 0\'s companion process (the command '
@@ -81,6 +90,13 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
             f'{args.timeout} and {args.grace_period}.')
   if args.max_restarts < 0:
     p.error(f'--max_restarts must be >= 0; got {args.max_restarts}.')
+  if args.compilation_cache_dir:
+    try:
+      os.makedirs(args.compilation_cache_dir, exist_ok=True)
+    except OSError as e:
+      p.error(f'--compilation_cache_dir={args.compilation_cache_dir} cannot '
+              f'be created: {e.strerror}. Give a folder you can write, or '
+              'leave the flag out.')
   if args.hosts is not None:
     try:
       _environment.check_hosts(args.hosts, host_service=args.host_service)
@@ -90,14 +106,16 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
                  devices_per_process=args.devices_per_process,
                  timeout=args.timeout, grace_period=args.grace_period,
                  host_service=args.host_service, hosts=args.hosts,
-                 max_restarts=args.max_restarts, trace=args.trace)
+                 max_restarts=args.max_restarts, trace=args.trace,
+                 compilation_cache_dir=args.compilation_cache_dir)
 
 
 def run_cli(command: list[str], *, num_processes: int,
             devices_per_process: int, timeout: float | None,
             grace_period: float, host_service: bool = False,
             hosts: str | None = None, max_restarts: int = 0,
-            trace: str | None = None) -> int:
+            trace: str | None = None,
+            compilation_cache_dir: str | None = None) -> int:
   """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
   try:
     result = _run.launch(
@@ -106,7 +124,7 @@ def run_cli(command: list[str], *, num_processes: int,
         grace_period=grace_period, stream=sys.stdout,
         summary_stream=sys.stderr, forward_signals=True,
         host_service=host_service, hosts=hosts, max_restarts=max_restarts,
-        trace=trace)
+        trace=trace, compilation_cache_dir=compilation_cache_dir)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

@@ -11,8 +11,10 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import TextIO
 import weakref
@@ -43,9 +45,10 @@ class Controllers:
 
   Use as a context manager: on exit every process still running is stopped
   (SIGTERM, then SIGKILL), whatever happened. `wait()` applies the run's
-  policy (first failure stops the others after a grace period; timeout;
-  restarts); tests that inject failures use `pids`, `kill()` and
-  `wait_for_output()`, which concern the current attempt.
+  policy (first failure stops the others: at once when a restart follows,
+  else after a grace period; timeout; restarts); tests that inject failures
+  use `pids`, `kill()` and `wait_for_output()`, which concern the current
+  attempt.
 
   Each process runs in its own session (process group), so a Ctrl-C on the
   terminal reaches only the launcher, which forwards it; stopping a process
@@ -58,7 +61,9 @@ class Controllers:
     env: extra environment variables for every process (over os.environ).
     cwd: working directory of the processes.
     grace_period: seconds the others get to finish after the first failure
-      (math.inf: never stop them).
+      (math.inf: never stop them) when no restart follows it. When one does
+      (restarts are left), the others are stopped at once: SIGTERM, then
+      SIGKILL after at most 0.5 s (`_policy.RESTART_KILL_WAIT_S`).
     stream: where to write the prefixed output lines live (None: only
       capture them).
     kill_wait: seconds between SIGTERM and SIGKILL when stopping.
@@ -80,7 +85,16 @@ class Controllers:
       were stopped), start all of them again, up to this many times
       (torchrun's `--max-restarts`). Each controller gets its attempt's
       number in `MULTIHOST_RESTART_COUNT` (0 first). A success, an
-      interrupt or the timeout ends the run.
+      interrupt, the timeout, or a controller that exited with
+      `multihost.env.NO_RETRY_EXIT_STATUS` (78: restarting will not help)
+      ends the run.
+    compilation_cache_dir: JAX's persistent compilation cache folder
+      (`JAX_COMPILATION_CACHE_DIR`) for every attempt, created if missing and
+      kept. None: the `JAX_COMPILATION_CACHE_DIR` of `env` or of this
+      process's environment if set (even empty), else, with `max_restarts`,
+      a fresh folder under the temp folder (`multihost-jax-cache-*`), the
+      same for every attempt, removed when the controllers stop; without
+      restarts, none. `self.compilation_cache_dir` is the one in use.
   """
 
   def __init__(self, command: collections.abc.Sequence[str], *,
@@ -94,7 +108,8 @@ class Controllers:
                host_service: bool = False,
                heartbeat_timeout: float = DEFAULT_HEARTBEAT_S,
                hosts: str | None = None,
-               max_restarts: int = 0):
+               max_restarts: int = 0,
+               compilation_cache_dir: str | os.PathLike[str] | None = None):
     _environment.check_hosts(hosts, host_service=host_service)
     if isinstance(command, str) or not command:
       raise ValueError(
@@ -123,6 +138,11 @@ class Controllers:
     self.heartbeat_timeout = heartbeat_timeout
     self.max_restarts = max_restarts
     self.restart_count = 0  # Of the current attempt.
+    self._cache_choice = (None if compilation_cache_dir is None
+                          else os.fspath(compilation_cache_dir))
+    # The folder the attempts get (None: the user's setting, or none).
+    self.compilation_cache_dir: str | None = None
+    self._own_cache_dir: str | None = None  # Made here; removed at stop().
     self._service = None
     self.hosts_kind = hosts
     self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
@@ -152,11 +172,24 @@ class Controllers:
         self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
         self.hosts.start()
       self._secret_env = env_lib.job_secret_env(self._extra_env)
+      self._choose_compilation_cache()
       self._spawn_attempt()
     except BaseException:
       self.stop()
       raise
     return self
+
+  def _choose_compilation_cache(self) -> None:
+    """Sets `compilation_cache_dir`: the folder every attempt gets (see the class's Args), making it if needed."""
+    if self._cache_choice is not None:
+      os.makedirs(self._cache_choice, exist_ok=True)
+      self.compilation_cache_dir = self._cache_choice
+    elif (env_lib.COMPILATION_CACHE_DIR in self._extra_env or
+          env_lib.COMPILATION_CACHE_DIR in os.environ):
+      return  # The user's; the controllers inherit it.
+    elif self.max_restarts > 0:
+      self._own_cache_dir = tempfile.mkdtemp(prefix='multihost-jax-cache-')
+      self.compilation_cache_dir = self._own_cache_dir
 
   def _spawn_attempt(self) -> None:
     """Starts attempt `restart_count`: a coordinator port, the service if hosted, every process."""
@@ -188,6 +221,8 @@ class Controllers:
           host=address)
       env.update(service_env)
       env.update(self._extra_env)
+      if self.compilation_cache_dir is not None:
+        env[env_lib.COMPILATION_CACHE_DIR] = self.compilation_cache_dir
       env[env_lib.RESTART_COUNT] = str(self.restart_count)
       self._procs.spawn(command[i], env=env, cwd=self._cwd)
 
@@ -240,11 +275,13 @@ class Controllers:
   def wait(self, timeout: float | None = None) -> _report.LaunchResult:
     """Waits for the run to end, enforcing its policy, and stops the rest.
 
-    The first process to fail (non-zero status or a signal) starts the grace
-    period; at its end the others are stopped. Then, with `max_restarts`
-    restarts left, every process starts again (`_policy.after_attempt`). At
-    `timeout` seconds from the start, every process still running is
-    stopped. Nothing is running when this returns.
+    When the first process fails (non-zero status or a signal) and
+    `max_restarts` restarts are left, the others are stopped at once and
+    every process starts again (`_policy.after_attempt`); when none are left
+    (or the failed process exited with `NO_RETRY_EXIT_STATUS`: restarting
+    will not help), the others get the grace period, then are stopped, and
+    the run ends. At `timeout` seconds from the start, every process still
+    running is stopped. Nothing is running when this returns.
 
     Args:
       timeout: seconds for the whole run (all attempts), counted from
@@ -264,12 +301,18 @@ class Controllers:
         left = None if timeout is None else max(0.0, timeout - self.elapsed())
         attempt = self._wait_attempt(left)
         attempts.append(attempt)
+        no_retry = _restarts.not_retried(attempt)
         then = _policy.after_attempt(
             exit_code=attempt.exit_code, timed_out=attempt.timed_out,
             interrupted=attempt.interrupted_by is not None,
             restart_count=self.restart_count, max_restarts=self.max_restarts,
-            time_left=None if timeout is None else timeout - self.elapsed())
+            time_left=None if timeout is None else timeout - self.elapsed(),
+            no_retry=no_retry is not None)
         if then != _policy.RESTART:
+          if (no_retry is not None and attempt.interrupted_by is None and
+              not attempt.timed_out and self.max_restarts):
+            self._say(f'attempt {self.restart_count} failed: '
+                      f'{_restarts.attempt_cause(attempt)}; {no_retry}.')
           break
         self.restart_count += 1
         self._say(f'attempt {self.restart_count - 1} failed: '
@@ -287,16 +330,21 @@ class Controllers:
   def _wait_attempt(self, timeout: float | None) -> _report.LaunchResult:
     """Supervises the current attempt to its end (`timeout` seconds from now at most); stops its processes; returns its result."""
     step = _policy.Step(_policy.ALL_EXITED)
+    restart_at_once = _policy.restarts_left(restart_count=self.restart_count,
+                                            max_restarts=self.max_restarts)
     try:
       step = _policy.supervise(self._procs, timeout=timeout,
                                grace_period=self.grace_period,
-                               interrupt=self._poll_signals)
+                               interrupt=self._poll_signals,
+                               restart_at_once=restart_at_once)
       if step.action == _policy.INTERRUPTED:
         _policy.forward(self._procs, self._interrupts.first,
                         wait=max(self.kill_wait, self.grace_period),
                         again=self._interrupts.again)
     finally:
-      self._stop_attempt()
+      self._stop_attempt(
+          kill_wait=min(self.kill_wait, _policy.RESTART_KILL_WAIT_S)
+          if step.action == _policy.RESTART_NOW else self.kill_wait)
     timed_out = step.action == _policy.TIMED_OUT
     with self._procs.changed:
       observed = _report.Observed(
@@ -316,7 +364,8 @@ class Controllers:
           hosts=self.hosts_kind,
           host_addresses=(
               tuple(self.hosts.address(i) for i in range(self.num_processes))
-              if self.hosts is not None else ()))
+              if self.hosts is not None else ()),
+          stopped_to_restart=step.action == _policy.RESTART_NOW)
     return _report.report(observed)
 
   def _say(self, text: str) -> None:
@@ -352,18 +401,22 @@ class Controllers:
                          'asked where it is.\n')
         sys.stderr.flush()
 
-  def _stop_attempt(self) -> None:
-    """Stops the current attempt's processes (SIGTERM, then SIGKILL after kill_wait) and its hosted service."""
-    _policy.stop(self._procs, kill_wait=self.kill_wait)
+  def _stop_attempt(self, kill_wait: float | None = None) -> None:
+    """Stops the current attempt's processes (SIGTERM, then SIGKILL after `kill_wait`, default self.kill_wait) and its hosted service."""
+    _policy.stop(self._procs,
+                 kill_wait=self.kill_wait if kill_wait is None else kill_wait)
     if self._service is not None:
       self._service.shutdown()
       self._service = None
 
   def stop(self) -> None:
-    """Stops every running process: SIGTERM, then SIGKILL after kill_wait; deletes the simulated hosts."""
+    """Stops every running process: SIGTERM, then SIGKILL after kill_wait; deletes the simulated hosts and the compilation cache folder made here."""
     self._stop_attempt()
     if self.hosts is not None:
       self.hosts.close()  # Also kills anything left inside them.
+    if self._own_cache_dir is not None:
+      shutil.rmtree(self._own_cache_dir, ignore_errors=True)
+      self._own_cache_dir = None
     _LIVE.discard(self)
 
   # Context manager.

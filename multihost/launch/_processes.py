@@ -39,6 +39,15 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
       pass
 
 
+def exited(pid: int) -> bool:
+  """Whether child `pid` has exited, reaped or not (a zombie is not reaped: `waitid` with WNOWAIT leaves it)."""
+  try:
+    return os.waitid(os.P_PID, pid,
+                     os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+  except ChildProcessError:  # Reaped already.
+    return True
+
+
 class Processes:
   """N running processes, each in its own session, watched by a reaper and an output thread.
 
@@ -156,12 +165,18 @@ class Processes:
         pass
 
   def signal_running(self, sig: int) -> None:
-    """Sends `sig` to every running process's group and counts them as stopped by the launcher."""
+    """Sends `sig` to every running process's group and counts them as stopped by the launcher.
+
+    A process that has exited but that its reaper thread has not recorded
+    yet is not counted as stopped: it ended by itself (e.g. aborted just
+    after another's failure, which the report must see as its own exit).
+    """
     for i, proc in enumerate(self._procs):
       with self.changed:
         if self._returncodes[i] is not None:
           continue
-        self._stopped.add(i)
+        if not exited(proc.pid):
+          self._stopped.add(i)
       signal_group(proc, sig)
 
   def stop(self, *, wait: float,

@@ -70,6 +70,8 @@ class Observed:
       failure is the first exit).
     hosts: None, or 'netns' when each process ran on a simulated host.
     host_addresses: with hosts, per process, its host's address.
+    stopped_to_restart: the launcher stopped the others at the first
+      failure, without a grace period, because a restart follows.
   """
   returncodes: tuple[int | None, ...]
   end_times: tuple[float | None, ...]
@@ -86,6 +88,7 @@ class Observed:
   line_times: tuple[tuple[float, ...], ...] = ()
   hosts: str | None = None
   host_addresses: tuple[str, ...] = ()
+  stopped_to_restart: bool = False
 
   def lines(self, index: int) -> list[str]:
     """Process `index`'s output lines, without newlines (one per `line_times[index]`)."""
@@ -345,6 +348,8 @@ def _blame(run: Observed, first: int,
   if stopped:
     why = ('at the timeout' if run.timed_out else
            'at the interrupt' if run.interrupted_by is not None else
+           'at once, to restart the job (restarts are left)'
+           if run.stopped_to_restart else
            f'after the {run.grace_period:g} s grace period')
     out.append(f'Processes {sorted(stopped)} were stopped {why}.')
   return out

@@ -11,7 +11,20 @@ import collections.abc
 import dataclasses
 
 from multihost import env as env_lib
+from multihost.launch import _policy
 from multihost.launch import _report
+
+
+def not_retried(result: _report.LaunchResult) -> str | None:
+  """Why an attempt was not restarted although it failed: a process said restarting will not help; else None."""
+  i = _policy.not_retryable(result.returncodes, result.stopped,
+                            result.end_times)
+  if i is None:
+    return None
+  return (f'not restarted: process {i} exited with status '
+          f'{env_lib.NO_RETRY_EXIT_STATUS}, which says restarting will not '
+          'help (bad flags, a missing or unusable checkpoint, settings the '
+          f'processes disagree on); fix what [p{i}] names and run again')
 
 
 def attempt_cause(result: _report.LaunchResult) -> str:
@@ -38,8 +51,9 @@ def combine(attempts: collections.abc.Sequence[_report.LaunchResult], *,
   """The run's result from its attempts' (in order; `starts`: seconds from the run's start to each).
 
   Without restarts allowed (`max_restarts` 0) the summary is the one
-  attempt's; otherwise it lists every attempt, its cause and what followed,
-  then the last attempt's summary.
+  attempt's; otherwise it lists every attempt, its cause and what followed
+  (a restart, success, no restarts left, or no restart because a process
+  exited with `NO_RETRY_EXIT_STATUS`), then the last attempt's summary.
   """
   attempts = tuple(attempts)
   last = attempts[-1]
@@ -54,6 +68,9 @@ def combine(attempts: collections.abc.Sequence[_report.LaunchResult], *,
       then = f'restarted all (restart {k + 1} of {max_restarts})'
     elif attempt.ok:
       then = 'the run succeeded'
+    elif (attempt.interrupted_by is None and not attempt.timed_out and
+          not_retried(attempt) is not None):
+      then = not_retried(attempt)
     elif (attempt.interrupted_by is None and not attempt.timed_out and
           k >= max_restarts):
       then = f'no restarts left (--max_restarts={max_restarts})'

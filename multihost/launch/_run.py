@@ -29,7 +29,9 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            host_service: bool = False,
            hosts: str | None = None,
            max_restarts: int = 0,
-           trace: str | os.PathLike[str] | None = None) -> _report.LaunchResult:
+           trace: str | os.PathLike[str] | None = None,
+           compilation_cache_dir: str | os.PathLike[str] | None = None
+           ) -> _report.LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
   Args:
@@ -52,6 +54,9 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       `Controllers`).
     max_restarts: start every controller again after a failed attempt, up
       to this many times (see `Controllers`).
+    compilation_cache_dir: JAX's persistent compilation cache folder for
+      every attempt (see `Controllers`; None: the user's
+      $JAX_COMPILATION_CACHE_DIR, else with restarts a temporary one).
     trace: write the run's timeline here (Chrome trace-event JSON): each
       controller dumps its flight recorder at exit into a folder named by
       $MULTIHOST_TRACE_DIR, merged here at the end, failures marked; the
@@ -71,7 +76,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       command, num_processes=num_processes,
       devices_per_process=devices_per_process, env=env, cwd=cwd,
       grace_period=grace_period, stream=stream, kill_wait=kill_wait,
-      host_service=host_service, hosts=hosts, max_restarts=max_restarts)
+      host_service=host_service, hosts=hosts, max_restarts=max_restarts,
+      compilation_cache_dir=compilation_cache_dir)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:

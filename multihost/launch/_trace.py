@@ -75,7 +75,9 @@ def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
     begin = run_wall0 + (starts[k] if k < len(starts) else 0.0)
     ends = [t for t in attempt.end_times if t is not None]
     attempts.append({'start': begin, 'end': begin + max(ends, default=0.0),
-                     'cause': _restarts.attempt_cause(attempt)})
+                     'cause': _restarts.attempt_cause(attempt),
+                     # Stopped at once to restart: no dump of theirs.
+                     'stopped': sorted(attempt.stopped)})
     for p, rc in enumerate(attempt.returncodes):
       if rc in (0, None) and p != attempt.first_failure:
         continue

@@ -4,7 +4,7 @@
   SIGKILL process 1 mid-run, and process 0, stuck in the jitted step's
   gloo collective where no exception can reach it, leaves by itself with
   exit status 75 within heartbeat + 10 s, logging one line that names
-  process 1 and where its main thread was (`_peer_loss_exit`).
+  process 1 and where its main thread was (`liveness.peer_loss_exit`).
 * `python -m multihost.launch --num_processes=2`: process 1 sleeps 40 s
   while process 0 raises from `sync_global_devices('x', timeout=5)`; the
   launch ends within 15 s (process 0 does not wait at exit for the stuck

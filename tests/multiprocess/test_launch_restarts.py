@@ -1,4 +1,4 @@
-"""Real-process tests of the launcher's restarts, first-error-by-raise blame and `ps` labels.
+"""Real-process tests of the launcher's restarts (at once, not after status 78, one compilation cache), first-error-by-raise blame and `ps` labels.
 
 The controller programs are the files in tests/launch_programs/; each
 reads its index and attempt from the environment the launcher sets.
@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
+from multihost import env as env_lib
 from multihost import launch
+from multihost.launch import _processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / 'tests' / 'launch_programs'
@@ -32,11 +37,13 @@ def _gone(pid: int) -> bool:
   return state.split()[0] in ('Z', 'X')
 
 
-def _cli(*flags: str, program: str) -> subprocess.CompletedProcess[str]:
+def _cli(*flags: str, program: str,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
   return subprocess.run(
       [PY, '-m', 'multihost.launch', '--num_processes=2', '--grace_period=5',
        *flags, '--', PY, str(PROGRAMS / program)],
-      capture_output=True, text=True, timeout=120, cwd=ROOT)
+      capture_output=True, text=True, timeout=120, cwd=ROOT,
+      env={**os.environ, **(env or {})})
 
 
 def test_max_restarts_starts_all_again_after_a_sigkill():
@@ -111,3 +118,118 @@ def test_controllers_are_told_apart_in_ps():
       assert f' -X multihost_process={i} -c ' in ps, ps
     pids = cluster.pids
   assert all(_gone(pid) for pid in pids)
+
+
+def _fails_as_told(*, max_restarts: int, grace_period: float = 30.0,
+                   **env: str) -> launch.LaunchResult:
+  """tests/launch_programs/fails_as_told.py as 2 controllers (`env`: how it fails)."""
+  return launch.launch([PY, str(PROGRAMS / 'fails_as_told.py')],
+                       num_processes=2, grace_period=grace_period,
+                       timeout=120, max_restarts=max_restarts, env=env)
+
+
+def test_with_restarts_left_the_others_are_stopped_at_once():
+  # Process 1 exits 1 on every attempt; process 0 would sleep 60 s and
+  # ignores SIGTERM (as one blocked in a collective does).
+  grace = 8.0
+  result = _fails_as_told(max_restarts=1, grace_period=grace,
+                          SURVIVOR_SLEEP='60', SURVIVOR_IGNORES_SIGTERM='1')
+  assert result.exit_code == 1 and result.restart_count == 1, result.summary
+  first, last = result.attempts
+  # Attempt 0, a restart left: process 0 was stopped at once (SIGTERM, then
+  # SIGKILL 0.5 s later), well within the grace period.
+  assert first.first_failure == 1 and first.stopped == (0,), first.summary
+  assert first.returncodes[0] == -signal.SIGKILL, first.summary
+  assert first.end_times[0] - first.end_times[1] < 3.0, first.summary
+  assert ('Processes [0] were stopped at once, to restart the job (restarts '
+          'are left).') in first.summary
+  # Attempt 1, none left: process 0 got the grace period.
+  assert last.stopped == (0,), last.summary
+  assert last.end_times[0] - last.end_times[1] >= grace, last.summary
+  assert f'were stopped after the {grace:g} s grace period' in last.summary
+  assert all(_gone(pid) for a in result.attempts for pid in a.pids)
+
+
+def test_a_process_that_exits_78_ends_the_run_after_its_attempt():
+  status = env_lib.NO_RETRY_EXIT_STATUS
+  proc = _cli('--max_restarts=3', program='fails_as_told.py',
+              env={'FAIL_STATUS': str(status)})
+  assert proc.returncode == status, proc.stdout + proc.stderr
+  assert 'attempt 0 cache' in proc.stdout and 'attempt 1' not in proc.stdout
+  why = (f'not restarted: process 1 exited with status {status}, which says '
+         'restarting will not help (bad flags, a missing or unusable '
+         'checkpoint, settings the processes disagree on); fix what [p1] '
+         'names and run again')
+  assert (f'[launcher] attempt 0 failed: process 1 failed first (exit status '
+          f'{status}); {why}.') in proc.stdout, proc.stdout
+  assert 'multihost.launch: 1 attempt(s) (--max_restarts=3)' in proc.stderr
+  assert (f'attempt 0 (MULTIHOST_RESTART_COUNT=0) at 0.0 s: process 1 failed '
+          f'first (exit status {status}); {why}.') in proc.stderr, proc.stderr
+
+
+def _caches(result: launch.LaunchResult) -> dict[tuple[int, int], str]:
+  """{(attempt, process): the cache line's folder and whether it existed}."""
+  found = {}
+  for a in result.attempts:
+    for out in a.outputs:
+      for i, k, cache, exists in re.findall(
+          r'process (\d) attempt (\d) cache (\S+) exists (\w+)', out):
+        found[int(k), int(i)] = f'{cache} {exists}'
+  return found
+
+
+def test_every_attempt_gets_the_same_compilation_cache_folder(
+    tmp_path, monkeypatch):
+  monkeypatch.delenv(env_lib.COMPILATION_CACHE_DIR, raising=False)
+  # With restarts: a fresh folder under the temp folder, the same for every
+  # attempt and process, removed at the end.
+  result = _fails_as_told(max_restarts=1, FAIL_UNTIL_ATTEMPT='0')
+  assert result.ok and result.restart_count == 1, result.summary
+  caches = _caches(result)
+  assert sorted(caches) == [(0, 0), (0, 1), (1, 0), (1, 1)], result.outputs
+  (line,) = set(caches.values())
+  folder, exists = line.rsplit(' ', 1)
+  folder = folder.strip("'")
+  assert exists == 'True', line
+  assert os.path.dirname(folder) == tempfile.gettempdir(), line
+  assert os.path.basename(folder).startswith('multihost-jax-cache-'), line
+  assert not os.path.exists(folder)
+  # The user's $JAX_COMPILATION_CACHE_DIR is left as it is.
+  mine = str(tmp_path / 'mine')
+  result = _fails_as_told(max_restarts=1, FAIL_UNTIL_ATTEMPT='0',
+                          JAX_COMPILATION_CACHE_DIR=mine)
+  assert set(_caches(result).values()) == {f'{mine!r} False'}, result.outputs
+  # --compilation_cache_dir: made, used by every attempt, kept.
+  flag = str(tmp_path / 'flag')
+  proc = _cli('--max_restarts=1', f'--compilation_cache_dir={flag}',
+              program='fails_as_told.py', env={'FAIL_UNTIL_ATTEMPT': '0'})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  for k in (0, 1):
+    for i in (0, 1):
+      assert (f'[p{i}] process {i} attempt {k} cache {flag!r} exists True\n'
+              in proc.stdout), proc.stdout
+  assert os.path.isdir(flag)
+  # Without restarts, no folder is made.
+  result = _fails_as_told(max_restarts=0, FAIL_UNTIL_ATTEMPT='-1')
+  assert result.ok and set(_caches(result).values()) == {'None False'}
+
+
+def test_an_exited_process_is_told_apart_before_it_is_reaped():
+  # What keeps a process that died by itself, unreaped when the launcher
+  # stops the others at once, from being counted as stopped by it.
+  done = subprocess.Popen([PY, '-c', 'pass'])
+  running = subprocess.Popen([PY, '-c', 'import time; time.sleep(30)'])
+  try:
+    stat = pathlib.Path(f'/proc/{done.pid}/stat')
+    deadline = time.monotonic() + 30
+    while stat.read_text().rsplit(')', 1)[1].split()[0] != 'Z':
+      assert time.monotonic() < deadline, 'the child did not exit'
+      time.sleep(0.02)
+    assert _processes.exited(done.pid)
+    assert stat.exists()  # Still a zombie: exited() did not reap it.
+    assert done.wait(timeout=10) == 0
+    assert _processes.exited(done.pid)  # Reaped.
+    assert not _processes.exited(running.pid)
+  finally:
+    running.kill()
+    running.wait(timeout=10)

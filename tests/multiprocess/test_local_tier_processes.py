@@ -26,9 +26,6 @@ from recovery._src.local import folder
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / 'bin' / 'train.py')
 PY = sys.executable
-WIDTH = 8
-SAMPLES = 12
-BATCH = 4
 
 
 # -- a small model, sharded or replicated over this process's 4 devices ------

@@ -29,9 +29,12 @@ def _ours() -> tuple[list[str], list[str]]:
   links = subprocess.run(['ip', '-o', 'link'], capture_output=True,
                          text=True, timeout=30).stdout
   mine = f'{netns.PREFIX}{os.getpid()}-'
+  # `ip -o link` lines read 'INDEX: NAME[@PEER]: ...'; only names we would
+  # create count (another program's bridge, e.g. libvirt's virbr0, does not).
+  names = [l.split(':', 2)[1].strip().split('@')[0]
+           for l in links.splitlines() if l.count(':') >= 2]
   return ([l for l in spaces.splitlines() if l.startswith(mine)],
-          [l for l in links.splitlines() if netns.PREFIX in l or
-           ' p0@' in l or 'br0' in l])
+          [n for n in names if n.startswith(netns.PREFIX) or n in ('p0', 'br0')])
 
 
 def _probe(net: netns.SimulatedHosts, src: int, dst: int) -> str:

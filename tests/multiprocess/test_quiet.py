@@ -182,7 +182,7 @@ def test_ctrl_c_and_errors_on_a_single_controller_say_it_once(tmp_path):
   # A real error: shown once, with the fix.
   rc, out = _run([TRAIN, f'--checkpoint_dir={tmp_path / "empty"}',
                   '--resume'])
-  assert rc == 2, out[-3000:]
+  assert rc == env_lib.NO_RETRY_EXIT_STATUS, out[-3000:]
   assert out.count('NothingToResumeError') == 1, out[-3000:]
 
 

@@ -4,7 +4,10 @@ bin/train.py at 2 tasks x 2 devices under the recipe: a SIGKILL of task 1
 mid-run ends the step (--kill-on-bad-exit), the recipe starts it again
 with MULTIHOST_RESTART_COUNT=1, the run resumes from the newest checkpoint
 and ends with 0, and its final state is bitwise equal to an uninterrupted
-run's. Nothing of the job (tagged by its SLURM_JOB_ID) is left running.
+run's. With a small program (tests/launch_programs/fails_as_told.py): a
+task's exit status 78 stops the recipe after that attempt, and every
+attempt gets the same compilation cache folder. Nothing of the job (tagged
+by its SLURM_JOB_ID) is left running.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from _helpers import clean_env
 from _helpers import quick_compile_env
 import pytest
 
+from multihost import env as env_lib
 from multihost import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = ROOT / 'docs' / 'restart.sbatch'
 STANDIN = ROOT / 'tests' / 'slurm_standin'
 TRAIN = ROOT / 'bin' / 'train.py'
+FAILS = ROOT / 'tests' / 'launch_programs' / 'fails_as_told.py'
 K = 5  # --save_every
 STEPS = 30
 KILL_AFTER = 17
@@ -48,16 +53,22 @@ def _job_processes(job: str) -> list[int]:
 
 
 def _sbatch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
+  return _recipe(['python', str(TRAIN), f'--checkpoint_dir={tmp_path}/ckpt',
+                  f'--steps={STEPS}', f'--save_every={K}', *flags],
+                 **quick_compile_env())
+
+
+def _recipe(program: list[str],
+            **extra: str) -> tuple[subprocess.CompletedProcess, str]:
+  """The recipe, as sbatch runs it, with `program` (2 tasks); `extra`: more environment."""
   job = str(random.randrange(10**5, 10**6))
   env = clean_env(
       PATH=f'{STANDIN}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
       SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
       JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(launch.find_free_port()),
       MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
-      **quick_compile_env())
-  command = ['bash', str(RECIPE), 'python', str(TRAIN),
-             f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
-             f'--save_every={K}', *flags]
+      **extra)
+  command = ['bash', str(RECIPE), *program]
   proc = subprocess.Popen(command, env=env, cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True)
@@ -95,3 +106,41 @@ def test_a_sigkilled_task_is_restarted_by_the_recipe_bitwise_equal(tmp_path):
   assert step % K == 0 and 0 < KILL_AFTER - step <= 2 * K, log[-3000:]
   assert 'attempt 1 failed' not in run.stderr
   assert _digest(log) == _digest(reference.stdout + reference.stderr)
+
+
+def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
+  status = env_lib.NO_RETRY_EXIT_STATUS
+  # Task 1 exits 78; srun's step end kills task 0 (SIGKILL), so srun exits
+  # with 137, as Slurm's srun would: the recipe reads srun's line for task 1.
+  run, _ = _recipe(['python', str(FAILS)], FAIL_STATUS=str(status),
+                   SURVIVOR_SLEEP='60', SLURM_SUBMIT_DIR=str(tmp_path))
+  log = run.stdout + run.stderr
+  assert run.returncode == status, log[-3000:]
+  assert 'attempt 0 cache' in run.stdout and 'attempt 1' not in log
+  assert f'task 1: Exited with exit code {status}\n' in run.stderr
+  assert (f'restart.sbatch: attempt 0 failed (status 137): a task exited '
+          f'with status {status}, which says restarting will not help') in (
+              run.stderr), run.stderr[-3000:]
+  assert f'no_retry={status}  # multihost.env.NO_RETRY_EXIT_STATUS' in (
+      RECIPE.read_text())
+
+
+def test_every_attempt_of_the_recipe_gets_the_same_compilation_cache(
+    tmp_path):
+  run, job = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
+                     SLURM_SUBMIT_DIR=str(tmp_path))
+  assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+  # (Status 137: the step's end killed task 0, and srun reports the signal.)
+  assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
+          '(restart 1 of 2).') in run.stderr
+  folder = tmp_path / f'.jax-cache-{job}'
+  for k in (0, 1):
+    for i in (0, 1):
+      assert (f'process {i} attempt {k} cache {str(folder)!r} exists '
+              'False\n') in run.stdout, run.stdout
+  assert not folder.exists()
+  # A folder the user chose is passed on as it is.
+  mine = str(tmp_path / 'mine')
+  run, _ = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
+                   JAX_COMPILATION_CACHE_DIR=mine)
+  assert run.returncode == 0 and run.stdout.count(f'cache {mine!r}') == 4

@@ -1,11 +1,7 @@
-"""Recovery with the states real training code carries (optax, flax, scalars).
+"""Recovery with the states real training code carries, in real controllers: 2x2, then resumed at 1x4 and 4x1 (bitwise on the same topology).
 
-A resumed run behaves like the fresh run it continues: every restored leaf
-has the target's type, dtype, shape, sharding and commitment, and on the
-same topology the resumed losses equal the uninterrupted run's bitwise. The
-workloads are in tests/states_workload.py; here they run in this process (one
-controller, 4 devices) and in real controllers (2x2, then resumed at 1x4
-and 4x1).
+The workloads are in tests/states_workload.py; the one-controller runs are
+in tests/unit/test_states.py.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ PY = sys.executable
 # an epoch's end (8 steps an epoch); short enough for CI.
 STEPS = 400
 RUN_TIMEOUT_S = 120
+# bin/train.py's status when restarting will not help.
+NO_RETRY = env_lib.NO_RETRY_EXIT_STATUS
 # Cluster variables a single-controller run must not inherit.
 _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
                  env_lib.PROCESS_ID, env_lib.OMPI_HNP_URI, env_lib.OMPI_SIZE,
@@ -287,24 +289,27 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(tmp_path):
   assert 'step 5: OK' in out and 'step 10: FAIL' in out
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
                          '--resume'], log=tmp_path / 'resume.log')
-  assert rc == 2, out[-3000:]
+  # No usable checkpoint where one is required: restarting will not help.
+  assert rc == NO_RETRY, out[-3000:]
   # No traceback through our code. (Orbax may print its own, from
   # site-packages, which can be inside ROOT/.venv: a read task whose error
   # nobody retrieved, or TensorStore's 'Event loop is closed', for reads still
   # in flight when its restore failed.)
   for ours in ('multihost', 'recovery', 'bin'):
     assert f'File "{ROOT / ours}' not in out, out[-3000:]
-  assert 'error: [process=0] CheckpointError' in out
-  assert 'to resume from the previous checkpoint (step 5)' in out
+  assert 'error: [process=0] CheckpointDamagedError' in out
+  assert 'resume from the previous checkpoint (step 5)' in out
+  assert 'Here: pass --resume_if_present instead of --resume.' in out
   # A checkpoint of another width is refused with the fix.
   shutil.rmtree(ckpt / '10')
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20',
                          '--resume', '--width=16'], log=tmp_path / 'w.log')
-  assert rc == 2 and 'does not fit this run' in out and '--width' in out
+  assert rc == NO_RETRY and 'does not fit this run' in out, out[-3000:]
+  assert '--width' in out
   # Starting fresh in a folder that holds a checkpoint is refused.
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={ckpt}', '--steps=20'],
                         log=tmp_path / 'fresh.log')
-  assert rc == 2 and 'already holds checkpoint steps [5]' in out
+  assert rc == NO_RETRY and 'already holds checkpoint steps [5]' in out
 
 
 def test_resume_if_present_and_requeues(tmp_path):
@@ -331,13 +336,39 @@ def test_resume_if_present_and_requeues(tmp_path):
   # The strict modes stay: --noresume on a folder with checkpoints,
   rc, out = _run_single([*args, '--steps=15', '--noresume'],
                         log=tmp_path / 'strict.log', env=requeue)
-  assert rc == 2 and 'FolderNotFreshError' in out, out[-3000:]
+  assert rc == NO_RETRY and 'FolderNotFreshError' in out, out[-3000:]
   assert 'Here: pass --resume (or --resume_if_present)' in out, out[-3000:]
   # and --resume on an empty one, with this binary's flags in the advice.
   rc, out = _run_single([TRAIN, f'--checkpoint_dir={tmp_path / "empty"}',
                          '--resume'], log=tmp_path / 'empty.log', env=requeue)
-  assert rc == 2 and 'nothing to resume from' in out, out[-3000:]
+  assert rc == NO_RETRY and 'nothing to resume from' in out, out[-3000:]
   assert 'Here: run without --resume for a fresh run' in out, out[-3000:]
+
+
+def test_configuration_errors_exit_78_and_are_not_restarted(tmp_path):
+  """Bad flags, bad usage and flags that differ across processes: status 78 (restarting will not help)."""
+  # A flag's value out of bounds (absl's parsing), before JAX starts.
+  rc, out = _run_single([TRAIN, '--steps=0'], log=tmp_path / 'flag.log')
+  assert rc == NO_RETRY and 'FATAL Flags parsing error' in out, out[-3000:]
+  # Usage: a batch that cannot be sharded over the 4 devices.
+  rc, out = _run_single([TRAIN, '--batch_size=6'], log=tmp_path / 'use.log')
+  assert rc == NO_RETRY and 'must be a multiple of the device count' in out
+  # Processes given different --steps: every one says so and exits 78, and
+  # the launcher does not restart them.
+  command = (f'exec "{PY}" "{TRAIN}" --checkpoint_dir={tmp_path}/ckpt '
+             '--steps=$((10 + JAX_PROCESS_ID))')
+  result = launch.launch(['sh', '-c', command], num_processes=2,
+                         devices_per_process=2, timeout=RUN_TIMEOUT_S,
+                         grace_period=30, max_restarts=2, cwd=ROOT,
+                         env=_helpers.quick_compile_env())
+  assert result.returncodes == (NO_RETRY, NO_RETRY), result.summary
+  assert result.restart_count == 0, result.summary
+  for i in (0, 1):
+    assert (f'error: [process={i}] ConsistencyError: the processes run with '
+            'different flags: --steps: p0=10, p1=11.') in result.outputs[i]
+  assert f'not restarted: process {result.first_failure} exited with status ' \
+      f'{NO_RETRY}' in result.summary
+  assert not (tmp_path / 'ckpt').exists()
 
 
 def _readme_cluster_commands() -> dict[str, list[str]]:
@@ -554,3 +585,55 @@ def test_sigkill_of_a_controller_during_a_save_at_two_processes(tmp_path):
   assert f'Finished step {killed_at + 3} ' in resumed.outputs[0]
   # _metrics checks that re-run steps were recomputed identically.
   assert sorted(_metrics(metrics)) == list(range(1, killed_at + 4))
+
+
+# -- a damaged checkpoint under --max_restarts ----------------------------------
+
+
+def _restarting(directory, metrics, *extra):
+  """bin/train.py on 2 controllers under --max_restarts=1; (result, output of all attempts)."""
+  args = [TRAIN, f'--checkpoint_dir={directory}', f'--metrics_out={metrics}',
+          '--steps=20', '--save_every=5', '--keep=3', '--noasync_save',
+          *extra]
+  result = launch.launch([PY, *args], num_processes=2, devices_per_process=1,
+                         grace_period=1, kill_wait=0.5, timeout=RUN_TIMEOUT_S,
+                         max_restarts=1, cwd=ROOT,
+                         env=_helpers.quick_compile_env())
+  out = '\n'.join(o for a in result.attempts for o in a.outputs)
+  assert result.ok, result.summary + '\n' + out[-4000:]
+  assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
+                 for pid in a.pids)
+  return result, out
+
+
+def test_a_restart_sets_a_damaged_newest_checkpoint_aside_and_loses_nothing(
+    tmp_path):
+  """Process 1 damages step 10 and dies after step 12; the restart resumes from 5."""
+  _, reference = _restarting(tmp_path / 'ref', tmp_path / 'ref.jsonl')
+  ckpt, metrics = tmp_path / 'ckpt', tmp_path / 'metrics.jsonl'
+  t0 = time.monotonic()
+  result, out = _restarting(ckpt, metrics, '--drill_kill_after_step=12',
+                            '--drill_kill_process=1', '--drill_damage_newest')
+  took = time.monotonic() - t0
+  assert result.restart_count == 1, result.summary
+  assert 'Drill: damaged step 10 in' in out and 'SIGKILLs itself' in out
+  assert _final_digest(out) == _final_digest(reference)
+  (moved,) = [n for n in os.listdir(ckpt) if '.damaged-' in n]
+  assert re.fullmatch(r'10\.damaged-\d{8}T\d{6}Z', moved), moved
+  for p in (0, 1):  # One line each, naming the step, why, where, instead.
+    lines = re.findall(rf'\[process={p}\] Checkpoint step 10 in .*', out)
+    assert len(lines) == 1, lines
+    assert re.search(
+        rf'step 10 in {re.escape(str(ckpt))} is damaged: its files cannot be '
+        r'read \(.*\)\. Set it aside as '
+        rf'{re.escape(str(ckpt / moved))} \(kept, never read or deleted\); '
+        r'resuming from persistent step 5 instead\.', lines[0]), lines[0]
+    assert f'[process={p}] Resumed from step 5 (epoch' in out
+  assert sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) == [
+      10, 15, 20]
+  assert {'event': 'set_aside', 'step': 10, 'moved_to': str(ckpt / moved),
+          'resumed_from': 5} in [json.loads(ln) for ln in
+                                  metrics.read_text().splitlines()]
+  # _metrics checks that steps 6-12, run twice, were recomputed identically.
+  assert sorted(_metrics(metrics)) == list(range(1, 21))
+  print(f'damaged-checkpoint drill: {took:.1f} s (both attempts)')

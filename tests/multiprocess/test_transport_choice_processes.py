@@ -1,12 +1,9 @@
-"""The `Transport` interface, the rule that picks one per payload (`choice.choose_transport`), and the real CPU path."""
+"""On CPU, small and large payloads travel over TCP between real controllers."""
 
 from __future__ import annotations
 
 from multihost import launch
-from multihost._src.transport import choice
 from tests._helpers import program
-
-BIG = choice.DEVICE_BYTES + 1
 
 
 def test_on_cpu_small_and_large_payloads_travel_over_tcp():

@@ -1,4 +1,4 @@
-"""Both data planes for large payloads, at an odd process count."""
+"""Both data planes for large payloads at an odd process count, a blocked data-plane port, and lanes that differ across processes."""
 
 from __future__ import annotations
 
@@ -31,3 +31,15 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
                          env={env_lib.HEARTBEAT: '3'})
   assert all('BLOCKED-PORT OK' in out for out in result.outputs), (
       result.summary + '\n'.join(result.outputs))
+
+
+def test_lanes_that_differ_are_a_consistency_error_at_once():
+  """$MULTIHOST_TCP_LANES differing (2 vs 3) is named on every process before any data moves, not a timeout."""
+  result = launch.launch(program('lanes_differ'), num_processes=2,
+                         devices_per_process=1, timeout=60)
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  for out in result.outputs:
+    line = next(l for l in out.splitlines() if 'CONSISTENCY' in l or
+                'NO ERROR' in l)
+    assert 'MULTIHOST_TCP_LANES differs across processes' in line, line
+    assert float(line.split('after ')[1].split(' s')[0]) < 10, line

@@ -2,7 +2,7 @@
 
 Each test runs a few "processes" as threads of this one, each with its own
 `multihost._src.runtime.runtime.Runtime` on one `fake_coordination.FakeService`, and
-calls the control plane (`_control_agree`) with that runtime. The
+calls the control plane (`control.agree`) with that runtime. The
 real-process tests of the same paths (test_failures.py, test_security.py,
 test_collectives.py) stay: they cover what a fake cannot (signals, gloo,
 the real service's timing).
@@ -447,3 +447,30 @@ def test_the_live_barrier_of_block_32_deletes_group_0s_keys(job):
   for p, (out, _) in enumerate(results):
     assert out == (frozenset({0, 1, 2}), {}), (p, out)
   assert not [k for k in service.store if k.startswith('multihost_live/w/0/')]
+
+
+def test_a_shared_setting_that_differs_is_named_on_every_process(job):
+  """$MULTIHOST_TCP_LANES differing across processes is a ConsistencyError everywhere, naming the variable and each process's value."""
+  _, rts = job
+
+  def call(rt):
+    lanes = '3' if rt.index == 1 else '2'
+    header = Header('broadcast_one_to_all', size=8, settings=(
+        (multihost.env.TCP_LANES, lanes), (multihost.env.TRANSPORT, 'unset')))
+    return agree.agree(header, timeout=10, runtime=rt)
+
+  results = fake.run(rts, call)
+  for e in _errors_of(results, _errors.ConsistencyError):
+    assert 'MULTIHOST_TCP_LANES differs across processes' in str(e), e
+    assert "processes [1] differ" in str(e) and "1: '3'" in str(e), e
+  assert all(t < 5 for _, t in results), results  # At once, not a timeout.
+
+
+def test_every_header_carries_the_shared_settings(monkeypatch):
+  monkeypatch.setenv(multihost.env.TCP_LANES, '3')
+  monkeypatch.delenv(multihost.env.TRANSPORT, raising=False)
+  header = Header('sync_global_devices')
+  assert dict(header.settings) == {'MULTIHOST_TCP_LANES': '3',
+                                   'MULTIHOST_TRANSPORT': 'unset'}
+  monkeypatch.setenv(multihost.env.TCP_LANES, '2')
+  assert Header('sync_global_devices').agreement() != header.agreement()

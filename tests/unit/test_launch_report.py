@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from multihost import env as env_lib
 from multihost import launch
 from multihost.launch import _environment
 from multihost.launch import _evidence
@@ -184,6 +185,97 @@ def test_policy_after_attempt_restarts_failures_only_while_restarts_last(
   args = dict(timed_out=False, interrupted=False, restart_count=0,
               max_restarts=3) | kwargs
   assert _policy.after_attempt(**args) == action
+
+
+NO_RETRY = env_lib.NO_RETRY_EXIT_STATUS
+
+
+@pytest.mark.parametrize('kwargs, action', [
+    # Restarts left: the first failure ends the attempt at once.
+    (dict(returncodes=[None, KILL], end_times=[None, 4.9],
+          restart_at_once=True), _policy.RESTART_NOW),
+    (dict(returncodes=[None, None, 1], end_times=[None, None, 4.99],
+          restart_at_once=True), _policy.RESTART_NOW),
+    # None left: the others get the grace period.
+    (dict(returncodes=[None, KILL], end_times=[None, 4.9]), _policy.WAIT),
+    # Restarting will not help (78): no restart follows, so the grace too.
+    (dict(returncodes=[None, NO_RETRY], end_times=[None, 4.9],
+          restart_at_once=True), _policy.WAIT),
+    (dict(returncodes=[None, NO_RETRY], end_times=[None, 4.0],
+          grace_period=1.0, restart_at_once=True), _policy.GRACE_OVER),
+    (dict(returncodes=[None, KILL, NO_RETRY], end_times=[None, 4.8, 4.9],
+          restart_at_once=True), _policy.WAIT),
+    # An exit 0 is no failure; an interrupt and the timeout come first.
+    (dict(returncodes=[None, 0], end_times=[None, 1.0],
+          restart_at_once=True), _policy.WAIT),
+    (dict(returncodes=[None, KILL], end_times=[None, 4.9], interrupted=True,
+          restart_at_once=True), _policy.INTERRUPTED),
+    (dict(returncodes=[None, KILL], end_times=[None, 4.9], timeout=5.0,
+          restart_at_once=True), _policy.TIMED_OUT),
+    (dict(returncodes=[1, KILL], end_times=[4.9, 4.9],
+          restart_at_once=True), _policy.ALL_EXITED),
+])
+def test_policy_restarts_at_once_while_restarts_are_left(kwargs, action):
+  args = dict(elapsed=5.0, timeout=None, grace_period=15.0,
+              interrupted=False) | kwargs
+  step = _policy.next_step(**args)
+  assert step.action == action
+  if action == _policy.RESTART_NOW:
+    assert step.running == tuple(
+        i for i, rc in enumerate(kwargs['returncodes']) if rc is None)
+
+
+def test_policy_does_not_retry_what_said_restarting_will_not_help():
+  args = dict(timed_out=False, interrupted=False, restart_count=0,
+              max_restarts=3)
+  assert _policy.after_attempt(exit_code=NO_RETRY, no_retry=True,
+                               **args) == _policy.END
+  assert _policy.after_attempt(exit_code=137, no_retry=True,
+                               **args) == _policy.END
+  assert _policy.after_attempt(exit_code=NO_RETRY, **args) == _policy.RESTART
+  assert _policy.restarts_left(restart_count=2, max_restarts=3)
+  assert not _policy.restarts_left(restart_count=3, max_restarts=3)
+  # The process that said so: the first by exit, never one the launcher
+  # stopped (its status is the launcher's doing).
+  assert _policy.not_retryable([0, 1, KILL]) is None
+  assert _policy.not_retryable([NO_RETRY, 1, NO_RETRY],
+                               end_times=[3.0, 1.0, 2.0]) == 2
+  assert _policy.not_retryable([NO_RETRY, NO_RETRY]) == 0
+  assert _policy.not_retryable([NO_RETRY, 1], stopped={0}) is None
+
+
+def test_the_summary_says_why_a_failed_attempt_was_not_restarted():
+  said = launch.report(_run([0, NO_RETRY], [1.0, 0.5]))
+  result = _restarts.combine([said], starts=[0.0], max_restarts=3,
+                             elapsed=1.0)
+  assert result.exit_code == NO_RETRY and result.restart_count == 0
+  assert result.summary.splitlines()[1] == (
+      '  attempt 0 (MULTIHOST_RESTART_COUNT=0) at 0.0 s: process 1 failed '
+      f'first (exit status {NO_RETRY}); not restarted: process 1 exited with '
+      f'status {NO_RETRY}, which says restarting will not help (bad flags, a '
+      'missing or unusable checkpoint, settings the processes disagree on); '
+      'fix what [p1] names and run again.')
+  # After a restart, too; a 78 the launcher caused (after SIGTERM) is not one.
+  failed = launch.report(_run([0, KILL], [1.0, 0.5]))
+  result = _restarts.combine([failed, said], starts=[0.0, 1.2],
+                             max_restarts=3, elapsed=2.5)
+  assert 'restarted all (restart 1 of 3).' in result.summary
+  assert 'not restarted: process 1 exited with status' in result.summary
+  stopped = launch.report(_run([NO_RETRY, KILL], [1.0, 0.5],
+                               stopped=frozenset({0})))
+  assert _restarts.not_retried(stopped) is None
+
+
+def test_the_summary_says_the_others_were_stopped_at_once_to_restart():
+  run = _run([KILL, KILL], [0.6, 0.5], stopped=frozenset({0}),
+             grace_period=15.0, stopped_to_restart=True)
+  summary = launch.report(run).summary
+  assert ('Processes [0] were stopped at once, to restart the job (restarts '
+          'are left).') in summary
+  assert 'grace period' not in summary
+  run = dataclasses.replace(run, stopped_to_restart=False)
+  assert 'were stopped after the 15 s grace period' in launch.report(
+      run).summary
 
 
 def _timed(lines_and_times) -> tuple[str, tuple[float, ...]]:

@@ -11,18 +11,23 @@ to an uninterrupted run.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import pathlib
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
 
@@ -72,7 +77,7 @@ def _initial(loop, sharding) -> recovery.TransitionState:
 
 
 def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
-           restart=False, monkeypatch=None, local='local'):
+           restart=False, monkeypatch=None, local='local', local_keep=2):
   """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints)."""
   sharding = sharding or _sharded()
   loop = _loop(sharding)
@@ -85,7 +90,8 @@ def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
   with recovery.Checkpoints(tmp_path / 'ckpt', save_every=save_every,
                             async_save=False,
                             local_directory=tmp_path / local,
-                            local_save_every=local_every) as ckpt:
+                            local_save_every=local_every,
+                            local_keep=local_keep) as ckpt:
     state = ckpt.start(initial)
     result = loop.run(state, until_step=steps, checkpoints=ckpt)
   return result.state, ckpt
@@ -95,39 +101,87 @@ def _delete_persistent(tmp_path, step):
   shutil.rmtree(tmp_path / 'ckpt' / str(step))
 
 
+def _step_folder(local, step, process=0) -> pathlib.Path:
+  """The committed folder of local `step` in `local`'s `process_<process>`."""
+  (found,) = [p for p in (local / f'process_{process}').iterdir()
+              if '.tmp-' not in p.name and p.name.split('-')[0] == str(step)]
+  return found
+
+
+def _stored(local) -> set[tuple[str, int]]:
+  """{(checkpoint folder, step)} of the committed local steps in `local`."""
+  return {(s.manifest['directory'], s.step) for s in folder.scan(str(local))}
+
+
 # -- the folder format --------------------------------------------------------
+
+
+RUN = '0123456789abcdef'  # a run identity (folder.new_run())
+OTHER_RUN = 'fedcba9876543210'
 
 
 def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
     tmp_path):
   block = (('w', ((0, 4),)), np.arange(4, dtype=np.float32))
-  folder.write_step(str(tmp_path), 0, 5, {'meta': {'digest': 'a'}},
-                           [block])
+  folder.write_step(str(tmp_path), 0, 5,
+                    {'run': RUN, 'meta': {'digest': 'a'}}, [block])
   own = tmp_path / 'process_0'
   # A write killed before its rename: a temporary folder with data only.
-  (own / '7.tmp-dead').mkdir()
-  (own / '7.tmp-dead' / 'data.bin').write_bytes(b'x' * 16)
+  (own / f'7-{RUN}.tmp-dead').mkdir()
+  (own / f'7-{RUN}.tmp-dead' / 'data.bin').write_bytes(b'x' * 16)
   # A complete-looking folder without its commit marker.
-  (own / '8').mkdir()
+  (own / f'8-{RUN}').mkdir()
   for name in ('manifest.json', 'data.bin'):
-    (own / '8' / name).write_bytes((own / '5' / name).read_bytes())
+    (own / f'8-{RUN}' / name).write_bytes(
+        (own / f'5-{RUN}' / name).read_bytes())
   stored = folder.scan(str(tmp_path))
   assert [s.step for s in stored] == [5]
   np.testing.assert_array_equal(
       folder.read_block(stored[0].entries[block[0]]), block[1])
   # A truncated data file makes the step unusable, not garbage.
-  with open(own / '5' / 'data.bin', 'r+b') as f:
+  with open(own / f'5-{RUN}' / 'data.bin', 'r+b') as f:
     f.truncate(8)
   assert folder.scan(str(tmp_path)) == []
-  folder.remove_tmp(str(tmp_path), 0)
-  assert not (own / '7.tmp-dead').exists()
+  (own / f'7-{OTHER_RUN}.tmp-0a1b').mkdir()  # another run's write, now
+  folder.remove_tmp(str(tmp_path), 0, RUN)
+  assert not (own / f'7-{RUN}.tmp-dead').exists()
+  assert (own / f'7-{OTHER_RUN}.tmp-0a1b').is_dir()
 
 
 def test_a_0d_block_keeps_its_shape(tmp_path):
-  folder.write_step(str(tmp_path), 2, 1, {'meta': {'digest': 'a'}},
-                           [(('step', ()), np.asarray(7, np.int64))])
+  folder.write_step(str(tmp_path), 2, 1,
+                    {'run': RUN, 'meta': {'digest': 'a'}},
+                    [(('step', ()), np.asarray(7, np.int64))])
   (stored,) = folder.scan(str(tmp_path))
   assert folder.read_block(stored.entries[('step', ())]).shape == ()
+
+
+def test_prune_ranks_and_deletes_only_this_run_s_real_step_folders(tmp_path):
+  block = [(('w', ()), np.zeros(2, np.float32))]
+
+  def write(run, step):
+    folder.write_step(str(tmp_path), 0, step,
+                      {'run': run, 'meta': {'digest': 'a'}}, block)
+
+  for run, step in ((OTHER_RUN, 1), (OTHER_RUN, 9), (RUN, 2), (RUN, 3),
+                    (RUN, 8)):
+    write(run, step)
+  own = tmp_path / 'process_0'
+  for run in (RUN, OTHER_RUN):  # writes killed mid-way
+    (own / f'6-{run}.tmp-0a0b').mkdir()
+  elsewhere = tmp_path / 'elsewhere'  # a link named as one of its steps
+  (elsewhere / 'x').mkdir(parents=True)
+  (own / f'4-{RUN}').symlink_to(elsewhere)
+  write(RUN, 5)
+  # Step 5 was just written; the run went back from step 8 (newer); keep=2
+  # keeps step 3 too. The link is neither ranked nor followed.
+  assert folder.prune(str(tmp_path), 0, RUN, keep=2, written=5) == [2, 8]
+  assert sorted(p.name for p in own.iterdir()) == sorted([
+      f'1-{OTHER_RUN}', f'9-{OTHER_RUN}', f'6-{OTHER_RUN}.tmp-0a0b',
+      f'3-{RUN}', f'4-{RUN}', f'5-{RUN}'])
+  assert (elsewhere / 'x').is_dir()
+  assert sorted((s.run, s.step) for s in folder.scan(str(tmp_path))) == [
+      (RUN, 3), (RUN, 5), (OTHER_RUN, 1), (OTHER_RUN, 9)]
 
 
 # -- saving, keep-N and the choice of tier ------------------------------------
@@ -137,7 +191,7 @@ def test_local_steps_are_saved_on_their_own_schedule_and_pruned(
     tmp_path, monkeypatch):
   _train(tmp_path, 10, save_every=100, local_every=3, monkeypatch=monkeypatch)
   local = tmp_path / 'local' / 'process_0'
-  assert sorted(int(p.name) for p in local.iterdir()) == [6, 9]
+  assert sorted(int(p.name.split('-')[0]) for p in local.iterdir()) == [6, 9]
   assert sorted(int(p.name) for p in (tmp_path / 'ckpt').iterdir()
                 if p.name.isdigit()) == [10]
 
@@ -164,7 +218,7 @@ def test_a_damaged_local_step_falls_back_to_the_persistent_tier(
   _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
   _delete_persistent(tmp_path, 11)
   for step in (6, 9):
-    data = tmp_path / 'local' / 'process_0' / str(step) / 'data.bin'
+    data = _step_folder(tmp_path / 'local', step) / 'data.bin'
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xff  # a flipped bit in the last leaf's bytes
     data.write_bytes(bytes(raw))
@@ -175,7 +229,7 @@ def test_a_damaged_local_step_falls_back_to_the_persistent_tier(
 
 
 def _flip_last_byte(tmp_path, step):
-  data = tmp_path / 'local' / 'process_0' / str(step) / 'data.bin'
+  data = _step_folder(tmp_path / 'local', step) / 'data.bin'
   raw = bytearray(data.read_bytes())
   raw[-1] ^= 0xff
   data.write_bytes(bytes(raw))
@@ -191,7 +245,7 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
   if damage == 'digest':
     _flip_last_byte(tmp_path, 9)
   else:  # Its commit marker gone: a write killed before its rename.
-    (tmp_path / 'local' / 'process_0' / '9' / 'COMMIT').unlink()
+    (_step_folder(tmp_path / 'local', 9) / 'COMMIT').unlink()
   caplog.set_level('INFO')
   state, ckpt = _train(tmp_path, 14, save_every=5, restart=True,
                        monkeypatch=monkeypatch)
@@ -234,6 +288,39 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
           == recovery.checkpoint_digest(reference))
 
 
+def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
+    tmp_path, monkeypatch, caplog):
+  """Past damaged local step 9 and persistent steps 9 and 8, local step 6 restores; 9 and 8 are set aside."""
+  reference, _ = _train(tmp_path / 'ref', 12, monkeypatch=monkeypatch)
+  _train(tmp_path, 9, save_every=4, local_every=3, local_keep=3,
+         monkeypatch=monkeypatch)  # persistent 4, 8, 9; local 3, 6, 9
+  _flip_last_byte(tmp_path, 9)
+  for step in (8, 9):
+    for f in (tmp_path / 'ckpt' / str(step) / 'state').rglob('*'):
+      if f.is_file() and f.parent.name == 'd':
+        f.write_bytes(np.random.default_rng(step).bytes(f.stat().st_size))
+  caplog.set_level('INFO')
+  state, ckpt = _train(tmp_path, 12, save_every=4, local_every=3,
+                       local_keep=3, restart=True, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert sorted(ckpt.set_aside) == [8, 9]
+  lines = [r.getMessage() for r in caplog.records
+           if 'Set it aside as' in r.getMessage()]
+  assert len(lines) == 2, lines
+  for step, line in zip((9, 8), lines):
+    assert re.search(rf'Checkpoint step {step} in .* is damaged: its files '
+                     rf'cannot be read .*Set it aside as .*/{step}\.damaged-'
+                     r'.*; resuming from local step 6 instead\.', line), line
+  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  # Step 8 was saved again; the damaged folders are kept beside it.
+  assert ckpt.steps() == [4, 8, 12]
+  names = sorted(os.listdir(tmp_path / 'ckpt'))
+  assert [n.split('.damaged-')[0] for n in names if '.damaged-' in n] == [
+      '8', '9'], names
+  assert (recovery.checkpoint_digest(state)
+          == recovery.checkpoint_digest(reference))
+
+
 @pytest.mark.parametrize('devices', [
     pytest.param(lambda d: d[:2], id='fewer-devices'),
     pytest.param(lambda d: d[::-1], id='same-blocks-other-devices')])
@@ -269,11 +356,172 @@ def test_local_options_are_checked(tmp_path):
                          local_save_every=0)
 
 
+# -- the folder is this user's and this run's (issue 36) ----------------------
+
+
+def test_a_process_folder_that_is_a_link_is_refused_never_followed(
+    tmp_path, monkeypatch):
+  # process_0 links to a folder of digit-named steps (a persistent
+  # checkpoint folder, say): nothing in it may be written or deleted.
+  elsewhere = tmp_path / 'persistent'
+  for step in (100, 200, 300):
+    (elsewhere / str(step)).mkdir(parents=True)
+  local = tmp_path / 'local'
+  local.mkdir(mode=0o700)
+  (local / 'process_0').symlink_to(elsewhere)
+  error = None
+  try:
+    _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  except recovery.CheckpointFolderError as e:
+    error = str(e)
+  assert sorted(p.name for p in elsewhere.iterdir()) == ['100', '200', '300']
+  assert error is not None and str(local / 'process_0') in error, error
+  assert 'symlink' in error, error
+
+
+def test_the_local_folder_is_private_and_a_shared_one_is_refused(
+    tmp_path, monkeypatch):
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  for made in (tmp_path / 'local', tmp_path / 'local' / 'process_0'):
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+  shared = tmp_path / 'shared'
+  shared.mkdir()
+  shared.chmod(0o777)
+  with pytest.raises(recovery.CheckpointFolderError,
+                     match=r'shared .*writable by its group or others'):
+    _train(tmp_path / 'b', 4, monkeypatch=monkeypatch, local='../shared')
+  assert not (shared / 'process_0').exists()
+  if os.geteuid() == 0:  # Another user's folder (root can make one).
+    theirs = tmp_path / 'theirs'
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(recovery.CheckpointFolderError,
+                       match=r'theirs is owned by uid 65534'):
+      _train(tmp_path / 'c', 4, monkeypatch=monkeypatch, local='../theirs')
+
+
+@pytest.mark.parametrize('planted', ['earlier-run', 'other-folder'])
+def test_a_step_this_run_did_not_write_is_never_restored(
+    tmp_path, monkeypatch, planted):
+  # Run 1 of the folder leaves local step 9 where run 2's fresh start does
+  # not reach it (another host's folder; here another local folder).
+  _train(tmp_path, 11, local_every=3, monkeypatch=monkeypatch, local='old')
+  shutil.rmtree(tmp_path / 'ckpt')
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 4)  # run 2: local step 3, nothing persistent
+  if planted == 'earlier-run':  # Its own folder, its own self-consistent digest.
+    step = _step_folder(tmp_path / 'old', 9)
+    shutil.copytree(step, tmp_path / 'local' / 'process_0' / step.name)
+  else:  # Another run's step, its manifest made to name this folder.
+    _train(tmp_path / 'other', 9, local_every=3, monkeypatch=monkeypatch)
+    step = _step_folder(tmp_path / 'other' / 'local', 9)
+    copy = tmp_path / 'local' / 'process_0' / step.name
+    shutil.copytree(step, copy)
+    manifest = json.loads((copy / 'manifest.json').read_text())
+    manifest['directory'] = str(tmp_path / 'ckpt')
+    (copy / 'manifest.json').write_text(json.dumps(manifest))
+  assert (str(tmp_path / 'ckpt'), 9) in _stored(tmp_path / 'local')
+  _, ckpt = _train(tmp_path, 6, restart=True, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (3, 'local')
+
+
+def test_a_local_save_writes_the_state_as_it_was_when_save_returned(
+    tmp_path, monkeypatch):
+  release = threading.Event()
+  write_step = folder.write_step
+
+  def delayed(*args, **kwargs):  # The writer runs after the update below.
+    release.wait(60)
+    return write_step(*args, **kwargs)
+
+  monkeypatch.setattr(folder, 'write_step', delayed)
+  saved = np.arange(8, dtype=np.float32)
+  state = recovery.TransitionState(
+      user={'w': saved.copy()}, key=jax.random.key(0),
+      order=np.arange(4, dtype=np.int32), cursor=0, epoch=0, step=3)
+
+  def checkpoints():
+    return recovery.Checkpoints(tmp_path / 'ckpt', save_every=100,
+                                async_save=False,
+                                local_directory=tmp_path / 'local',
+                                local_save_every=3)
+
+  monkeypatch.delenv('MULTIHOST_RESTART_COUNT', raising=False)
+  with checkpoints() as ckpt:
+    ckpt.start(state.replace(step=0))
+    ckpt.save(state)  # local step 3; its files are written in the background
+    state.user['w'] += 100  # the next step updates the state in place
+    release.set()
+  monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
+  with checkpoints() as ckpt:
+    restored = ckpt.start(
+        state.replace(user={'w': np.zeros(8, np.float32)}, step=0))
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (3, 'local')
+  np.testing.assert_array_equal(restored.user['w'], saved)
+
+
+def test_two_runs_sharing_a_local_folder_keep_their_own_steps(
+    tmp_path, monkeypatch):
+  a, b = tmp_path / 'a', tmp_path / 'b'
+  _train(a, 20, local_every=5, monkeypatch=monkeypatch, local='../local')
+  _train(b, 5, local_every=5, monkeypatch=monkeypatch, local='../local')
+  assert (str(b / 'ckpt'), 5) in _stored(tmp_path / 'local')
+  _train(b, 20, local_every=5, restart=True, monkeypatch=monkeypatch,
+         local='../local')
+  assert _stored(tmp_path / 'local') == {
+      (str(run / 'ckpt'), step) for run in (a, b) for step in (15, 20)}
+  _delete_persistent(a, 20)
+  _, ckpt = _train(a, 20, local_every=5, restart=True,
+                   monkeypatch=monkeypatch, local='../local')
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (20, 'local')
+
+
+def test_keep_1_keeps_the_step_just_written_past_a_newer_failed_one(
+    tmp_path, monkeypatch):
+  _train(tmp_path, 13, save_every=5, local_every=4, local_keep=1,
+         monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 13)
+  _flip_last_byte(tmp_path, 12)  # fails its check: the restart takes 10
+  _, ckpt = _train(tmp_path, 11, save_every=5, local_every=11, local_keep=1,
+                   restart=True, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (10, 'persistent')
+  assert _stored(tmp_path / 'local') == {(str(tmp_path / 'ckpt'), 11)}
+
+
+def test_a_start_leaves_another_run_s_write_in_progress_alone(
+    tmp_path, monkeypatch):
+  own = tmp_path / 'local' / 'process_0'
+  own.mkdir(parents=True, mode=0o700)
+  theirs = own / '7-0123456789abcdef.tmp-0a1b2c3d'  # another run's step 7
+  theirs.mkdir()
+  (theirs / 'data.bin').write_bytes(b'x' * 16)
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  assert (theirs / 'data.bin').read_bytes() == b'x' * 16
+
+
+def test_a_failed_local_write_leaves_no_temporary_folder(
+    tmp_path, monkeypatch, caplog):
+  write_step = folder.write_step
+
+  def disk_full(local, process, step, manifest, blocks):
+    def some():
+      yield blocks[0]
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return write_step(local, process, step, manifest, some())
+
+  monkeypatch.setattr(folder, 'write_step', disk_full)
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  assert 'A local save to' in caplog.text
+  assert os.listdir(tmp_path / 'local' / 'process_0') == []
+
+
 def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
   proc = subprocess.run(
       [PY, TRAIN, f'--checkpoint_dir={tmp_path}', '--local_save_every=3'],
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
       check=False)
-  assert proc.returncode == 1, proc.stdout + proc.stderr
+  # Bad flags: restarting will not help.
+  assert proc.returncode == env_lib.NO_RETRY_EXIT_STATUS, (proc.stdout +
+                                                          proc.stderr)
   assert '--local_save_every=3 needs --local_checkpoint_dir' in proc.stderr

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 
+import _helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +26,7 @@ import pytest
 from multihost import env as env_lib
 import recovery
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH = 4
 SAMPLES = 12
 BATCH = 4  # 3 steps per epoch.
@@ -314,7 +316,184 @@ def test_damaged_array_bytes_give_a_clear_error(tmp_path):
                        match=r'Checkpoint step 7 .*cannot be read.*damaged '
                        r'or incomplete.*step 6') as raised:
       ckpt.restore(_initial(loop))
-  assert type(raised.value) is recovery.CheckpointError, raised.value
+  assert type(raised.value) is recovery.CheckpointDamagedError, raised.value
+
+
+def _damage(directory, step, how, tmp_path, loop):
+  """Damages committed `step`: its array bytes flipped, or a value rewritten."""
+  if how == 'bytes':  # TensorStore cannot decode them (DATA_LOSS).
+    files = [f for f in (directory / str(step) / 'state').rglob('*')
+             if f.is_file() and f.parent.name == 'd']
+    assert files
+    for f in files:
+      f.write_bytes(np.random.default_rng(1).bytes(f.stat().st_size))
+  else:  # Another run's state item: it reads, and fails its digest check.
+    other = tmp_path / f'other-{step}'
+    with recovery.Checkpoints(other, save_every=step) as ckpt:
+      loop.run(_initial(loop, seed=99), until_step=step, checkpoints=ckpt)
+    shutil.rmtree(directory / str(step) / 'state')
+    shutil.copytree(other / str(step) / 'state',
+                    directory / str(step) / 'state')
+
+
+def _set_aside_lines(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if 'Set it aside as' in
+          r.getMessage()]
+
+
+@pytest.mark.parametrize('how', ['bytes', 'value'])
+@pytest.mark.parametrize('mode', ['if_present', 'restart'])
+def test_a_damaged_newest_step_is_set_aside_and_the_run_falls_back(
+    tmp_path, monkeypatch, caplog, how, mode):
+  """resume='if_present', or a restart: the previous step resumes, nothing is lost."""
+  _without_restart(monkeypatch)
+  loop, directory, _ = _saved_run(tmp_path)  # steps 6 and 7
+  straight, _ = _run(loop, _initial(loop), 10)
+  _damage(directory, 7, how, tmp_path, loop)
+  resume = 'if_present'
+  if mode == 'restart':  # The default mode, on a restart.
+    monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
+    resume = None
+  caplog.set_level('INFO')
+  events = []
+
+  def on_event(event, seconds, **meta):
+    del seconds
+    events.append((event, meta.get('name')))
+
+  with recovery.Checkpoints(directory, save_every=3, keep=2) as ckpt:
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+      state = ckpt.start(_initial(loop), resume=resume)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(on_event)
+    assert events.count(('/multihost/event/duration_secs',
+                         'checkpoint set aside')) == 1, events
+    assert (ckpt.resumed_from, ckpt.resumed_tier, state.step) == (
+        6, 'persistent', 6)
+    (moved,) = ckpt.set_aside.values()
+    assert list(ckpt.set_aside) == [7]
+    assert re.fullmatch(r'7\.damaged-\d{8}T\d{6}Z', os.path.basename(moved))
+    assert os.path.dirname(moved) == str(directory)
+    assert ckpt.steps() == [6]
+    result = loop.run(state, until_step=10, checkpoints=ckpt)
+    # Steps 9 and 10 were due (7 was not); keep-N kept the newest 2.
+    assert ckpt.steps() == [9, 10]
+  assert (recovery.checkpoint_digest(result.state)
+          == recovery.checkpoint_digest(straight))
+  # The damaged step is kept, whole, beside the others; never deleted.
+  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == (
+      sorted(['9', '10', os.path.basename(moved)]))
+  assert (pathlib.Path(moved) / 'state').is_dir()
+  why = ('its files cannot be read' if how == 'bytes'
+         else 'it fails its digest check')
+  (line,) = _set_aside_lines(caplog)
+  assert re.search(
+      rf'Checkpoint step 7 in {re.escape(str(directory))} is damaged: {why}'
+      rf'.*Set it aside as {re.escape(moved)} \(kept, never read or deleted\);'
+      r' resuming from persistent step 6 instead\.', line), line
+  # A later start sees steps 9 and 10 only.
+  with recovery.Checkpoints(directory, save_every=3, keep=2) as ckpt:
+    assert ckpt.start(_initial(loop), resume=True).step == 10
+    assert ckpt.set_aside == {}
+
+
+def test_a_strict_resume_refuses_a_damaged_step_and_says_how_to_fall_back(
+    tmp_path, monkeypatch):
+  _without_restart(monkeypatch)
+  loop, directory, _ = _saved_run(tmp_path)
+  _damage(directory, 7, 'bytes', tmp_path, loop)
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointDamagedError,
+                       match=r"step 7 .*cannot be read.*Start with "
+                       r"resume='if_present' \(the default on a restart\) "
+                       r'to set it aside \(renamed 7\.damaged-<UTC time> in '
+                       r'.*, kept\) and resume from the previous checkpoint '
+                       r'\(step 6\)'):
+      ckpt.start(_initial(loop), resume=True)
+    assert ckpt.set_aside == {}
+  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == [
+      '6', '7']
+  # On a restart, the same resume=True falls back: no one is there.
+  monkeypatch.setenv('SLURM_RESTART_COUNT', '2')
+  with recovery.Checkpoints(directory) as ckpt:
+    assert ckpt.start(_initial(loop), resume=True).step == 6
+    assert list(ckpt.set_aside) == [7]
+
+
+def test_when_no_step_verifies_nothing_is_set_aside(tmp_path, monkeypatch):
+  _without_restart(monkeypatch)
+  loop, directory, _ = _saved_run(tmp_path)
+  _damage(directory, 7, 'value', tmp_path, loop)
+  _damage(directory, 6, 'bytes', tmp_path, loop)
+  with recovery.Checkpoints(directory) as ckpt:
+    with pytest.raises(recovery.CheckpointDamagedError,
+                       match=r'step 6 .*cannot be read.*No older checkpoint '
+                       r'exists here; start fresh in a new folder\. The newer '
+                       r'steps are damaged too \(step 7: it fails its digest '
+                       r'check.*\): no checkpoint in .* verifies, so none was '
+                       r'set aside\.'):
+      ckpt.start(_initial(loop), resume='if_present')
+    assert ckpt.set_aside == {}
+  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == [
+      '6', '7']
+
+
+def _train(*args, log) -> tuple[int, str]:
+  """bin/train.py as one single-controller subprocess; (exit status, output)."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in recovery.RESTART_COUNT_VARIABLES
+         and not k.startswith(('MULTIHOST_', 'SLURM_', 'OMPI_', 'JAX_'))}
+  env.update({env_lib.PLATFORMS: 'cpu', **_helpers.quick_compile_env()})
+  with open(log, 'wb') as out:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / 'bin' / 'train.py'), *args], env=env,
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+        stderr=subprocess.STDOUT, timeout=300, check=False)
+  return done.returncode, log.read_text()
+
+
+def test_train_sets_a_damaged_step_aside_with_resume_if_present(tmp_path):
+  """--resume refuses with the flag that falls back; --resume_if_present ends equal to the uninterrupted run."""
+  ref, ckpt = tmp_path / 'ref', tmp_path / 'ckpt'
+  rc, out = _train(f'--checkpoint_dir={ref}', '--steps=20', '--save_every=5',
+                   '--keep=4', log=tmp_path / 'ref.log')
+  assert rc == 0, out[-3000:]
+  (digest,) = re.findall(r'Finished step 20 .*digest (\w+)', out)
+  # Steps 5 and 10 of that run, as a run stopped after step 10 left them.
+  shutil.copytree(ref, ckpt, ignore=shutil.ignore_patterns('15', '20'))
+  for f in (ckpt / '10' / 'state').rglob('*'):
+    if f.is_file() and f.parent.name == 'd':
+      f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
+  args = [f'--checkpoint_dir={ckpt}', '--steps=20', '--save_every=5',
+          '--keep=4']
+  rc, out = _train(*args, '--resume', log=tmp_path / 'strict.log')
+  assert rc == env_lib.NO_RETRY_EXIT_STATUS, out[-3000:]
+  assert re.search(r"error: \[process=0\] CheckpointDamagedError: .*step 10 .*"
+                   r"cannot be read.*Start with resume='if_present'.*resume "
+                   r'from the previous checkpoint \(step 5\).* Here: pass '
+                   r'--resume_if_present instead of --resume', out), out[-3000:]
+  assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == ['10', '5']
+  metrics = tmp_path / 'metrics.jsonl'
+  rc, out = _train(*args, '--resume_if_present', f'--metrics_out={metrics}',
+                   log=tmp_path / 'fallback.log')
+  assert rc == 0, out[-3000:]
+  assert 'Resumed from step 5 (epoch' in out, out[-3000:]
+  assert re.findall(r'Finished step 20 .*digest (\w+)', out) == [digest]
+  lines = [ln for ln in out.splitlines() if 'is damaged' in ln]
+  assert len(lines) == 1, lines
+  (moved,) = [n for n in os.listdir(ckpt) if n.startswith('10.damaged-')]
+  assert re.search(rf'Checkpoint step 10 in {re.escape(str(ckpt))} is '
+                   r'damaged: its files cannot be read \(.*DATA_LOSS.*\)\. '
+                   rf'Set it aside as {re.escape(str(ckpt / moved))} '
+                   r'\(kept, never read or deleted\); resuming from persistent '
+                   r'step 5 instead\.', lines[0]), lines[0]
+  events = [json.loads(ln) for ln in metrics.read_text().splitlines()
+            if '"event"' in ln]
+  assert {'event': 'set_aside', 'step': 10, 'moved_to': str(ckpt / moved),
+          'resumed_from': 5} in events, events
+  assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == [
+      '10', '15', '20', '5']
 
 
 # Orbax leaves an asyncio callback behind when the JSON item fails to parse.

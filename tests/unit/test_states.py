@@ -1,11 +1,11 @@
-"""Recovery with the states real training code carries (optax, flax, scalars).
+"""Recovery with the states real training code carries (optax, flax, scalars), in one controller.
 
 A resumed run behaves like the fresh run it continues: every restored leaf
-has the target's type, dtype, shape, sharding and commitment, and on the
-same topology the resumed losses equal the uninterrupted run's bitwise. The
-workloads are in tests/states_workload.py; here they run in this process (one
-controller, 4 devices) and in real controllers (2x2, then resumed at 1x4
-and 4x1).
+has the target's type, dtype, shape, sharding and commitment, and the
+resumed losses equal the uninterrupted run's bitwise. The workloads are in
+tests/states_workload.py; here they run in this process (4 devices); the
+real-controller runs (2x2, resumed at 1x4 and 4x1) are in
+tests/multiprocess/test_states_processes.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +24,6 @@ import multihost
 import recovery
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / 'tests' / 'states_workload.py')
-PY = sys.executable
-LAUNCH_TIMEOUT_S = 240
 
 
 def _by_step(losses: dict) -> dict[int, float]:

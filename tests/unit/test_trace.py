@@ -1,4 +1,4 @@
-"""The timeline: flight records in a bounded ring, their merge into one Chrome trace, the first divergence, and the metrics through jax.monitoring."""
+"""The timeline in one process: flight records in a bounded ring, their merge into one Chrome trace, the first divergence, clock offsets per attempt, and the metrics through jax.monitoring."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Both data planes for large payloads, at an odd process count."""
+"""The TCP transport's settings and stripes, in one process (the real transfers are in tests/multiprocess/test_transport_processes.py)."""
 
 from __future__ import annotations
 

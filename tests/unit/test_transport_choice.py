@@ -1,4 +1,4 @@
-"""The `Transport` interface, the rule that picks one per payload (`choice.choose_transport`), and the real CPU path."""
+"""The `Transport` interface and the rule that picks one per payload (`choice.choose_transport`)."""
 
 from __future__ import annotations
 

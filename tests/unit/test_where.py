@@ -1,33 +1,11 @@
-"""Where is everyone: a process stuck in user code is named, with its stack and last collective.
-
-Real controllers (`python -m multihost.launch`), one stuck in a named Python
-function (`stuck_in_data_loader`, in time.sleep) while the others wait at a
-barrier and then at an all-gather. Each waiting process logs a stall line
-before its timeout and then raises a `CollectiveTimeoutError` that names the
-stuck process, its function and its last collective. The run (P=4, stuck
-process 2) also calls `multihost.where()` from process 0 and sends SIGUSR1 to
-the launcher while process 2 is stuck (every controller prints where it is
-and keeps running); it ends cleanly. A second run
-freezes a process (SIGSTOP) during 256 MiB all-gathers: the other's timeout,
-raised by the data plane, still says where the frozen one is.
-"""
+"""Where-reports in one process: the single-process report and stall threshold, and the straggler statistic (the real-controller drills are in tests/multiprocess/test_where_processes.py)."""
 
 from __future__ import annotations
-
-import pathlib
 
 import pytest
 
 import multihost
 from multihost import env as env_lib
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TIMEOUT_S = 4.0  # of the all-gathers that a frozen process times out
-# The stuck program's collectives time out after STUCK_TIMEOUT_S; a stall
-# line comes STALL_S into each (the fast path takes the first 1 s), a second
-# before the timeout.
-STUCK_TIMEOUT_S = 3.0
-STALL_S = 2.0
 
 
 def test_straggler_statistics_name_the_process_that_waited_least():

@@ -14,12 +14,13 @@ from multihost._src.api import live_devices
 from multihost._src.diagnostics import stalls
 from multihost._src.diagnostics import where
 from multihost._src.diagnostics import where_text
+from multihost._src.liveness import step_deadline
 from multihost._src.liveness import watchdog
 from multihost._src.runtime import runtime
 
 
 def assemble(rt: runtime.Runtime) -> None:
-  """Builds `rt`'s parts: the watchdog, the where-responder, the stall reports and the live blocks (no thread starts yet)."""
+  """Builds `rt`'s parts: the watchdog, the where-responder, the stall reports, the live blocks and the step deadline (no thread starts yet)."""
   # The line a process logs as it leaves after a peer failure (see
   # `liveness.peer_loss_exit`) tells where its main thread is, as
   # where-reports do.
@@ -28,6 +29,13 @@ def assemble(rt: runtime.Runtime) -> None:
   rt.where = where.Responder(rt)
   rt.stalls = stalls.Stalls(rt)
   rt.live_blocks = live_devices.Blocks()
+  # A stuck step's report says where every process is (where-reports carry
+  # each one's step), and the process leaves as after a peer failure.
+  rt.step_watch = step_deadline.StepWatch(
+      rt, ask=lambda processes: where.ask(processes, runtime=rt),
+      describe=lambda reports: where_text.whereabouts(
+          reports, where.ANSWER_WITHIN_S),
+      leave=rt.watchdog.leave)
 
 
 runtime.set_assembler(assemble)

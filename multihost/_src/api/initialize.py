@@ -161,7 +161,7 @@ def initialize(coordinator_address: str | None = None,
     with _companion.cpp_advice_hidden():  # JAX's advice at the service start
       if companion is not None or external:
         # The companion (or a launcher) hosts the coordination service (see
-        # `_coordination.start_service`): process 0 must not start another.
+        # `runtime.coordination.start_service`): process 0 must not start another.
         coordination.initialize_without_service(**kwargs)
       else:
         jax.distributed.initialize(**kwargs)

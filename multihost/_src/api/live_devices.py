@@ -8,7 +8,7 @@ collective, GPU-only flags; on CPU/gloo a collective over a dead process's
 device never returns. Here the same contract is kept with what `multihost`
 already has:
 
-* Who is alive: the failure watchdog (`_watchdog`), which sees a SIGKILLed
+* Who is alive: the failure watchdog (`liveness.watchdog`), which sees a SIGKILLed
   peer within heartbeat timeout + ~1 s.
 * The barrier: a coordination-service barrier over the live processes only
   (`wait_at_barrier(..., process_ids)`), waited in windows of `WINDOW_S`. A

@@ -32,7 +32,7 @@ def write_trace(path: str | os.PathLike, *,
 
   Returns:
     The first divergence between the processes' calls in one line (see
-    `_trace_format.divergence`), or None; the same on every process.
+    `diagnostics.trace_format.divergence`), or None; the same on every process.
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).

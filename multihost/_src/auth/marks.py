@@ -1,7 +1,7 @@
 """Control plane: what a barrier leaves in the coordination service for its diagnosis (MACs, gave-up and presence marks, who published).
 
 One implementation for every barrier: the two ways a call agrees
-(`_control_rendezvous` through the service, `_control_links` over the TCP
+(`control.rendezvous` through the service, `control.links` over the TCP
 links) and the timed barrier of the live processes that `live_devices`
 blocks meet at (`_control_live_barrier`). Either way a process that times
 out leaves an authenticated mark beside the call's messages, so that a
@@ -9,7 +9,7 @@ latecomer raises at once, and a timeout names the processes without an
 authenticated message (or presence mark) under the call's directory.
 
 Whoever reaches the store can write any key: every mark is MAC'd with the
-job key (`_secret`) over its key and value, and one that does not verify,
+job key (`auth.secret`) over its key and value, and one that does not verify,
 or sits under the key of no process of the barrier, is ignored. A planted
 mark can neither make a process raise a timeout that did not happen nor
 change which processes a timeout names.
@@ -37,7 +37,7 @@ HERE = '.here/'
 _GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `gave_up`)
 _HERE_MARK = b'here'  # a presence mark's value (see `leave_presence`)
 # Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
-# derived from the secret and this job's random id (`_secret`), so a
+# derived from the secret and this job's random id (`auth.secret`), so a
 # message recorded in another run with the same secret does not verify.
 MAC = 16
 
@@ -128,7 +128,7 @@ def late_by(marks: list[Mark], start: float) -> float | None:
       m.started for m in marks)
 def named(rt: runtime.Runtime, error: BaseException, op: str, where: str, *,
           waited: float, timeout: float) -> errors.MultihostError:
-  """The named error for a coordination-service failure (see `_diagnostics`)."""
+  """The named error for a coordination-service failure (see `runtime.failures`)."""
   present = None
   if where.endswith('/'):
     present = lambda: published(rt, op, where)  # noqa: E731

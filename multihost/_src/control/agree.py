@@ -29,6 +29,7 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import leaves
 from multihost._src.runtime import runtime as _runtime
+from multihost._src.runtime import settings as _settings
 
 # the coordination service's key-value store (slow for bulk data, but one RPC
 # away): for small payloads that beats compiling and running a device
@@ -61,6 +62,10 @@ class Header:
   is_source: bool = False  # broadcasts
   shards: tuple[list[Bounds] | None, ...] = ()  # per leaf, this process's
   seal: bytes = b''  # object collectives: nonce + MAC of the pickled bytes
+  # The settings every process must share ((variable, value) pairs), in
+  # the agreement: a difference is named before any data moves.
+  settings: tuple[tuple[str, str], ...] = dataclasses.field(
+      default_factory=_settings.shared)
 
   def agreement(self) -> bytes:
     """A digest of everything every process must agree on."""
@@ -69,7 +74,8 @@ class Header:
     # process by design: the caller compares them after the exchange.
     digests = [d if isinstance(d, bytes) else None for d in self.digests]
     what = (self.op, self.tree, self.paths, specs, self.name,
-            self.default_source, self.tiled, self.layouts, digests)
+            self.default_source, self.tiled, self.layouts, digests,
+            self.settings)
     # repr of plain tuples, not the wire codec or dataclass reprs: the digest
     # is only compared, never decoded, and this is deterministic and
     # cheaper (it is on every call's fast path).
@@ -96,7 +102,7 @@ def agree(header: Header, *, timeout: float,
   Collective: every process must call this, in the same order. `runtime`
   (here and below) is the process's runtime, by default the current one.
   `eager`: a broadcast source's first stripe, sent during an agreement
-  over the links (`_data_tcp.Eager`).
+  over the links (`transport.tcp.chain.Eager`).
   """
   meeting = _meet(runtime, header.op, header.name)
   if meeting.try_agreement(header.agreement(), timeout=timeout, eager=eager):
@@ -194,7 +200,24 @@ def _decode_headers(meeting: rendezvous.Rendezvous,
   ops = [h.op for h in headers]
   if len(set(ops)) > 1:
     raise failures.different_collectives(ops, me=me)
+  check_same_settings(headers, me=me)
   return headers
+
+
+def check_same_settings(headers: list[Header], *,
+                        me: int | None = None) -> None:
+  """Raises ConsistencyError, naming the variable and each process's value, unless every process has the same shared settings."""
+  first = headers[0].settings
+  if all(h.settings == first for h in headers[1:]):
+    return
+  for name in sorted({name for h in headers for name, _ in h.settings}):
+    values = [dict(h.settings).get(name) for h in headers]
+    if len(set(values)) > 1:
+      raise errors.ConsistencyError(
+          f'{failures.prefix(me)} {headers[0].op}: ${name} differs across '
+          f'processes (processes {failures.minority(values)} differ from '
+          f'the rest): {dict(enumerate(values))}. Set it to the same value '
+          'on every process (or unset it everywhere).')
 
 
 def check_same_options(headers: list[Header],

@@ -233,45 +233,29 @@ def late(meeting, timeout: float) -> None:
         source=meeting.rt.timeout_source(timeout))
 
 
-def _recv(link: _tcp_link.Link, n: int, wait: _Wait) -> bytes:
-  """`n` bytes from `link`, waiting in slices (`_Wait.slice` between them)."""
-  buf = bytearray(n)
-  view = memoryview(buf)
-  got = 0
-  while got < n:
-    try:
-      k = link.sock.recv_into(view[got:])
-    except TimeoutError:
-      if got:  # Part of a frame came: its peer is in this call; keep on.
-        wait.m.rt.watchdog.check(wait.m.op)
-        if time.monotonic() >= wait.deadline:
-          raise
-        continue
-      wait.slice()
-      continue
-    if k == 0:
-      raise ConnectionResetError('the peer closed the connection')
-    got += k
-  return bytes(buf)
-
-
 def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
-  """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded."""
-  op = wait.m.op
+  """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded.
+
+  While nothing of a frame has come, the wait's diagnosis runs between the
+  socket's slices (`_Wait.slice`); once part of it came, its peer is in
+  this call, and only the watchdog and the deadline are checked.
+  """
+  m = wait.m
+  waiting = Deadline(m.op, wait.deadline, m.rt.watchdog, idle=wait.slice)
   while True:
-    got_call, length = link.check(_recv(link, frames.FRAME_SIZE, wait), op,
-                                  peer)
+    got_call, length = link.check(
+        sockets.recv_exact(link.sock, frames.FRAME_SIZE, waiting), m.op, peer)
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
-      # too late to (`_data_tcp.Eager`).
-      chain.drop(link, length, Deadline(op, wait.deadline, wait.m.rt.watchdog))
+      # too late to (`tcp.chain.Eager`).
+      chain.drop(link, length, Deadline(m.op, wait.deadline, m.rt.watchdog))
       continue
-    body = _recv(link, length, wait)
+    body = sockets.recv_exact(link.sock, length, waiting)
     if got_call & AGREE_BIT and got_call < call:
       continue  # A frame of a call this process gave up (a latecomer's).
     if got_call != call:
-      raise failures.out_of_step(op, peer, (got_call, length),
+      raise failures.out_of_step(m.op, peer, (got_call, length),
                                      (call, length))
     return body
 
@@ -284,7 +268,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first round's frame to the next
-  process (see `_data_tcp.Eager`); on a difference or a timeout its link
+  process (see `transport.tcp.chain.Eager`); on a difference or a timeout its link
   owes the rest, and the next process drops it (`_receive`).
 
   Raises:

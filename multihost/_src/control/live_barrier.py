@@ -4,7 +4,7 @@ A coordination-service barrier over the live processes only, waited in
 windows of `WINDOW_S` and retried with the live set read again, so that a
 death during the wait ends it within the watchdog's bound; the statuses of
 the bodies that raised are published beside it (MAC'd with the job key).
-Its gave-up and presence marks are the control plane's (`_control_marks`,
+Its gave-up and presence marks are the control plane's (`auth.marks`,
 authenticated): a mark that anyone who reaches the store planted is ignored.
 """
 

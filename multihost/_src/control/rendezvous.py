@@ -60,7 +60,7 @@ def _ends_on_error(step):
   """A step of `Rendezvous` whose exception also ends the call's flight record.
 
   So that a process that raised is no longer reported as waiting in the
-  call, and its exit handshake knows its last call failed (see `_exit`).
+  call, and its exit handshake knows its last call failed (see `liveness.exit_handshake`).
   """
 
   @functools.wraps(step)
@@ -104,7 +104,7 @@ class Rendezvous:
     self._fell_back = False
     self._window = FAST_WINDOW_S
     self._slot = f'{_ROOT}/b{self.call % _CYCLE}/'
-    # Over the links once every process set them up (see `_control_links`).
+    # Over the links once every process set them up (see `control.links`).
     self._links = links.usable(rt)
     self._entries: dict[int, bytes] | None = None
     if not self._links and links.enabled(rt):
@@ -119,7 +119,7 @@ class Rendezvous:
     `read_all`/`read_one`. Returns False at once while backing off after a
     recent fallback, or after FAST_WINDOW_S when a peer is slow or disagrees;
     then call `exchange`. `eager` (a broadcast source's
-    `_data_tcp.Eager`) starts during an agreement over the links, and is
+    `transport.tcp.chain.Eager`) starts during an agreement over the links, and is
     left unstarted on the service's path.
 
     Raises:
@@ -313,7 +313,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
       missing=lambda: marks.absent(rt, op, where), runtime=rt)
   try:
     # In a step thread, so that a peer's death raises here within the
-    # failure watchdog's bound instead of after `timeout` (see `_watchdog`).
+    # failure watchdog's bound instead of after `timeout` (see `liveness.watchdog`).
     blocking.call(op, client.wait_at_barrier, barrier_id, timeout,
                    runtime=rt)
   except Exception as e:  # The client raises JaxRuntimeError. # noqa: BLE001

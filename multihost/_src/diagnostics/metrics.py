@@ -2,7 +2,7 @@
 
 `recorded(op, nbytes)` wraps a public collective: when it returns or
 raises, it stamps `done` and the bytes on the flight records its
-rendezvous began (see `_flight`) and reports, through `jax.monitoring`
+rendezvous began (see `runtime.flight`) and reports, through `jax.monitoring`
 (where Orbax reports its saves, so the same listeners see both):
 
   /multihost/collective/duration_secs  the whole call (op=...)

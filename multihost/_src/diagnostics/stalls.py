@@ -2,7 +2,7 @@
 
 For slow paths only (a lock, no RPC until a report is due). One daemon
 thread per process (`multihost-stall`) sleeps until the earliest report is
-due, asks the missing processes where they are (`_where.ask`) and logs.
+due, asks the missing processes where they are (`diagnostics.where.ask`) and logs.
 """
 
 from __future__ import annotations

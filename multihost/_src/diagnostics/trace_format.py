@@ -1,6 +1,6 @@
 """Pure: per-process flight-recorder dumps -> one Chrome trace-event timeline, clock offsets, the first divergence.
 
-A dump is `_flight.Recorder.snapshot()`'s data (times on that process's
+A dump is `runtime.flight.Recorder.snapshot()`'s data (times on that process's
 wall clock, seconds). Nothing here reads a clock, a file or a process, so
 the merge and the analysis are unit-tested on plain data; the launcher
 (`--trace`) and `multihost.write_trace` feed them.
@@ -175,7 +175,8 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
     num_processes: the job's process count (one track each).
     failures: process -> {'stopped': wall time, 'how': ..., 'last_line':
       ..., 'attempt': k} for the processes that failed.
-    attempts: the launcher's attempts, {'start', 'end', 'cause'} (wall).
+    attempts: the launcher's attempts, {'start', 'end', 'cause', 'stopped'}
+      (wall; 'stopped': the processes the launcher stopped, without a dump).
 
   Returns:
     {'traceEvents': [...], 'displayTimeUnit': 'ms', 'otherData': {...}}.
@@ -268,7 +269,9 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
                      'name': f'attempt {k}' + (' (restart)' if k else ''),
                      'pid': launcher, 'tid': 0, 'ts': us(a['start']),
                      'dur': round(max(a['end'] - a['start'], 0.0) * 1e6, 1),
-                     'args': {'cause': a.get('cause', '')}})
+                     'args': {'cause': a.get('cause', ''),
+                              'stopped_by_launcher': list(
+                                  a.get('stopped', ()))}})
   return {'traceEvents': events, 'displayTimeUnit': 'ms',
           'otherData': {'clock_offsets_s': {
               f'attempt {k}': {str(p): o for p, o in v.items()}

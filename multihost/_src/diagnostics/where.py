@@ -5,14 +5,15 @@ waits on the coordination service's key-value store for requests and
 answers them with this process's report: every thread's innermost Python
 frames (main thread first, read with `sys._current_frames()`, so a main
 thread stuck in user code or in a blocking call that releases the GIL does
-not matter) and its last collectives from the flight recorder (`_flight`).
+not matter), its last collectives from the flight recorder (`runtime.flight`)
+and where it is in its training steps (`liveness.step_deadline`).
 The requester writes `multihost_where/req/<n>` naming the processes it asks
 (n from an atomic counter); every responder reads the requests in order,
 blocked in one key-value get with a 1 s timeout at a time, and the processes
 named answer under `multihost_where/resp/<n>/<process>`. A process that does
 not answer within `ANSWER_WITHIN_S` is reported as not answering: it is then
 likely dead, or wedged in C++ while holding the GIL. Requests and answers
-carry a MAC under the job key (`_secret`), are size-capped, and the
+carry a MAC under the job key (`auth.secret`), are size-capped, and the
 requester deletes them once answered: someone who can write to the store
 but lacks the job secret is not answered, and a request number taken but
 never written (or a counter bumped far ahead) is skipped at the next idle
@@ -23,11 +24,11 @@ number's poll gave up, behind a later one, is answered then, not lost).
 Users of it: a collective that times out puts the missing processes'
 reports into its `CollectiveTimeoutError` (`with_whereabouts`); a
 collective still waiting after the stall threshold logs one line with the
-same report (`_stalls`); `multihost.where()` asks everyone; and SIGUSR1
-makes a process print its own report (`_where_signal`; the launcher
+same report (`diagnostics.stalls`); `multihost.where()` asks everyone; and SIGUSR1
+makes a process print its own report (`diagnostics.where_signal`; the launcher
 forwards it). None of it runs on the fast path of a collective, and nothing
 runs without a coordination service. The reports are rendered by
-`_where_text`.
+`diagnostics.where_text`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
                                          'ago': now - last.end},
       'now_in': None if current is None else {
           'label': current.label(), 'for': now - current.start},
+      'step': rt.step_watch.position(),
       'raised': None if failed is None else {
           'label': failed.label(), 'error': failed.error,
           'ago': now - failed.failed_at},

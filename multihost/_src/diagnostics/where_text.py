@@ -1,11 +1,12 @@
 """Diagnostics: where-reports rendered as text (one sentence per process in errors, one line per stall, the full report of `multihost.where()`).
 
-Pure: it renders the reports `_where` collects (JSON-able dicts, None for a
+Pure: it renders the reports `diagnostics.where` collects (JSON-able dicts, None for a
 process that did not answer) and asks nothing.
 """
 
 from __future__ import annotations
 
+from multihost._src.liveness import step_deadline
 from multihost._src.runtime import failures
 
 _prefix = failures.prefix
@@ -22,10 +23,13 @@ def _frames(report: dict, limit: int) -> str:
 
 
 def _collectives(report: dict) -> str:
+  """Where the process is in its training steps (if it marks them), then its collectives."""
+  step = report.get('step')
+  parts = [] if not step else [step_deadline.position_text(step)]
   last = report.get('last')
-  parts = ['last completed collective: ' + (
+  parts.append('last completed collective: ' + (
       'none' if last is None else
-      f'{last["label"]}, finished {last["ago"]:.1f} s ago')]
+      f'{last["label"]}, finished {last["ago"]:.1f} s ago'))
   raised = report.get('raised')
   if raised is not None:
     parts.append(f'then {raised["label"]} raised {raised["error"]} here '

@@ -1,6 +1,6 @@
 """Failure: `call()`, which runs a blocking step of a collective in a step thread, under the watchdog.
 
-The calling thread waits for the step or for the watchdog (`_watchdog`).
+The calling thread waits for the step or for the watchdog (`liveness.watchdog`).
 When the watchdog sees a peer gone, the caller raises `ProcessFailureError`
 naming it, even if the step is stuck in C++: the step thread is then
 abandoned (this process can no longer run collectives, but it can save
@@ -77,7 +77,7 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     wd.abandoned_steps.append(step)
   waited = time.monotonic() - start_time
   if not step.done:
-    wd.step_failed = op  # A peer is stuck or gone (see `_exit`).
+    wd.step_failed = op  # A peer is stuck or gone (see `liveness.exit_handshake`).
     if wd.gone():
       raise wd.failure_error(op, waited=waited)
     raise failures.step_timeout(op, me=wd.me, waited=waited,

@@ -14,14 +14,14 @@ So, with recoverability on (`multihost.initialize()` turns it on):
   which processes are alive, every `POLL_INTERVAL_S`. The service drops a
   process when its heartbeats stop for `heartbeat_timeout` seconds, so a
   failure is seen within about heartbeat_timeout + POLL_INTERVAL_S.
-* Every blocking step of a collective runs through `_blocking.call`, which
+* Every blocking step of a collective runs through `liveness.blocking.call`, which
   wakes when the watchdog sees a peer gone and raises `ProcessFailureError`
   naming it, even if the step is stuck in C++.
 * Once a failure is known, every later collective raises at once (`check`).
-* At exit, the handshake of `_exit` uses what the watchdog saw: a peer that
+* At exit, the handshake of `liveness.exit_handshake` uses what the watchdog saw: a peer that
   exits normally is reported as "exited", not "failed", and process 0 waits
   for the others to leave before it takes the service down with it.
-* When it sees a peer fail, it starts the policy of `_peer_loss_exit`
+* When it sees a peer fail, it starts the policy of `liveness.peer_loss_exit`
   (`peer_loss`): unless a `ProcessFailureError` reaches the program within
   the grace period (every error made here counts as delivered), the process
   logs where its main thread is and leaves with exit status 75, because it
@@ -35,9 +35,9 @@ detected fatal errors") about 1 ms after the connection drops, before any
 Python code can run; a Python `missed_heartbeat_callback` cannot replace that
 abort in jaxlib 0.10.2 (its status argument fails to convert: std::bad_cast,
 then std::terminate). The launcher reports it (process 0 died first). When a
-launcher hosts the service instead (`_coordination.start_service` and
+launcher hosts the service instead (`runtime.coordination.start_service` and
 $MULTIHOST_EXTERNAL_SERVICE=1), or process 0's companion does (the default,
-`_companion`), process 0's death is an ordinary failure.
+`runtime.companion`), process 0's death is an ordinary failure.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Watchdog:
     self.exited: set[int] = set()
     self.service_lost = False
     self.thread: threading.Thread | None = None
-    # Kept by `_blocking.call`: its step thread, the steps whose callers
+    # Kept by `liveness.blocking.call`: its step thread, the steps whose callers
     # wait (woken here), and the steps abandoned in C++ (awaited at exit).
     self.step_thread: Any = None
     self.pending: set[Any] = set()
@@ -91,15 +91,20 @@ class Watchdog:
     # The op of the last watched step that raised a timeout or a failure
     # here (None once a later one completed); read by the exit handshake.
     self.step_failed: str | None = None
-    # Leaving after a peer failure (see `_peer_loss_exit`), and what renders
-    # this process's main thread for its last line: `_where` sets a
+    # Leaving after a peer failure (see `liveness.peer_loss_exit`), and what renders
+    # this process's main thread for its last line: `diagnostics.where` sets a
     # where-report; until then, a plain stack.
-    self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self._leave)
+    self.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=self.leave)
     configure_peer_loss(self.peer_loss, runtime.settings)
     self.describe: Callable[[], str] = describe or _main_thread_stack
 
-  def _leave(self, status: int) -> None:
-    """Leaves with `status` at once, after the exit sequence's trace dump (a local file)."""
+  def leave(self, status: int) -> None:
+    """Leaves with `status` at once, after the exit sequence's trace dump (a local file).
+
+    How this process leaves by itself: after a peer's failure
+    (`liveness.peer_loss_exit`) and after a stuck step
+    (`liveness.step_deadline`).
+    """
     dump = self.runtime.exit_steps.pop('trace', None)
     if dump is not None:
       try:
@@ -280,7 +285,7 @@ class Watchdog:
 
 
 def _main_thread_stack() -> str:
-  """The main thread's innermost frames on one line (without `_where`)."""
+  """The main thread's innermost frames on one line (without `diagnostics.where`)."""
   frames = sys._current_frames()  # pylint: disable=protected-access
   frame = frames.get(threading.main_thread().ident)
   if frame is None:

@@ -2,7 +2,7 @@
 
 Every process must call the collectives in the same order, so the same
 number names the same call on every process. The counter is the runtime's
-(`_runtime.Runtime.next_call_id`); these are its seams for harnesses.
+(`runtime.runtime.Runtime.next_call_id`); these are its seams for harnesses.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class Client(Protocol):
   (tests/fake_coordination.py) whose threads stand for processes. Errors
   are the service's own (on JAX, `jax.errors.JaxRuntimeError`): their text
   starts with the status (`DEADLINE_EXCEEDED`, `NOT_FOUND`, `UNAVAILABLE`)
-  and names processes as `task:N`, which `_diagnostics` parses.
+  and names processes as `task:N`, which `runtime.failures` parses.
   """
 
   def kv_set(self, key: str, value: bytes) -> None:
@@ -109,7 +109,7 @@ class JaxClient:
   def live_processes(self, process_ids: Sequence[int]) -> list[int]:
     # A rendezvous: the service answers only once every process it considers
     # alive has asked too, so every process must poll it (the failure
-    # watchdog in `_watchdog` does).
+    # watchdog in `liveness.watchdog` does).
     return sorted(self.raw.get_live_nodes(list(process_ids)))
 
 

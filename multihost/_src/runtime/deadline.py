@@ -10,6 +10,7 @@ for the watchdog or the current runtime itself, so one runtime per thread
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import time
 from typing import Protocol
 
@@ -23,14 +24,21 @@ class Liveness(Protocol):
 
 
 class Deadline:
-  """When a wait of operation `op` ends (`at`, time.monotonic()), and whom to ask whether its peers live."""
+  """When a wait of operation `op` ends (`at`, time.monotonic()), and whom to ask whether its peers live.
 
-  __slots__ = ('op', 'at', 'liveness')
+  `idle`, if given, runs between the slices of a read that has received
+  nothing yet, instead of the plain check: it may raise (the agreement's
+  diagnosis, late marks and its named timeout live there).
+  """
 
-  def __init__(self, op: str, at: float, liveness: Liveness | None = None):
+  __slots__ = ('op', 'at', 'liveness', 'idle')
+
+  def __init__(self, op: str, at: float, liveness: Liveness | None = None, *,
+               idle: Callable[[], None] | None = None):
     self.op = op
     self.at = at
     self.liveness = liveness
+    self.idle = idle
 
   def check(self) -> None:
     """Raises ProcessFailureError once a peer is known to be gone (between slices)."""

@@ -305,7 +305,7 @@ def out_of_step(op: str, peer: int, got: tuple[int, int],
       'abandoned after an error); restart the job.')
 
 
-# --- Where the processes are (see `_where`) --------------------------------
+# --- Where the processes are (see `diagnostics.where`) --------------------------------
 
 
 def retell(error: errors.MultihostError,

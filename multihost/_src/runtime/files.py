@@ -25,9 +25,10 @@ def temporary_name(path: str | os.PathLike) -> str:
 
 
 def fsync_folder(folder: str | os.PathLike) -> None:
-  """Flushes `folder`'s entries (a rename in it) to disk, where the platform allows."""
+  """Flushes `folder`'s entries (a rename in it) to disk, where the platform allows (never through a link)."""
   try:
-    fd = os.open(os.fspath(folder) or '.', os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(os.fspath(folder) or '.', os.O_RDONLY | os.O_DIRECTORY
+                 | getattr(os, 'O_NOFOLLOW', 0))
   except OSError:
     return
   try:

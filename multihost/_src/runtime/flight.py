@@ -1,14 +1,14 @@
 """Control plane: the flight recorder, each process's bounded ring of its last collective calls and events.
 
-Every rendezvous (see `_control_rendezvous`) appends one `Record` when it
+Every rendezvous (see `control.rendezvous`) appends one `Record` when it
 starts and stamps its `end` when every process has met, or its `error` when
 the call raised here (a timeout, a failed peer): either way the call is over
 for this process, and `in_progress` no longer names it. The public
-collective then stamps `done` and the bytes it moved (see `_metrics`), so a
+collective then stamps `done` and the bytes it moved (see `diagnostics.metrics`), so a
 record tells the time spent waiting for the others (`end - start`) from the
 time spent moving data (`done - end`). That costs a few clock reads and one
 small object per call; nothing here blocks or talks to another process.
-`_where` reads the ring to say what a process last did;
+`diagnostics.where` reads the ring to say what a process last did;
 `straggler_report()` compares the waits across processes: everyone leaves a
 meeting at about the same moment, so the process that waited least came
 last, and the largest wait minus the smallest is by how much.
@@ -16,7 +16,7 @@ last, and the largest wait minus the smallest is by how much.
 Events (checkpoint saves, restores, restarts: `record_event`) go to a second
 ring of the same size. `dump()` writes both rings, with this process's clock
 anchors, as one JSON file; the launcher (`--trace`) and `write_trace` merge
-such dumps into a timeline (see `_trace_format`). The size of each ring is
+such dumps into a timeline (see `diagnostics.trace_format`). The size of each ring is
 $MULTIHOST_FLIGHT_RING (default 64).
 """
 

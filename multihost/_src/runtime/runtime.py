@@ -1,11 +1,11 @@
 """Runtime: the one object that holds this process's multihost state, and the one handle to it.
 
 `Runtime` owns the process facts (index, count, default timeout), the
-coordination client (a `_coordination.Client`), the job secret, the call
+coordination client (a `runtime.coordination.Client`), the job secret, the call
 counter, the rendezvous' fast-path state, the flight recorder, the logger
 that owns the `[process=N]` prefix, and the parts that run threads: the
-failure watchdog, the where-responder, the stall reports and the live
-blocks (built with the runtime, by the assembler that
+failure watchdog, the where-responder, the stall reports, the live
+blocks and the step deadline (built with the runtime, by the assembler that
 `multihost._src.api.assembly` registers: the parts' classes live in the
 packages above this one), the TCP links (`transport.tcp.link.plane_of`,
 made on the first transfer: they listen and publish an address) and, on
@@ -22,7 +22,7 @@ standing for a process, and pass them to the control plane.
 the where-responder stops, then the watchdog's exit handshake runs, then
 the companion stops the service. It is registered after `import jax` and
 after the backends started, so it runs before JAX's own atexit shutdown of
-the distributed client and of the CPU collectives (see `_watchdog`).
+the distributed client and of the CPU collectives (see `liveness.watchdog`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ if typing.TYPE_CHECKING:  # The parts' types; the assembler imports them.
   from multihost._src.api.live_devices import Blocks
   from multihost._src.diagnostics.stalls import Stalls
   from multihost._src.diagnostics.where import Responder
+  from multihost._src.liveness.step_deadline import StepWatch
   from multihost._src.liveness.watchdog import Watchdog
   from multihost._src.runtime.companion import Companion
   from multihost._src.transport.tcp.link import Plane
@@ -111,10 +112,10 @@ class Runtime:
     self.log = Logger(self)
     self.flight = flight.Recorder()
     self._calls = itertools.count()
-    # The job secret: (job id, secret), agreed once (see `_secret`).
+    # The job secret: (job id, secret), agreed once (see `auth.secret`).
     self.secret_lock = threading.Lock()
     self.job_keys: tuple[bytes, bytes] | None = None
-    # The rendezvous' fast path (see `_control_rendezvous`): calls left that
+    # The rendezvous' fast path (see `control.rendezvous`): calls left that
     # take the full exchange directly, and when the last call ended.
     self.backoff = 0
     self.last_end: float | None = None
@@ -125,7 +126,7 @@ class Runtime:
     # `shutdown` runs them in EXIT_ORDER.
     self.exit_steps: dict[str, Callable[[], None]] = {}
     # The type of the uncaught exception ending the program, if any (noted
-    # by `_exit.note_uncaught_exceptions`, read by the exit handshake).
+    # by `liveness.exit_handshake.note_uncaught_exceptions`, read by the exit handshake).
     self.uncaught: str | None = None
     # The TCP links, made on the first transfer; process 0's companion.
     self.plane: Plane | None = None
@@ -136,6 +137,7 @@ class Runtime:
     self.where: Responder
     self.stalls: Stalls
     self.live_blocks: Blocks
+    self.step_watch: StepWatch
     if _assembler is None:
       raise RuntimeError(
           'multihost\'s runtime parts are not assembled: import '

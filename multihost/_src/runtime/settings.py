@@ -137,6 +137,18 @@ def exit_on_peer_failure() -> bool:
   return not is_off(env.EXIT_ON_PEER_FAILURE)
 
 
+def step_deadline() -> float | None:
+  """$MULTIHOST_STEP_DEADLINE: a training step's fixed deadline in seconds, 0 when off, None when learned (unset or 'auto')."""
+  text = _text(env.STEP_DEADLINE).lower()
+  if text in ('', 'auto'):
+    return None
+  if is_off(env.STEP_DEADLINE):
+    return 0.0
+  return number(env.STEP_DEADLINE, 0, unit='seconds',
+                example="600 (a fixed deadline), 'auto' (learned) or 'off'",
+                zero_ok=True)
+
+
 def external_service() -> bool:
   """Whether a launcher hosts the coordination service ($MULTIHOST_EXTERNAL_SERVICE=1)."""
   return _text(env.EXTERNAL_SERVICE) == '1'
@@ -158,15 +170,17 @@ def restart_count() -> int:
                     zero_ok=True, integer=True))
 
 
-def shared() -> dict[str, Any]:
-  """The settings every process must share to agree on a call, by variable name."""
-  return {env.TCP_LANES: tcp_lanes(), env.TRANSPORT: transport()}
+def shared() -> tuple[tuple[str, str], ...]:
+  """The settings every process must share to agree on a call: (variable, value) pairs, part of every call's agreement."""
+  return ((env.TCP_LANES, str(tcp_lanes())),
+          (env.TRANSPORT, transport() or 'unset'))
 
 
 class Settings:
   """One runtime's settings: what the program set through the setters (None: unset), else the environment's value."""
 
-  __slots__ = ('default_timeout', 'stall_report_after', 'exit_on_peer_failure')
+  __slots__ = ('default_timeout', 'stall_report_after', 'exit_on_peer_failure',
+               'step_deadline')
 
   def __init__(self):
     self.default_timeout: float | None = None
@@ -174,6 +188,8 @@ class Settings:
     # `multihost.set_exit_on_peer_failure`'s arguments (enabled, grace,
     # before_exit), applied to each watchdog's policy.
     self.exit_on_peer_failure: tuple[bool, float | None, Any] | None = None
+    # `multihost.set_step_deadline`'s rule (a `liveness.step_deadline.Rule`).
+    self.step_deadline: Any = None
 
   def timeout(self) -> float:
     """The timeout of a collective called with `timeout=None`."""

@@ -6,7 +6,9 @@ A symlink whose target is such a step (a warm start by link) is *linked*:
 read for a resume, never deleted or written through. Anything else with a
 step-like (all-digit) name is foreign: never read as a step, never deleted.
 Both are named in a warning. Nothing is deleted unless its real path lies
-directly inside the real checkpoint folder (`inside`).
+directly inside the real checkpoint folder (`inside`). A damaged step set
+aside by a resume (`set_aside`: `<step>.damaged-<UTC time>`) is not step-like:
+ignored by the scan and by Orbax, never deleted.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import json
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 from absl import logging
 import jax
 
 from multihost.lowlevel import process_prefix as _prefix
+from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
@@ -106,6 +110,27 @@ def scan(directory: str, formats: tuple[str, ...]) -> Listing:
       linked.append(int(name))
   return Listing(tuple(sorted(ours)), tuple(sorted(linked)),
                  tuple(sorted(foreign)))
+
+
+def set_aside(directory: str, step: int) -> str:
+  """Renames step folder `<directory>/<step>` to `<step>.damaged-<UTC time>` beside it; returns the new path.
+
+  Only process 0 calls this, with the folder's lock held. The new name is
+  not step-like, so neither this project nor Orbax reads it as a step, and
+  keep-N never deletes it. A symlinked step is renamed as a link: its
+  target is untouched.
+
+  Raises:
+    OSError: the rename failed.
+  """
+  stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+  base = os.path.join(directory, f'{step}{DAMAGED_SUFFIX}{stamp}')
+  path, n = base, 1
+  while os.path.lexists(path):  # The same step set aside twice this second.
+    n += 1
+    path = f'{base}-{n}'
+  os.rename(os.path.join(directory, str(step)), path)
+  return path
 
 
 def partial_steps(directory: str) -> list[int]:

@@ -140,7 +140,7 @@ class FolderLock:
     broadcast gives every process the outcome, the lock's nonce and that
     listing (so that every process holds the same one); then every process
     confirms that it sees the lock file with that nonce, i.e. the same
-    folder (`_shared_folder.check`: one all-gather). A single process just
+    folder (`checkpoint.shared_folder.check`: one all-gather). A single process just
     takes the lock.
 
     Raises:

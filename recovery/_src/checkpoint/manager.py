@@ -19,6 +19,9 @@ from recovery._src.state.errors import CheckpointError
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
+# How long Orbax's barriers wait for every process (its default, seconds):
+# a restore ends at one, which a process whose read failed never reaches.
+ORBAX_BARRIER_TIMEOUT_S = 300
 
 
 def manager(directory: str, *, async_save: bool,

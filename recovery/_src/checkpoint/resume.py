@@ -1,4 +1,4 @@
-"""How `Checkpoints.start` begins a run: resume modes, restarts, the tier and step.
+"""How `Checkpoints.start` begins a run: resume modes, restarts, the tier and step, damaged steps.
 
 `MULTIHOST_RESTART_COUNT` is set by `multihost.launch` on a restart and
 `SLURM_RESTART_COUNT` by Slurm on a requeue. They are read here by name,
@@ -7,6 +7,7 @@ with `os.environ`: `multihost.env` is the launcher's side of that contract.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from absl import logging
 from multihost import env as _env
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
+from recovery._src.state.errors import CheckpointDamagedError
 from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import FolderNotFreshError
 from recovery._src.state.errors import NothingToResumeError
@@ -23,6 +25,18 @@ from recovery._src.state.state import TransitionState
 
 IF_PRESENT = 'if_present'
 RESTART_COUNT_VARIABLES = (_env.RESTART_COUNT, _env.SLURM_RESTART_COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Damage:
+  """The agreed finding that committed persistent step `step` is damaged.
+
+  `step` and `why` are the same on every process; `error` is what this
+  process raises when the step is not set aside.
+  """
+  step: int
+  why: str
+  error: CheckpointDamagedError
 
 
 def restart() -> tuple[str, int] | None:
@@ -61,6 +75,17 @@ def mode(resume: bool | str | None,
   raise ValueError(
       f"resume must be True, False, {IF_PRESENT!r} or None (the default: "
       f"{IF_PRESENT!r} on a restart, else False); got {resume!r}.")
+
+
+def falls_back(resume: bool | str | None,
+               restarted: tuple[str, int] | None) -> bool:
+  """Whether `start(resume=...)` sets a damaged newest step aside and resumes from an older one.
+
+  Yes in mode 'if_present' (the default on a restart) and on any restart or
+  requeue: no one is there to decide. A strict resume=True started by hand
+  refuses instead, with the error saying how to fall back.
+  """
+  return restarted is not None or mode(resume, restarted)[0] == IF_PRESENT
 
 
 def nothing_to_resume(directory: str, partial_steps: list[int]) -> str:
@@ -115,16 +140,24 @@ def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
 
 def begin(ckpt: Any, initial: TransitionState, *,
           resume: bool | str | None) -> TransitionState:
-  """`Checkpoints.start` (see there): the tier and step, the restore, the fallback.
+  """`Checkpoints.start` (see there): the tier and step, the restore, the fallbacks.
 
   Collective. Sets `ckpt.resumed_from` and `ckpt.resumed_tier`.
+
+  Local steps at least as new as the newest persistent step are tried first
+  (newest first), then that persistent step. When it is damaged (`Damage`,
+  agreed by every process) and the mode `falls_back`, it is passed over and
+  the same is done with the next older persistent step as the newest (so
+  local steps between the two are tried too), until one restores; then the
+  damaged steps passed over are set aside (renamed, never deleted). When
+  none restores, nothing is set aside, and the oldest one's error is raised.
   """
   persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
   restarted = ckpt._restarted  # pylint: disable=protected-access
   tier = ckpt.local
-  local_step, candidates = None, []
+  candidates = []  # local steps, newest first
   if tier is not None and mode(resume, restarted)[0] is not False:
-    local_step, candidates = tier.newest()  # collective
+    _, candidates = tier.newest()  # collective
   step = decide(
       resume, restarted=restarted, directory=ckpt.directory,
       steps=sorted({*persistent, *candidates}),
@@ -134,39 +167,74 @@ def begin(ckpt: Any, initial: TransitionState, *,
     if tier is not None:
       tier.forget()
     return initial
-  newest_persistent = persistent[-1] if persistent else None
-  if local_step is not None and (newest_persistent is None
-                                 or local_step >= newest_persistent):
-    t0 = time.monotonic()
-    got = tier.restore(initial, candidates=candidates,
-                       not_before=newest_persistent)
-    if got is not None:
-      state = got.state
-      ckpt.resumed_from, ckpt.resumed_tier = state.step, 'local'
-      _record_event('checkpoint restore', t0, step=state.step, tier='local',
-                    bytes=got.fetched)
-      logging.info(
-          '%s Restored local step %d (epoch %d, cursor %d) from the local '
-          'tier in %s in %.2f s; %d bytes came from peers to this process, '
-          '%d to all; newer local steps that failed their checks: %s; the '
-          'newest persistent step is %s.', _prefix(), state.step,
-          state.epoch, state.cursor, tier.local, time.monotonic() - t0,
-          got.fetched, got.fetched_total, list(got.failed) or 'none',
-          newest_persistent)
-      return state
+  fallback = falls_back(resume, restarted) and not ckpt.read_only
+  damaged: list[Damage] = []
+  tried: set[int] = set()  # local steps
+  while True:
+    newest_persistent = persistent[-1] if persistent else None
+    local = [s for s in candidates if s not in tried
+             and (newest_persistent is None or s >= newest_persistent)]
+    if local:
+      tried.update(local)
+      state = _restore_local(ckpt, initial, local, newest_persistent)
+      if state is not None:
+        ckpt._set_aside(damaged, instead=state.step, tier='local')  # pylint: disable=protected-access
+        return state
+      if newest_persistent is not None:
+        logging.warning('%s No local step at or after persistent step %d '
+                        'restored from %s; falling back to the persistent '
+                        'tier: step %d in %s.', _prefix(), newest_persistent,
+                        tier.local, newest_persistent, ckpt.directory)
     if newest_persistent is None:
+      if damaged:
+        raise _none_verifies(ckpt.directory, damaged)
       raise CheckpointError(
           f'{_prefix()} No local step could be restored from {tier.local} '
           f'(see the errors above) and {ckpt.directory} holds no committed '
           'checkpoint. Start fresh in a new folder, or fix the local '
           'folders.')
-    step = newest_persistent
-    logging.warning('%s No local step at or after persistent step %d '
-                    'restored from %s; falling back to the persistent tier: '
-                    'step %d in %s.', _prefix(), step, tier.local, step,
-                    ckpt.directory)
-  state = ckpt.restore(initial, step=step)
-  ckpt.resumed_from, ckpt.resumed_tier = step, 'persistent'
-  if tier is not None:
-    tier.last_saved = step
+    got = ckpt._read(initial, newest_persistent)  # pylint: disable=protected-access
+    if isinstance(got, Damage):
+      if not fallback:
+        raise got.error
+      damaged.append(got)
+      persistent.pop()
+      continue
+    ckpt._set_aside(damaged, instead=newest_persistent, tier='persistent')  # pylint: disable=protected-access
+    ckpt.resumed_from, ckpt.resumed_tier = newest_persistent, 'persistent'
+    if tier is not None:
+      tier.last_saved = newest_persistent
+    return got
+
+
+def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
+                   not_before: int | None) -> TransitionState | None:
+  """The newest of the local `candidates` (>= `not_before`) that restores, or None on every process."""
+  tier, t0 = ckpt.local, time.monotonic()
+  got = tier.restore(initial, candidates=candidates, not_before=not_before)
+  if got is None:
+    return None
+  state = got.state
+  ckpt.resumed_from, ckpt.resumed_tier = state.step, 'local'
+  _record_event('checkpoint restore', t0, step=state.step, tier='local',
+                bytes=got.fetched)
+  logging.info(
+      '%s Restored local step %d (epoch %d, cursor %d) from the local '
+      'tier in %s in %.2f s; %d bytes came from peers to this process, '
+      '%d to all; newer local steps that failed their checks: %s; the '
+      'newest persistent step is %s.', _prefix(), state.step,
+      state.epoch, state.cursor, tier.local, time.monotonic() - t0,
+      got.fetched, got.fetched_total, list(got.failed) or 'none',
+      not_before)
   return state
+
+
+def _none_verifies(directory: str, damaged: list[Damage]) -> CheckpointDamagedError:
+  """The error when every committed persistent step (and no local one) failed: nothing is set aside."""
+  oldest = damaged[-1]
+  message = str(oldest.error)
+  if len(damaged) > 1:
+    newer = '; '.join(f'step {d.step}: {d.why}' for d in damaged[:-1])
+    message += (f' The newer steps are damaged too ({newer}): no checkpoint '
+                f'in {directory} verifies, so none was set aside.')
+  return CheckpointDamagedError(message, why=oldest.why)

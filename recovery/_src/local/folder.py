@@ -1,35 +1,62 @@
-"""A host's local checkpoint folder: per-process step folders, written atomically.
+"""A host's local checkpoint folder: one run's per-process step folders, written atomically.
 
 Layout (the same path on every host, on each host's own disk):
 
-  <local>/process_<P>/<step>/        committed: data.bin, manifest.json, COMMIT
-  <local>/process_<P>/<step>.tmp-*   a write in progress (or killed mid-way)
+  <local>/                               this user's; no one else can write it
+  <local>/process_<P>/<step>-<run>/      committed: data.bin, manifest.json,
+                                         COMMIT
+  <local>/process_<P>/<step>-<run>.tmp-* a write in progress (or killed)
 
-Each process writes only its own `process_<P>` subfolder, so several
-processes on one host share the folder without locks. A step is written into
-a temporary folder, the commit marker last, then renamed into place: a kill
-at any point leaves the previous committed steps intact, and a reader never
-takes a folder without its marker. Pure file handling: no collective, no JAX.
+`<run>` is the identity of the run that wrote the step (16 hex digits, kept
+in the checkpoint folder: see `tier`), also in the manifest. A run reads,
+replaces and deletes only folders of its own identity, so runs that share a
+local folder leave each other's steps and writes in progress alone. Each
+process writes only its own `process_<P>` subfolder, so several processes
+on one host share the folder without locks. A step is written into a
+temporary folder, the commit marker last, then renamed into place: a kill
+at any point leaves the previous committed steps intact, a failed write
+removes its temporary folder, and a reader never takes a folder without its
+marker.
+
+Nothing under `<local>` is followed through a symlink. `<local>` and each
+`process_<P>` must be real folders of this user that its group and others
+cannot write (`check_private`; created owner-only, mode 0700); entries that
+are links are skipped when read and refused when written or deleted, and
+files are opened with O_NOFOLLOW. Since no other user can add or swap
+entries in such a folder, an entry checked with lstat can then be used by
+its path. Pure file handling: no collective, no JAX.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+import contextlib
 import dataclasses
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
+import stat
 from typing import Any
 
 import numpy as np
 
-FORMAT = 'recovery-local-v1'
+from multihost.lowlevel import fsync_folder
+from multihost.lowlevel import write_atomic
+from recovery._src.state.errors import CheckpointFolderError
+
+FORMAT = 'recovery-local-v2'
 COMMIT = 'COMMIT'
 MANIFEST = 'manifest.json'
 DATA = 'data.bin'
 _PROCESS = 'process_'
 _TMP = '.tmp-'
+_RUN = re.compile(r'[0-9a-f]{16}')
+_STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
+_WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 # (leaf path, index) names one entry: a leaf's block, its index a tuple of
 # (start, stop) per dimension ( () for a whole 0-d or host-held leaf).
@@ -51,101 +78,264 @@ class Entry:
 class StoredStep:
   """A committed step in some process's subfolder of this host's folder."""
   step: int
+  run: str  # the identity of the run that wrote it
   folder: str
   manifest: dict[str, Any]
   entries: dict[EntryKey, Entry]
+
+
+def new_run() -> str:
+  """A fresh run identity: 16 random hex digits."""
+  return secrets.token_hex(8)
+
+
+def is_run(value: Any) -> bool:
+  """Whether `value` is a run identity (16 lowercase hex digits)."""
+  return isinstance(value, str) and _RUN.fullmatch(value) is not None
 
 
 def process_folder(local: str, process: int) -> str:
   return os.path.join(local, f'{_PROCESS}{process}')
 
 
+def step_name(step: int, run: str) -> str:
+  """The folder name of committed `step` of run `run`: '<step>-<run>'."""
+  return f'{step}-{run}'
+
+
+def check_private(path: str) -> None:
+  """Returns if `path` is a real folder of this user that no one else can write.
+
+  Raises:
+    CheckpointFolderError: it is missing, a symlink or no folder, another
+      user's, or writable by its group or others; the message names the path,
+      what it is and the fix.
+  """
+  try:
+    st = os.lstat(path)
+  except OSError as e:
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {path} cannot be read ({e.strerror or e}). '
+        'Pick a local folder this user can create and write.') from None
+  if stat.S_ISLNK(st.st_mode):
+    try:
+      target = os.readlink(path)
+    except OSError:
+      target = '?'
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {path} is a symlink (to {target}): the '
+        'local tier never follows a link under its folder, so that it cannot '
+        'write or delete anything elsewhere. Remove the link (a real folder '
+        'is created in its place), or pass the real folder.')
+  if not stat.S_ISDIR(st.st_mode):
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {path} is not a folder (mode '
+        f'{oct(st.st_mode)}). Move it away or pick another local folder.')
+  if st.st_uid != os.geteuid():
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {path} is owned by uid {st.st_uid}, not by '
+        f'this user (uid {os.geteuid()}): its owner could plant or delete '
+        'local steps. Use a folder of your own (a new one is created '
+        'owner-only, mode 0700).')
+  if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {path} is writable by its group or others '
+        f'(mode {oct(stat.S_IMODE(st.st_mode))}): they could plant or delete '
+        f'local steps. Run `chmod 700 {path}`, or use a new folder (created '
+        'owner-only, mode 0700).')
+
+
+def _ensure_private(path: str) -> None:
+  """Creates folder `path` owner-only (mode 0700) if missing; then `check_private`."""
+  with contextlib.suppress(FileExistsError):
+    os.mkdir(path, 0o700)
+  check_private(path)
+
+
+def prepare(local: str, process: int) -> None:
+  """Creates (or checks) `local` and its `process_<process>` subfolder.
+
+  Both are created owner-only (mode 0700); existing ones must pass
+  `check_private`. The parents of `local` are created as `os.makedirs` does.
+
+  Raises:
+    CheckpointFolderError: a folder cannot be created or fails the check.
+  """
+  try:
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    _ensure_private(local)
+    _ensure_private(process_folder(local, process))
+  except OSError as e:
+    raise CheckpointFolderError(
+        f'Local checkpoint folder {local} cannot be created ({e.strerror or e}).'
+        ' Pick a local folder this user can create and write.') from None
+
+
+def _own(local: str, process: int) -> str:
+  """`process`'s checked subfolder of `local` (created if missing)."""
+  check_private(local)
+  own = process_folder(local, process)
+  _ensure_private(own)
+  return own
+
+
+def _open_file(path: str, flags: int, mode: int = 0o600):
+  return os.fdopen(os.open(path, flags | _NOFOLLOW, mode),
+                   'wb' if flags & os.O_WRONLY else 'rb')
+
+
+def _is_dir(path: str) -> bool:
+  """Whether `path` is a folder itself (not a link to one)."""
+  try:
+    return stat.S_ISDIR(os.lstat(path).st_mode)
+  except OSError:
+    return False
+
+
+def _remove(path: str) -> bool:
+  """Deletes step folder `path` unless it is a link or no folder; whether it did."""
+  if not _is_dir(path):
+    return False
+  # Never follows a link inside (shutil.rmtree.avoids_symlink_attacks).
+  shutil.rmtree(path, ignore_errors=True)
+  return True
+
+
 def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
                blocks: Iterable[tuple[EntryKey, np.ndarray]]) -> int:
   """Writes `blocks` as committed step `step` of `process`; returns bytes written.
 
-  Atomic: a temporary folder holds the data, the manifest and the commit
-  marker (last), then is renamed to `<step>`. A stale committed folder of
-  the same step (an earlier run's) is replaced.
+  The step belongs to run `manifest['run']`. Atomic: a temporary folder
+  holds the data, the manifest and the commit marker (last), then is renamed
+  to `<step>-<run>`; a failed write removes it. A committed folder of the
+  same step of the same run (a restarted run saving a step again) is
+  replaced; other runs' folders are never touched.
+
+  Raises:
+    CheckpointFolderError: `local` or the process subfolder fails
+      `check_private`.
+    ValueError: `manifest['run']` is not a run identity.
+    OSError: the write failed (e.g. the disk is full); nothing is left of it.
   """
-  own = process_folder(local, process)
-  os.makedirs(own, exist_ok=True)
-  tmp = os.path.join(own, f'{step}{_TMP}{secrets.token_hex(4)}')
-  os.mkdir(tmp)
-  listed, offset = [], 0
-  with open(os.path.join(tmp, DATA), 'wb') as f:
-    for (leaf, index), block in blocks:
-      block = np.require(block, requirements='C')  # keeps 0-d as 0-d
-      f.write(memoryview(block.reshape(-1).view(np.uint8)))
-      listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                     'dtype': block.dtype.str, 'shape': list(block.shape),
-                     'offset': offset, 'nbytes': block.nbytes})
-      offset += block.nbytes
-  with open(os.path.join(tmp, MANIFEST), 'w') as f:
-    json.dump({**manifest, 'format': FORMAT, 'step': step,
-               'process': process, 'entries': listed}, f)
-  with open(os.path.join(tmp, COMMIT), 'w') as f:
-    f.write(str(step))
-  final = os.path.join(own, str(step))
-  if os.path.lexists(final):
-    shutil.rmtree(final, ignore_errors=True)
-  os.rename(tmp, final)
+  run = manifest.get('run')
+  if not is_run(run):
+    raise ValueError(f'Local step {step} has run identity {run!r} in its '
+                     'manifest; a run identity is 16 hex digits (new_run()).')
+  own = _own(local, process)
+  name = step_name(step, run)
+  tmp = os.path.join(own, f'{name}{_TMP}{secrets.token_hex(8)}')
+  os.mkdir(tmp, 0o700)
+  try:
+    listed, offset = [], 0
+    with _open_file(os.path.join(tmp, DATA),
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+      for (leaf, index), block in blocks:
+        block = np.require(block, requirements='C')  # keeps 0-d as 0-d
+        f.write(memoryview(block.reshape(-1).view(np.uint8)))
+        listed.append({'leaf': leaf, 'index': [list(i) for i in index],
+                       'dtype': block.dtype.str, 'shape': list(block.shape),
+                       'offset': offset, 'nbytes': block.nbytes})
+        offset += block.nbytes
+      f.flush()
+      os.fsync(f.fileno())
+    write_atomic(os.path.join(tmp, MANIFEST), json.dumps(
+        {**manifest, 'format': FORMAT, 'step': step, 'process': process,
+         'entries': listed}), mode=0o600)
+    write_atomic(os.path.join(tmp, COMMIT), str(step), mode=0o600)
+    final = os.path.join(own, name)
+    if os.path.lexists(final) and not _remove(final):
+      raise OSError(errno.EEXIST, f'{final} exists and is not a folder (a '
+                    f'symlink or a file), so local step {step} cannot take '
+                    'its place; remove it by hand.')
+    os.rename(tmp, final)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  fsync_folder(own)
   return offset
 
 
-def _read(folder: str) -> StoredStep | None:
-  if not os.path.isfile(os.path.join(folder, COMMIT)):
+def _real_file(path: str) -> os.stat_result | None:
+  try:
+    st = os.lstat(path)
+  except OSError:
+    return None
+  return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _read(path: str, step: int, run: str, process: int) -> StoredStep | None:
+  """The committed step in folder `path` (named `<step>-<run>`), or None."""
+  if not _is_dir(path):
+    return None  # a link, or no folder
+  data = os.path.join(path, DATA)
+  info = _real_file(data)
+  if _real_file(os.path.join(path, COMMIT)) is None or info is None:
     return None
   try:
-    with open(os.path.join(folder, MANIFEST)) as f:
+    with _open_file(os.path.join(path, MANIFEST), os.O_RDONLY) as f:
       manifest = json.load(f)
   except (OSError, ValueError):
     return None
   if (not isinstance(manifest, dict) or manifest.get('format') != FORMAT
       or not isinstance(manifest.get('meta'), dict)
-      or 'digest' not in manifest['meta']):
+      or 'digest' not in manifest['meta']
+      # The folder's name, the manifest and the subfolder agree.
+      or manifest.get('run') != run or manifest.get('step') != step
+      or manifest.get('process') != process):
     return None
-  data = os.path.join(folder, DATA)
   try:
-    size = os.path.getsize(data)
     entries = {}
     for e in manifest['entries']:
       key = (e['leaf'], tuple(tuple(int(v) for v in i) for i in e['index']))
       entry = Entry(key=key, dtype=e['dtype'], shape=tuple(e['shape']),
                     offset=int(e['offset']), nbytes=int(e['nbytes']),
                     path=data)
-      if entry.offset + entry.nbytes > size:
+      if entry.offset + entry.nbytes > info.st_size:
         return None  # truncated: not a usable step
       entries[key] = entry
-  except (OSError, KeyError, TypeError, ValueError):
+  except (KeyError, TypeError, ValueError):
     return None
-  return StoredStep(step=int(manifest['step']), folder=folder,
-                    manifest=manifest, entries=entries)
+  return StoredStep(step=step, run=run, folder=path, manifest=manifest,
+                    entries=entries)
 
 
 def scan(local: str) -> list[StoredStep]:
-  """Every committed step of every process subfolder of this host's folder."""
+  """Every committed step of every run in every process subfolder of `local`.
+
+  Entries that are links, and subfolders that fail `check_private`, are
+  skipped; so is all of `local` when it fails it (the tier refuses such a
+  folder when it starts).
+  """
   out = []
   try:
+    check_private(local)
     names = sorted(os.listdir(local))
-  except FileNotFoundError:
+  except (CheckpointFolderError, OSError):
     return out
   for name in names:
-    sub = os.path.join(local, name)
-    if not name.startswith(_PROCESS) or not os.path.isdir(sub):
+    index = name[len(_PROCESS):]
+    if not name.startswith(_PROCESS) or not index.isdigit():
       continue
-    for step_name in os.listdir(sub):
-      if step_name.isdigit():
-        stored = _read(os.path.join(sub, step_name))
+    sub = os.path.join(local, name)
+    try:
+      check_private(sub)
+      step_names = os.listdir(sub)
+    except (CheckpointFolderError, OSError):
+      continue
+    for step_name_ in sorted(step_names):
+      m = _STEP.fullmatch(step_name_)
+      if m:
+        stored = _read(os.path.join(sub, step_name_), int(m.group(1)),
+                       m.group(2), int(index))
         if stored is not None:
           out.append(stored)
   return out
 
 
 def read_block(entry: Entry) -> np.ndarray:
-  """The block's array, read from its data file."""
+  """The block's array, read from its data file (never through a link)."""
   out = np.empty(entry.shape, np.dtype(entry.dtype))
-  with open(entry.path, 'rb') as f:
+  with _open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
     view = memoryview(out.reshape(-1).view(np.uint8))
     if f.readinto(view) != entry.nbytes:
@@ -155,37 +345,59 @@ def read_block(entry: Entry) -> np.ndarray:
   return out
 
 
-def prune(local: str, process: int, keep: int) -> list[int]:
-  """Keeps the newest `keep` committed steps of `process`; removes leftovers.
+def _names(local: str, process: int) -> tuple[str, list[str]]:
+  own = process_folder(local, process)
+  check_private(local)
+  check_private(own)
+  return own, os.listdir(own)
 
-  Returns the steps deleted. Temporary folders of this process's interrupted
-  writes are removed too (only this process writes its subfolder).
+
+def prune(local: str, process: int, run: str, *, keep: int,
+          written: int) -> list[int]:
+  """Keeps step `written` of run `run` and its `keep` - 1 newest older steps.
+
+  Only `process`'s steps of `run` are ranked and deleted; other runs' are
+  never touched. Steps of `run` newer than `written` are deleted: the run
+  has gone back to an older step (they failed their checks at the restore,
+  or a persistent step was newer), so a later restart must not return to
+  them. This run's temporary folders are removed too: `written` was the
+  process's one write in flight. Returns the steps deleted.
+
+  Raises:
+    CheckpointFolderError: `local` or the process subfolder fails
+      `check_private`.
   """
-  own = process_folder(local, process)
-  try:
-    names = os.listdir(own)
-  except FileNotFoundError:
-    return []
-  steps = sorted(int(n) for n in names if n.isdigit())
-  deleted = steps[:-keep] if keep else steps
-  for step in deleted:
-    shutil.rmtree(os.path.join(own, str(step)), ignore_errors=True)
-  return deleted
+  own, names = _names(local, process)
+  mine = {}
+  for name in names:
+    m = _STEP.fullmatch(name)
+    if m and m.group(2) == run and _is_dir(os.path.join(own, name)):
+      mine[int(m.group(1))] = name
+    m = _WRITING.fullmatch(name)
+    if m and m.group(2) == run:
+      _remove(os.path.join(own, name))
+  older = sorted(s for s in mine if s < written)
+  deleted = sorted([*older[:max(0, len(older) - (keep - 1))],
+                    *(s for s in mine if s > written)])
+  return [s for s in deleted if _remove(os.path.join(own, mine[s]))]
 
 
-def remove_tmp(local: str, process: int) -> None:
-  """Removes this process's temporary folders (writes killed mid-way)."""
-  own = process_folder(local, process)
+def remove_tmp(local: str, process: int, run: str) -> None:
+  """Removes `process`'s temporary folders of run `run` (its writes killed mid-way).
+
+  Never another run's: it may be writing now.
+  """
   try:
-    names = os.listdir(own)
-  except FileNotFoundError:
+    own, names = _names(local, process)
+  except (CheckpointFolderError, OSError):
     return
-  for n in names:
-    if _TMP in n:
-      shutil.rmtree(os.path.join(own, n), ignore_errors=True)
+  for name in names:
+    m = _WRITING.fullmatch(name)
+    if m and m.group(2) == run:
+      _remove(os.path.join(own, name))
 
 
 def remove_steps(stored: Iterable[StoredStep]) -> None:
-  """Deletes the given committed steps (a fresh run's stale ones)."""
+  """Deletes the given committed steps (a fresh run's stale ones); never through a link."""
   for s in stored:
-    shutil.rmtree(s.folder, ignore_errors=True)
+    _remove(s.folder)

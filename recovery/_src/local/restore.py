@@ -97,7 +97,7 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   local_entries: dict[EntryKey, folder.Entry] = {}
   try:
     for s in folder.scan(tier.local):
-      if s.step == step and s.manifest.get('directory') == tier.directory:
+      if s.step == step and tier.owns(s):
         for key, entry in s.entries.items():
           local_entries.setdefault(key, entry)
     for key in needs[tier.me]:

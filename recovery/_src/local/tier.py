@@ -1,7 +1,7 @@
 """The local checkpoint tier: each host saves what it holds, with peer copies.
 
 Every `every` steps each process writes, to its host's own local folder
-(`_local_folder`), only the blocks it holds: its addressable shards of
+(`local.folder`), only the blocks it holds: its addressable shards of
 arrays sharded across processes, and every other leaf (replicated arrays,
 host values) once per host, by the lowest process index of that host that
 holds it. A block that lives on one host only is also copied to the next
@@ -9,11 +9,15 @@ host in the ring (hosts ordered by their lowest process index), through
 `multihost.allgather_object` (sealed with the job secret), so losing any one
 host's local disk loses nothing. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
-the copy to host memory and the peer exchange.
+the copy to host memory (made before `save` returns, so the caller may update
+its arrays in place at once) and the peer exchange.
+
+Local steps belong to a run: each carries the run's identity (`RUN_FILE`),
+and a run restores, prunes and replaces only its own steps.
 
 A restore gathers every host's list of committed local steps and the blocks
 each holds (`newest`), then restores the newest one that is complete on
-this topology and passes its checks (`_local_restore`).
+this topology and passes its checks (`local.restore`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
+from multihost.lowlevel import write_atomic
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
 from recovery._src.local import restore as _local_restore
@@ -36,7 +41,57 @@ from recovery._src.local.layout import HOST_ID_VARIABLE as HOST_ID_VARIABLE
 from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
+from recovery._src.state.errors import CheckpointFolderError
 from recovery._src.state.state import TransitionState
+
+# The run's identity, in the checkpoint folder: drawn at a fresh start (or
+# when missing), kept across restarts, written into every local step's
+# manifest and folder name. Restore, keep-N and a re-save of a step act only
+# on this run's steps, so a step this run did not write is never taken: one
+# an earlier run of the folder left on a host that this run's fresh start
+# did not reach, another run's in a shared local folder, one copied in. An
+# authenticated manifest (a MAC) would need a key that a restarted run finds
+# and a planter does not, i.e. kept where this identity is kept; and the
+# local folder is owner-only (`folder.check_private`), so no other user can
+# plant a step there at all. The identity is the simpler of the two, and as
+# sound.
+RUN_FILE = '.recovery-local-run'
+
+
+def _read_run(directory: str) -> str | None:
+  """The run identity kept in checkpoint folder `directory`, if a valid one."""
+  try:
+    fd = os.open(os.path.join(directory, RUN_FILE),
+                 os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+      run = f.read(64).strip()
+  except (OSError, UnicodeDecodeError):
+    return None
+  return run if folder.is_run(run) else None
+
+
+def _write_run(directory: str, run: str) -> str | None:
+  """Keeps `run` as the identity of checkpoint folder `directory`'s run; None, or the error."""
+  path = os.path.join(directory, RUN_FILE)
+  try:
+    write_atomic(path, run + '\n', mode=0o600)
+  except OSError as e:
+    return (f'Cannot write the run identity of the local tier to {path} '
+            f'({e.strerror or e}). The checkpoint folder must be writable '
+            'by this user.')
+  return None
+
+
+def _raise_agreed(errors: list[str | None], what: str) -> None:
+  """Raises CheckpointFolderError on every process if any process failed."""
+  failed = [(p, e) for p, e in enumerate(errors) if e]
+  if not failed:
+    return
+  mine = errors[jax.process_index()]
+  raise CheckpointFolderError(
+      f'{_prefix()} {mine}' if mine else
+      f'{_prefix()} {what} failed on ' + '; '.join(
+          f'process {p}: {e}' for p, e in failed[:4]))
 
 
 class LocalTier:
@@ -57,10 +112,23 @@ class LocalTier:
     self.every = int(every)
     self.keep = int(keep)
     self.me = jax.process_index()
-    os.makedirs(folder.process_folder(self.local, self.me),
-                exist_ok=True)
-    folder.remove_tmp(self.local, self.me)
-    self.hosts: list[str] = list(multihost.allgather_object(_layout.host_id()))
+    error, runs = None, None
+    try:
+      folder.prepare(self.local, self.me)
+    except CheckpointFolderError as e:
+      error = str(e)
+    if self.me == 0:  # Holds the checkpoint folder's lock.
+      stored, fresh = _read_run(directory), folder.new_run()
+      if stored is None:  # A new folder (or one of an older version).
+        error = error or _write_run(directory, fresh)
+      runs = (stored or fresh, fresh)
+    gathered = multihost.allgather_object((_layout.host_id(), error, runs))
+    _raise_agreed([e for _, e, _ in gathered], 'Starting the local tier')
+    self.hosts: list[str] = [h for h, _, _ in gathered]
+    # This run's identity (the stored one: a restart's), and the one a fresh
+    # start takes (`forget`); the same on every process.
+    self.run, self._fresh_run = gathered[0][2]
+    folder.remove_tmp(self.local, self.me, self.run)
     order: list[str] = []
     for h in self.hosts:
       if h not in order:
@@ -118,7 +186,10 @@ class LocalTier:
         writer = min(p for p in where if self.hosts[p] == self.host)
         if writer != self.me:
           continue
-        block = np.asarray(mine[key])
+        # A copy, on this thread: the caller may update its arrays in place
+        # (or donate their buffers) as soon as `save` returns, while the
+        # files are still being written.
+        block = np.array(np.asarray(mine[key]), copy=True)
         own.append(((name, key), block))
         if single:
           sends.append(((name, key), block))
@@ -130,7 +201,8 @@ class LocalTier:
         for p, blocks in enumerate(gathered):
           if p != self.me and self._successor_of(self.hosts[p]) == self.host:
             peer_blocks.extend(blocks)
-    manifest = {'directory': self.directory, 'host': self.host,
+    manifest = {'directory': self.directory, 'run': self.run,
+                'host': self.host,
                 'topology': _layout.topology(tree), 'meta': meta,
                 'peer_keys': [[k[0], [list(i) for i in k[1]]]
                               for k, _ in peer_blocks]}
@@ -141,7 +213,7 @@ class LocalTier:
     self.saves += 1
     spent = time.monotonic() - t0
     self.save_seconds += spent
-    logging.info(
+    logging.debug(  # Routine, every few steps: --verbosity=1 shows it.
         '%s Local save of step %d to %s: %d own and %d peer bytes, %d bytes '
         'sent to a peer, %.3f s on the training thread (the files are written '
         'in the background).', _prefix(), step, self.local,
@@ -156,12 +228,12 @@ class LocalTier:
 
   def _write(self, step: int, manifest: dict, blocks: list) -> None:
     t0 = time.monotonic()
-    written = folder.write_step(self.local, self.me, step, manifest,
-                                       blocks)
-    folder.prune(self.local, self.me, self.keep)
-    logging.debug('%s Local step %d: %d bytes written to %s in %.3f s.',
-                  _prefix(), step, written, self.local,
-                  time.monotonic() - t0)
+    written = folder.write_step(self.local, self.me, step, manifest, blocks)
+    deleted = folder.prune(self.local, self.me, self.run, keep=self.keep,
+                           written=step)
+    logging.debug('%s Local step %d: %d bytes written to %s in %.3f s; '
+                  'deleted steps %s.', _prefix(), step, written, self.local,
+                  time.monotonic() - t0, deleted)
 
   def wait(self) -> None:
     """Waits for the local save in flight; a failed one is logged, not raised.
@@ -184,12 +256,29 @@ class LocalTier:
     self.wait()
     self._pool.shutdown(wait=True)
 
-  def forget(self) -> None:
-    """A fresh run: deletes this host's local steps of the same checkpoint folder.
+  def owns(self, stored: folder.StoredStep) -> bool:
+    """Whether a stored local step is this run's (its identity and folder)."""
+    return (stored.run == self.run
+            and stored.manifest.get('directory') == self.directory)
 
-    Left in place, an older run's local steps would be restored on this
-    run's first restart. Run by the lowest process of each host; local.
+  def forget(self) -> None:
+    """A fresh run: takes a new run identity; deletes this host's local steps of the folder.
+
+    Collective: every process must call this, in the same order. With the
+    new identity, no step of an earlier run is restored on this run's first
+    restart, also one on a host this start does not reach; the steps it
+    reaches are deleted (by the lowest process of each host).
+
+    Raises:
+      CheckpointFolderError: the new identity cannot be written (on every
+        process).
     """
+    error = None
+    if self.me == 0:
+      error = _write_run(self.directory, self._fresh_run)
+    _raise_agreed(multihost.allgather_object(error),
+                  'Starting a fresh local tier')
+    self.run = self._fresh_run
     if self.me != self.lowest[self.host]:
       return
     stale = [s for s in folder.scan(self.local)
@@ -212,7 +301,7 @@ class LocalTier:
     stored = folder.scan(self.local)
     mine: dict[int, dict] = {}
     for s in stored:
-      if s.manifest.get('directory') != self.directory:
+      if not self.owns(s):
         continue
       info = mine.setdefault(s.step, {
           'digest': s.manifest['meta']['digest'],
@@ -250,7 +339,7 @@ class LocalTier:
 
     Collective: every process must call this, in the same order, after
     `newest`. Older candidates are tried when a newer one fails its checks
-    (`_local_restore`); None on every process when none restores.
+    (`local.restore`); None on every process when none restores.
     """
     got = _local_restore.restore(self, target, candidates=candidates,
                                  not_before=not_before)

@@ -1,4 +1,4 @@
-"""The resilient training loop: steps, scheduled saves, preemption, Ctrl-C."""
+"""The resilient training loop: steps, scheduled saves, preemption, Ctrl-C, stuck steps."""
 
 from __future__ import annotations
 
@@ -90,8 +90,15 @@ class ResilientLoop:
     Collective when `step_fn` or `data_fn` are (as on a multi-process mesh):
     every process must call this, in the same order.
     """
+    return self._step(state, None)
+
+  def _step(self, state: TransitionState, watch: Any
+            ) -> tuple[TransitionState, StepRecord]:
+    """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded."""
     ids, nxt = self.sampler.next(state)
     batch = self.data_fn(ids)
+    if watch is not None:
+      watch.arrived()  # From here on this process waits for its peers.
     user, loss = self.step_fn(state.user, batch)
     loss = float(digest.host_value(loss))
     if self.check_fn is not None:
@@ -108,7 +115,8 @@ class ResilientLoop:
           checkpoints: Checkpoints | None = None,
           on_step: Callable[[TransitionState, StepRecord], None] | None = None,
           handle_sigterm: bool = True,
-          progress_every_s: float = 10.0) -> RunResult:
+          progress_every_s: float = 10.0,
+          step_deadline: bool = True) -> RunResult:
     """Steps until `until_step`, saving on schedule and on preemption.
 
     Collective: every process must call this, in the same order.
@@ -130,6 +138,14 @@ class ResilientLoop:
     process), so that every controller stops at one agreed step and saves it;
     a second Ctrl-C interrupts at once.
 
+    Each step (its batch, `step_fn`, its check; not the saves or
+    `on_step`) runs under `multihost.step_watch()`, which marks the arrival
+    after `data_fn`. With several controllers, a step stuck past its
+    deadline (learned from the step times, see `multihost.set_step_deadline`)
+    makes every process log who is behind and where, and leave with exit
+    status 75, so that the launcher's `--max_restarts` or a scheduler
+    restarts the job, which resumes here from the last checkpoint.
+
     Args:
       state: the state to continue from (fresh or restored).
       until_step: the step to stop at.
@@ -137,6 +153,9 @@ class ResilientLoop:
       on_step: called after every step with the new state and its record.
       handle_sigterm: single controller only; see above.
       progress_every_s: seconds between progress log lines.
+      step_deadline: False: no step deadline in this loop (or turn it off
+        for the process: `multihost.set_step_deadline(enabled=False)`,
+        $MULTIHOST_STEP_DEADLINE=off).
 
     Returns:
       A `RunResult`.
@@ -147,13 +166,18 @@ class ResilientLoop:
     start_step, t0 = state.step, time.monotonic()
     record = None
     last_log = t0
+    watch = multihost.step_watch() if step_deadline else None
     try:
       if sigterm is not None:
         sigterm.install()
       if sigint is not None:
         sigint.install()
       while state.step < until_step:
-        state, record = self.step(state)
+        if watch is None:
+          state, record = self.step(state)
+        else:
+          with watch.step(state.step + 1):
+            state, record = self._step(state, watch)
         if on_step is not None:
           on_step(state, record)
         preempted = self._reached_preemption(state.step, sigterm)

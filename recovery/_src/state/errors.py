@@ -8,8 +8,6 @@ the messages it prints; the subclasses tell it which advice applies.
 
 from __future__ import annotations
 
-import os
-
 # How to continue after a stop (preemption, Ctrl-C, a failure): a sentence.
 RESUME_TO_CONTINUE = (
     "Start again on this folder with Checkpoints.start(resume=True) (or "
@@ -22,7 +20,24 @@ class CheckpointError(RuntimeError):
   """A checkpoint is missing, unreadable, partial, or does not fit this run."""
 
 
-class CheckpointCorruptError(CheckpointError):
+class CheckpointDamagedError(CheckpointError):
+  """A committed checkpoint's files cannot be read, or it fails its digest check.
+
+  `Checkpoints.start` sets such a step aside and resumes from the newest
+  older one that verifies when it may fall back (resume='if_present', or a
+  restart); otherwise it raises this.
+
+  Attributes:
+    why: the finding in a few words, for a log line ('its files cannot be
+      read (...)'); the message when none was given.
+  """
+
+  def __init__(self, message: str, why: str = ''):
+    super().__init__(message)
+    self.why = why or message
+
+
+class CheckpointCorruptError(CheckpointDamagedError):
   """A checkpoint's content does not match the digest stored with it."""
 
 
@@ -50,11 +65,17 @@ class ReplayMismatchError(AssertionError):
   """A replay from a checkpoint diverged from the uninterrupted run."""
 
 
+# What a damaged step is renamed to when it is set aside: `<step>` + this +
+# the UTC time (not all digits, so never read as a step, never deleted).
+DAMAGED_SUFFIX = '.damaged-'
+
+
 def fallback_advice(directory: str, step: int, committed: list[int]) -> str:
   """What to do when committed checkpoint `step` in `directory` is unusable."""
   older = [s for s in committed if s < step]
-  path = os.path.join(directory, str(step))
   if older:
-    return (f'Move {path} out of the folder to resume from the previous '
-            f'checkpoint (step {older[-1]}), or {START_FRESH}.')
+    return (f"Start with resume='if_present' (the default on a restart) to "
+            f'set it aside (renamed {step}{DAMAGED_SUFFIX}<UTC time> in '
+            f'{directory}, kept) and resume from the previous checkpoint '
+            f'(step {older[-1]}), or {START_FRESH}.')
   return f'No older checkpoint exists here; {START_FRESH}.'

@@ -2,7 +2,7 @@
 
 Each check raises on its own process with the step, the folder, what differed
 and what to do (`hint`: the step to fall back to). The comparison across
-controllers after a restore is `_consistency`'s.
+controllers after a restore is `state.consistency`'s.
 """
 
 from __future__ import annotations
@@ -110,10 +110,11 @@ def check_digest(meta: dict[str, Any], restored, *, where: str,
   if got != meta['digest']:
     stored = meta.get('leaf_digests', {})
     changed = sorted(k for k in digests if stored.get(k) != digests[k])
+    finding = (f'fails its digest check: stored {meta["digest"][:16]}..., '
+               f'restored state digests to {got[:16]}... (leaves that '
+               f'changed: {", ".join(changed) or "unknown"})')
     raise CheckpointCorruptError(
-        f'{_prefix()} {where} fails its digest check: stored '
-        f'{meta["digest"][:16]}..., restored state digests to {got[:16]}... '
-        f'(leaves that changed: {", ".join(changed) or "unknown"}). Its files '
-        'were altered or damaged after the save committed; refusing to resume '
-        f'from it. {hint}')
+        f'{_prefix()} {where} {finding}. Its files were altered or damaged '
+        f'after the save committed; refusing to resume from it. {hint}',
+        why=f'it {finding}')
   return digests

@@ -1,6 +1,6 @@
 """Data plane: the TCP links' credentials (handshake proofs, per-direction frame keys, the MAC'd address records).
 
-The handshake and the records are `_tcp_link`'s; what proves the job secret
+The handshake and the records are `transport.tcp.link`'s; what proves the job secret
 lives here, so that the plane's connection logic and its cryptography can
 be read (and reviewed) apart.
 """

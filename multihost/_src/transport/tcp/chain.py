@@ -10,7 +10,7 @@ all-gather. Set MULTIHOST_TRANSPORT=device to use a device collective
 instead (e.g. where peers cannot open TCP connections to each other).
 
 This module holds the two transfer algorithms; the links they run on are
-`_tcp_link`'s, their socket I/O `_tcp_io`'s. Every socket wait is bounded by
+`transport.tcp.link`'s, their socket I/O `transport.tcp.sockets`'s. Every socket wait is bounded by
 the collective's timeout; a peer that dies closes its sockets, which raises
 here at once.
 """
@@ -146,7 +146,7 @@ def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
 class Eager:
   """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting (up to EAGER_BYTES).
 
-  The agreement over the links (`_control_links.agree`) starts it right
+  The agreement over the links (`control.links.agree`) starts it right
   after its first round's frame to the next process in the chain, so the
   bytes are on their way while the agreement's messages are: on
   agreement, `broadcast` sends the rest; on a difference or a timeout the

@@ -1,6 +1,6 @@
 """Data plane: a TCP link's frames (headers carrying the call, the length and a frame number, MAC'd per direction), and the link that numbers them.
 
-Every frame header after a link's handshake (`_tcp_link`) carries a MAC
+Every frame header after a link's handshake (`transport.tcp.link`) carries a MAC
 under the link's key for its direction and a frame number, so injected,
 replayed or reordered frames are refused.
 """
@@ -44,10 +44,10 @@ class Link:
     self.recv_key = recv_key
     self.sent = 0
     self.received = 0
-    self.poll = select.poll()  # for `_tcp_io.open_at_peer`
+    self.poll = select.poll()  # for `transport.tcp.sockets.open_at_peer`
     self.poll.register(sock, select.POLLIN)
     # The rest of a frame a call left half sent after a difference or a
-    # timeout (`_data_tcp.Eager.defer`): sent before anything else
+    # timeout (`transport.tcp.chain.Eager.defer`): sent before anything else
     # (`Plane.conn`).
     self.owed: list[memoryview] | None = None
 

@@ -7,7 +7,7 @@ a store writer cannot point a process at a relay), and the lower-numbered
 process of each pair connects. Both sides prove the job secret (HMAC over
 both nonces, the lane and the job id) before a link is kept; every frame
 header after that carries a MAC under the link's key for its direction and
-a frame number (`_tcp_frames`), so injected, replayed or reordered frames
+a frame number (`transport.tcp.frames`), so injected, replayed or reordered frames
 are refused. Each pair of processes has `lanes` links (lane 0 for the
 agreement and every transfer, the others for large broadcasts' stripes).
 The plane is the runtime's (`Runtime.plane`), made on the first transfer.
@@ -54,7 +54,7 @@ _HELLO = struct.Struct('<4sIIB16s')
 _MAGIC = b'MHT3'
 
 # Links per pair of processes: lane 0 carries the agreement and every
-# transfer; large broadcasts also stripe over the others (`_data_tcp`).
+# transfer; large broadcasts also stripe over the others (`transport.tcp.chain`).
 
 _NONCE = 16
 
@@ -92,7 +92,7 @@ class Plane:
     self.job, self.secret = secret.job_keys(op, timeout=timeout, runtime=rt)
     self.seq = 0  # Transfers so far: every process counts the same ones.
     # Whether calls agree over the links, and the links' setup for that
-    # (see `_control_links.met`).
+    # (see `control.links.met`).
     self.agrees = False
     self.setup: str | None = None
     self.setup_error = ''

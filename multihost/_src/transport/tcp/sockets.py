@@ -91,10 +91,10 @@ def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
 
 def recv_into(conn: socket.socket, view: memoryview,
                deadline: Deadline | None = None) -> None:
-  """Fills `view`; with a `deadline`, in watched slices (`_watched`)."""
+  """Fills `view`; with a `deadline`, in watched slices (`api.watched`)."""
   got = 0
   while got < len(view):
-    k = _watched(conn.recv_into, view[got:], deadline)
+    k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
@@ -130,12 +130,15 @@ def send_ready(conn: socket.socket, views: list[memoryview],
   return sent
 
 
-def _watched(io, view, deadline: Deadline | None) -> int:
+def _watched(io, view, deadline: Deadline | None, *,
+             idle: bool = False) -> int:
   """`io(view)`, retried after each socket-timeout slice until the `deadline`.
 
   Between slices, raises `ProcessFailureError` once the deadline's liveness
-  check knows a peer is gone, and `socket.timeout` at the deadline. (A
-  timed-out send or recv moved no bytes, so retrying it is safe.)
+  check knows a peer is gone, and `socket.timeout` at the deadline; while
+  a read has received nothing (`idle`), the deadline's own `idle` step
+  runs instead, if it has one. (A timed-out send or recv moved no bytes, so
+  retrying it is safe.)
   """
   if deadline is None:
     return io(view)
@@ -143,6 +146,9 @@ def _watched(io, view, deadline: Deadline | None) -> int:
     try:
       return io(view)
     except TimeoutError:
+      if idle and deadline.idle is not None:
+        deadline.idle()
+        continue
       deadline.check()
       if deadline.expired():
         raise

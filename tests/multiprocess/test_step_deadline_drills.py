@@ -1,0 +1,112 @@
+"""Stuck-step drills with real controllers: a peer alive but stuck in its data loader makes every process leave with status 75, naming it; under --max_restarts the run heals.
+
+* tests/programs/stuck_step.py at 2 processes: a small jitted loop under
+  `multihost.step_watch()` whose step sums the global batch (a gloo
+  collective across the processes); process 1 sleeps 600 s in its data
+  loader of step 5. The deadline is learned (2 warm-up steps, 5x, floor
+  3 s). Every process leaves by itself with exit status 75 within the
+  deadline + a few seconds of the stall, and process 0 logs one line that
+  names step 5 and process 1, behind, with where it is. The launcher's
+  grace period outlasts that: nobody is stopped by it.
+* bin/train.py at 2 processes x 2 devices under `multihost.launch
+  --max_restarts=1` with `--drill_stall_at_step=8` (first attempt only):
+  `recovery`'s loop watches each step by itself; attempt 0 ends with both
+  processes' status 75 and the report, attempt 1 resumes from the step-5
+  checkpoint and the run ends with exit status 0.
+
+Without the step deadline, both runs hang until the test's bounds stop
+them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+from _helpers import ROOT
+from _helpers import alive
+from _helpers import program
+from _helpers import quick_compile_env
+
+from multihost import launch
+
+PY = sys.executable
+TRAIN = str(ROOT / 'bin' / 'train.py')
+DEADLINE_S = 3.0  # The floor; the steps take milliseconds.
+# Past the deadline: asking where the others are (up to 1.5 s for one that
+# already left) and leaving, on a loaded 2-core machine.
+LEAVE_SLACK_S = 6.0
+
+
+def _report_lines(out):
+  return [l for l in out.splitlines() if 'past its deadline' in l]
+
+
+def test_a_peer_stuck_in_its_data_loader_makes_every_process_leave_with_75():
+  env = quick_compile_env()
+  with launch.Controllers(program('stuck_step', 5, 1, DEADLINE_S),
+                          num_processes=2, env=env,
+                          grace_period=60) as cluster:
+    assert cluster.wait_for_output(1, 'STALL at=', timeout=90), (
+        cluster.outputs[0][-3000:], cluster.outputs[1][-3000:])
+    gone = {}
+    bound = time.monotonic() + DEADLINE_S + LEAVE_SLACK_S + 20
+    while len(gone) < 2 and time.monotonic() < bound:
+      for i, pid in enumerate(cluster.pids):
+        if i not in gone and not alive(pid):
+          gone[i] = time.time()
+      time.sleep(0.05)
+    result = cluster.wait(timeout=60)
+  outs = result.outputs
+  stalled = float(re.search(r'STALL at=([\d.]+)', outs[1]).group(1))
+  took = {i: at - stalled for i, at in gone.items()}
+  print(f'deadline {DEADLINE_S:g} s; left after the stall began: {took}')
+  assert result.returncodes == (75, 75), (result.summary, outs[0][-3000:],
+                                          outs[1][-3000:])
+  assert not result.stopped, result.summary
+  assert 'DONE' not in outs[0] + outs[1]
+  for i in (0, 1):
+    assert DEADLINE_S <= took[i] < DEADLINE_S + LEAVE_SLACK_S, took
+    assert len(_report_lines(outs[i])) == 1, outs[i][-3000:]
+  assert f'LEARNED deadline={DEADLINE_S:g}' in outs[0], outs[0][-3000:]
+  (line,) = _report_lines(outs[0])
+  assert '[process=0] multihost: step 5 has run for ' in line, line
+  assert f'past its deadline of {DEADLINE_S:g} s (learned: 5 x ' in line, line
+  assert ('Behind the others: process 1 is in step 5 for ' in line
+          and 'not arrived at its collective part' in line), line
+  assert ('Where they are: process 1: main thread in load '
+          '(programs/stuck_step.py:' in line), line
+  assert 'Leaving with exit status 75' in line, line
+  assert not any(alive(pid) for pid in result.pids)
+
+
+def test_train_heals_a_stuck_step_under_max_restarts(tmp_path):
+  args = [PY, TRAIN, f'--checkpoint_dir={tmp_path / "ckpt"}', '--steps=12',
+          '--save_every=5', '--drill_stall_at_step=8',
+          '--drill_stall_process=1', '--drill_stall_seconds=600',
+          f'--step_deadline_floor={DEADLINE_S:g}', '--step_deadline_warmup=2',
+          '--straggler_every=0']
+  started = time.monotonic()
+  result = launch.launch(args, num_processes=2, devices_per_process=2,
+                         grace_period=20, kill_wait=0.5, timeout=90,
+                         max_restarts=1, cwd=ROOT, env=quick_compile_env())
+  took = time.monotonic() - started
+  print(f'healed run: {took:.1f} s')
+  assert result.ok, result.summary + '\n' + '\n'.join(
+      o[-3000:] for a in result.attempts for o in a.outputs)
+  assert result.restart_count == 1, result.summary
+  first, last = result.attempts
+  assert first.returncodes == (75, 75), first.summary
+  # Each left on its own with its report (the launcher, restarting at once,
+  # may have signalled one that was already leaving: its status is still 75).
+  for out in first.outputs:
+    assert len(_report_lines(out)) == 1, out[-3000:]
+  (line,) = _report_lines(first.outputs[0])
+  assert '[process=0] multihost: step 8 has run for ' in line, line
+  assert 'Behind the others: process 1 is in step 8 ' in line, line
+  assert 'main thread in stall (bin/_train_flags.py:' in line, line
+  assert 'Drill: process 1 stalls' not in last.outputs[1]
+  assert '[process=0] Resumed from step 5 ' in last.outputs[0]
+  assert 'Finished step 12 ' in last.outputs[0]
+  assert not any(alive(pid) for a in result.attempts for pid in a.pids)
