@@ -1,12 +1,9 @@
 """The local checkpoint tier: atomic per-process steps, peer copies, restores.
 
 Single-process tests (4 virtual devices) check the folder format, keep-N, the
-choice between the tiers and the fallbacks. The drills run `bin/train.py` as
-2 controllers x 2 devices under `multihost.launch --max_restarts=1`, each
-controller on a simulated host of its own ($RECOVERY_HOST_ID and its own
-local folder), and SIGKILL process 1 mid-run: the restarted run resumes from
-the local tier, refilling a wiped host from its peer, and ends bitwise equal
-to an uninterrupted run.
+choice between the tiers, the fallbacks and the folder's safety (owner-only,
+never through a link, steps owned by their run). The SIGKILL drills with real
+controllers are in tests/multiprocess/test_local_tier_processes.py.
 """
 
 from __future__ import annotations
