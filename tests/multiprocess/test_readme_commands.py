@@ -1,8 +1,8 @@
-"""README's shell blocks run as printed, in an activated venv, as a user runs them.
+"""The docs' shell blocks run as printed, in an activated venv, as a user runs them.
 
-Every ```sh and ```bash block of README.md is either run here or listed in
-`NOT_RUN` with the reason; a new block that is neither fails
-`test_every_block_is_run_or_has_a_reason`. A block runs as one bash script
+Every ```sh and ```bash block of README.md and of the guides (docs/*.md,
+docs/api/*.md) is either run here or listed in `NOT_RUN` with the reason; a
+new block that is neither fails `test_every_block_is_run_or_has_a_reason`. A block runs as one bash script
 (`set -euo pipefail`) in a temporary folder that holds the clone's `bin/`,
 with the venv activated as the quick start does (its `bin/` first on PATH,
 VIRTUAL_ENV set) and no cluster variable. Three changes fit it into CI's
@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 
 import _helpers
 import pytest
@@ -44,9 +45,21 @@ NOT_RUN = {
                   'command with Open MPI\'s variables',
     'bin/bench.py': 'the full benchmark takes minutes; tests/multiprocess/test_bench.py '
                     'runs it on small sizes',
+    'bench/restart_drill.py': 'a measurement: 3 restart drills of about a '
+                              'minute each per command; tests/multiprocess/'
+                              'test_launch_restarts.py drills the restarts',
+    'bench/compile_cache.py': 'a measurement: a 400-layer model whose '
+                              'compiles take 25-35 s per process and attempt',
+    '--width=8388608': 'a synopsis ([--local_checkpoint_dir=...] is '
+                       'optional) and a minute per run; tests/multiprocess/'
+                       'test_local_tier_processes.py runs the local tier',
+    'MULTIHOST_NETNS_PRIVATE_FOLDER': 'simulated hosts need root, `ip` and '
+                                      '`unshare`; tests/multiprocess/'
+                                      'test_local_netns.py runs this drill '
+                                      'where they are',
     '--num_processes=N': 'a synopsis (N, K, S are placeholders)',
-    'docs/restart.sbatch': 'a Slurm job and a 2000-step run; tests/test_slurm_'
-                           'restarts.py runs the recipe with a stand-in srun',
+    'docs/restart.sbatch': 'a Slurm job and a 2000-step run; tests/multiprocess/'
+                           'test_slurm_restarts.py runs the recipe with a stand-in srun',
     'bin/plot.py': 'regenerates the committed pictures in docs/; '
                    'tests/unit/test_plot.py draws both kinds from files it writes',
 }
@@ -74,9 +87,16 @@ _CLUSTER_VARS = (env_lib.COORDINATOR, env_lib.NUM_PROCESSES,
                  *recovery.RESTART_COUNT_VARIABLES, 'PYTHONPATH')
 
 
-def blocks(readme: str) -> list[str]:
-  """README's shell blocks, in order."""
-  return re.findall(r'^```(?:sh|bash)\n(.*?)^```', readme, re.S | re.M)
+# README.md first (its quick start is the first block), then the guides.
+PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md')),
+         *sorted((ROOT / 'docs' / 'api').glob('*.md'))]
+
+
+def blocks(text: str) -> list[str]:
+  """A page's shell blocks, in order (also those indented in a list)."""
+  return [textwrap.dedent(b) for b in re.findall(
+      r'^( *)```(?:sh|bash)\n(.*?)^\1```', text, re.S | re.M)
+          for b in [b[1].replace('\n' + b[0], '\n').removeprefix(b[0])]]
 
 
 def reason_not_run(block: str) -> str | None:
@@ -141,18 +161,48 @@ def _kill_group(pgid: int) -> None:
     pass
 
 
-README_BLOCKS = blocks((ROOT / 'README.md').read_text())
-RUNNABLE = [b for b in README_BLOCKS if reason_not_run(b) is None]
+PAGE_BLOCKS = [(page.relative_to(ROOT), block) for page in PAGES
+               for block in blocks(page.read_text())]
+README_BLOCKS = [block for _, block in PAGE_BLOCKS]
+# Each runnable block once (the quick start is on two pages), named by the
+# page that shows it first.
+_FIRST = {b: f'{page}:{b.splitlines()[-1][:40]}' for page, b in
+          reversed(PAGE_BLOCKS) if reason_not_run(b) is None}
+RUNNABLE = [b for b in dict.fromkeys(README_BLOCKS) if b in _FIRST]
+_IDS = [_FIRST[b] for b in RUNNABLE]
 
 
 def test_every_block_is_run_or_has_a_reason():
   assert README_BLOCKS, 'README.md has no shell block'
+  assert len(PAGES) > 10, PAGES
   for phrase in MUST_RUN:
     assert any(phrase in b for b in RUNNABLE), (
-        f'no runnable README block contains {phrase!r}')
+        f'no runnable block contains {phrase!r}')
   for phrase in NOT_RUN:
     assert any(phrase in b for b in README_BLOCKS), (
-        f'NOT_RUN lists {phrase!r}, which no README block contains any more')
+        f'NOT_RUN lists {phrase!r}, which no block contains any more')
+
+
+def test_every_command_block_is_labelled():
+  """A block of commands is ```sh (run or listed above), never unlabelled."""
+  for page in PAGES:
+    for block in re.findall(r'^ *```\n(.*?)^ *```', page.read_text(),
+                            re.S | re.M):
+      assert not re.search(r'^\s*(python|pip|srun|sbatch|export) ', block,
+                           re.M), f'{page}: label this block ```sh:\n{block}'
+
+
+def test_the_quick_start_is_the_two_commands_ci_runs():
+  """README's first block: install + train, install + the test command."""
+  quick = README_BLOCKS[0]
+  commands = [ln for ln in quick.splitlines() if not ln.startswith('#')]
+  assert len(commands) == 2, quick
+  assert commands[0].endswith('pip install -e . && python bin/train.py')
+  assert 'pip install -e ".[test]" && python -m pytest tests' in commands[1]
+  ci = (ROOT / '.ci' / 'run').read_text().splitlines()
+  pytest_line = next(ln for ln in ci if ' -m pytest ' in ln)
+  assert commands[1].endswith(
+      pytest_line.replace('.venv/bin/python', 'python')), (quick, pytest_line)
 
 
 def test_blocks_use_the_activated_venv_consistently():
@@ -162,11 +212,10 @@ def test_blocks_use_the_activated_venv_consistently():
   assert 'source .venv/bin/activate' in README_BLOCKS[0], README_BLOCKS[0]
 
 
-@pytest.mark.parametrize('index', range(len(RUNNABLE)),
-                         ids=[b.splitlines()[-1][:40] for b in RUNNABLE])
+@pytest.mark.parametrize('index', range(len(RUNNABLE)), ids=_IDS)
 def test_the_block_runs_as_printed(index, tmp_path):
   block = RUNNABLE[index]
   rc, out = run_block(block, tmp_path)
-  assert rc == 0, (f'README block exits {rc}:\n{block}\nas run:\n'
+  assert rc == 0, (f'block exits {rc}:\n{block}\nas run:\n'
                    f'{script(block, tmp_path)}\noutput:\n{out[-4000:]}')
   assert 'Traceback' not in out, out[-4000:]

@@ -416,13 +416,13 @@ def test_the_process_running_the_service_leaves_last(job):
   assert host.exited == {1, 2} and not host.failed
 
 
-def test_readme_and_the_watchdog_give_the_same_detection_bound(caplog):
+def test_the_docs_and_the_watchdog_give_the_same_detection_bound(caplog):
   caplog.set_level(logging.INFO)
-  text = (pathlib.Path(__file__).resolve().parents[2] /
-          'README.md').read_text()
+  text = (pathlib.Path(__file__).resolve().parents[2] / 'docs' /
+          'failures.md').read_text()
   m = re.search(
       r'within the heartbeat timeout \+ (\d+) s: (\d+) s by\s+default', text)
-  assert m, 'README no longer states the detection bound'
+  assert m, 'docs/failures.md no longer states the detection bound'
   slack, bound = float(m.group(1)), float(m.group(2))
   service, rts = fake.runtimes(2)
   rt = rts[0]

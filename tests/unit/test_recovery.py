@@ -309,7 +309,7 @@ def test_damaged_array_bytes_give_a_clear_error(tmp_path):
       fh.write(np.random.default_rng(1).bytes(size))
   # Bytes damaged this badly fail TensorStore's own decoding before any
   # digest is computed: a plain CheckpointError saying the files cannot be
-  # read, naming the step to fall back to (README, "Checkpoints"). Altered
+  # read, naming the step to fall back to (docs/recovery.md, "Damaged checkpoints"). Altered
   # bytes that still decode give CheckpointCorruptError (test above).
   with recovery.Checkpoints(directory) as ckpt:
     with pytest.raises(recovery.CheckpointError,
