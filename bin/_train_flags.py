@@ -216,6 +216,10 @@ def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   if (step == DRILL_KILL_AFTER.value and first_attempt
       and pid == DRILL_KILL_PROCESS.value):
     if DRILL_WIPE_LOCAL.value and LOCAL_DIR.value:
+      # A local step still being written in the background would be
+      # committed into the wiped folder (or keep rmtree from removing it).
+      if checkpoints.local is not None:
+        checkpoints.local.wait()
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
     if DRILL_DAMAGE_NEWEST.value:
       _damage_newest(checkpoints.directory)
