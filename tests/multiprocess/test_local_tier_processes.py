@@ -196,7 +196,7 @@ def test_sigkill_restarts_a_wiped_host_with_the_same_hostname_from_its_peer(
   # bytes as with two hostnames: its shards as host 0's peer copies, and
   # every replicated leaf); nothing went to host 0.
   peers = {p: r[2] for p, r in resumed.items()}
-  assert peers[0] == 0 and peers[1] == (320 if sharded else 352), (peers, out)
+  assert peers[0] == 0 and peers[1] == (320 if sharded else 352), peers
   assert 'KeyError' not in out, out[-3000:]
   # Each disk holds its own process's folder only, the shared path nothing.
   assert not any((tmp_path / 'mnt').iterdir())
