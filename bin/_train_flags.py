@@ -80,8 +80,9 @@ LOCAL_DIR = flags.DEFINE_string(
     'steps each process writes the blocks it holds there, blocks held by one '
     'host only are copied to a peer host, and a restart restores the newest '
     'step complete across the hosts when it is at least as new as the '
-    'persistent one. Hosts are told apart by hostname, or by '
-    '$RECOVERY_HOST_ID. Empty: no local tier.')
+    'persistent one. Processes that share the folder are one host (the '
+    'folder keeps a random identity; hostnames do not count), unless '
+    '$RECOVERY_HOST_ID says otherwise. Empty: no local tier.')
 LOCAL_SAVE_EVERY = flags.DEFINE_integer(
     'local_save_every', 0, 'Local tier: save every K steps (0: '
     '--save_every).', lower_bound=0)
