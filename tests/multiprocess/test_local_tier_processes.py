@@ -65,7 +65,8 @@ def _own_disks_unavailable() -> str | None:
   return None
 
 
-def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False):
+def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False,
+           host_id='host$JAX_PROCESS_ID', save_every=50):
   """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one.
 
   `own_disks`: no $RECOVERY_HOST_ID and one hostname, but each process sees
@@ -74,7 +75,7 @@ def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False):
   namespace of its own; the local folder is tmp_path/mnt/local.
   """
   args = [f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
-          '--save_every=50', f'--local_save_every={K}',
+          f'--save_every={save_every}', f'--local_save_every={K}',
           f'--metrics_out={tmp_path}/metrics.jsonl', *extra]
   if kill:
     args.append(f'--drill_kill_after_step={KILL_AFTER}')
@@ -93,7 +94,7 @@ def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False):
     command = (f'exec "{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local '
                + ' '.join(args))
   else:
-    command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+    command = (f'exec env RECOVERY_HOST_ID={host_id} '
                f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
                '$JAX_PROCESS_ID ' + ' '.join(args))
   env = {**{k: v for k, v in os.environ.items()
@@ -212,6 +213,28 @@ def test_sigkill_restarts_a_wiped_host_with_the_same_hostname_from_its_peer(
   _report('same hostname, own disks', out, resumed, peers)
   assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
                  for pid in a.pids)
+
+
+def test_a_host_id_shared_by_processes_with_a_folder_each_falls_back_clearly(
+    tmp_path, uninterrupted):
+  # $RECOVERY_HOST_ID=shared on both processes, but a local folder each: the
+  # replicated leaves were written once, in process 0's folder only. The
+  # restart must name what is missing and take the persistent tier.
+  result, out, digest = _drill(tmp_path, '--noasync_save', host_id='shared',
+                               save_every=10)
+  assert result.restart_count == 1
+  assert digest == uninterrupted
+  assert {p: r[:2] for p, r in _resumed(out).items()} == {
+      0: (10, 'persistent'), 1: (10, 'persistent')}, out[-3000:]
+  assert re.search(r'\$RECOVERY_HOST_ID=shared is set on processes \[0, 1\], '
+                   r'but they see 2 different local folders', out), out[-3000:]
+  for step in (15, 10):
+    assert re.search(
+        rf'CheckpointError: Block data/\w+ \[\] of local step {step} is '
+        r'missing on process 1 \(host shared \(processes 0, 1 on [^)]+\), '
+        rf'local folder {re.escape(str(tmp_path))}/local1\): the hosts\' '
+        r'lists name it on shared ', out), out[-3000:]
+  assert 'KeyError' not in out, out[-3000:]
 
 
 def _report(what, out, resumed, peers):
