@@ -8,10 +8,11 @@ holds it. A host is the set of processes that share one local folder: they
 find each other through the folder itself (`folder.folder_id`, a random
 identity kept in it), never by hostname, so processes with a disk each
 under one hostname are hosts of their own, and processes on one disk are
-one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that lives on one host only is also copied to the next
-host in the ring (hosts ordered by their lowest process index), through
-`multihost.allgather_object` (sealed with the job secret), so losing any one
-host's local disk loses nothing. The files are written by a background
+one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that
+lives on one host only is also copied to the next host in the ring (hosts
+ordered by their lowest process index), through `multihost.allgather_object`
+(sealed with the job secret), so losing any one host's local disk loses
+nothing. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
 the copy to host memory (made before `save` returns, so the caller may update
 its arrays in place at once) and the peer exchange.
@@ -166,13 +167,14 @@ class LocalTier:
     self.host_order = order
     self.host = self.hosts[self.me]
     self.lowest = {h: self.hosts.index(h) for h in order}
-    # For messages: each host's processes and hostnames.
-    self.host_names = {
-        h: (f'{h} (process{"es" if len(ps) > 1 else ""} '
-            f'{", ".join(map(str, ps))} on '
-            f'{", ".join(sorted({gathered[p]["hostname"] for p in ps}))})')
-        for h in order for ps in [[p for p, g in enumerate(self.hosts)
-                                    if g == h]]}
+    # For messages: each host with its processes and their hostnames.
+    self.host_names: dict[str, str] = {}
+    for h in order:
+      ps = [p for p, g in enumerate(self.hosts) if g == h]
+      names = sorted({gathered[p]['hostname'] for p in ps})
+      self.host_names[h] = (f'{h} (process{"es" if len(ps) > 1 else ""} '
+                            f'{", ".join(map(str, ps))} on '
+                            f'{", ".join(names)})')
     if self.me == 0:
       _warn_if_overridden_apart(gathered)
     self.successor = (order[(order.index(self.host) + 1) % len(order)]
