@@ -80,8 +80,9 @@ LOCAL_DIR = flags.DEFINE_string(
     'steps each process writes the blocks it holds there, blocks held by one '
     'host only are copied to a peer host, and a restart restores the newest '
     'step complete across the hosts when it is at least as new as the '
-    'persistent one. Hosts are told apart by hostname, or by '
-    '$RECOVERY_HOST_ID. Empty: no local tier.')
+    'persistent one. Processes that share the folder are one host (the '
+    'folder keeps a random identity; hostnames do not count), unless '
+    '$RECOVERY_HOST_ID says otherwise. Empty: no local tier.')
 LOCAL_SAVE_EVERY = flags.DEFINE_integer(
     'local_save_every', 0, 'Local tier: save every K steps (0: '
     '--save_every).', lower_bound=0)
@@ -216,6 +217,10 @@ def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   if (step == DRILL_KILL_AFTER.value and first_attempt
       and pid == DRILL_KILL_PROCESS.value):
     if DRILL_WIPE_LOCAL.value and LOCAL_DIR.value:
+      # A local step still being written in the background would be
+      # committed into the wiped folder (or keep rmtree from removing it).
+      if checkpoints.local is not None:
+        checkpoints.local.wait()
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
     if DRILL_DAMAGE_NEWEST.value:
       _damage_newest(checkpoints.directory)

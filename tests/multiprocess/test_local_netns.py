@@ -120,11 +120,14 @@ def test_a_replaced_netns_host_restores_from_its_peer_bitwise_equal(
   assert resumed[0][2] == 0 and resumed[1][2] > 0, resumed
   print(f'netns drill ({"sharded" if sharded else "replicated"}): '
         f'{KILL_AFTER - 15} steps lost, {resumed[1][2]} bytes from peers')
-  # Each host's disk holds only its own processes' folders; the common path
-  # itself stayed empty (every write went to a host's disk).
+  # Each host's disk holds only its own processes' folders and its own
+  # identity (each host's differs); the common path itself stayed empty
+  # (every write went to a host's disk).
   for i in range(2):
     disk = pathlib.Path(f'{local}.host{i}')
-    assert sorted(p.name for p in disk.iterdir()) == [f'process_{i}']
+    assert sorted(p.name for p in disk.iterdir()) == [
+        folder.FOLDER_ID_FILE, f'process_{i}']
+  assert len({folder.folder_id(f'{local}.host{i}') for i in range(2)}) == 2
   assert not any(local.iterdir())
   newest = max(folder.scan(f'{local}.host1'), key=lambda s: s.step)
   assert newest.step == STEPS

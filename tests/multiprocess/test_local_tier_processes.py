@@ -4,9 +4,10 @@ Single-process tests (4 virtual devices) check the folder format, keep-N, the
 choice between the tiers and the fallbacks. The drills run `bin/train.py` as
 2 controllers x 2 devices under `multihost.launch --max_restarts=1`, each
 controller on a simulated host of its own ($RECOVERY_HOST_ID and its own
-local folder), and SIGKILL process 1 mid-run: the restarted run resumes from
-the local tier, refilling a wiped host from its peer, and ends bitwise equal
-to an uninterrupted run.
+local folder, or the same hostname and a disk of its own at the same path in
+a mount namespace of its own), and SIGKILL process 1 mid-run: the restarted
+run resumes from the local tier, refilling a wiped host from its peer, and
+ends bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import _helpers
 import pytest
@@ -44,18 +48,53 @@ STEPS = 30
 KILL_AFTER = 17
 
 
-def _drill(tmp_path, *extra, kill=True, one_host=False):
-  """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one."""
+def _own_disks_unavailable() -> str | None:
+  """Why a mount namespace with a bind mount cannot be made here, or None."""
+  if os.geteuid() != 0:
+    return 'needs root for mount namespaces'
+  if shutil.which('unshare') is None:
+    return 'needs unshare(1) (util-linux) for mount namespaces'
+  with tempfile.TemporaryDirectory() as where:
+    probe = subprocess.run(
+        ['unshare', '-m', '--propagation', 'private', 'sh', '-c',
+         f'mount --bind "{where}" "{where}" && umount "{where}"'],
+        capture_output=True, text=True, timeout=30, check=False)
+  if probe.returncode != 0:
+    return ('cannot mount in a mount namespace here (unshare -m: '
+            f'{(probe.stderr or probe.stdout).strip()[:200]})')
+  return None
+
+
+def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False,
+           host_id='host$JAX_PROCESS_ID', save_every=50):
+  """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one.
+
+  `own_disks`: no $RECOVERY_HOST_ID and one hostname, but each process sees
+  a disk of its own (tmp_path/disk<P>, which outlives the restart as a
+  host's disk does) at the same path tmp_path/mnt, bind-mounted in a mount
+  namespace of its own; the local folder is tmp_path/mnt/local.
+  """
   args = [f'--checkpoint_dir={tmp_path}/ckpt', f'--steps={STEPS}',
-          '--save_every=50', f'--local_save_every={K}',
+          f'--save_every={save_every}', f'--local_save_every={K}',
           f'--metrics_out={tmp_path}/metrics.jsonl', *extra]
   if kill:
     args.append(f'--drill_kill_after_step={KILL_AFTER}')
-  if one_host:  # Both processes share the host's folder.
+  if own_disks:
+    for p in ('mnt', 'disk0', 'disk1'):
+      (tmp_path / p).mkdir(mode=0o700)
+    mount = (f'mount --bind "{tmp_path}/disk$JAX_PROCESS_ID" "{tmp_path}/mnt"'
+             f' && exec "{PY}" "{TRAIN}" '
+             f'--local_checkpoint_dir="{tmp_path}/mnt/local" '
+             + ' '.join(args))
+    # unshare execs in place: the launcher's pid stays the trainer's, and
+    # the namespace (with its mount) ends with the process.
+    assert "'" not in mount, mount
+    command = f"exec unshare -m --propagation private sh -c '{mount}'"
+  elif one_host:  # Both processes share the host's folder.
     command = (f'exec "{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local '
                + ' '.join(args))
   else:
-    command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+    command = (f'exec env RECOVERY_HOST_ID={host_id} '
                f'"{PY}" "{TRAIN}" --local_checkpoint_dir={tmp_path}/local'
                '$JAX_PROCESS_ID ' + ' '.join(args))
   env = {**{k: v for k, v in os.environ.items()
@@ -134,6 +173,68 @@ def test_sigkill_restarts_two_processes_sharing_one_host_s_folder(
   assert one.manifest['peer_keys'] == []
   assert ('data/order', ()) in stored[(0, 30)].entries
   _report('one host', out, resumed, {0: 0, 1: 0})
+
+
+@pytest.mark.parametrize('sharded', [False, True],
+                         ids=['replicated', 'shard-params'])
+def test_sigkill_restarts_a_wiped_host_with_the_same_hostname_from_its_peer(
+    tmp_path, uninterrupted, sharded):
+  why = _own_disks_unavailable()
+  if why:
+    pytest.skip(why)
+  # Both processes have this machine's hostname and no $RECOVERY_HOST_ID;
+  # each has a disk of its own at the same path. Process 1 deletes its local
+  # folder, then SIGKILLs itself.
+  extra = ['--shard_params'] if sharded else []
+  result, out, digest = _drill(tmp_path, *extra, '--drill_wipe_local',
+                               own_disks=True)
+  assert result.restart_count == 1
+  assert digest == uninterrupted
+  resumed = _resumed(out)
+  assert {p: r[:2] for p, r in resumed.items()} == {
+      0: (15, 'local'), 1: (15, 'local')}, out[-3000:]
+  # All host 1 needs came from host 0 (with --shard_params, the same 320
+  # bytes as with two hostnames: its shards as host 0's peer copies, and
+  # every replicated leaf); nothing went to host 0.
+  peers = {p: r[2] for p, r in resumed.items()}
+  assert peers[0] == 0 and peers[1] == (320 if sharded else 352), peers
+  assert 'KeyError' not in out, out[-3000:]
+  # Each disk holds its own process's folder only, the shared path nothing.
+  assert not any((tmp_path / 'mnt').iterdir())
+  for p in (0, 1):
+    local = tmp_path / f'disk{p}' / 'local'
+    assert sorted(e.name for e in local.iterdir()
+                  if e.name.startswith('process_')) == [f'process_{p}']
+    newest = max(folder.scan(str(local)), key=lambda s: s.step)
+    assert newest.step == STEPS
+    # Each disk is a host of its own: each writes the replicated leaves.
+    assert ('data/cursor', ()) in newest.entries
+    assert bool(newest.manifest['peer_keys']) == sharded, newest.manifest
+  _report('same hostname, own disks', out, resumed, peers)
+  assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
+                 for pid in a.pids)
+
+
+def test_a_host_id_shared_by_processes_with_a_folder_each_falls_back_clearly(
+    tmp_path, uninterrupted):
+  # $RECOVERY_HOST_ID=shared on both processes, but a local folder each: the
+  # replicated leaves were written once, in process 0's folder only. The
+  # restart must name what is missing and take the persistent tier.
+  result, out, digest = _drill(tmp_path, '--noasync_save', host_id='shared',
+                               save_every=10)
+  assert result.restart_count == 1
+  assert digest == uninterrupted
+  assert {p: r[:2] for p, r in _resumed(out).items()} == {
+      0: (10, 'persistent'), 1: (10, 'persistent')}, out[-3000:]
+  assert re.search(r'\$RECOVERY_HOST_ID=shared is set on processes \[0, 1\], '
+                   r'but they see 2 different local folders', out), out[-3000:]
+  for step in (15, 10):
+    assert re.search(
+        rf'CheckpointError: Block data/\w+ \[\] of local step {step} is '
+        r'missing on process 1 \(host shared \(processes 0, 1 on [^)]+\), '
+        rf'local folder {re.escape(str(tmp_path))}/local1\): the hosts\' '
+        r'lists name it on shared ', out), out[-3000:]
+  assert 'KeyError' not in out, out[-3000:]
 
 
 def _report(what, out, resumed, peers):

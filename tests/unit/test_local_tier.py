@@ -522,3 +522,123 @@ def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
   assert proc.returncode == env_lib.NO_RETRY_EXIT_STATUS, (proc.stdout +
                                                           proc.stderr)
   assert '--local_save_every=3 needs --local_checkpoint_dir' in proc.stderr
+
+
+# -- who shares a local folder: the folder says (issue 37) ---------------------
+
+
+def test_processes_on_one_folder_read_one_identity_and_a_wiped_one_draws_anew(
+    tmp_path):
+  # Many first opens at once, on fresh folders: each must hand every opener
+  # the one identity that is in place, never a half-written one.
+  for trial in range(20):
+    local = tmp_path / f'local{trial}'
+    local.mkdir(mode=0o700)
+    start = threading.Barrier(12)
+    seen = []
+
+    def open_folder(local=local, start=start, seen=seen):
+      start.wait(30)
+      seen.append(folder.folder_id(str(local)))
+
+    threads = [threading.Thread(target=open_folder) for _ in range(12)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(60)
+    assert len(seen) == 12 and len(set(seen)) == 1, seen
+    marker = local / folder.FOLDER_ID_FILE
+    assert marker.read_text() == seen[0] + '\n'
+    assert stat.S_ISREG(marker.lstat().st_mode)
+    assert stat.S_IMODE(marker.lstat().st_mode) == 0o600
+    assert os.listdir(local) == [folder.FOLDER_ID_FILE]  # no temporary file
+  # It stays (a restart finds it); another folder, or this one wiped,
+  # draws another.
+  local = tmp_path / 'local0'
+  first = folder.folder_id(str(local))
+  assert folder.folder_id(str(local)) == first
+  assert folder.folder_id(str(tmp_path / 'local1')) != first
+  shutil.rmtree(local)
+  local.mkdir(mode=0o700)
+  assert folder.folder_id(str(local)) != first
+
+
+def test_a_folder_identity_that_is_a_link_or_garbage_is_refused(tmp_path):
+  local = tmp_path / 'local'
+  local.mkdir(mode=0o700)
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.write_text('0123456789abcdef\n')
+  marker = local / folder.FOLDER_ID_FILE
+  marker.symlink_to(elsewhere)
+  with pytest.raises(recovery.CheckpointFolderError,
+                     match=r'\.recovery-local-disk is not a regular file .*'
+                     r'never followed if a link.*Remove it'):
+    folder.folder_id(str(local))
+  assert elsewhere.read_text() == '0123456789abcdef\n'
+  marker.unlink()
+  marker.write_text('not an identity\n')
+  with pytest.raises(recovery.CheckpointFolderError,
+                     match=r"holds 'not an identity', not 16 hex digits"):
+    folder.folder_id(str(local))
+
+
+def test_the_local_host_is_the_folder_s_identity_unless_recovery_host_id_is_set(
+    tmp_path, monkeypatch):
+  # The local tier's host is the folder's identity ($RECOVERY_HOST_ID
+  # unset), so a step's manifest names it.
+  monkeypatch.delenv(recovery.HOST_ID_VARIABLE, raising=False)
+  _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
+  local = str(tmp_path / 'local')
+  (stored,) = folder.scan(local)
+  assert stored.manifest['host'] == f'folder-{folder.folder_id(local)}'
+  monkeypatch.setenv(recovery.HOST_ID_VARIABLE, 'rack1-node7')
+  _train(tmp_path, 7, local_every=3, restart=True, monkeypatch=monkeypatch)
+  newest = max(folder.scan(local), key=lambda s: s.step)
+  assert newest.manifest['host'] == 'rack1-node7'
+
+
+def test_a_block_a_restore_cannot_find_is_a_checkpoint_error_and_falls_back(
+    tmp_path, monkeypatch, caplog):
+  from recovery._src.local import tier as tier_lib  # pylint: disable=g-import-not-at-top
+  _train(tmp_path, 11, save_every=4, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 11)  # persistent step 8, local steps 6 and 9
+  newest = tier_lib.LocalTier.newest
+
+  def losing_a_block(self):
+    # The hosts' lists name data/cursor of step 9; then its disk loses it
+    # (as a process does whose host shares a name, not a folder, with the
+    # one that wrote it).
+    found = newest(self)
+    step = _step_folder(tmp_path / 'local', 9)
+    manifest = json.loads((step / 'manifest.json').read_text())
+    manifest['entries'] = [e for e in manifest['entries']
+                           if e['leaf'] != 'data/cursor']
+    (step / 'manifest.json').write_text(json.dumps(manifest))
+    return found
+
+  monkeypatch.setattr(tier_lib.LocalTier, 'newest', losing_a_block)
+  _, ckpt = _train(tmp_path, 12, save_every=4, restart=True,
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
+  # The host the step was saved on: the folder's identity.
+  (host,) = {s.manifest['host'] for s in folder.scan(str(tmp_path / 'local'))}
+  assert re.search(
+      r'CheckpointError: Block data/cursor \[\] of local step 9 is missing on '
+      rf'process 0 \(host {host} \(process 0 on [^)]+\), local folder '
+      rf'{re.escape(str(tmp_path / "local"))}\): the hosts\' lists name it on '
+      rf'{host} ', caplog.text), caplog.text
+  assert 'falling back to the persistent tier' in caplog.text
+  assert 'KeyError' not in caplog.text
+
+
+def test_assembling_without_a_block_is_a_checkpoint_error_naming_it():
+  from recovery._src.local import layout  # pylint: disable=g-import-not-at-top
+  abstract = {'w': jax.ShapeDtypeStruct((8,), np.float32,
+                                        sharding=_sharded()),
+              'cursor': np.zeros((), np.int64)}
+  with pytest.raises(recovery.CheckpointError,
+                     match=r'block cursor \[\] is missing on process 0'):
+    layout.assemble(abstract, {})
+  with pytest.raises(recovery.CheckpointError,
+                     match=r'^Local step 9: block cursor \[\] is missing'):
+    layout.assemble(abstract, {}, where='Local step 9')

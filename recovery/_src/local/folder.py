@@ -3,6 +3,7 @@
 Layout (the same path on every host, on each host's own disk):
 
   <local>/                               this user's; no one else can write it
+  <local>/.recovery-local-disk           the folder's identity (`folder_id`)
   <local>/process_<P>/<step>-<run>/      committed: data.bin, manifest.json,
                                          COMMIT
   <local>/process_<P>/<step>-<run>.tmp-* a write in progress (or killed)
@@ -17,6 +18,11 @@ temporary folder, the commit marker last, then renamed into place: a kill
 at any point leaves the previous committed steps intact, a failed write
 removes its temporary folder, and a reader never takes a folder without its
 marker.
+
+The processes that share `<local>` (one disk) find each other through it:
+the first to open it draws a random identity and links it into place
+atomically, and every process reads back the one in place (`folder_id`).
+It outlives restarts with the folder; a wiped or new folder draws a new one.
 
 Nothing under `<local>` is followed through a symlink. `<local>` and each
 `process_<P>` must be real folders of this user that its group and others
@@ -57,6 +63,9 @@ _RUN = re.compile(r'[0-9a-f]{16}')
 _STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
 _WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+# The local folder's identity: 16 random hex digits, one line.
+FOLDER_ID_FILE = '.recovery-local-disk'
+_FOLDER_ID = re.compile(r'[0-9a-f]{16}')
 
 # (leaf path, index) names one entry: a leaf's block, its index a tuple of
 # (start, stop) per dimension ( () for a whole 0-d or host-held leaf).
@@ -169,6 +178,89 @@ def prepare(local: str, process: int) -> None:
     raise CheckpointFolderError(
         f'Local checkpoint folder {local} cannot be created ({e.strerror or e}).'
         ' Pick a local folder this user can create and write.') from None
+
+
+def _read_folder_id(path: str) -> str | None:
+  """The identity in marker `path`; None if there is no marker.
+
+  Raises:
+    CheckpointFolderError: the marker is a link, no regular file, unreadable
+      or holds no identity.
+  """
+  try:
+    st = os.lstat(path)
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise CheckpointFolderError(
+        f'The local folder\'s identity {path} cannot be read '
+        f'({e.strerror or e}). Check the local folder.') from None
+  if not stat.S_ISREG(st.st_mode):
+    raise CheckpointFolderError(
+        f'The local folder\'s identity {path} is not a regular file (mode '
+        f'{oct(st.st_mode)}; never followed if a link). Remove it: the next '
+        'start draws a new identity.')
+  try:
+    with _open_file(path, os.O_RDONLY) as f:
+      text = f.read(64).decode('ascii', 'replace').strip()
+  except OSError as e:
+    raise CheckpointFolderError(
+        f'The local folder\'s identity {path} cannot be read '
+        f'({e.strerror or e}). Check the local folder.') from None
+  if _FOLDER_ID.fullmatch(text) is None:
+    raise CheckpointFolderError(
+        f'The local folder\'s identity {path} holds {text[:40]!r}, not 16 hex '
+        'digits. Remove it when no run uses the folder: the next start draws '
+        'a new identity.')
+  return text
+
+
+def folder_id(local: str) -> str:
+  """The identity of local folder `local`: the same for every process that opens the same folder.
+
+  16 hex digits kept in `<local>/.recovery-local-disk`. The first process
+  to open the folder draws them (`secrets.token_hex`), writes them to a
+  temporary file of an unpredictable name (created with O_EXCL and
+  O_NOFOLLOW, fsynced) and links that into place, which fails when another
+  process was first; every process then reads back the identity in place,
+  so processes that start at once on one disk agree. Processes that see
+  different folders at the same path (a disk each) read different ones.
+  The identity outlives restarts with the folder; a wiped or new folder
+  draws a new one (it no longer holds what the old one held).
+
+  Raises:
+    CheckpointFolderError: `local` fails `check_private`; the marker is a
+      link, no regular file or no identity; or it cannot be written.
+  """
+  check_private(local)
+  path = os.path.join(local, FOLDER_ID_FILE)
+  found = _read_folder_id(path)
+  if found is not None:
+    return found
+  tmp = os.path.join(local, f'{FOLDER_ID_FILE}{_TMP}{secrets.token_hex(8)}')
+  try:
+    with _open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+      f.write(f'{secrets.token_hex(8)}\n'.encode())
+      f.flush()
+      os.fsync(f.fileno())
+    with contextlib.suppress(FileExistsError):  # Another process was first.
+      os.link(tmp, path, follow_symlinks=False)
+    fsync_folder(local)
+  except OSError as e:
+    raise CheckpointFolderError(
+        f'Cannot write the local folder\'s identity {path} '
+        f'({e.strerror or e}). The local folder must be writable by this '
+        'user.') from None
+  finally:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+  found = _read_folder_id(path)
+  if found is None:
+    raise CheckpointFolderError(
+        f'The local folder\'s identity {path} vanished right after it was '
+        'written: something else is deleting files in the local folder. '
+        'Give this run a local folder of its own.')
+  return found
 
 
 def _own(local: str, process: int) -> str:

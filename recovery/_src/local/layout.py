@@ -19,15 +19,34 @@ import numpy as np
 
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import digest
+from recovery._src.state.errors import CheckpointError
 
-# Overrides the host name that tells hosts apart, for containers whose
-# hostnames repeat, and for drills that simulate several hosts on one.
+# Overrides the local folder's identity (`folder.folder_id`) that tells
+# the local tier's hosts apart: processes with the same value are taken to
+# share one local folder.
 HOST_ID_VARIABLE = 'RECOVERY_HOST_ID'
 
 
-def host_id() -> str:
-  """This process's host: $RECOVERY_HOST_ID, else the hostname."""
-  return os.environ.get(HOST_ID_VARIABLE, '').strip() or socket.gethostname()
+def host_override() -> str | None:
+  """$RECOVERY_HOST_ID if set (and not blank), else None."""
+  return os.environ.get(HOST_ID_VARIABLE, '').strip() or None
+
+
+def host_id(local_folder_id: str) -> str:
+  """This process's host for the local tier: $RECOVERY_HOST_ID, else its local folder's identity.
+
+  A "host" is the set of processes that share one local folder: they read
+  the same identity from it (`folder.folder_id`), whatever their hostnames,
+  and processes with a folder each (a disk each at the same path, even under
+  one hostname) read different ones.
+  """
+  override = host_override()
+  return override if override is not None else f'folder-{local_folder_id}'
+
+
+def hostname() -> str:
+  """This machine's hostname (for messages only: it never tells hosts apart)."""
+  return socket.gethostname()
 
 
 def index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
@@ -88,13 +107,22 @@ def needed(tree, process: int) -> set[EntryKey]:
   return out
 
 
-def assemble(abstract, blocks: dict[EntryKey, np.ndarray]):
+def assemble(abstract, blocks: dict[EntryKey, np.ndarray], *,
+             where: str = 'A local step'):
   """The storable tree, each placed leaf built from this process's blocks.
 
   Raises:
-    KeyError: a block this process needs is missing from `blocks`.
+    CheckpointError: a block this process needs is missing from `blocks`
+      (the message names it and `where`).
     TypeError: a block's dtype differs from the target leaf's.
   """
+
+  def get(key: EntryKey) -> np.ndarray:
+    if key not in blocks:
+      raise CheckpointError(
+          f'{where}: block {key[0]} {list(key[1])} is missing on process '
+          f'{jax.process_index()}; the step cannot be assembled here.')
+    return blocks[key]
 
   def leaf(path, x):
     name = digest.path_name(path)
@@ -103,13 +131,13 @@ def assemble(abstract, blocks: dict[EntryKey, np.ndarray]):
       arrays = []
       for device, index in x.sharding.addressable_devices_indices_map(
           shape).items():
-        block = blocks[(name, index_key(index, shape))]
+        block = get((name, index_key(index, shape)))
         if block.dtype != np.dtype(x.dtype):
           raise TypeError(f'block of {name} has dtype {block.dtype}, the '
                           f'target {np.dtype(x.dtype)}')
         arrays.append(jax.device_put(block, device))
       return jax.make_array_from_single_device_arrays(shape, x.sharding,
                                                       arrays)
-    return np.asarray(blocks[(name, ())])
+    return np.asarray(get((name, ())))
 
   return jax.tree_util.tree_map_with_path(leaf, abstract)

@@ -6,7 +6,9 @@ is skipped; one whose reading, digest or consistency check fails is
 skipped too, and the next older one is tried. For a step, each process
 reads what its host holds; what it lacks comes from the lowest process of
 the first host (in host order) that holds it, in one
-`multihost.allgather_object`. Every decision is taken from gathered facts,
+`multihost.allgather_object`. A block a process still lacks (or a sender
+cannot find) is a CheckpointError naming the block, the step and the hosts,
+and the step is skipped like one that fails a check. Every decision is taken from gathered facts,
 so all processes try the same steps and take the same one, or all return
 None and the caller falls back to the persistent tier.
 """
@@ -28,6 +30,7 @@ from recovery._src.state import consistency
 from recovery._src.state import digest
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
+from recovery._src.state.errors import CheckpointError
 from recovery._src.state.state import TransitionState
 
 
@@ -109,12 +112,18 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   if transfers:
     outgoing = []
     for src, dst, key in transfers:
-      if src == tier.me:
-        try:
-          outgoing.append((dst, key, blocks[key] if key in blocks else
-                           folder.read_block(local_entries[key])))
-        except Exception as e:  # pylint: disable=broad-except
-          error = error or f'{type(e).__name__}: {_short(e)}'
+      if src != tier.me:
+        continue
+      if key not in blocks and key not in local_entries:
+        e = missing_block_error(tier, step, key, info['keys'][key],
+                                send_to=dst)
+        error = error or f'{type(e).__name__}: {e}'
+        continue
+      try:
+        outgoing.append((dst, key, blocks[key] if key in blocks else
+                         folder.read_block(local_entries[key])))
+      except Exception as e:  # pylint: disable=broad-except
+        error = error or f'{type(e).__name__}: {_short(e)}'
     for sent in multihost.allgather_object(outgoing):
       for dst, key, block in sent:
         total += block.nbytes
@@ -123,10 +132,12 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
           fetched += block.nbytes
   restored = None
   if error is None:
+    error = _missing(tier, step, info, needs[tier.me], blocks)
+  if error is None:
     try:
       abstract = leaves.restore_target(target_tree, meta.get('leaves'))
       _meta.check_fits(meta, abstract, where=where)
-      restored = _layout.assemble(abstract, blocks)
+      restored = _layout.assemble(abstract, blocks, where=where)
     except Exception as e:  # pylint: disable=broad-except
       error = f'{type(e).__name__}: {_short(e)}'
   if not _agree(error, where, 'reading it'):
@@ -147,6 +158,42 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   state = TransitionState.from_tree(
       leaves.rebuild(target_tree, restored), key_like=target.key)
   return state, fetched, total
+
+
+def missing_block_error(tier, step: int, key: EntryKey, holders: list[str],
+                        *, others: int = 0,
+                        send_to: int | None = None) -> CheckpointError:
+  """The error for a block of `step` that this process cannot find: names the block, the step and the hosts.
+
+  `send_to`: the process this one was to send it to (else it needed it
+  itself); `others`: how many more blocks are missing here.
+  """
+  named = ', '.join(tier.host_names.get(h, h) for h in holders) or 'no host'
+  why = (f'was to send it to process {send_to}, but its local folder holds '
+         'no such block' if send_to is not None else 'neither reads it '
+         'from its local folder nor received it from a peer')
+  more = f' ({others} more blocks are missing)' if others else ''
+  return CheckpointError(
+      f'Block {key[0]} {list(key[1])} of local step {step} is missing on '
+      f'process {tier.me} (host {tier.host_names.get(tier.host, tier.host)}, '
+      f'local folder {tier.local}): the hosts\' lists name it on {named}, '
+      f'but this process {why}{more}. The step is skipped: older local '
+      'steps, then the persistent tier, are tried. If '
+      f'${_layout.HOST_ID_VARIABLE} is set, processes given one value must '
+      'share one local folder; unset it to let the folders tell the hosts '
+      'apart.')
+
+
+def _missing(tier, step: int, info: dict, need: set[EntryKey],
+             blocks: dict) -> str | None:
+  """None if this process has every block it needs, else the error (a CheckpointError's text)."""
+  missing = sorted(k for k in need if k not in blocks)
+  if not missing:
+    return None
+  e = missing_block_error(tier, step, missing[0],
+                          info['keys'].get(missing[0], []),
+                          others=len(missing) - 1)
+  return f'{type(e).__name__}: {e}'
 
 
 def _agree(error: str | None, where: str, during: str) -> bool:

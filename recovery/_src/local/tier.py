@@ -4,10 +4,15 @@ Every `every` steps each process writes, to its host's own local folder
 (`local.folder`), only the blocks it holds: its addressable shards of
 arrays sharded across processes, and every other leaf (replicated arrays,
 host values) once per host, by the lowest process index of that host that
-holds it. A block that lives on one host only is also copied to the next
-host in the ring (hosts ordered by their lowest process index), through
-`multihost.allgather_object` (sealed with the job secret), so losing any one
-host's local disk loses nothing. The files are written by a background
+holds it. A host is the set of processes that share one local folder: they
+find each other through the folder itself (`folder.folder_id`, a random
+identity kept in it), never by hostname, so processes with a disk each
+under one hostname are hosts of their own, and processes on one disk are
+one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that
+lives on one host only is also copied to the next host in the ring (hosts
+ordered by their lowest process index), through `multihost.allgather_object`
+(sealed with the job secret), so losing any one host's local disk loses
+nothing. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
 the copy to host memory (made before `save` returns, so the caller may update
 its arrays in place at once) and the peer exchange.
@@ -94,11 +99,31 @@ def _raise_agreed(errors: list[str | None], what: str) -> None:
           f'process {p}: {e}' for p, e in failed[:4]))
 
 
+def _warn_if_overridden_apart(gathered: list[dict]) -> None:
+  """Warns where $RECOVERY_HOST_ID puts processes with different local folders on one host."""
+  folders: dict[str, dict[str, list[int]]] = {}
+  for p, g in enumerate(gathered):
+    folders.setdefault(g['host'], {}).setdefault(g['folder'], []).append(p)
+  for host, seen in folders.items():
+    if len(seen) > 1:
+      logging.warning(
+          '%s $%s=%s is set on processes %s, but they see %d different '
+          'local folders (%s): the local tier takes them as one host, so '
+          'blocks written once per host may be on a disk the others cannot '
+          'read, and a restore from the local tier may fall back to the '
+          'persistent tier. Unset $%s: processes that share a local folder '
+          'find each other through it.', _prefix(), HOST_ID_VARIABLE, host,
+          sorted(p for ps in seen.values() for p in ps), len(seen),
+          '; '.join(f'processes {ps}: {f}' for f, ps in seen.items()),
+          HOST_ID_VARIABLE)
+
+
 class LocalTier:
   """One run's local checkpoint tier (see the module docstring).
 
   Constructing it is a collective (every process learns every process's
-  host): every process must construct it, in the same order.
+  host: its local folder's identity, or $RECOVERY_HOST_ID): every process
+  must construct it, in the same order.
   """
 
   def __init__(self, local_directory: str | os.PathLike, *, directory: str,
@@ -112,9 +137,10 @@ class LocalTier:
     self.every = int(every)
     self.keep = int(keep)
     self.me = jax.process_index()
-    error, runs = None, None
+    error, runs, local_id = None, None, None
     try:
       folder.prepare(self.local, self.me)
+      local_id = folder.folder_id(self.local)
     except CheckpointFolderError as e:
       error = str(e)
     if self.me == 0:  # Holds the checkpoint folder's lock.
@@ -122,12 +148,17 @@ class LocalTier:
       if stored is None:  # A new folder (or one of an older version).
         error = error or _write_run(directory, fresh)
       runs = (stored or fresh, fresh)
-    gathered = multihost.allgather_object((_layout.host_id(), error, runs))
-    _raise_agreed([e for _, e, _ in gathered], 'Starting the local tier')
-    self.hosts: list[str] = [h for h, _, _ in gathered]
+    # Who shares a local folder is what the folder says (its identity), not
+    # the hostname: hostnames repeat across containers and namespaces with
+    # a disk each. $RECOVERY_HOST_ID overrides it.
+    gathered = multihost.allgather_object(
+        {'host': _layout.host_id(local_id or ''), 'folder': local_id,
+         'hostname': _layout.hostname(), 'error': error, 'runs': runs})
+    _raise_agreed([g['error'] for g in gathered], 'Starting the local tier')
+    self.hosts: list[str] = [g['host'] for g in gathered]
     # This run's identity (the stored one: a restart's), and the one a fresh
     # start takes (`forget`); the same on every process.
-    self.run, self._fresh_run = gathered[0][2]
+    self.run, self._fresh_run = gathered[0]['runs']
     folder.remove_tmp(self.local, self.me, self.run)
     order: list[str] = []
     for h in self.hosts:
@@ -136,6 +167,16 @@ class LocalTier:
     self.host_order = order
     self.host = self.hosts[self.me]
     self.lowest = {h: self.hosts.index(h) for h in order}
+    # For messages: each host with its processes and their hostnames.
+    self.host_names: dict[str, str] = {}
+    for h in order:
+      ps = [p for p, g in enumerate(self.hosts) if g == h]
+      names = sorted({gathered[p]['hostname'] for p in ps})
+      self.host_names[h] = (f'{h} (process{"es" if len(ps) > 1 else ""} '
+                            f'{", ".join(map(str, ps))} on '
+                            f'{", ".join(names)})')
+    if self.me == 0:
+      _warn_if_overridden_apart(gathered)
     self.successor = (order[(order.index(self.host) + 1) % len(order)]
                       if len(order) > 1 else None)
     self._pool = futures.ThreadPoolExecutor(
