@@ -91,3 +91,32 @@ def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
                      r'ProcessFailureError|MultihostError)', out), out[-3000:]
     for i in (1, 2):
       assert f'EAGER LATE {i} ok' in out, out[-3000:]
+
+
+@pytest.mark.parametrize('count', [3, 2])
+def test_a_source_that_gave_up_after_sending_early_fails_every_process(count):
+  # tests/programs/eager_gave_up.py: the source of a default-source
+  # broadcast sends its first stripe during the agreement, then times out
+  # on its last round while a latecomer (that did not yet see its gave-up
+  # mark) lets every other process complete the agreement. The payload is
+  # on their sockets, but no process may return it unless the source does:
+  # every process raises, and the calls after it return everywhere.
+  with launch.Controllers(program('eager_gave_up', 1), num_processes=count,
+                          env=dict(os.environ), grace_period=30) as cluster:
+    result = cluster.wait(timeout=120)
+  for n in (1 << 18, 4 << 20):
+    first = [re.search(rf'CALL {n} 0 (.*)', out) for out in result.outputs]
+    assert all(first), [out[-3000:] for out in result.outputs]
+    outcomes = [m.group(1) for m in first]
+    assert not any(o.startswith('ok') for o in outcomes), (n, outcomes)
+    assert outcomes[0].startswith('CollectiveTimeoutError'), outcomes[0]
+    for p, outcome in enumerate(outcomes[1:], 1):
+      assert outcome.startswith(
+          f'CollectiveTimeoutError [process={p}] broadcast_one_to_all'), (
+              n, p, outcome)
+    for out in result.outputs:  # back in step
+      for i in (1, 2):
+        assert f'CALL {n} {i} ok' in out, (n, i, out[-3000:])
+  assert result.ok, result.summary
+  for out in result.outputs:
+    assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]
