@@ -94,7 +94,7 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
 
 def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
                    out: np.ndarray | None, watch: Deadline,
-                   already: int = 0) -> None:
+                   already: int = 0, then: bytes = b'') -> None:
   """Sends `segments_` down the chain; with `out`, copies the payload there too.
 
   The copy goes piece by piece right after each piece is sent, while the
@@ -102,16 +102,24 @@ def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
   process reading: a copy after the whole send would read the leaves from
   memory again and delay the source's return by all of it. The first
   `skip` bytes are the frame header, not payload; the first `already`
-  bytes were sent before (`Eager`), and are only copied.
+  bytes were sent before (`Eager`), and are only copied. `then` is sent
+  right behind the last byte, before that byte's piece is copied (the
+  next process need not wait for the copies).
   """
   offset = 0
+  left = sum(len(memoryview(x).cast('B')) for x in segments_) - already
+  if then and left <= 0:
+    sockets.send_all(down.sock, then, watch)
   for segment in segments_:
     view = memoryview(segment).cast('B')
     for start in range(0, len(view), _CHUNK):
       piece = view[start:start + _CHUNK]
       if already < len(piece):
         sockets.send_all(down.sock, piece[already:], watch)
+        left -= len(piece) - already
         already = 0
+        if then and left <= 0:
+          sockets.send_all(down.sock, then, watch)
       else:
         already -= len(piece)
       if out is not None:
@@ -330,9 +338,9 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
     if rank == 0 and eager is not None:
       if down is not eager.link:  # (the links were closed meanwhile)
         raise ConnectionResetError('the link was closed after the agreement')
+      # The rest of the frame, and GO: this process completed the agreement.
       _send_and_copy(down, eager.segments, eager.head, target, watch,
-                     eager.sent)
-      sockets.send_all(down.sock, GO, watch)  # This process agreed.
+                     eager.sent, then=GO)
     elif rank == 0:
       head = down.frame(call, n)
       _send_and_copy(down, _framed(head, piece, striped), len(head), target,
