@@ -85,8 +85,9 @@ def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
       # digests differ, the headers agree, and the stripe is sent again.
       assert f'EAGER {n} source not raised' in out, out[-3000:]
       assert f'EAGER {n} SAME LINKS True' in out, out[-3000:]
-    # A source that sent ahead and then timed out closes its links (a frame
-    # is cut short); the late process raises, and all go on.
+    # A source that sent ahead and then timed out leaves its link owing the
+    # rest of the frame, which ends with its verdict (gave up); the late
+    # process raises, drops the frame, and all go on.
     assert re.search(r'EAGER LATE 0 (CollectiveTimeoutError|'
                      r'ProcessFailureError|MultihostError)', out), out[-3000:]
     for i in (1, 2):
