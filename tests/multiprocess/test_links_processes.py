@@ -85,9 +85,39 @@ def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
       # digests differ, the headers agree, and the stripe is sent again.
       assert f'EAGER {n} source not raised' in out, out[-3000:]
       assert f'EAGER {n} SAME LINKS True' in out, out[-3000:]
-    # A source that sent ahead and then timed out closes its links (a frame
-    # is cut short); the late process raises, and all go on.
+    # A source that sent ahead and then timed out leaves its link owing the
+    # rest of the frame, which ends with its verdict (gave up); the late
+    # process raises, drops the frame, and all go on.
     assert re.search(r'EAGER LATE 0 (CollectiveTimeoutError|'
                      r'ProcessFailureError|MultihostError)', out), out[-3000:]
     for i in (1, 2):
       assert f'EAGER LATE {i} ok' in out, out[-3000:]
+
+
+@pytest.mark.parametrize('count', [3, 2])
+def test_a_source_that_gave_up_after_sending_early_fails_every_process(count):
+  # tests/programs/eager_gave_up.py: the source of a default-source
+  # broadcast sends its first stripe during the agreement, then times out
+  # on its last round while a latecomer (that did not yet see its gave-up
+  # mark) lets every other process complete the agreement. The payload is
+  # on their sockets, but no process may return it unless the source does:
+  # every process raises, and the calls after it return everywhere.
+  with launch.Controllers(program('eager_gave_up', 1), num_processes=count,
+                          env=dict(os.environ), grace_period=30) as cluster:
+    result = cluster.wait(timeout=120)
+  for n in (1 << 18, 4 << 20):
+    first = [re.search(rf'CALL {n} 0 (.*)', out) for out in result.outputs]
+    assert all(first), [out[-3000:] for out in result.outputs]
+    outcomes = [m.group(1) for m in first]
+    assert not any(o.startswith('ok') for o in outcomes), (n, outcomes)
+    assert outcomes[0].startswith('CollectiveTimeoutError'), outcomes[0]
+    for p, outcome in enumerate(outcomes[1:], 1):
+      assert outcome.startswith(
+          f'CollectiveTimeoutError [process={p}] broadcast_one_to_all'), (
+              n, p, outcome)
+    for out in result.outputs:  # back in step
+      for i in (1, 2):
+        assert f'CALL {n} {i} ok' in out, (n, i, out[-3000:])
+  assert result.ok, result.summary
+  for out in result.outputs:
+    assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]

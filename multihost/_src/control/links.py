@@ -269,7 +269,10 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first round's frame to the next
   process (see `transport.tcp.chain.Eager`); on a difference or a timeout its link
-  owes the rest, and the next process drops it (`_receive`).
+  owes the rest, and the next process drops it (`_receive`). That frame
+  ends with this process's verdict, sent once its agreement ended, so a
+  process that completed the agreement while this one timed out raises
+  too (all or none; see `Eager`).
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -323,14 +326,17 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       done.close(wait.deadline)
     if differs and started is not None:
       # The rest of the stripe goes before the link's next frame, and the
-      # next process drops it: neither waits for the other here, so both
-      # go on to the full exchange that names the difference.
-      started.defer()
+      # next process drops it (or skips it, if the call goes on to a
+      # transfer): neither waits for the other here, so both go on to the
+      # full exchange that names the difference.
+      started.defer(chain.AGAIN)
   except (errors.CollectiveTimeoutError, errors.ProcessFailureError) as e:
     if sender is not None:
       sender.finish(time.monotonic() + 0.1)
     if started is not None and isinstance(e, errors.CollectiveTimeoutError):
-      started.defer()  # As on a difference; a late next process drops it.
+      # The frame ends with the verdict: a process that completed the
+      # agreement raises (`tcp.chain.Eager`); a late one drops the frame.
+      started.defer(chain.GAVE_UP)
     elif started is not None:
       _tcp_link.break_plane(plane, e)  # A data frame is cut short.
     raise

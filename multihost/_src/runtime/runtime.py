@@ -112,6 +112,9 @@ class Runtime:
     self.log = Logger(self)
     self.flight = flight.Recorder()
     self._calls = itertools.count()
+    # The number of the collective call that started last (-1: none yet):
+    # a transfer's data frames carry it (`transport.tcp.link.transfer_id`).
+    self.call = -1
     # The job secret: (job id, secret), agreed once (see `auth.secret`).
     self.secret_lock = threading.Lock()
     self.job_keys: tuple[bytes, bytes] | None = None
@@ -166,7 +169,8 @@ class Runtime:
 
   def next_call_id(self) -> int:
     """The number of the collective call about to start (0, 1, 2, ...)."""
-    return next(self._calls)
+    self.call = next(self._calls)
+    return self.call
 
   def reset_calls(self, start: int) -> None:
     """Makes `start` the next call's number (every process must pass the same)."""

@@ -90,7 +90,7 @@ class Plane:
     self.me = rt.index
     self.count = rt.count
     self.job, self.secret = secret.job_keys(op, timeout=timeout, runtime=rt)
-    self.seq = 0  # Transfers so far: every process counts the same ones.
+    self.seq = 0  # The last transfer's id (`transfer_id`).
     # Whether calls agree over the links, and the links' setup for that
     # (see `control.links.met`).
     self.agrees = False
@@ -313,11 +313,23 @@ def _pay_owed(link: Link, peer: int, deadline: Deadline) -> None:
                                  liveness=deadline.liveness) from e
 
 
+def transfer_id(plane: Plane) -> int:
+  """The id the next transfer's data frames carry: its collective call's number.
+
+  Every process numbers the calls alike, and a call makes one transfer at
+  most; so after a call that some processes left before its transfer (the
+  agreement timed out on them, not on the others) and others after it, the
+  next transfer still has one id everywhere. (Transfers outside a call,
+  as in tests, count on from the last.)
+  """
+  return max(plane.seq + 1, plane.rt.call)
+
+
 def get_plane(op: str, deadline: float,
                runtime: _runtime.Runtime | None = None) -> Plane:
-  """The runtime's plane (made on first use), with the sequence number of this transfer advanced."""
+  """The runtime's plane (made on first use), with `seq` the id of this transfer (`transfer_id`)."""
   plane = plane_of(runtime or _runtime.current(), op, deadline)
-  plane.seq += 1
+  plane.seq = transfer_id(plane)
   return plane
 
 
