@@ -1,4 +1,4 @@
-"""The one-command report: issue 21's targets at P=2, the side-by-side and soak tables, a P-scaling table and the model.
+"""The one-command report: the targets at P=2, the side-by-side and soak tables, a P-scaling table and the model.
 
 `python bin/bench.py --report=FILE` (not under the launcher) starts
 `bin/bench.py --versus` at each P under `multihost.launch` (at P=2 with
@@ -57,8 +57,9 @@ def scaling_table(by_p: dict[int, list[versus.Result]]) -> str:
   """Per case, ours and torch gloo's median ms at each P."""
   ps = sorted(by_p)
   names = []
-  for p in ps:
-    names += [r.name for r in by_p[p] if r.name not in names]
+  for p in ps:  # The CPU-busy rows are P=2's alone: in its own table.
+    names += [r.name for r in by_p[p]
+              if r.name not in names and not r.name.endswith(versus.BUSY)]
   f = versus._fmt  # pylint: disable=protected-access
   head = ' | '.join(f'P={p} ours | P={p} torch' for p in ps)
   lines = [f'| case | {head} |', '|---|' + '---|' * (2 * len(ps))]
@@ -85,8 +86,10 @@ def report(path: str, *, rounds: int, soak_calls: int,
     args = [f'--versus={rounds if p == 2 else max(3, rounds // 3)}']
     if p >= small_at:
       args.append('--versus_sizes=8,1MiB')
-    if p == 2 and soak_calls:
-      args.append(f'--soak={soak_calls}')
+    if p == 2:
+      args.append('--versus_busy')
+      if soak_calls:
+        args.append(f'--soak={soak_calls}')
     rows = _run(p, args, timeout=3600)
     by_p[p] = _results(rows)
     if p == 2:
@@ -98,7 +101,7 @@ def report(path: str, *, rounds: int, soak_calls: int,
       f'{report_lib.load()}. Command: `python bin/bench.py '
       f'--report={path} --report_rounds={rounds} '
       f'--report_soak={soak_calls}`.',
-      '', '### Targets (issue 21, P=2)', '',
+      '', '### Targets (P=2)', '',
       versus.render_targets(versus.targets(by_p.get(2, []), soak_rows)),
   ]
   if 2 in by_p:

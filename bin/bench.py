@@ -44,17 +44,22 @@ Method:
   plain `orbax.checkpoint.StandardCheckpointer` save + restore of the same
   tree, alternating, on a folder shared by all processes.
 
-Issue 21's comparison and soak:
+The comparison and soak:
 
 * `--versus=ROUNDS`: ours against torch.distributed gloo (when `import
   torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
   interleaved rounds (the side that goes first alternates; each round and
   side: a barrier, back-to-back calls, per call, slowest process); at P=2
   it also prints the speed targets (README's Performance), met or missed.
+  The raw stream and an 8-byte Python ping-pong (the round trip a barrier
+  cannot beat) are timed in the same rounds. `--versus_busy` times the
+  cases up to 1 MiB again with one spinning process per core beside both
+  sides.
 * `--soak=CALLS`: mixed collectives back to back, every process's RSS,
   open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
 * `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
-  (P > 2 oversubscribes the cores), the soak at P=2, and the model of
+  (P > 2 oversubscribes the cores; at P=2 also with the CPU busy), the
+  soak at P=2, and the model of
   messages and rounds at P=1024 and 4096, as one markdown file:
 
     python bin/bench.py --report=/tmp/bench_report.md
@@ -168,6 +173,10 @@ _VERSUS = flags.DEFINE_integer(
 _VERSUS_SIZES = flags.DEFINE_list(
     'versus_sizes', ['8', '1MiB', '64MiB'],
     '--versus: the broadcast and all-gather payload sizes.')
+_VERSUS_BUSY = flags.DEFINE_boolean(
+    'versus_busy', False, 'After --versus, its cases of 1 MiB and less again '
+    'with one spinning process per core beside both sides (names end in '
+    '"(CPU busy)").')
 _SOAK = flags.DEFINE_integer(
     'soak', 0, 'Mixed collectives to run back to back, reporting every '
     'process\'s RSS, fds and threads along the way. 0: skip.', lower_bound=0)
@@ -311,6 +320,11 @@ def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
     results = versus.run(_VERSUS.value, settings,
                          sizes=[parse_size(s) for s in _VERSUS_SIZES.value],
                          say=say)
+    if _VERSUS_BUSY.value:
+      sizes = [n for n in (parse_size(s) for s in _VERSUS_SIZES.value)
+               if n <= versus.MiB]
+      results += versus.run(_VERSUS.value, settings, sizes=sizes, busy=True,
+                            say=say)
     out += [r.to_json() for r in results]
     say(versus.render(results))
   soak_rows = []

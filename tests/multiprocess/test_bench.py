@@ -115,7 +115,11 @@ def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   versus = {r['op']: r for r in rows if r['kind'] == 'versus'}
   assert {'barrier', 'broadcast 8 B', 'all-gather 8 B',
-          'raw TCP stream 64 MiB'} <= set(versus), versus
+          'raw TCP stream 64 MiB',
+          'round trip 8 B (Python ping-pong, loopback)'} <= set(versus), versus
+  # A round trip of 8 bytes on loopback takes microseconds, not nothing.
+  assert 0 < versus['round trip 8 B (Python ping-pong, loopback)'][
+      'ours_ms'] < 50, versus
   for row in versus.values():
     assert len(row['ours_times_ms']) == 2, row
     assert math.isclose(row['ours_ms'], statistics.median(
@@ -150,6 +154,17 @@ def test_targets_mark_met_and_missed_from_the_medians():
       '20.0 vs 16.0 ms = 1.25x', 'met')
   assert rows['all-gather 64 MiB <= 0.5x torch gloo'][1] == 'met'
   assert rows['broadcast 8 B <= torch gloo'] == ('n/a', 'not measured')
+  assert rows['barrier, CPU busy <= torch gloo'] == ('n/a', 'not measured')
+  floor = versus.RoundTrip.NAME
+  rows = {t: (m, s) for t, m, s in versus.targets(
+      [r('barrier', 0, [0.3], [0.4]), r(floor, 8, [0.1], None),
+       r('broadcast 8 B', 8, [0.5], [0.6]),
+       r('barrier (CPU busy)', 0, [0.5], [0.4])])}
+  assert rows['barrier <= 3x one round trip'] == ('0.30 vs 0.10 ms = 3.00x',
+                                                   'met')
+  assert rows['broadcast 8 B <= 4x one round trip'][1] == 'missed'
+  assert rows['barrier, CPU busy <= torch gloo'] == (
+      '0.50 vs 0.40 ms = 1.25x', 'missed')
   mib = 1 << 20
   def point(calls, rss1, fds1=9):
     return {'calls': calls, 'seconds': 0, 'processes': [
