@@ -50,7 +50,7 @@ The comparison and soak:
   torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
   interleaved rounds (the side that goes first alternates; each round and
   side: a barrier, back-to-back calls, per call, slowest process); at P=2
-  it also prints the speed targets (README's Performance), met or missed.
+  it also prints the speed targets (docs/performance.md), met or missed.
   The raw stream and an 8-byte Python ping-pong (the round trip a barrier
   cannot beat) are timed in the same rounds. `--versus_busy` times the
   cases up to 1 MiB again with one spinning process per core beside both

@@ -65,6 +65,6 @@ def loads(op: str, process: int, data, sealed: bytes | None,
         f'{failures.prefix()} {op}: the object bytes received from '
         f'process {process} do not match the seal in its authenticated call '
         'header (altered or replayed on the way); they were not unpickled. '
-        'Restart the job, and firewall the data-plane ports (see the '
-        'README\'s "Trust model").')
+        'Restart the job, and firewall the data-plane ports (see '
+        'docs/trust.md, "Trust model").')
   return pickle.loads(data)

@@ -2,7 +2,7 @@
 
 When a peer dies while this process's main thread is inside a call that
 Python cannot interrupt (a jitted step's gloo or NCCL collective waits
-forever for the dead peer; see README's failure section), no exception can
+forever for the dead peer; see docs/failures.md), no exception can
 reach the program. Our own collectives raise `ProcessFailureError`; anything
 else would hold the job's allocation until someone kills it.
 

@@ -6,7 +6,7 @@ catch: with `jax_enable_recoverability` off, every survivor is aborted
 coordination-service barrier waits for the dead process until its own
 timeout, and a gloo device collective waits forever on every process that is
 not a ring neighbour of the dead one (neighbours get "Connection closed by
-peer" at once). See the README's failure section.
+peer" at once). See docs/failures.md.
 
 So, with recoverability on (`multihost.initialize()` turns it on):
 
@@ -120,7 +120,7 @@ class Watchdog:
   def detection_bound(self) -> float:
     """Seconds within which the watchdog reports a peer that was killed.
 
-    README's failure section gives it as heartbeat timeout + DETECTION_SLACK_S.
+    docs/failures.md gives it as heartbeat timeout + DETECTION_SLACK_S.
     """
     return self.heartbeat_timeout + DETECTION_SLACK_S
 

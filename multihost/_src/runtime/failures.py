@@ -140,7 +140,7 @@ def forged_message(op: str, key: str, *, planted: bool = False,
       f'{prefix(me)} {op}: the control message under key {key!r} of the '
       f'coordination service {what}: someone who reached the coordination '
       'service planted or altered it. Nothing in it was decoded. Restart the '
-      'job, and firewall the coordination service (see the README\'s "Trust '
+      'job, and firewall the coordination service (see docs/trust.md, "Trust '
       'model").')
 
 
@@ -293,7 +293,7 @@ def forged_frame(op: str, peer: int, what: str) -> errors.MultihostError:
       f'process {peer} {what}. Someone on the network path injected, replayed '
       f'or altered bytes; process {peer} itself is not known to have failed, '
       'and nothing from this transfer was delivered. Restart the job, and '
-      'firewall the data-plane ports (see the README\'s "Trust model").')
+      'firewall the data-plane ports (see docs/trust.md, "Trust model").')
 
 
 def out_of_step(op: str, peer: int, got: tuple[int, int],

@@ -66,7 +66,7 @@ def read_address(key: bytes, index: int, value: bytes,
         'coordination service wrote it, or a process has another job '
         'secret). Nothing was sent to it. Give every process the same job '
         'secret, and keep the coordination service\'s port firewalled (see '
-        'the README\'s "Trust model").')
+        'docs/trust.md, "Trust model").')
   return host, port
 
 
