@@ -15,7 +15,7 @@ import signal
 
 TRACEBACK = 'Traceback (most recent call last):'
 # The lines between the tracebacks of a chain of exceptions.
-_CHAINED = ('During handling of the above exception, another exception '
+CHAINED = ('During handling of the above exception, another exception '
             'occurred:',
             'The above exception was the direct cause of the following '
             'exception:')
@@ -62,7 +62,7 @@ def first_raised(lines: collections.abc.Sequence[str],
     if times[k] > times[start] + _BURST_S:
       break
     if TRACEBACK in lines[k]:
-      if previous.strip() not in _CHAINED:
+      if previous.strip() not in CHAINED:
         break  # Another exception, not this one's chain.
       last = k
     if lines[k].strip():
@@ -70,7 +70,7 @@ def first_raised(lines: collections.abc.Sequence[str],
   error = next(
       (text for text in lines[last + 1:]
        if text.strip() and text[0] not in ' \t' and TRACEBACK not in text and
-       text.strip() not in _CHAINED), '')
+       text.strip() not in CHAINED), '')
   return Raised(time=times[start], error=_short(error) or '(no message)')
 
 
