@@ -67,7 +67,9 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     trace: write the run's timeline here (Chrome trace-event JSON): each
       controller dumps its flight recorder at exit into a folder named by
       $MULTIHOST_TRACE_DIR, merged here at the end, failures marked; the
-      summary then names the first divergence between the processes' calls.
+      summary then names the first divergence between the processes' calls
+      and, for a process killed by a signal, its last completed call, the
+      call it never arrived at and who waited for it.
       A trace that cannot be written is said so in the summary (with the
       folder where the dumps were kept); the run's result is its own.
 

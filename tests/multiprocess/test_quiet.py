@@ -233,6 +233,9 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
         *(record('absl', std_logging.INFO, '%s ' + said, '/m/runtime.py',
                  args=('[process=1]',))
           for said in said_by_all),
+        record('absl', std_logging.WARNING, '%s %s holds uncommitted '
+               '(partial) saves of steps %s, ...', '/r/checkpoints.py',
+               args=('[process=1]', '/c', [30])),
     ]
     kept = [
         record('absl', std_logging.WARNING, 'Given directory is read only',
@@ -260,6 +263,9 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
                '/m/runtime.py', args=('[process=1]',)),
         record('absl', std_logging.INFO, '%s step 5/10 loss %g',
                '/m/loop.py', args=('[process=1]', 0.5)),
+        record('absl', std_logging.WARNING, '%s %s holds uncommitted '
+               '(partial) saves of steps %s, ...', '/r/checkpoints.py',
+               args=('[process=0]', '/c', [30])),
     ]
     assert [handler.filter(r) for r in dropped] == [False] * len(dropped)
     assert [handler.filter(r) for r in kept] == [True] * len(kept)

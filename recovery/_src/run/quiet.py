@@ -40,6 +40,8 @@ _JAX_DISTRIBUTED = (f'{os.sep}jax{os.sep}_src{os.sep}distributed.py',
 _SAID_BY_ALL = ('multihost failure watchdog started',
                 'jax.distributed initialized:', 'Resuming from local step',
                 'Resuming from checkpoint step', 'Restored local step')
+# The same of warnings: a fact of the shared checkpoint folder.
+_WARNED_BY_ALL = ('holds uncommitted (partial) saves',)
 _OTHER_PROCESS = re.compile(r'^\[process=([1-9]\d*)\] ')
 # Set once the filters and hook are in (process-wide hooks, installed once).
 _INSTALLED = threading.Event()
@@ -65,13 +67,16 @@ def _keep(record) -> bool:
   if info and (_JAX_DISTRIBUTED[0] in record.pathname and
                msg.startswith(_JAX_DISTRIBUTED[1])):
     return False
-  if info and msg.startswith('%s '):
+  if record.levelno < logging.converter.STANDARD_ERROR and msg.startswith(
+      '%s '):
     try:
       text = record.getMessage()
     except (TypeError, ValueError):
       return True
     other = _OTHER_PROCESS.match(text)
-    if other and text[other.end():].startswith(_SAID_BY_ALL):
+    said = _SAID_BY_ALL if info else ()
+    if other and (text[other.end():].startswith(said) or
+                  _WARNED_BY_ALL[0] in text):
       return False
   # After one read of a damaged checkpoint failed, Orbax stops waiting for
   # the others; their TensorStore errors (the same damage, already reported
@@ -118,7 +123,8 @@ def quiet_third_party_noise() -> None:
   reads still in flight; JAX's INFO lines as it connects a process
   ("visible devices", "Connecting to"), and on processes other than 0 the
   INFO lines every process logs alike (the failure watchdog and
-  jax.distributed started, resuming from and restored a step): process 0's
+  jax.distributed started, resuming from and restored a step) and the
+  warning that the checkpoint folder holds partial saves: process 0's
   tell them. Any other line shows as before; with absl's
   `--verbosity=1` every line shows.
   """
