@@ -74,15 +74,19 @@ def first_raised(lines: collections.abc.Sequence[str],
   return Raised(time=times[start], error=_short(error) or '(no message)')
 
 
+# absl's / glog's line header: level, date, time, thread, file:line.
+_LOG_HEADER = re.compile(r'^[IWEF]\d{4} [\d:.]+ +\d+ [^ \]]+:\d+\] ')
+
+
 def last_line_before(lines: collections.abc.Sequence[str],
                      times: collections.abc.Sequence[float],
                      when: float) -> tuple[float, str] | None:
-  """The last non-blank line read at or before `when`, with its time; None if none (or no times)."""
+  """The last non-blank line read at or before `when`, with its time, without a log line's header (level, date, thread, file); None if none (or no times)."""
   if len(times) != len(lines):
     return None
   for text, t in zip(reversed(lines), reversed(times), strict=True):
     if t <= when and text.strip():
-      return t, _short(text)
+      return t, _short(_LOG_HEADER.sub('', text))
   return None
 
 
