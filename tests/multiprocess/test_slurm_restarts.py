@@ -115,7 +115,8 @@ def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
   # Task 1 exits 78; srun's step end kills task 0 (SIGKILL), so srun exits
   # with 137, as Slurm's srun would: the recipe reads srun's line for task 1.
   run, _ = _recipe(['python', str(FAILS)], FAIL_STATUS=str(status),
-                   SURVIVOR_SLEEP='60', SLURM_SUBMIT_DIR=str(tmp_path))
+                   SURVIVOR_SLEEP='60', SLURM_SUBMIT_DIR=str(tmp_path),
+                   PROJECT_DIR=str(ROOT))
   log = run.stdout + run.stderr
   assert run.returncode == status, log[-3000:]
   assert 'attempt 0 cache' in run.stdout and 'attempt 1' not in log
@@ -129,8 +130,9 @@ def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
 
 def test_every_attempt_of_the_recipe_gets_the_same_compilation_cache(
     tmp_path):
+  # (Submitted from tmp_path; the project, and its venv, is ROOT.)
   run, job = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
-                     SLURM_SUBMIT_DIR=str(tmp_path))
+                     SLURM_SUBMIT_DIR=str(tmp_path), PROJECT_DIR=str(ROOT))
   assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
   # (Status 137: the step's end killed task 0, and srun reports the signal.)
   assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
