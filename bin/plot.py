@@ -1,7 +1,12 @@
 r"""Draws a training run or a benchmark run as a PNG (needs matplotlib).
 
 A training run (`bin/train.py --metrics_out=FILE`): loss per step, with the
-checkpoints, restarts and resumes marked.
+checkpoints (ticks along the bottom), restarts and resumes (lines, labelled
+with the tier they resumed from) marked. The loss axis is logarithmic; with
+zeros among the losses it is symmetric-logarithmic, linear below the decade
+of the smallest losses; a few spikes far above the rest are cut off and
+marked; a stretch of more than 400 steps is drawn faint, under its rolling
+median.
 
   python bin/plot.py --metrics=/tmp/m.jsonl --out=/tmp/train.png
 
@@ -10,6 +15,10 @@ size, one line per implementation (ours, JAX's, torch.distributed gloo, a raw
 loopback TCP stream), one panel per operation.
 
   python bin/plot.py --bench=/tmp/bench.jsonl --out=/tmp/bench.png
+
+Write the pictures somewhere new (as these examples do): docs/train.png and
+docs/bench_p2.png are committed, made from docs/train_metrics.jsonl and
+docs/bench_p2.jsonl.
 
 matplotlib is an optional extra (`pip install -e ".[plot]"`); nothing else in
 the project imports it.
@@ -52,6 +61,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 Run = collections.namedtuple('Run', 'steps losses events')
+Run.__doc__ = """Loss points in file order; events as (kind, step, tier or None)."""
 
 
 def training_run(records: list[dict]) -> Run:
@@ -65,52 +75,157 @@ def training_run(records: list[dict]) -> Run:
   last = None
   for r in records:
     if 'event' in r:
-      events.append((r['event'], int(r.get('step', last or 0))))
+      events.append((r['event'], int(r.get('step', last or 0)),
+                     r.get('tier')))
       continue
     if 'step' not in r or r.get('loss') is None:
       continue
     step = int(r['step'])
     if last is not None and step <= last and not any(
         e[0] in ('resume', 'restart') and e[1] == step - 1 for e in events):
-      events.append(('resume', step - 1))
+      events.append(('resume', step - 1, None))
     steps.append(step)
     losses.append(float(r['loss']))
     last = step
   return Run(steps, losses, events)
 
 
-_MARKS = {'save': ('tab:green', ':'), 'resume': ('tab:orange', '--'),
-          'restart': ('tab:red', '-'), 'preempted': ('tab:purple', '-.')}
+# Marks across the axes: (colour, line style).
+_MARKS = {'resume': ('tab:orange', '--'), 'restart': ('tab:red', '-'),
+          'preempted': ('tab:purple', '-.'), 'set_aside': ('tab:brown', ':')}
+# Events drawn as ticks along the bottom (one artist for all of a kind).
+_TICKS = {'save': 'tab:green'}
+# A stretch (an attempt) longer than this many steps is drawn smoothed.
+SMOOTH_ABOVE = 400
+
+Drawn = collections.namedtuple('Drawn', 'yscale linthresh top ticks lines '
+                               'window')
+Drawn.__doc__ = """What `plot_training` drew: the loss axis's scale (and
+symlog's linear threshold, the axis's top when spikes were clipped), per
+tick kind how many ticks, the vertical lines' labels, the smoothing window
+(steps; 0: none)."""
 
 
-def plot_training(run: Run, out: str, title: str) -> None:
-  """Writes the loss curve with the run's events as vertical lines."""
+def loss_axis(losses: list[float]) -> tuple[str, float | None]:
+  """The loss axis that keeps zeros and spikes readable: ('log', None) when every loss is positive, else ('symlog', linthresh) with linthresh the decade at or below the 1st percentile of the positive losses (zeros sit on a linear stretch below it), or ('linear', None) when none is positive."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  values = np.asarray(losses, dtype=float)
+  values = values[np.isfinite(values)]
+  positive = values[values > 0]
+  if values.size and positive.size == values.size:
+    return 'log', None
+  if not positive.size:
+    return 'linear', None
+  low = float(np.percentile(positive, 1))
+  return 'symlog', float(10.0 ** np.floor(np.log10(low)))
+
+
+def clip_top(losses: list[float], scale: str) -> float | None:
+  """Where to cut the loss axis so that a few spikes do not flatten the rest: None (no cut) unless the largest loss is over 100x (log scales; linear: over 10 spreads above) the 99.5th percentile; then 10x that percentile (linear: 3 spreads above it)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  values = np.asarray(losses, dtype=float)
+  values = values[np.isfinite(values)]
+  if values.size < 20:
+    return None
+  high = float(np.percentile(values, 99.5))
+  if scale == 'linear':
+    spread = high - float(np.percentile(values, 50))
+    if spread > 0 and values.max() > high + 10 * spread:
+      return high + 3 * spread
+    return None
+  if high > 0 and values.max() > 100 * high:
+    return 10 * high
+  return None
+
+
+def smoothing_window(n: int) -> int:
+  """Steps of the rolling median for a stretch of `n` points: 0 (raw) up to `SMOOTH_ABOVE` points, else about n/100, odd, at least 5."""
+  if n <= SMOOTH_ABOVE:
+    return 0
+  return max(5, (n // 100) | 1)
+
+
+def rolling_median(values: list[float], window: int) -> list[float]:
+  """The median of each point's `window` neighbours (fewer at the ends); robust to zeros and spikes."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  half = window // 2
+  padded = np.pad(np.asarray(values, dtype=float), half, mode='edge')
+  windows = np.lib.stride_tricks.sliding_window_view(padded, window)
+  return np.median(windows, axis=1).tolist()
+
+
+def _event_label(kind: str, record_tier: str | None) -> str:
+  return f'{kind} ({record_tier} tier)' if record_tier else kind
+
+
+def plot_training(run: Run, out: str, title: str) -> Drawn:
+  """Writes the loss curve (smoothed when long) on an axis that shows zeros and spikes, saves as ticks, restarts, resumes and their tiers as labelled lines; returns what it drew."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+  fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+  scale, linthresh = loss_axis(run.losses)
   # Each attempt is its own line, so a replayed stretch shows as an overlap.
-  start = 0
+  start, window, first = 0, 0, True
   for i in range(1, len(run.steps) + 1):
     if i == len(run.steps) or run.steps[i] <= run.steps[i - 1]:
-      ax.plot(run.steps[start:i], run.losses[start:i], color='tab:blue',
-              linewidth=1.2, label='loss' if start == 0 else None)
+      xs, ys = run.steps[start:i], run.losses[start:i]
+      w = smoothing_window(len(xs))
+      if w:
+        window = max(window, w)
+        ax.plot(xs, ys, color='tab:blue', linewidth=0.5, alpha=0.25,
+                label='loss, every step' if first else None)
+        ax.plot(xs, rolling_median(ys, w), color='tab:blue', linewidth=1.4,
+                label=f'loss, median of {w} steps' if first else None)
+      else:
+        ax.plot(xs, ys, color='tab:blue', linewidth=1.2,
+                label='loss' if first else None)
+      first = False
       start = i
-  seen = set()
-  for kind, step in run.events:
+  if scale == 'symlog':
+    ax.set_yscale('symlog', linthresh=linthresh)
+  else:
+    ax.set_yscale(scale)
+  top = clip_top(run.losses, scale)
+  if top is not None:
+    cut = [(s, v) for s, v in zip(run.steps, run.losses) if v > top]
+    ax.set_ylim(top=top)
+    ax.plot([s for s, _ in cut], [top] * len(cut), '^', color='tab:blue',
+            markersize=5, clip_on=False,
+            label=f'{len(cut)} loss(es) above the axis')
+  ticks = {}
+  for kind, color in _TICKS.items():
+    steps = [step for k, step, _ in run.events if k == kind]
+    if steps:
+      ticks[kind] = len(steps)
+      ax.plot(steps, [0.0] * len(steps), linestyle='none', marker='|',
+              markersize=9, markeredgewidth=1, color=color, clip_on=False,
+              transform=ax.get_xaxis_transform(),
+              label=f'{kind} ({len(steps)})')
+  lines, seen = [], set()
+  for kind, step, tier in run.events:
+    if kind in _TICKS:
+      continue
+    label = _event_label(kind, tier)
     color, style = _MARKS.get(kind, ('grey', ':'))
     ax.axvline(step, color=color, linestyle=style, linewidth=1,
-               label=None if kind in seen else kind)
-    seen.add(kind)
-  ax.set_yscale('log' if run.losses and min(run.losses) > 0 else 'linear')
+               label=None if label in seen else label)
+    ax.annotate(label, (step, 1.0), xycoords=('data', 'axes fraction'),
+                xytext=(2, -2), textcoords='offset points', fontsize=7,
+                color=color, va='top', rotation=90)
+    seen.add(label)
+    lines.append(label)
   ax.set_xlabel('step')
-  ax.set_ylabel('loss')
+  ax.set_ylabel('loss' + (f' (symlog: linear below {linthresh:g})'
+                          if scale == 'symlog' else ''))
   ax.set_title(title)
-  ax.legend(loc='upper right')
+  ax.legend(loc='upper right', fontsize=8)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(out)
   plt.close(fig)
+  return Drawn(yscale=scale, linthresh=linthresh, top=top, ticks=ticks,
+               lines=lines, window=window)
 
 
 def _family(op: str) -> str | None:

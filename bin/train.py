@@ -32,6 +32,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -259,6 +260,9 @@ def main(argv):
     if F.RESUME.value:
       raise UsageError('--resume needs --checkpoint_dir.')
     directory = tempfile.mkdtemp(prefix='multihost-train-')
+  # Without --checkpoint_dir: removed when the run finishes, kept otherwise.
+  temporary = None if F.CHECKPOINT_DIR.value else directory
+  finished = False
   resume = _resume_mode()
   if pid == 0:
     print(f'Checkpoint folder: {directory}', flush=True)
@@ -382,8 +386,10 @@ def main(argv):
       last_loss = result.last_loss
       if result.preempted:
         if pid == 0:
+          again = ('--resume' if temporary is None else
+                   f'--checkpoint_dir={directory} --resume')
           print(f'Preempted: saved step {state.step} to {directory}; exiting '
-                '0. Relaunch with --resume to continue.', flush=True)
+                f'0. Relaunch with {again} to continue.', flush=True)
         return
       if pid == 0:
         trained = ('nothing left to train' if last_loss is None
@@ -403,6 +409,7 @@ def main(argv):
           print('Replay losses: ' + json.dumps(
               [[r.reference_loss, r.replayed_loss] for r in replay]),
               flush=True)
+    finished = True
   except recovery.CheckpointError as e:
     _fail(f'{prefix} {type(e).__name__}: {e}{_flag_advice(e)}',
           code=2 if started else NO_RETRY)
@@ -418,6 +425,20 @@ def main(argv):
   finally:
     if metrics is not None:
       metrics.close()
+    if temporary is not None:
+      _settle_temporary(temporary, finished=finished)
+
+
+def _settle_temporary(directory: str, *, finished: bool) -> None:
+  """The checkpoint folder made without --checkpoint_dir: removed after a finished run, else kept (said where and why: --resume continues from it)."""
+  if finished:
+    shutil.rmtree(directory, ignore_errors=True)
+    print(f'Removed the temporary checkpoint folder {directory} (give '
+          '--checkpoint_dir=DIR to keep the checkpoints).', flush=True)
+  else:
+    print(f'Kept the temporary checkpoint folder {directory}: the run did not '
+          f'finish; continue it with --checkpoint_dir={directory} --resume, '
+          'or remove the folder.', file=sys.stderr, flush=True)
 
 
 if __name__ == '__main__':

@@ -76,6 +76,9 @@ TRACE_DIR = 'MULTIHOST_TRACE_DIR'
 PYTEST_WORKER = 'MULTIHOST_PYTEST_WORKER'
 # Seconds a worker waits at the per-test barriers.
 PYTEST_BARRIER_TIMEOUT = 'MULTIHOST_PYTEST_BARRIER_TIMEOUT'
+# Multiplies every group's timeout (e.g. 3 on a slow CI machine); unset: the
+# parent scales it with the machine's load (`multihost.testing`).
+PYTEST_TIMEOUT_SCALE = 'MULTIHOST_PYTEST_TIMEOUT_SCALE'
 PYTEST_DISABLE_PLUGIN_AUTOLOAD = 'PYTEST_DISABLE_PLUGIN_AUTOLOAD'
 
 # --- Open MPI's variables (JAX's OmpiCluster auto-detects them). ----------

@@ -31,7 +31,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
       description='Run N JAX controllers of a command on this machine.',
       usage='%(prog)s --num_processes=N [--devices_per_process=K] '
             '[--timeout=S] [--grace_period=S] [--max_restarts=N] '
-            '[--compilation_cache_dir=DIR] [--host_service] [--trace=PATH] '
+            '[--compilation_cache_dir=DIR] [--log_dir=DIR] [--verbosity=N] '
+            '[--host_service] [--trace=PATH] '
             '[--hosts=netns] -- COMMAND '
             '[ARGS...]')
   p.add_argument('--num_processes', type=int, required=True,
@@ -56,6 +57,16 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  'afterwards; default: $JAX_COMPILATION_CACHE_DIR if set, '
                  'else with --max_restarts a temporary folder shared by the '
                  'attempts and removed at the end')
+  p.add_argument('--log_dir', default=None, metavar='DIR',
+                 help='with --max_restarts: where a failed attempt that is '
+                 'restarted leaves every line of each process '
+                 '(attempt-K.pI.log; kept); default: a new '
+                 'multihost-launch-logs-* folder in the temp folder')
+  p.add_argument('--verbosity', type=int, default=0, metavar='N',
+                 help='0: while restarts are left, tracebacks are held back '
+                 'and a failure that heals is told in one block naming the '
+                 'files that hold them (one that ends the run shows its '
+                 'traceback); 1: stream every line live')
   p.add_argument('--host_service', action='store_true',
                  help='host the coordination service in the launcher '
                  'instead of in process 0\'s companion process (the command '
@@ -107,7 +118,8 @@ def main(argv: collections.abc.Sequence[str] | None = None, *,
                  timeout=args.timeout, grace_period=args.grace_period,
                  host_service=args.host_service, hosts=args.hosts,
                  max_restarts=args.max_restarts, trace=args.trace,
-                 compilation_cache_dir=args.compilation_cache_dir)
+                 compilation_cache_dir=args.compilation_cache_dir,
+                 log_dir=args.log_dir, hold_tracebacks=args.verbosity < 1)
 
 
 def run_cli(command: list[str], *, num_processes: int,
@@ -115,7 +127,8 @@ def run_cli(command: list[str], *, num_processes: int,
             grace_period: float, host_service: bool = False,
             hosts: str | None = None, max_restarts: int = 0,
             trace: str | None = None,
-            compilation_cache_dir: str | None = None) -> int:
+            compilation_cache_dir: str | None = None,
+            log_dir: str | None = None, hold_tracebacks: bool = True) -> int:
   """Runs the command with live prefixed output and a summary on stderr; returns the exit status."""
   try:
     result = _run.launch(
@@ -124,7 +137,8 @@ def run_cli(command: list[str], *, num_processes: int,
         grace_period=grace_period, stream=sys.stdout,
         summary_stream=sys.stderr, forward_signals=True,
         host_service=host_service, hosts=hosts, max_restarts=max_restarts,
-        trace=trace, compilation_cache_dir=compilation_cache_dir)
+        trace=trace, compilation_cache_dir=compilation_cache_dir,
+        log_dir=log_dir, hold_tracebacks=hold_tracebacks)
   except OSError as e:  # The command itself could not start (as a shell).
     sys.stderr.write(
         f'multihost.launch: cannot run {command[0]!r}: {e.strerror}. Check '

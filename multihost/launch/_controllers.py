@@ -21,6 +21,7 @@ import weakref
 
 from multihost import env as env_lib
 from multihost.launch import _environment
+from multihost.launch import _output
 from multihost.launch import _policy
 from multihost.launch import _processes
 from multihost.launch import _report
@@ -95,6 +96,16 @@ class Controllers:
       a fresh folder under the temp folder (`multihost-jax-cache-*`), the
       same for every attempt, removed when the controllers stop; without
       restarts, none. `self.compilation_cache_dir` is the one in use.
+    log_dir: where a failed attempt that is restarted leaves every line of
+      each process (`attempt-K.pI.log`), created if missing and kept. While
+      restarts are left, the lines of Python tracebacks are held back from
+      `stream` (and, once the attempt failed, every line of the processes
+      being stopped); a restart drops them (they are in the files) and
+      says in one block what failed, where the others were and where the
+      files are; a failure that ends the run streams them after all, so its
+      traceback shows once. None: a fresh `multihost-launch-logs-*` folder
+      under the temp folder, made at the first restart.
+    hold_tracebacks: False streams every line live (nothing held).
   """
 
   def __init__(self, command: collections.abc.Sequence[str], *,
@@ -109,7 +120,9 @@ class Controllers:
                heartbeat_timeout: float = DEFAULT_HEARTBEAT_S,
                hosts: str | None = None,
                max_restarts: int = 0,
-               compilation_cache_dir: str | os.PathLike[str] | None = None):
+               compilation_cache_dir: str | os.PathLike[str] | None = None,
+               log_dir: str | os.PathLike[str] | None = None,
+               hold_tracebacks: bool = True):
     _environment.check_hosts(hosts, host_service=host_service)
     if isinstance(command, str) or not command:
       raise ValueError(
@@ -156,6 +169,8 @@ class Controllers:
     self._attempt_starts: list[float] = []
     self._interrupts = _signals.Interrupts()
     self._result: _report.LaunchResult | None = None
+    self.log_dir = None if log_dir is None else os.fspath(log_dir)
+    self._hold = hold_tracebacks and stream is not None
 
   # Starting and observing.
 
@@ -197,6 +212,9 @@ class Controllers:
     if self.restart_count:
       self._procs = _processes.Processes(self.num_processes,
                                          stream=self._stream)
+    if self._hold and _policy.restarts_left(restart_count=self.restart_count,
+                                            max_restarts=self.max_restarts):
+      self._procs.output.hold_tracebacks()
     self._procs.start_time = time.monotonic()
     self._attempt_starts.append(self._procs.start_time - self._start_time)
     address = '127.0.0.1'
@@ -309,6 +327,7 @@ class Controllers:
             time_left=None if timeout is None else timeout - self.elapsed(),
             no_retry=no_retry is not None)
         if then != _policy.RESTART:
+          self._procs.output.release()  # The run ends: tell it all, once.
           if (no_retry is not None and attempt.interrupted_by is None and
               not attempt.timed_out and self.max_restarts):
             self._say(f'attempt {self.restart_count} failed: '
@@ -319,6 +338,7 @@ class Controllers:
                   f'{_restarts.attempt_cause(attempt)}; restarting all '
                   f'{self.num_processes} (restart {self.restart_count} of '
                   f'{self.max_restarts}).')
+        self._say_healed(attempt, self.restart_count - 1)
         self._spawn_attempt()
     finally:
       self.stop()
@@ -336,7 +356,10 @@ class Controllers:
       step = _policy.supervise(self._procs, timeout=timeout,
                                grace_period=self.grace_period,
                                interrupt=self._poll_signals,
-                               restart_at_once=restart_at_once)
+                               restart_at_once=restart_at_once,
+                               tick=self._release_stale)
+      if step.action == _policy.RESTART_NOW and self._hold:
+        self._procs.output.hold_all()  # The stopped ones' last words.
       if step.action == _policy.INTERRUPTED:
         _policy.forward(self._procs, self._interrupts.first,
                         wait=max(self.kill_wait, self.grace_period),
@@ -367,6 +390,40 @@ class Controllers:
               if self.hosts is not None else ()),
           stopped_to_restart=step.action == _policy.RESTART_NOW)
     return _report.report(observed)
+
+  def _release_stale(self) -> None:
+    """While supervising (caller holds `changed`): streams held tracebacks that no failure followed, or all when a process said restarting will not help."""
+    output = self._procs.output
+    if _policy.not_retryable(self._procs.returncodes_locked(),
+                             self._procs.stopped_locked()) is not None:
+      output.release()
+    else:
+      output.release(older_than=_output.HELD_TRACEBACK_S)
+
+  def _say_healed(self, attempt: _report.LaunchResult, k: int) -> None:
+    """Writes failed attempt `k`'s output to one file per process and says where the others were and where the files are."""
+    held = self._procs.output.drop_held()
+    if self._stream is None:
+      return
+    if attempt.where:
+      self._say(f'  {attempt.where}.')
+    try:
+      if self.log_dir is None:
+        self.log_dir = tempfile.mkdtemp(prefix='multihost-launch-logs-')
+      os.makedirs(self.log_dir, exist_ok=True)
+      for i, text in enumerate(attempt.outputs):
+        path = os.path.join(self.log_dir, f'attempt-{k}.p{i}.log')
+        with open(path, 'w', encoding='utf-8') as f:
+          f.write(text)
+    except OSError as e:
+      self._say(f'  {held} line(s) held back (tracebacks, the stopped '
+                f'processes\' last words) could not be written to '
+                f'{self.log_dir}: {e.strerror}.')
+      return
+    what = (f'{held} line(s) held back (tracebacks, the stopped processes\' '
+            'last words); ' if held else '')
+    self._say(f'  {what}every line of attempt {k}: '
+              f'{os.path.join(self.log_dir, f"attempt-{k}.p*.log")}.')
 
   def _say(self, text: str) -> None:
     """Writes a `[launcher] ` line to the live stream, if there is one."""

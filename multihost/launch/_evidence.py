@@ -15,7 +15,7 @@ import signal
 
 TRACEBACK = 'Traceback (most recent call last):'
 # The lines between the tracebacks of a chain of exceptions.
-_CHAINED = ('During handling of the above exception, another exception '
+CHAINED = ('During handling of the above exception, another exception '
             'occurred:',
             'The above exception was the direct cause of the following '
             'exception:')
@@ -62,7 +62,7 @@ def first_raised(lines: collections.abc.Sequence[str],
     if times[k] > times[start] + _BURST_S:
       break
     if TRACEBACK in lines[k]:
-      if previous.strip() not in _CHAINED:
+      if previous.strip() not in CHAINED:
         break  # Another exception, not this one's chain.
       last = k
     if lines[k].strip():
@@ -70,19 +70,23 @@ def first_raised(lines: collections.abc.Sequence[str],
   error = next(
       (text for text in lines[last + 1:]
        if text.strip() and text[0] not in ' \t' and TRACEBACK not in text and
-       text.strip() not in _CHAINED), '')
+       text.strip() not in CHAINED), '')
   return Raised(time=times[start], error=_short(error) or '(no message)')
+
+
+# absl's / glog's line header: level, date, time, thread, file:line.
+_LOG_HEADER = re.compile(r'^[IWEF]\d{4} [\d:.]+ +\d+ [^ \]]+:\d+\] ')
 
 
 def last_line_before(lines: collections.abc.Sequence[str],
                      times: collections.abc.Sequence[float],
                      when: float) -> tuple[float, str] | None:
-  """The last non-blank line read at or before `when`, with its time; None if none (or no times)."""
+  """The last non-blank line read at or before `when`, with its time, without a log line's header (level, date, thread, file); None if none (or no times)."""
   if len(times) != len(lines):
     return None
   for text, t in zip(reversed(lines), reversed(times), strict=True):
     if t <= when and text.strip():
-      return t, _short(text)
+      return t, _short(_LOG_HEADER.sub('', text))
   return None
 
 

@@ -143,7 +143,8 @@ def after_attempt(*, exit_code: int, timed_out: bool, interrupted: bool,
 def supervise(procs: _processes.Processes, *, timeout: float | None,
               grace_period: float,
               interrupt: collections.abc.Callable[[], int | None],
-              restart_at_once: bool = False) -> Step:
+              restart_at_once: bool = False,
+              tick: collections.abc.Callable[[], None] | None = None) -> Step:
   """Waits, applying `next_step`, until the run must end; returns that step (it stops nothing).
 
   Args:
@@ -155,6 +156,8 @@ def supervise(procs: _processes.Processes, *, timeout: float | None,
       signal handler sets it without taking locks).
     restart_at_once: a restart follows a failure (restarts are left): the
       first failure ends the attempt at once (`RESTART_NOW`).
+    tick: called at every look at the processes (at least every 0.2 s),
+      holding `procs.changed`.
   """
   while True:
     with procs.changed:
@@ -166,6 +169,8 @@ def supervise(procs: _processes.Processes, *, timeout: float | None,
           restart_at_once=restart_at_once)
       if step.action != WAIT:
         return step
+      if tick is not None:
+        tick()
       procs.changed.wait(step.pause)
 
 

@@ -129,6 +129,9 @@ class LaunchResult:
       boom'), when its output shows a traceback; else None.
     attempts: with restarts (`max_restarts`), every attempt's own result,
       in order (the last is this one's); else this one alone.
+    where: where each other process was at the first failure ('at 8.1 s:
+      p0 was running (last line at ...)'); empty when none failed (or there
+      is no other process).
   """
   returncodes: tuple[int | None, ...]
   outputs: tuple[str, ...]
@@ -143,6 +146,7 @@ class LaunchResult:
   summary: str
   first_error: str | None = None
   attempts: tuple[Any, ...] = ()
+  where: str = ''
 
   @property
   def ok(self) -> bool:
@@ -334,17 +338,12 @@ def _blame(run: Observed, first: int,
                  'partition or coordinator gone): JAX aborted it '
                  f'("{_evidence.LOST_SERVICE_MARKER}" in [p{i}]).')
   error = raised[first]
-  end = run.end_times[first]
-  if error is not None and (end is None or error.time <= end):
-    at = error.time
-    out.append(f'Process {first} raised first, at {at:.1f} s (when the '
-               f'launcher read its traceback): {error.error}')
-  else:
-    at = end
-  if at is not None and n > 1:
-    others = '; '.join(doing_at(run, i, at, raised)
-                       for i in range(n) if i != first)
-    out.append(f'Meanwhile, at {at:.1f} s: {others}.')
+  if _raised_before_exit(run, first, raised):
+    out.append(f'Process {first} raised first, at {error.time:.1f} s (when '
+               f'the launcher read its traceback): {error.error}')
+  where = where_others(run, first, raised)
+  if where:
+    out.append(f'Meanwhile, {where}.')
   if stopped:
     why = ('at the timeout' if run.timed_out else
            'at the interrupt' if run.interrupted_by is not None else
@@ -353,6 +352,27 @@ def _blame(run: Observed, first: int,
            f'after the {run.grace_period:g} s grace period')
     out.append(f'Processes {sorted(stopped)} were stopped {why}.')
   return out
+
+
+def _raised_before_exit(run: Observed, first: int,
+                        raised: tuple[_evidence.Raised | None, ...]) -> bool:
+  """Whether process `first`'s first failure event is its traceback (not its exit)."""
+  error = raised[first]
+  end = run.end_times[first]
+  return error is not None and (end is None or error.time <= end)
+
+
+def where_others(run: Observed, first: int,
+                 raised: tuple[_evidence.Raised | None, ...]) -> str:
+  """Where the processes other than `first` were at its failure ('at 8.1 s: p0 was running (...)'); '' when unknown or alone."""
+  n = len(run.returncodes)
+  at = (raised[first].time  # type: ignore[union-attr]
+        if _raised_before_exit(run, first, raised) else run.end_times[first])
+  if at is None or n < 2:
+    return ''
+  others = '; '.join(doing_at(run, i, at, raised)
+                     for i in range(n) if i != first)
+  return f'at {at:.1f} s: {others}'
 
 
 def report(run: Observed) -> LaunchResult:
@@ -377,4 +397,5 @@ def report(run: Observed) -> LaunchResult:
       still_running_at_timeout=tuple(run.still_running_at_timeout),
       interrupted_by=run.interrupted_by, exit_code=code,
       summary=summary(run, first=first, code=code),
-      first_error=None if error is None else error.error)
+      first_error=None if error is None else error.error,
+      where='' if first is None else where_others(run, first, raised))

@@ -30,7 +30,9 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
            hosts: str | None = None,
            max_restarts: int = 0,
            trace: str | os.PathLike[str] | None = None,
-           compilation_cache_dir: str | os.PathLike[str] | None = None
+           compilation_cache_dir: str | os.PathLike[str] | None = None,
+           log_dir: str | os.PathLike[str] | None = None,
+           hold_tracebacks: bool = True
            ) -> _report.LaunchResult:
   """Runs `command` as N local controllers and returns how they ended.
 
@@ -57,10 +59,17 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     compilation_cache_dir: JAX's persistent compilation cache folder for
       every attempt (see `Controllers`; None: the user's
       $JAX_COMPILATION_CACHE_DIR, else with restarts a temporary one).
+    log_dir: where a restarted attempt leaves every line of each process
+      (see `Controllers`; None: a fresh folder under the temp folder).
+    hold_tracebacks: while restarts are left, hold tracebacks back from
+      `stream` until it is known whether the failure heals (see
+      `Controllers`); False streams every line live.
     trace: write the run's timeline here (Chrome trace-event JSON): each
       controller dumps its flight recorder at exit into a folder named by
       $MULTIHOST_TRACE_DIR, merged here at the end, failures marked; the
-      summary then names the first divergence between the processes' calls.
+      summary then names the first divergence between the processes' calls
+      and, for a process killed by a signal, its last completed call, the
+      call it never arrived at and who waited for it.
       A trace that cannot be written is said so in the summary (with the
       folder where the dumps were kept); the run's result is its own.
 
@@ -77,7 +86,8 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
       devices_per_process=devices_per_process, env=env, cwd=cwd,
       grace_period=grace_period, stream=stream, kill_wait=kill_wait,
       host_service=host_service, hosts=hosts, max_restarts=max_restarts,
-      compilation_cache_dir=compilation_cache_dir)
+      compilation_cache_dir=compilation_cache_dir, log_dir=log_dir,
+      hold_tracebacks=hold_tracebacks)
   restore = cluster.forward_signals() if forward_signals else None
   try:
     with cluster:

@@ -94,10 +94,35 @@ def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
   return failures, attempts
 
 
+def killed_lines(result: _report.LaunchResult,
+                 dumps: collections.abc.Sequence[dict[str, Any]]) -> list[str]:
+  """Per process killed by a signal it was not sent by the launcher, one line: what the others' records show of it (its last completed call, the call it never arrived at, who waited for it).
+
+  Such a process left no dump of its own; the merged timeline still tells
+  where it stopped. Nothing for a process no other process's dump tells of.
+  """
+  attempts = result.attempts or (result,)
+  lines = []
+  for k, attempt in enumerate(attempts):
+    ds = [d for d in dumps if d.get('attempt', 0) == k]
+    for p, rc in enumerate(attempt.returncodes):
+      if rc is None or rc >= 0 or p in attempt.stopped:
+        continue
+      seen = trace_format.last_seen(ds, p)
+      if seen is None:
+        continue
+      waited = trace_format.waited_for(ds, p)
+      at = f' in attempt {k}' if len(attempts) > 1 else ''
+      lines.append(f'trace: process {p} ({_report.describe(rc)}){at}, as the '
+                   f'others\' records show: {seen}' +
+                   (f', where {waited}' if waited else '') + '.')
+  return lines
+
+
 def write(path: str, folder: str, result: _report.LaunchResult, *,
           num_processes: int, run_wall0: float,
           starts: collections.abc.Sequence[float]) -> str | None:
-  """Merges the dumps in `folder` into the trace file `path`; returns the last attempt's divergence line, or None.
+  """Merges the dumps in `folder` into the trace file `path`; returns the summary's lines on it (the last attempt's divergence, then `killed_lines`), or None.
 
   The file is written atomically and never through a link
   (`files.write_atomic`).
@@ -114,6 +139,9 @@ def write(path: str, folder: str, result: _report.LaunchResult, *,
   last = len(attempts) - 1
   line = trace_format.divergence(
       [d for d in dumps if d.get('attempt', 0) == last], num_processes)
+  killed = killed_lines(result, dumps)
+  if killed:
+    line = '\n'.join(([line] if line else []) + killed)
   try:
     files.write_atomic(path, json.dumps(trace))
   except OSError as e:

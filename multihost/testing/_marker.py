@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import os
 
 import pytest
 
@@ -13,6 +15,9 @@ WORKER_ENV = env_lib.PYTEST_WORKER
 BARRIER_TIMEOUT_ENV = env_lib.PYTEST_BARRIER_TIMEOUT
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+TIMEOUT_SCALE_ENV = env_lib.PYTEST_TIMEOUT_SCALE
+# The most a loaded machine stretches a group's timeout by.
+MAX_LOAD_SCALE = 4.0
 # The plugin's names in pytest's plugin manager, in the parent and in the
 # workers.
 PARENT_PLUGIN = 'multihost-parent'
@@ -30,6 +35,45 @@ class GroupSpec:
   devices_per_process: int
   timeout: float
   hosts: str | None = None
+  # The marker's timeout is `timeout / scale` (see `scaled`).
+  scale: float = 1.0
+
+  def scaled(self, factor: float) -> GroupSpec:
+    """This group with its timeout multiplied by `factor` (`timeout_scale`)."""
+    return dataclasses.replace(self, timeout=self.timeout * factor,
+                               scale=self.scale * factor)
+
+
+def timeout_scale(num_processes: int, *,
+                  environ: collections.abc.Mapping[str, str] = os.environ,
+                  load: float | None = None, cpus: int | None = None) -> float:
+  """How much longer a group of `num_processes` gets on this machine now: $MULTIHOST_PYTEST_TIMEOUT_SCALE when set, else the runnable processes per CPU (the 1-minute load average plus the group's own), from 1 to `MAX_LOAD_SCALE`.
+
+  On an idle machine with a CPU per process a group gets its marker's
+  timeout; on a machine shared with other work (a 2-core CI runner) it gets
+  up to 4 times that, so that a group that only waited for CPU is not
+  stopped as hung.
+
+  Raises:
+    ValueError: $MULTIHOST_PYTEST_TIMEOUT_SCALE is not a positive number.
+  """
+  given = environ.get(TIMEOUT_SCALE_ENV, '').strip()
+  if given:
+    try:
+      factor = float(given)
+    except ValueError:
+      factor = 0.0
+    if not factor > 0:
+      raise ValueError(f'${TIMEOUT_SCALE_ENV}={given!r}: give a positive '
+                       'number (e.g. 2), or unset it to scale with the load.')
+    return factor
+  if load is None:
+    try:
+      load = os.getloadavg()[0]
+    except OSError:
+      load = 0.0
+  cpus = cpus or os.cpu_count() or 1
+  return min(MAX_LOAD_SCALE, max(1.0, (load + num_processes) / cpus))
 
 
 def marker_spec(item: pytest.Item) -> GroupSpec | None:

@@ -122,6 +122,15 @@ def combine(item: pytest.Item, spec: _marker.GroupSpec, when: str,
       sections=sections, duration=duration)
 
 
+def _scaled(spec: _marker.GroupSpec) -> str:
+  """' (the marker's 15 s x 2.5 for the machine's load, ...)' when the timeout was scaled; else ''."""
+  if spec.scale == 1.0:
+    return ''
+  return (f' (the marker\'s {spec.timeout / spec.scale:g} s x '
+          f'{spec.scale:.2g}: the machine\'s load, or '
+          f'${_marker.TIMEOUT_SCALE_ENV})')
+
+
 def incomplete(item: pytest.Item, spec: _marker.GroupSpec,
                per_process: list[dict[str, pytest.TestReport]], result: Any,
                *, group_started: bool,
@@ -145,7 +154,8 @@ def incomplete(item: pytest.Item, spec: _marker.GroupSpec,
     why = (f'the group of {item.nodeid.split("::")[0]} '
            f'(num_processes={n}, devices_per_process='
            f'{spec.devices_per_process}) hit its timeout of '
-           f'{spec.timeout:g} s and was stopped. Pass a larger '
+           f'{spec.timeout:g} s{_scaled(spec)} and was stopped. Pass a '
+           'larger '
            f'@pytest.mark.{_marker.MARKER}(..., timeout=...) if it needs '
            'longer, or look for a process waiting in a collective a peer did '
            'not call')

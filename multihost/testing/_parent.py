@@ -78,6 +78,8 @@ class ParentSession:
     # Seconds of a group's launch not spent in its tests (process start,
     # jax.distributed, collection), charged to its first test's setup.
     self._overhead: dict[_marker.GroupSpec, float] = {}
+    # Per group, its spec with the timeout it ran under (`timeout_scale`).
+    self._scaled: dict[_marker.GroupSpec, _marker.GroupSpec] = {}
     self.launches = 0
 
   def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -126,10 +128,15 @@ class ParentSession:
     # Never an empty list: workers given no test would run the whole suite.
     items = self._groups.get(spec) or [first]
     config = self._config
+    try:
+      scaled = spec.scaled(_marker.timeout_scale(spec.num_processes))
+    except ValueError as e:
+      raise pytest.UsageError(str(e)) from None
+    self._scaled[spec] = scaled
     results_dir = tempfile.mkdtemp(prefix='multihost-pytest-')
     env = {_marker.WORKER_ENV: results_dir,
-           _marker.BARRIER_TIMEOUT_ENV: str(spec.timeout)}
-    if not os.environ.get(env_lib.TIMEOUT):
+           _marker.BARRIER_TIMEOUT_ENV: str(scaled.timeout)}
+    if not os.environ.get(env_lib.TIMEOUT):  # (The marker's, unscaled.)
       env[env_lib.TIMEOUT] = str(
           min(_marker.DEFAULT_COLLECTIVE_TIMEOUT_S, spec.timeout / 2))
     start = time.monotonic()
@@ -138,7 +145,8 @@ class ParentSession:
       # terminal) first stop the workers, then act as they would have.
       result = launch.launch(
           worker_command(config, items), num_processes=spec.num_processes,
-          devices_per_process=spec.devices_per_process, timeout=spec.timeout,
+          devices_per_process=spec.devices_per_process,
+          timeout=scaled.timeout,
           env=env, cwd=config.rootpath, grace_period=_GRACE_PERIOD_S,
           kill_wait=1.0, hosts=spec.hosts, forward_signals=(
               threading.current_thread() is threading.main_thread()))
@@ -176,7 +184,8 @@ class ParentSession:
     for when in ('setup', 'call', 'teardown'):
       records = [p.get(when) for p in per_process]
       if any(r is None for r in records):
-        reports.append(_merge.incomplete(item, spec, per_process, result,
+        reports.append(_merge.incomplete(item, self._scaled.get(spec, spec),
+                                         per_process, result,
                                          group_started=group_started,
                                          when=when))
         break

@@ -6,6 +6,7 @@ reads its index and attempt from the environment the launcher sets.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 import re
@@ -17,6 +18,7 @@ import time
 
 from multihost import env as env_lib
 from multihost import launch
+from multihost.launch import _output
 from multihost.launch import _processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -233,3 +235,75 @@ def test_an_exited_process_is_told_apart_before_it_is_reaped():
   finally:
     running.kill()
     running.wait(timeout=10)
+
+
+def test_a_healed_failure_is_one_block_and_its_tracebacks_go_to_files(
+    tmp_path):
+  # Attempt 0: process 1 raises a chain of two exceptions; process 0 is
+  # stopped and says so. Attempt 1 succeeds: neither shows on the screen.
+  logs = tmp_path / 'logs'
+  proc = _cli('--max_restarts=1', f'--log_dir={logs}',
+              program='raises_on_first_attempt.py')
+  out = proc.stdout
+  assert proc.returncode == 0, out + proc.stderr
+  assert 'Traceback' not in out and 'got SIGTERM' not in out, out
+  assert ("[launcher] attempt 0 failed: process 1 failed first (exit status "
+          "1), raised 'RuntimeError: step 3 failed'; restarting all 2 "
+          "(restart 1 of 1).\n") in out, out
+  assert re.search(r"\[launcher\]   at [\d.]+ s: p0 was running \(last line "
+                   r"at [\d.]+ s: 'process 0 attempt 0'\)\.\n", out), out
+  assert re.search(r'\[launcher\]   \d+ line\(s\) held back \(tracebacks, '
+                   r"the stopped processes' last words\); every line of "
+                   rf'attempt 0: {logs}/attempt-0\.p\*\.log\.\n', out), out
+  assert 'process 0 attempt 1' in out and 'process 1 attempt 1' in out
+  p1 = (logs / 'attempt-0.p1.log').read_text()
+  assert p1.startswith('process 1 attempt 0\nTraceback'), p1
+  assert 'ValueError: bad batch 7' in p1 and 'The above exception' in p1
+  assert p1.rstrip().endswith('RuntimeError: step 3 failed'), p1
+  assert 'got SIGTERM' in (logs / 'attempt-0.p0.log').read_text()
+  assert not (logs / 'attempt-1.p0.log').exists()
+  assert len(out.splitlines()) == 7, out
+
+
+def test_a_failure_that_ends_the_run_shows_its_traceback_once(tmp_path):
+  proc = _cli('--max_restarts=1', f'--log_dir={tmp_path}',
+              program='raises_on_first_attempt.py',
+              env={'RAISE_EVERY_ATTEMPT': '1'})
+  out = proc.stdout
+  assert proc.returncode == 1, out + proc.stderr
+  # Attempt 0's in its files; the last attempt's on the screen, once.
+  assert out.count('[p1] Traceback (most recent call last):\n') == 2, out
+  assert out.count('[p1] RuntimeError: step 3 failed\n') == 1, out
+  assert out.count('[p1] ValueError: bad batch 7\n') == 1, out
+  assert out.index('process 1 attempt 1') < out.index('Traceback'), out
+  assert 'held back' in out and (tmp_path / 'attempt-0.p1.log').exists()
+  # --verbosity=1: every line live, attempt 0's too; no files.
+  proc = _cli('--max_restarts=1', '--verbosity=1',
+              f'--log_dir={tmp_path / "v"}',
+              program='raises_on_first_attempt.py')
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count('[p1] RuntimeError: step 3 failed\n') == 1
+  assert (proc.stdout.index('[p1] Traceback') <
+          proc.stdout.index('[launcher] attempt 0 failed')), proc.stdout
+  assert 'held back' not in proc.stdout
+  assert (tmp_path / 'v' / 'attempt-0.p1.log').exists()
+
+
+def test_a_traceback_no_failure_follows_is_streamed_after_a_while(
+    monkeypatch):
+  # A program that logs an exception and goes on: its traceback is held
+  # (a restart would follow a failure), then streamed when none came.
+  monkeypatch.setattr(_output, 'HELD_TRACEBACK_S', 1.0)
+  stream = io.StringIO()
+  code = ('import time, traceback\n'
+          'try:\n  raise KeyError("cache miss")\n'
+          'except KeyError:\n  traceback.print_exc()\n'
+          'print("after the traceback", flush=True)\n'
+          'time.sleep(4)\nprint("still going", flush=True)\n')
+  result = launch.launch([PY, '-u', '-c', code], num_processes=1,
+                         max_restarts=1, stream=stream, timeout=60)
+  assert result.ok, result.summary
+  out = stream.getvalue()
+  assert out.count("[p0] KeyError: 'cache miss'\n") == 1, out
+  assert (out.index('KeyError') < out.index('after the traceback') <
+          out.index('still going')), out

@@ -197,10 +197,18 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
   try:
     orbax = os.path.join(os.sep, 'x', 'orbax', 'checkpoint', 'm.py')
 
-    def record(name, level, msg, pathname, exc=None):
+    def record(name, level, msg, pathname, exc=None, args=()):
       return std_logging.LogRecord(
-          name, level, pathname, 1, msg, (), (type(exc), exc, None)
+          name, level, pathname, 1, msg, args, (type(exc), exc, None)
           if exc else None)
+
+    jax_distributed = os.path.join(os.sep, 'x', 'jax', '_src',
+                                   'distributed.py')
+    said_by_all = ('multihost failure watchdog started: a killed peer ...',
+                   'jax.distributed initialized: 2 processes, 2 local devices.',
+                   'Resuming from local step 30 in /l (...)',
+                   'Resuming from checkpoint step 30 in /c (...).',
+                   'Restored local step 30 (epoch 3, cursor 48) ...')
 
     ts_error = ValueError('DATA_LOSS: ... [tensorstore_spec=\'{}\']')
     dropped = [
@@ -216,6 +224,18 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
         record('asyncio', std_logging.ERROR,
                'Future exception was never retrieved\nfuture: ...',
                '/asyncio/base_events.py', ts_error),
+        record('absl', std_logging.INFO,
+               'JAX distributed initialized with visible devices: %s',
+               jax_distributed, args=(1,)),
+        record('absl', std_logging.INFO,
+               'Connecting to JAX distributed service on %s', jax_distributed,
+               args=('127.0.0.1:1',)),
+        *(record('absl', std_logging.INFO, '%s ' + said, '/m/runtime.py',
+                 args=('[process=1]',))
+          for said in said_by_all),
+        record('absl', std_logging.WARNING, '%s %s holds uncommitted '
+               '(partial) saves of steps %s, ...', '/r/checkpoints.py',
+               args=('[process=1]', '/c', [30])),
     ]
     kept = [
         record('absl', std_logging.WARNING, 'Given directory is read only',
@@ -229,6 +249,23 @@ def test_the_filters_drop_only_their_lines(monkeypatch):
         record('asyncio', std_logging.ERROR,
                'Future exception was never retrieved\nfuture: ...',
                '/asyncio/base_events.py', ValueError('a real bug')),
+        record('absl', std_logging.INFO,
+               'Starting JAX distributed service on %s', jax_distributed,
+               args=('127.0.0.1:1',)),
+        record('absl', std_logging.WARNING,
+               'Connecting to JAX distributed service on %s', jax_distributed,
+               args=('127.0.0.1:1',)),
+        # Process 0 tells them for all; a warning shows on every process.
+        *(record('absl', std_logging.INFO, '%s ' + said, '/m/runtime.py',
+                 args=('[process=0]',))
+          for said in said_by_all),
+        record('absl', std_logging.WARNING, '%s ' + said_by_all[0],
+               '/m/runtime.py', args=('[process=1]',)),
+        record('absl', std_logging.INFO, '%s step 5/10 loss %g',
+               '/m/loop.py', args=('[process=1]', 0.5)),
+        record('absl', std_logging.WARNING, '%s %s holds uncommitted '
+               '(partial) saves of steps %s, ...', '/r/checkpoints.py',
+               args=('[process=0]', '/c', [30])),
     ]
     assert [handler.filter(r) for r in dropped] == [False] * len(dropped)
     assert [handler.filter(r) for r in kept] == [True] * len(kept)

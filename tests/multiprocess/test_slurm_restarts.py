@@ -58,18 +58,20 @@ def _sbatch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
                  **quick_compile_env())
 
 
-def _recipe(program: list[str],
+def _recipe(program: list[str], *, cwd: os.PathLike[str] | str = ROOT,
+            path: str | None = None,
             **extra: str) -> tuple[subprocess.CompletedProcess, str]:
-  """The recipe, as sbatch runs it, with `program` (2 tasks); `extra`: more environment."""
+  """The recipe, as sbatch runs it, with `program` (2 tasks), from `cwd`; `path`: its $PATH (default: the stand-in srun, this Python's folder, ours); `extra`: more environment."""
   job = str(random.randrange(10**5, 10**6))
   env = clean_env(
-      PATH=f'{STANDIN}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
+      PATH=path or (f'{STANDIN}:{os.path.dirname(sys.executable)}:'
+                    f'{os.environ["PATH"]}'),
       SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
       JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(launch.find_free_port()),
       MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
       **extra)
   command = ['bash', str(RECIPE), *program]
-  proc = subprocess.Popen(command, env=env, cwd=ROOT, text=True,
+  proc = subprocess.Popen(command, env=env, cwd=cwd, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True)
   try:
@@ -113,7 +115,8 @@ def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
   # Task 1 exits 78; srun's step end kills task 0 (SIGKILL), so srun exits
   # with 137, as Slurm's srun would: the recipe reads srun's line for task 1.
   run, _ = _recipe(['python', str(FAILS)], FAIL_STATUS=str(status),
-                   SURVIVOR_SLEEP='60', SLURM_SUBMIT_DIR=str(tmp_path))
+                   SURVIVOR_SLEEP='60', SLURM_SUBMIT_DIR=str(tmp_path),
+                   PROJECT_DIR=str(ROOT))
   log = run.stdout + run.stderr
   assert run.returncode == status, log[-3000:]
   assert 'attempt 0 cache' in run.stdout and 'attempt 1' not in log
@@ -127,8 +130,9 @@ def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
 
 def test_every_attempt_of_the_recipe_gets_the_same_compilation_cache(
     tmp_path):
+  # (Submitted from tmp_path; the project, and its venv, is ROOT.)
   run, job = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
-                     SLURM_SUBMIT_DIR=str(tmp_path))
+                     SLURM_SUBMIT_DIR=str(tmp_path), PROJECT_DIR=str(ROOT))
   assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
   # (Status 137: the step's end killed task 0, and srun reports the signal.)
   assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
@@ -144,3 +148,45 @@ def test_every_attempt_of_the_recipe_gets_the_same_compilation_cache(
   run, _ = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
                    JAX_COMPILATION_CACHE_DIR=mine)
   assert run.returncode == 0 and run.stdout.count(f'cache {mine!r}') == 4
+
+
+def test_the_recipe_changes_to_the_project_and_activates_its_venv(tmp_path):
+  # As sbatch runs it: from Slurm's spool folder (here an empty one), with
+  # no Python of the project's on $PATH; the command's paths are relative to
+  # the project. Attempt 0 fails, attempt 1 succeeds.
+  spool = tmp_path / 'spool'
+  spool.mkdir()
+  plain = f'{STANDIN}:/usr/bin:/bin'
+  program = ['bash', '-c', 'echo "task $SLURM_PROCID cwd=$PWD python='
+             '$(command -v python) venv=$VIRTUAL_ENV"; exec python '
+             'tests/launch_programs/fails_as_told.py']
+  run, _ = _recipe(program, cwd=spool, path=plain, SLURM_SUBMIT_DIR=str(ROOT),
+                   FAIL_UNTIL_ATTEMPT='0')
+  log = run.stdout + run.stderr
+  assert run.returncode == 0, log[-3000:]
+  venv = os.path.realpath(ROOT / '.venv')
+  for task in (0, 1):
+    line = re.search(rf'task {task} cwd=(\S+) python=(\S+) venv=(\S+)',
+                     run.stdout)
+    assert line, run.stdout
+    cwd, python, active = line.groups()
+    assert cwd == str(ROOT), line.group(0)
+    assert os.path.realpath(active) == venv, line.group(0)
+    assert python == f'{active}/bin/python', line.group(0)
+    assert f'process {task} attempt 1 cache' in run.stdout
+  # (Status 137: the step's end killed task 0, as Slurm's does.)
+  assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
+          '(restart 1 of 2).') in run.stderr, run.stderr
+  # No virtualenv where it says: it stops at once, saying what to set.
+  run, _ = _recipe(program, cwd=spool, path=plain, SLURM_SUBMIT_DIR=str(ROOT),
+                   VENV=str(tmp_path / 'none'))
+  assert run.returncode == env_lib.NO_RETRY_EXIT_STATUS, run.stderr
+  assert (f'restart.sbatch: no virtualenv at {tmp_path}/none (no '
+          'bin/activate); set VENV') in run.stderr
+  assert 'task 0' not in run.stdout
+
+
+def test_the_recipe_asks_slurm_to_requeue_it_on_node_loss():
+  directives = [line for line in RECIPE.read_text().splitlines()
+                if line.startswith('#SBATCH')]
+  assert '#SBATCH --requeue' in directives, directives

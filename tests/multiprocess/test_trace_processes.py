@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,13 @@ def test_after_a_sigkill_the_trace_holds_the_survivors_and_marks_the_dead(
   assert result.returncodes[1] == -9, result.summary
   assert ("divergence: at call 9 (sync_global_devices('after')) processes "
           "[1] stopped arriving") in result.summary
+  # The killed process's own line: its last call and who waited for it.
+  assert re.search(
+      r"\ntrace: process 1 \(killed by SIGKILL \(status 137\)\), as the "
+      r"others' records show: last completed call 8 \(process_allgather\); "
+      r"never arrived at call 9 \(sync_global_devices\('after'\)\), where "
+      r'processes \[0\] waited [\d.]+ s for it\.$', result.summary,
+      re.M), result.summary
   trace = json.loads(path.read_text())
   _check_format(trace, 2)
   assert sorted(_collectives(trace)[0]) == list(range(10))  # the survivor

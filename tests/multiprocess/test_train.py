@@ -637,3 +637,32 @@ def test_a_restart_sets_a_damaged_newest_checkpoint_aside_and_loses_nothing(
   # _metrics checks that steps 6-12, run twice, were recomputed identically.
   assert sorted(_metrics(metrics)) == list(range(1, 21))
   print(f'damaged-checkpoint drill: {took:.1f} s (both attempts)')
+
+
+def test_without_checkpoint_dir_the_temporary_folder_goes_when_done(tmp_path):
+  # The folder bin/train.py makes itself: removed at a finished run, said
+  # so; kept (and said where, and how to continue) when the run stops short.
+  temp = tmp_path / 'temp'
+  temp.mkdir()
+  env = {'TMPDIR': str(temp)}
+  rc, out = _run_single([TRAIN, '--steps=6', '--save_every=3'],
+                        log=tmp_path / 'done.log', env=env)
+  assert rc == 0, out[-3000:]
+  (made,) = re.findall(r'Checkpoint folder: (\S+)', out)
+  assert os.path.dirname(made) == str(temp), made
+  assert f'Removed the temporary checkpoint folder {made} (give ' in out
+  assert os.listdir(temp) == [], os.listdir(temp)
+  metrics = tmp_path / 'm.jsonl'
+  with _single([TRAIN, '--steps=100000', '--save_every=2',
+                f'--metrics_out={metrics}'], log=tmp_path / 'int.log',
+               env=env) as proc:
+    _wait_for_lines(metrics, 5, alive=lambda: proc.poll() is None,
+                    timeout=RUN_TIMEOUT_S)
+    os.kill(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=60)
+  out = (tmp_path / 'int.log').read_text()
+  assert rc == 130, out[-3000:]
+  (kept,) = re.findall(r'Checkpoint folder: (\S+)', out)
+  assert (f'Kept the temporary checkpoint folder {kept}: the run did not '
+          f'finish; continue it with --checkpoint_dir={kept} --resume') in out
+  assert os.path.isdir(kept) and os.listdir(temp) == [os.path.basename(kept)]

@@ -6,7 +6,9 @@ No process is started: the inputs are what the launcher would have observed.
 from __future__ import annotations
 
 import dataclasses
+import io
 import signal
+import threading
 
 import pytest
 
@@ -14,6 +16,7 @@ from multihost import env as env_lib
 from multihost import launch
 from multihost.launch import _environment
 from multihost.launch import _evidence
+from multihost.launch import _output
 from multihost.launch import _policy
 from multihost.launch import _restarts
 
@@ -492,3 +495,36 @@ def test_python_controllers_are_labelled_for_ps():
   assert _environment.labelled(['sh', '-c', 'true'], 1) == ['sh', '-c', 'true']
   assert _environment.labelled(['/bin/pythonic-tool'], 1) == [
       '/bin/pythonic-tool']
+
+
+def test_the_last_line_drops_a_log_lines_header():
+  lines = ['I1203 05:33:27.779300 140354341141376 loop.py:208] [process=0] '
+           'step 1200/2000 loss 5.4e-16 79.5 steps/s', '']
+  assert _evidence.last_line_before(lines, [1.0, 1.1], 2.0) == (
+      1.0, '[process=0] step 1200/2000 loss 5.4e-16 79.5 steps/s')
+  assert _evidence.last_line_before(['plain line'], [1.0], 2.0) == (
+      1.0, 'plain line')
+
+
+def test_held_output_keeps_tracebacks_back_and_releases_them_in_order():
+  stream = io.StringIO()
+  output = _output.Output(1, changed=threading.Condition(), stream=stream)
+  output.hold_tracebacks()
+  chain = ['Traceback (most recent call last):', '  File "t.py", line 1',
+           '    boom()', 'ValueError: bad batch', '',
+           'The above exception was the direct cause of the following '
+           'exception:', '', 'Traceback (most recent call last):',
+           '  File "t.py", line 3', 'RuntimeError: step 3 failed']
+  text = ['starting', *chain,
+          'E1203 05:33:27.779300 1 loop.py:9] [process=0] a log line']
+  output.pump(0, io.BytesIO(''.join(f'{t}\n' for t in text).encode()))
+  assert stream.getvalue() == ('[p0] starting\n[p0] E1203 05:33:27.779300 1 '
+                               'loop.py:9] [process=0] a log line\n')
+  assert output.held() == len(chain)
+  assert output.text(0) == ''.join(f'{t}\n' for t in text)  # All captured.
+  output.release()
+  assert stream.getvalue().splitlines()[2:] == [f'[p0] {t}' for t in chain]
+  # Holding everything (the attempt failed), then dropping it (it heals).
+  output.hold_all()
+  output.pump(0, io.BytesIO(b'stopped\n'))
+  assert output.drop_held() == 1 and 'stopped' not in stream.getvalue()

@@ -31,7 +31,7 @@ def test_a_step_that_goes_back_marks_a_resume_and_events_are_kept(tmp_path):
   assert run.steps == list(range(1, 8)) + list(range(6, 10)) + [8, 9, 10]
   # The restart is marked where it was written, and not a second time; the
   # unmarked jump back from 9 to 8 is a resume from step 7.
-  assert run.events == [('restart', 5), ('resume', 7)]
+  assert run.events == [('restart', 5, None), ('resume', 7, None)]
 
 
 def test_a_broken_line_that_is_not_the_last_is_an_error(tmp_path):
@@ -103,3 +103,50 @@ def test_bad_flags_say_what_to_pass(tmp_path):
       capture_output=True, text=True, timeout=60, check=False)
   assert done.returncode != 0
   assert 'Pass exactly one of --metrics=FILE or --bench=FILE' in done.stderr
+
+
+def _long_run(n: int = 2000, saves_every: int = 50) -> list[dict]:
+  """A run like bin/train.py's: the loss falls to float noise with exact zeros among it, a save every 50 steps, a restart from the local tier."""
+  records = []
+  for s in range(1, n + 1):
+    loss = max(0.5 * 0.8 ** s, 1e-15 * (1 + s % 7))
+    records.append({'step': s, 'loss': 0.0 if s % 97 == 0 else loss})
+    if s % saves_every == 0:
+      records.append({'event': 'save', 'step': s})
+    if s == 1234:
+      records.append({'event': 'restart', 'step': 1230, 'tier': 'local'})
+      records += [{'step': r, 'loss': 1e-15} for r in range(1231, 1235)]
+  return records
+
+
+def test_zeros_give_a_symlog_axis_from_the_data_and_positive_losses_a_log():
+  losses = [0.5, 0.01, 3e-15, 0.0, 2e-15, 0.0] + [1e-15] * 200
+  assert plot.loss_axis(losses) == ('symlog', 1e-15)
+  assert plot.loss_axis([0.5, 0.01, 1e-9]) == ('log', None)
+  assert plot.loss_axis([0.0, -1.0]) == ('linear', None)
+  # A few spikes far above the rest are cut off; a falling curve is not.
+  flat = [1e-3] * 500
+  assert plot.clip_top(flat + [1e6, 1e7], 'log') == pytest.approx(1e-2)
+  assert plot.clip_top([0.5 * 0.8 ** s for s in range(500)], 'log') is None
+  assert plot.smoothing_window(400) == 0 and plot.smoothing_window(2000) == 21
+  assert plot.rolling_median([1, 1, 100, 1, 1, 0, 1], 3) == [1, 1, 1, 1, 1, 1,
+                                                              1]
+
+
+def test_a_long_run_with_zeros_is_drawn_readable(tmp_path):
+  pytest.importorskip('matplotlib', reason='bin/plot.py draws with '
+                      'matplotlib, the optional extra "plot"')
+  path = tmp_path / 'm.jsonl'
+  _write(path, _long_run())
+  run = plot.training_run(plot.read_jsonl(str(path)))
+  out = tmp_path / 'long.png'
+  drawn = plot.plot_training(run, str(out), 'long')
+  assert out.read_bytes()[:8] == _PNG
+  # Zeros among the losses: a symlog axis, linear below their decade.
+  assert drawn.yscale == 'symlog' and drawn.linthresh == 1e-15, drawn
+  # 40 saves: one row of ticks, not 40 lines; the restart is a line with
+  # its tier.
+  assert drawn.ticks == {'save': 40}, drawn
+  assert drawn.lines == ['restart (local tier)'], drawn
+  # The longer attempt (steps 1-1234) sets the window: 1234 // 100, odd.
+  assert drawn.window == 13, drawn

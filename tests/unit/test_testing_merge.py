@@ -131,3 +131,25 @@ def test_a_timeout_and_tests_that_never_started_say_so():
                             group_started=False, when='setup')
   assert 'The workers failed before running any test' in first.longrepr
   assert len(first.sections) == 2
+
+
+def test_group_timeouts_grow_with_the_machines_load():
+  # Idle, a CPU per process: the marker's timeout; a 2-core machine busy
+  # with other work: up to 4 times it; the variable overrides both.
+  assert _marker.timeout_scale(2, environ={}, load=0.0, cpus=8) == 1.0
+  assert _marker.timeout_scale(2, environ={}, load=3.0, cpus=2) == 2.5
+  assert _marker.timeout_scale(2, environ={}, load=40.0, cpus=2) == 4.0
+  variable = {_marker.TIMEOUT_SCALE_ENV: '1.5'}
+  assert _marker.timeout_scale(2, environ=variable, load=40.0, cpus=2) == 1.5
+  with pytest.raises(ValueError, match='give a positive number'):
+    _marker.timeout_scale(2, environ={_marker.TIMEOUT_SCALE_ENV: '0'})
+  scaled = _marker.GroupSpec('test_x.py', 2, 2, 15.0).scaled(2.5)
+  assert (scaled.timeout, scaled.scale) == (37.5, 2.5)
+  timed_out = _result(returncodes=(-9, -9), end_times=(37.5, 37.5),
+                      stopped=frozenset({0, 1}), timed_out=True,
+                      still_running_at_timeout=(0, 1))
+  merged = _merge.incomplete(_item(), scaled, [{}, {}], timed_out,
+                             group_started=True, when='setup')
+  assert ("hit its timeout of 37.5 s (the marker's 15 s x 2.5: the machine's "
+          'load, or $MULTIHOST_PYTEST_TIMEOUT_SCALE) and was stopped'
+          ) in merged.longrepr, merged.longrepr

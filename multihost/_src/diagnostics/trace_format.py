@@ -128,6 +128,25 @@ def last_seen(dumps: Sequence[Mapping[str, Any]], process: int
   return '; '.join(parts) or None
 
 
+def waited_for(dumps: Sequence[Mapping[str, Any]], process: int
+               ) -> str | None:
+  """Who waited for `process` at the first call it never arrived at, as their records show ('processes [0] waited 9.9 s for it'); None if none did."""
+  missed = None
+  for d in dumps:
+    if d['process'] == process:
+      continue
+    for r in d['records']:
+      if r['end'] is None and (missed is None or r['call'] < missed):
+        missed = r['call']
+  if missed is None:
+    return None
+  waits = {d['process']: (r['done'] or r['start']) - r['start']
+           for d in dumps if d['process'] != process
+           for r in d['records'] if r['call'] == missed and r['end'] is None}
+  return (f'processes {sorted(waits)} waited {max(waits.values()):.1f} s '
+          'for it')
+
+
 def straggler_lags(dumps: Sequence[Mapping[str, Any]]
                    ) -> dict[int, dict[int, float]]:
   """Process -> call -> seconds it arrived after the first arrival (calls every dump completed)."""

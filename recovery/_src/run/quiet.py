@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 
@@ -29,6 +30,19 @@ _DROPPED = (
     # finalize thread); the loop logs the stop once per process.
     (_ORBAX, '[process=%s][thread=%s] Reached preemption sync point'),
 )
+# JAX's INFO lines at `jax.distributed.initialize`, every process's: multihost
+# says the same in one line ("jax.distributed initialized: N processes").
+_JAX_DISTRIBUTED = (f'{os.sep}jax{os.sep}_src{os.sep}distributed.py',
+                    ('JAX distributed initialized with visible devices',
+                     'Connecting to JAX distributed service'))
+# INFO lines every process logs alike, after its `[process=N] ` prefix:
+# process 0's tells them for all.
+_SAID_BY_ALL = ('multihost failure watchdog started',
+                'jax.distributed initialized:', 'Resuming from local step',
+                'Resuming from checkpoint step', 'Restored local step')
+# The same of warnings: a fact of the shared checkpoint folder.
+_WARNED_BY_ALL = ('holds uncommitted (partial) saves',)
+_OTHER_PROCESS = re.compile(r'^\[process=([1-9]\d*)\] ')
 # Set once the filters and hook are in (process-wide hooks, installed once).
 _INSTALLED = threading.Event()
 
@@ -46,10 +60,24 @@ def _keep(record) -> bool:
   for where, start in _DROPPED:
     if where in record.pathname and msg.startswith(start):
       return False
+  info = record.levelno < logging.converter.STANDARD_WARNING
   # JAX says at INFO that it found no TPU on a machine that has none.
-  if (record.levelno < logging.converter.STANDARD_WARNING and
-      msg.startswith('Unable to initialize backend')):
+  if info and msg.startswith('Unable to initialize backend'):
     return False
+  if info and (_JAX_DISTRIBUTED[0] in record.pathname and
+               msg.startswith(_JAX_DISTRIBUTED[1])):
+    return False
+  if record.levelno < logging.converter.STANDARD_ERROR and msg.startswith(
+      '%s '):
+    try:
+      text = record.getMessage()
+    except (TypeError, ValueError):
+      return True
+    other = _OTHER_PROCESS.match(text)
+    said = _SAID_BY_ALL if info else ()
+    if other and (text[other.end():].startswith(said) or
+                  _WARNED_BY_ALL[0] in text):
+      return False
   # After one read of a damaged checkpoint failed, Orbax stops waiting for
   # the others; their TensorStore errors (the same damage, already reported
   # as a CheckpointError) are then logged as never retrieved, one per leaf
@@ -92,7 +120,12 @@ def quiet_third_party_noise() -> None:
   a TPU backend is absent, and after a failed read of a damaged checkpoint
   (reported as a `CheckpointError`) asyncio's "Task (or Future) exception
   was never retrieved" and TensorStore's "RuntimeError: Event loop is closed" for the
-  reads still in flight. Any other line shows as before; with absl's
+  reads still in flight; JAX's INFO lines as it connects a process
+  ("visible devices", "Connecting to"), and on processes other than 0 the
+  INFO lines every process logs alike (the failure watchdog and
+  jax.distributed started, resuming from and restored a step) and the
+  warning that the checkpoint folder holds partial saves: process 0's
+  tell them. Any other line shows as before; with absl's
   `--verbosity=1` every line shows.
   """
   if _INSTALLED.is_set():
