@@ -467,7 +467,9 @@ def test_default_run_and_single_controller_signals(tmp_path):
   folder = out.split('Checkpoint folder: ')[1].splitlines()[0]
   try:
     assert 'Finished step 20 (epoch 2)' in out
-    assert os.listdir(folder)
+    # A finished run removes its temporary folder and says so.
+    assert 'Removed the temporary checkpoint folder' in out, out[-3000:]
+    assert not os.path.exists(folder), folder
   finally:
     shutil.rmtree(folder, ignore_errors=True)
   assert time.monotonic() - t0 < 60
