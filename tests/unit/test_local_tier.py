@@ -253,7 +253,15 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
   newest = 9 if damage == 'digest' else 6
   assert f'Resuming from local step {newest} in {local}' in caplog.text
   if damage == 'digest':
-    assert 'Local step 9 failed its checks; trying older' in caplog.text
+    # Set aside, kept: past the run's later saves of steps 9 and 12.
+    moved = ckpt.set_aside[9]
+    assert re.fullmatch(r'9-[0-9a-f]{16}\.damaged-\d{8}T\d{6}Z',
+                        os.path.basename(moved)), moved
+    assert os.path.isdir(moved) and os.path.dirname(moved) == os.path.join(
+        local, 'process_0'), moved
+    assert (f"Local step 9 failed its checks; set this process's folder of "
+            f'it aside as {moved} (kept, never read or deleted); trying '
+            'older') in caplog.text
   assert re.search(rf'Restored local step 6 .* from the local tier in {local}'
                    r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
 
@@ -280,7 +288,9 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
   state, ckpt = _train(tmp_path, 12, save_every=6, restart=True,
                        monkeypatch=monkeypatch)
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
-  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert re.search(r"Local step 9 failed its checks; set this process's "
+                   r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
+                   'trying older', caplog.text)
   assert (recovery.checkpoint_digest(state)
           == recovery.checkpoint_digest(reference))
 
@@ -308,7 +318,9 @@ def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
     assert re.search(rf'Checkpoint step {step} in .* is damaged: its files '
                      rf'cannot be read .*Set it aside as .*/{step}\.damaged-'
                      r'.*; resuming from local step 6 instead\.', line), line
-  assert 'Local step 9 failed its checks; trying older' in caplog.text
+  assert re.search(r"Local step 9 failed its checks; set this process's "
+                   r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
+                   'trying older', caplog.text)
   # Step 8 was saved again; the damaged folders are kept beside it.
   assert ckpt.steps() == [4, 8, 12]
   names = sorted(os.listdir(tmp_path / 'ckpt'))

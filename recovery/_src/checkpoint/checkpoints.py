@@ -69,7 +69,8 @@ class Checkpoints:
     partial_steps: steps of saves that never committed, found when opened.
     resumed_from: the step `start` restored, or None (fresh, or not started).
     resumed_tier: 'local' or 'persistent' after a restoring `start`, else None.
-    set_aside: the damaged steps `start` renamed aside (step -> new path).
+    set_aside: the damaged steps `start` renamed aside (step -> new path;
+      for a local step, this process's folder of it).
     local: the local tier, or None.
   """
 

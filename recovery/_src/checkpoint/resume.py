@@ -212,6 +212,16 @@ def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
   """The newest of the local `candidates` (>= `not_before`) that restores, or None on every process."""
   tier, t0 = ckpt.local, time.monotonic()
   got = tier.restore(initial, candidates=candidates, not_before=not_before)
+  for step, moved in sorted(tier.set_aside.items()):
+    if moved is None:
+      continue
+    # A damaged local step, kept beside the others (bin/train.py's
+    # --metrics_out records it as it does a persistent one).
+    ckpt.set_aside.setdefault(step, moved)
+    _record_event('checkpoint set aside', t0, step=step, moved_to=moved,
+                  why='failed its checks', tier='local',
+                  resumed_from=None if got is None else got.step)
+  tier.set_aside.clear()
   if got is None:
     return None
   state = got.state

@@ -45,6 +45,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,10 @@ MANIFEST = 'manifest.json'
 DATA = 'data.bin'
 _PROCESS = 'process_'
 _TMP = '.tmp-'
+# A step folder that failed its checks at a restore, renamed beside the
+# steps (`set_aside`): no step pattern matches it, so nothing reads,
+# ranks or deletes it.
+DAMAGED = '.damaged-'
 _RUN = re.compile(r'[0-9a-f]{16}')
 _STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
 _WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
@@ -472,6 +477,32 @@ def prune(local: str, process: int, run: str, *, keep: int,
   deleted = sorted([*older[:max(0, len(older) - (keep - 1))],
                     *(s for s in mine if s > written)])
   return [s for s in deleted if _remove(os.path.join(own, mine[s]))]
+
+
+def set_aside(local: str, process: int, step: int, run: str) -> str | None:
+  """Renames `process`'s folder of step `step` of run `run` to `<step>-<run>.damaged-<UTC time>`; returns the new path, or None when it has no such folder.
+
+  The new name matches no step pattern: `scan`, `prune` and `remove_tmp`
+  never read, rank or delete it (a person may, to see what went wrong).
+
+  Raises:
+    CheckpointFolderError: `local` or the process subfolder fails
+      `check_private`.
+    OSError: the rename failed.
+  """
+  own = _own(local, process)
+  name = step_name(step, run)
+  if not _is_dir(os.path.join(own, name)):
+    return None
+  stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+  base = os.path.join(own, f'{name}{DAMAGED}{stamp}')
+  path, n = base, 1
+  while os.path.lexists(path):  # The same step set aside twice this second.
+    n += 1
+    path = f'{base}-{n}'
+  os.rename(os.path.join(own, name), path)
+  fsync_folder(own)
+  return path
 
 
 def remove_tmp(local: str, process: int, run: str) -> None:

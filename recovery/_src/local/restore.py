@@ -78,9 +78,13 @@ def restore(tier: Any, target: TransitionState, *, candidates: list[int],
       return Restored(state=state, step=step, fetched=fetched,
                       fetched_total=total, failed=tuple(failed))
     failed.append(step)
-    logging.warning('%s Local step %d failed its checks; trying older local '
-                    'steps (down to step %s) before the persistent tier.',
-                    _prefix(), step, not_before)
+    moved = tier.set_aside_step(step)
+    logging.warning('%s Local step %d failed its checks; %s; trying older '
+                    'local steps (down to step %s) before the persistent '
+                    'tier.', _prefix(), step,
+                    f'set this process\'s folder of it aside as {moved} '
+                    '(kept, never read or deleted)' if moved else
+                    'this process holds no folder of it', not_before)
   return None
 
 

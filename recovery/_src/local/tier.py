@@ -185,6 +185,9 @@ class LocalTier:
     self.last_saved: int | None = None
     self.restored_bytes_from_peers = 0
     self.inventory: dict[int, dict] = {}  # by `newest`: step -> what is where
+    # Local steps a restore found damaged: step -> this process's folder of
+    # it, renamed aside (`set_aside`; None: this process had none).
+    self.set_aside: dict[int, str | None] = {}
     self.saves = 0
     self.save_seconds = 0.0  # spent by `save` on the calling thread
     self.peer_bytes_sent = 0
@@ -296,6 +299,22 @@ class LocalTier:
   def close(self) -> None:
     self.wait()
     self._pool.shutdown(wait=True)
+
+  def set_aside_step(self, step: int) -> str | None:
+    """Renames this process's folder of this run's local step `step` aside (`folder.set_aside`); returns its new path, None when there is none or the rename failed (logged).
+
+    A damaged step is kept, never deleted: keep-N and later restores pass
+    over the new name.
+    """
+    try:
+      moved = folder.set_aside(self.local, self.me, step, self.run)
+    except (OSError, CheckpointFolderError) as e:
+      logging.error('%s Local step %d could not be set aside in %s (%s: %s); '
+                    'keep-N may delete it.', _prefix(), step, self.local,
+                    type(e).__name__, e)
+      moved = None
+    self.set_aside[step] = moved
+    return moved
 
   def owns(self, stored: folder.StoredStep) -> bool:
     """Whether a stored local step is this run's (its identity and folder)."""
