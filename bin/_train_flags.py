@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import signal
 import time
@@ -110,6 +111,12 @@ DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
     'bytes (a damaged checkpoint), so that the restart must set it aside '
     'and resume from the previous one. With --noasync_save, every save due '
     'by then has committed.')
+DRILL_DAMAGE_NEWEST_LOCAL = flags.DEFINE_boolean(
+    'drill_damage_newest_local', False,
+    'For fault drills: the killed process first waits for its local save in '
+    'flight, then flips the last byte of the data file of its newest local '
+    'step in --local_checkpoint_dir (a damaged local step), so that the '
+    'restart must set that step aside and restore an older one.')
 
 DRILL_STALL_AT = flags.DEFINE_integer(
     'drill_stall_at_step', 0,
@@ -198,7 +205,8 @@ _MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
                RESUME_IF_PRESENT, VERIFY_REPLAY, WIDTH, SAMPLES, BATCH_SIZE,
                SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
                SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
-               DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST, DRILL_STALL_AT,
+               DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST,
+               DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT,
                DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
                STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
                STEP_DEADLINE_FLOOR)
@@ -224,9 +232,29 @@ def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
     if DRILL_DAMAGE_NEWEST.value:
       _damage_newest(checkpoints.directory)
+    if DRILL_DAMAGE_NEWEST_LOCAL.value and checkpoints.local is not None:
+      checkpoints.local.wait()  # The step in flight is the newest.
+      _damage_newest_local(LOCAL_DIR.value, pid)
     print(f'Drill: process {pid} SIGKILLs itself after step {step} '
           f'at {time.time():.3f}.', flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _damage_newest_local(local: str, pid: int) -> None:
+  """Flips the last byte of `data.bin` of process `pid`'s newest local step (`<local>/process_<pid>/<step>-<run>/`)."""
+  own = pathlib.Path(local) / f'process_{pid}'
+  steps = sorted((int(p.name.split('-')[0]), p) for p in own.iterdir()
+                 if re.fullmatch(r'\d+-[0-9a-f]{16}', p.name))
+  if not steps:
+    raise AssertionError(f'--drill_damage_newest_local: no local step in '
+                         f'{own} yet; kill after a later step.')
+  step, folder = steps[-1]
+  data = folder / 'data.bin'
+  raw = bytearray(data.read_bytes())
+  raw[-1] ^= 0xff
+  data.write_bytes(bytes(raw))
+  print(f'Drill: damaged local step {step} in {own} at {time.time():.3f}.',
+        flush=True)
 
 
 def _damage_newest(directory: str) -> None:

@@ -12,6 +12,7 @@ ends bitwise equal to an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -246,3 +247,28 @@ def _report(what, out, resumed, peers):
         f'{KILL_AFTER - 15} steps lost, bytes from peers {peers}')
 
 
+
+
+def test_a_restart_sets_a_damaged_newest_local_step_aside_and_ends_equal(
+    tmp_path, uninterrupted):
+  # Process 1 flips a byte of its newest local step (15), then SIGKILLs
+  # itself: the restart finds step 15 failing its digest on every process,
+  # sets each process's folder of it aside (kept), and restores step 10.
+  result, out, digest = _drill(tmp_path, '--drill_damage_newest_local')
+  assert result.restart_count == 1, result.summary
+  assert 'Drill: damaged local step 15 in' in out, out[-3000:]
+  assert {p: r[:2] for p, r in _resumed(out).items()} == {
+      0: (10, 'local'), 1: (10, 'local')}, out[-3000:]
+  assert digest == uninterrupted
+  for p in (0, 1):
+    own = tmp_path / f'local{p}' / f'process_{p}'
+    (moved,) = [n for n in os.listdir(own) if '.damaged-' in n]
+    assert re.fullmatch(r'15-[0-9a-f]{16}\.damaged-\d{8}T\d{6}Z', moved), moved
+    assert (own / moved / 'data.bin').is_file()  # kept whole
+    assert re.search(rf"\[process={p}\] Local step 15 failed its checks; set "
+                     rf"this process's folder of it aside as {own / moved}",
+                     out), out[-3000:]
+  records = [json.loads(ln) for ln in
+             (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in records if r.get('event') == 'set_aside'] == [
+      15], records
