@@ -19,8 +19,9 @@ slower of the two processes reaches it):
   detect      the kill -> the launcher reaped process 1
   stop        -> the survivor (process 0) ended
   start       -> the next attempt's controllers were spawned
-  import      -> `jax.distributed.initialize` began (Python, imports)
-  initialize  -> `multihost.initialize()` returned
+  import      -> process 0 started JAX's coordination service (Python,
+                 imports; the others do not log theirs)
+  initialize  -> `multihost.initialize()` returned (process 0's line)
   restore     -> 'Resumed from step' (the model, the data order and their
                  first compiles, the local tier's restore)
   first step  -> 'Training again' (compiling, then one step)
@@ -116,13 +117,22 @@ def run_once(folder: str, args: argparse.Namespace) -> dict[str, float]:
   for i in range(2):
     lines = second.outputs[i].splitlines()
     per_process.append({
-        'import': _first(lines, 'JAX distributed initialized with', year),
+        # Imports done: JAX starts (process 0) or joins the service.
+        'import': _first(lines, 'Starting JAX distributed service', year)
+                  or _first(lines, 'JAX distributed initialized with', year),
         'initialize': _first(lines, 'jax.distributed initialized:', year),
         'restore': _stamped(second.outputs[i], r'Resumed from step'),
         'first step': _stamped(second.outputs[i], r'Training again'),
     })
   for stage in ('import', 'initialize', 'restore', 'first step'):
-    times[stage] = max(p[stage] for p in per_process)
+    # Processes other than 0 do not log JAX's connect lines and the
+    # initialized line (bin/train.py's quiet filters): those two stages end
+    # when process 0 reaches them.
+    seen = [p[stage] for p in per_process if p[stage] is not None]
+    if not seen:
+      raise RuntimeError(f'no process logged the end of stage {stage!r}; '
+                         'the log lines this drill reads have changed.')
+    times[stage] = max(seen)
   out, previous = {}, killed
   for stage in STAGES:
     out[stage] = times[stage] - previous
