@@ -60,22 +60,30 @@ class Result:
             'torch_times_ms': self.torch}
 
 
+def _connect_0_and_1(settings: Settings):
+  """(listening socket or None, connection or None): one loopback TCP connection between processes 0 and 1 (the others get None, None).
+
+  Collective: every process must call this (the port is broadcast).
+  """
+  pid, server, conn, port = jax.process_index(), None, None, None
+  if pid == 0:
+    server = socket.create_server(('127.0.0.1', 0))
+    port = server.getsockname()[1]
+  port = multihost.broadcast_object(port, timeout=settings.timeout)
+  if pid == 0:
+    conn, _ = server.accept()
+  elif pid == 1:
+    conn = socket.create_connection(('127.0.0.1', port))
+  return server, conn
+
+
 class RawStream:
   """One Python TCP stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks."""
 
   def __init__(self, nbytes: int, settings: Settings):
     self.pid = jax.process_index()
     self.nbytes = nbytes
-    self.server = self.conn = None
-    port = None
-    if self.pid == 0:
-      self.server = socket.create_server(('127.0.0.1', 0))
-      port = self.server.getsockname()[1]
-    port = multihost.broadcast_object(port, timeout=settings.timeout)
-    if self.pid == 0:
-      self.conn, _ = self.server.accept()
-    elif self.pid == 1:
-      self.conn = socket.create_connection(('127.0.0.1', port))
+    self.server, self.conn = _connect_0_and_1(settings)
     self.payload = np.ones(nbytes, np.uint8)
     self.buffer = memoryview(bytearray(nbytes))
 
@@ -105,16 +113,7 @@ class RoundTrip:
 
   def __init__(self, settings: Settings):
     self.pid = jax.process_index()
-    self.server = self.conn = None
-    port = None
-    if self.pid == 0:
-      self.server = socket.create_server(('127.0.0.1', 0))
-      port = self.server.getsockname()[1]
-    port = multihost.broadcast_object(port, timeout=settings.timeout)
-    if self.pid == 0:
-      self.conn, _ = self.server.accept()
-    elif self.pid == 1:
-      self.conn = socket.create_connection(('127.0.0.1', port))
+    self.server, self.conn = _connect_0_and_1(settings)
     if self.conn is not None:
       self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     self.buffer = memoryview(bytearray(8))

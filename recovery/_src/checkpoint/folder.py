@@ -18,14 +18,13 @@ import json
 import os
 import re
 import shutil
-import time
 from typing import Any
 
 from absl import logging
 import jax
 
 from multihost.lowlevel import process_prefix as _prefix
-from recovery._src.state.errors import DAMAGED_SUFFIX
+from recovery._src.local import folder as local_folder
 from recovery._src.state.errors import CheckpointFolderError
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
@@ -123,12 +122,7 @@ def set_aside(directory: str, step: int) -> str:
   Raises:
     OSError: the rename failed.
   """
-  stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
-  base = os.path.join(directory, f'{step}{DAMAGED_SUFFIX}{stamp}')
-  path, n = base, 1
-  while os.path.lexists(path):  # The same step set aside twice this second.
-    n += 1
-    path = f'{base}-{n}'
+  path = local_folder.aside_path(directory, str(step))
   os.rename(os.path.join(directory, str(step)), path)
   return path
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
+from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
 FORMAT = 'recovery-local-v2'
@@ -60,10 +61,6 @@ MANIFEST = 'manifest.json'
 DATA = 'data.bin'
 _PROCESS = 'process_'
 _TMP = '.tmp-'
-# A step folder that failed its checks at a restore, renamed beside the
-# steps (`set_aside`): no step pattern matches it, so nothing reads,
-# ranks or deletes it.
-DAMAGED = '.damaged-'
 _RUN = re.compile(r'[0-9a-f]{16}')
 _STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
 _WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
@@ -494,14 +491,20 @@ def set_aside(local: str, process: int, step: int, run: str) -> str | None:
   name = step_name(step, run)
   if not _is_dir(os.path.join(own, name)):
     return None
+  path = aside_path(own, name)
+  os.rename(os.path.join(own, name), path)
+  fsync_folder(own)
+  return path
+
+
+def aside_path(directory: str, name: str) -> str:
+  """A free path `<directory>/<name>.damaged-<UTC time>[-N]` for a damaged step set aside (persistent or local)."""
   stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
-  base = os.path.join(own, f'{name}{DAMAGED}{stamp}')
+  base = os.path.join(directory, f'{name}{DAMAGED_SUFFIX}{stamp}')
   path, n = base, 1
   while os.path.lexists(path):  # The same step set aside twice this second.
     n += 1
     path = f'{base}-{n}'
-  os.rename(os.path.join(own, name), path)
-  fsync_folder(own)
   return path
 
 
