@@ -215,6 +215,7 @@ class _Wait:
         m.rt, TimeoutError('DEADLINE_EXCEEDED: the agreement over the links'),
         m.op, m.prefix, waited=now - m.start, timeout=self.timeout)
     if isinstance(error, errors.CollectiveTimeoutError):
+      m.wrote()
       _control_marks.leave_mark(m.rt, m.op, m.prefix, m.start)
     return where.with_whereabouts(error, runtime=m.rt)
 

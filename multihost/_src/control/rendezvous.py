@@ -29,8 +29,12 @@ from multihost._src.runtime import failures
 from multihost._src.runtime import runtime as _runtime
 
 _ROOT = 'multihost'
-# Calls are grouped in blocks of this many; process 0 deletes a whole block's
-# keys once every process is two blocks further, so the store stays small.
+# Calls are grouped in blocks of this many; a block's keys are deleted once
+# every process is two blocks further, so the store stays small: by process
+# 0 where the block's calls met through the service (every process may have
+# written), and by each process that wrote keys in it otherwise (diagnosis,
+# gave-up marks, a full exchange). Calls that agree over the links write no
+# keys, so they cost no deleting RPC.
 _BLOCK = 64
 # The fast path waits this long at its barrier before falling back to the
 # full exchange. The service checks barrier deadlines about once a second,
@@ -107,8 +111,15 @@ class Rendezvous:
     # Over the links once every process set them up (see `control.links`).
     self._links = links.usable(rt)
     self._entries: dict[int, bytes] | None = None
-    if not self._links and links.enabled(rt):
-      links.prepare(rt, op, self.call)
+    if not self._links:
+      if self.me == 0:  # Process 0 deletes the service path's blocks.
+        self.wrote()
+      if links.enabled(rt):
+        links.prepare(rt, op, self.call)
+
+  def wrote(self) -> None:
+    """Notes that this process writes keys of this call (deleted with its block, see `_ended`)."""
+    self.rt.written_blocks.add(self.call // _BLOCK)
 
   @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
@@ -209,6 +220,7 @@ class Rendezvous:
               published=self.prefix, runtime=rt)
     except errors.CollectiveTimeoutError:
       rt.backoff = _BACKOFF_CALLS
+      self.wrote()
       marks.leave_mark(rt, self.op, self.prefix, self.start)
       raise
     self.record.end = time.monotonic()
@@ -235,8 +247,11 @@ class Rendezvous:
   def _ended(self) -> None:
     """Once every process met: drops old keys, notes when (`last_end`)."""
     call = self.call
-    if self.me == 0 and call % _BLOCK == 0 and call >= 2 * _BLOCK:
-      self.client.kv_delete(f'{_ROOT}/{call // _BLOCK - 2}/')
+    written = self.rt.written_blocks
+    if written:  # Every process started this call: none is in those blocks.
+      for block in [b for b in written if b <= call // _BLOCK - 2]:
+        written.discard(block)
+        self.client.kv_delete(f'{_ROOT}/{block}/')
     self.rt.last_end = time.monotonic()
     if not self._links and links.enabled(self.rt):
       links.met(self.rt, self.op, call)
@@ -245,6 +260,7 @@ class Rendezvous:
     """Puts `value` under this process's key, authenticated with the job secret."""
     key = self.prefix + str(self.me)
     secret = _secret.job_secret(self.op, timeout=timeout, runtime=self.rt)
+    self.wrote()
     self.client.kv_set(key, marks.mac(secret, key, value) + value)
 
   def _open(self, key: str, stored: bytes) -> bytes:

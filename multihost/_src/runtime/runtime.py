@@ -122,6 +122,11 @@ class Runtime:
     # take the full exchange directly, and when the last call ended.
     self.backoff = 0
     self.last_end: float | None = None
+    # The blocks of calls (`control.rendezvous._BLOCK`) under which this
+    # process wrote keys, not yet deleted: each process deletes the keys it
+    # wrote, so a call that agreed over the links, writing none, costs no
+    # RPC.
+    self.written_blocks: set[int] = set()
     # Whether calls agree through the service only, never over the links
     # (tests of that path set it).
     self.service_only = False

@@ -26,8 +26,25 @@ DEFAULT_FLIGHT_RING = 64
 TRANSPORTS = ('tcp', 'device')
 
 
+def _get(name: str) -> str | None:
+  """os.environ.get(name), without its cost for an unset variable.
+
+  os.environ.get of an unset variable raises and catches a KeyError inside
+  (microseconds, on every collective call): where os.environ keeps its dict
+  of encoded names (CPython's `_Environ`), that dict is read itself.
+  """
+  data = getattr(os.environ, '_data', None)
+  if isinstance(data, dict):
+    try:
+      value = data.get(os.environ.encodekey(name))
+      return None if value is None else os.environ.decodevalue(value)
+    except AttributeError:
+      pass
+  return os.environ.get(name)
+
+
 def _text(name: str) -> str:
-  return os.environ.get(name, '').strip()
+  return (_get(name) or '').strip()
 
 
 def number(name: str, default: float, *, unit: str, example: str,
@@ -170,10 +187,22 @@ def restart_count() -> int:
                     zero_ok=True, integer=True))
 
 
+# `shared`'s last answer, with the variables' raw values it was made of:
+# every call reads them, and parses them only when they changed.
+_shared: tuple[Any, Any] = (None, None)
+
+
 def shared() -> tuple[tuple[str, str], ...]:
   """The settings every process must share to agree on a call: (variable, value) pairs, part of every call's agreement."""
-  return ((env.TCP_LANES, str(tcp_lanes())),
-          (env.TRANSPORT, transport() or 'unset'))
+  global _shared
+  raw = (_get(env.TCP_LANES), _get(env.TRANSPORT))
+  last = _shared
+  if last[0] == raw:
+    return last[1]
+  value = ((env.TCP_LANES, str(tcp_lanes())),
+           (env.TRANSPORT, transport() or 'unset'))
+  _shared = (raw, value)
+  return value
 
 
 class Settings:

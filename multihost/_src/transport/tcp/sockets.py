@@ -7,6 +7,7 @@ silent, not closed) raises `ProcessFailureError` once the watchdog names it.
 
 from __future__ import annotations
 
+import os
 import queue
 import select
 import socket
@@ -66,14 +67,23 @@ def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
   return bytes(buf)
 
 
+# poll events that say the peer shut its side, or the connection failed.
+_CLOSING = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
 def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
   """Whether the peer has not closed `conn` (bytes waiting count as open).
 
-  `poll` (registered for `conn`'s POLLIN) makes the common case, nothing
-  to read, one call.
+  `poll` (registered for `conn`'s POLLIN and POLLRDHUP) makes the common
+  cases one call: nothing to read, or bytes waiting while the peer has not
+  shut its side (as when its next frame came before this call asked).
   """
-  if poll is not None and not poll.poll(0):  # Neither bytes nor EOF.
-    return True
+  if poll is not None:
+    events = poll.poll(0)
+    if not events:  # Neither bytes nor EOF.
+      return True
+    if not events[0][1] & _CLOSING:  # Bytes, and no EOF behind them.
+      return True
   # Python waits for a socket with a timeout to be readable before its recv,
   # whatever the flags: peek with the socket non-blocking.
   timeout = conn.gettimeout()
@@ -89,10 +99,29 @@ def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
     return False
 
 
+def _unpolled(conn) -> bool:
+  """Whether `conn` may be read or written once without Python's poll: a socket with a timeout, which is non-blocking underneath (never a blocking one, nor a stand-in)."""
+  return isinstance(conn, socket.socket) and conn.gettimeout() is not None
+
+
 def recv_into(conn: socket.socket, view: memoryview,
                deadline: Deadline | None = None) -> None:
-  """Fills `view`; with a `deadline`, in watched slices (`api.watched`)."""
+  """Fills `view`; with a `deadline`, in watched slices (`api.watched`).
+
+  A socket with a timeout is non-blocking underneath, and Python polls it
+  before each recv: what has already come is read first with one plain
+  read (a small frame's header or body usually has), and the watched
+  slices wait only for the rest.
+  """
   got = 0
+  if view and _unpolled(conn):
+    try:
+      got = os.readv(conn.fileno(), [view])
+    except (BlockingIOError, InterruptedError):
+      got = 0
+    else:
+      if got == 0:
+        raise ConnectionResetError('the peer closed the connection')
   while got < len(view):
     k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
     if k == 0:
@@ -104,6 +133,11 @@ def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
   """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
   view = memoryview(view).cast('B')
   sent = 0
+  if view and _unpolled(conn):  # (see `recv_into`)
+    try:
+      sent = os.write(conn.fileno(), view)
+    except (BlockingIOError, InterruptedError):
+      sent = 0
   while sent < len(view):
     sent += _watched(conn.send, view[sent:], deadline)
 
