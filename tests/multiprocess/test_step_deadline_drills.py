@@ -97,15 +97,25 @@ def test_train_heals_a_stuck_step_under_max_restarts(tmp_path):
       o[-3000:] for a in result.attempts for o in a.outputs)
   assert result.restart_count == 1, result.summary
   first, last = result.attempts
-  assert first.returncodes == (75, 75), first.summary
-  # Each left on its own with its report (the launcher, restarting at once,
-  # may have signalled one that was already leaving: its status is still 75).
-  for out in first.outputs:
-    assert len(_report_lines(out)) == 1, out[-3000:]
-  (line,) = _report_lines(first.outputs[0])
-  assert '[process=0] multihost: step 8 has run for ' in line, line
-  assert 'Behind the others: process 1 is in step 8 ' in line, line
-  assert 'main thread in stall (bin/_train_flags.py:' in line, line
+  # The first to see the deadline leaves with 75 and its report; restarting
+  # at once, the launcher then stops the other unless it has left with 75
+  # and its report already (the plain launcher's drill above checks that
+  # both leave by themselves).
+  assert 75 in first.returncodes, first.summary
+  for p, (rc, out) in enumerate(zip(first.returncodes, first.outputs,
+                                    strict=True)):
+    if rc == 75:
+      assert len(_report_lines(out)) == 1, out[-3000:]
+    else:
+      assert p in first.stopped, first.summary
+  if first.returncodes[0] == 75:  # Process 0 names the one behind.
+    (line,) = _report_lines(first.outputs[0])
+    assert '[process=0] multihost: step 8 has run for ' in line, line
+    assert 'Behind the others: process 1 is in step 8 ' in line, line
+    assert 'main thread in stall (bin/_train_flags.py:' in line, line
+  else:  # The stuck process saw its own step outlast the deadline first.
+    (line,) = _report_lines(first.outputs[1])
+    assert '[process=1] multihost: step 8 has run for ' in line, line
   assert 'Drill: process 1 stalls' not in last.outputs[1]
   assert '[process=0] Resumed from step 5 ' in last.outputs[0]
   assert 'Finished step 12 ' in last.outputs[0]
