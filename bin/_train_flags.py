@@ -96,7 +96,9 @@ DRILL_KILL_AFTER = flags.DEFINE_integer(
     'drill_kill_after_step', 0,
     'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
     'or 0), process --drill_kill_process SIGKILLs itself after this step, '
-    'before its saves (0: never).', lower_bound=0)
+    'before its saves, once its local save still in flight (of an earlier '
+    'step) is on disk, so that the drill\'s newest local step does not '
+    'depend on the machine\'s load (0: never).', lower_bound=0)
 DRILL_KILL_PROCESS = flags.DEFINE_integer(
     'drill_kill_process', 1, 'For fault drills: the process that is killed.',
     lower_bound=0)
@@ -113,8 +115,7 @@ DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
     'by then has committed.')
 DRILL_DAMAGE_NEWEST_LOCAL = flags.DEFINE_boolean(
     'drill_damage_newest_local', False,
-    'For fault drills: the killed process first waits for its local save in '
-    'flight, then flips the last byte of the data file of its newest local '
+    'For fault drills: the killed process first flips the last byte of the data file of its newest local '
     'step in --local_checkpoint_dir (a damaged local step), so that the '
     'restart must set that step aside and restore an older one.')
 
@@ -224,16 +225,16 @@ def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
   """The fault drill: process --drill_kill_process SIGKILLs itself after --drill_kill_after_step, on the first attempt only."""
   if (step == DRILL_KILL_AFTER.value and first_attempt
       and pid == DRILL_KILL_PROCESS.value):
+    # A local step still being written in the background finishes first: the
+    # drill's newest local step is then the same on a loaded machine (and is
+    # not committed into a folder the drill wipes below).
+    if checkpoints.local is not None:
+      checkpoints.local.wait()
     if DRILL_WIPE_LOCAL.value and LOCAL_DIR.value:
-      # A local step still being written in the background would be
-      # committed into the wiped folder (or keep rmtree from removing it).
-      if checkpoints.local is not None:
-        checkpoints.local.wait()
       shutil.rmtree(LOCAL_DIR.value, ignore_errors=True)
     if DRILL_DAMAGE_NEWEST.value:
       _damage_newest(checkpoints.directory)
     if DRILL_DAMAGE_NEWEST_LOCAL.value and checkpoints.local is not None:
-      checkpoints.local.wait()  # The step in flight is the newest.
       _damage_newest_local(LOCAL_DIR.value, pid)
     print(f'Drill: process {pid} SIGKILLs itself after step {step} '
           f'at {time.time():.3f}.', flush=True)

@@ -59,17 +59,34 @@ def _train_and_kill_1(tmp_path, attempt):
   return result, took
 
 
+def _evidence(out: str) -> list[str]:
+  """The lines of a process's output that say why it ended (for a failure's message)."""
+  return [l for l in out.splitlines() if re.search(
+      r'Fatal|terminate|Check failed|gloo|Gloo|Error|^F\d{4}', l)][:20]
+
+
+def _gloo_told_at_once(returncode: int, out: str) -> bool:
+  """Whether gloo ended the survivor itself when its peer died: an error out of the step, or gloo's own abort."""
+  if returncode == 1 and 'JaxRuntimeError' in out:
+    return True
+  return returncode == -signal.SIGABRT and bool(re.search(
+      r'[Gg]loo.*(Connection closed|Connection reset|terminate)', out))
+
+
 def test_a_survivor_stuck_in_a_jitted_step_leaves_with_status_75(tmp_path):
   # Gloo sometimes tells a ring neighbour at once ("Connection closed by
   # peer", a JaxRuntimeError out of the step, which ends the program by
-  # itself); the stuck case, which this drill is about, is the usual one.
+  # itself, or, rarely, an abort inside gloo: CI saw SIGABRT once); the stuck
+  # case, which this drill is about, is the usual one. A failure's message
+  # carries the lines that say why the survivor ended.
   for attempt in range(3):
     result, took = _train_and_kill_1(tmp_path, attempt)
     out = result.outputs[0]
-    if not (result.returncodes[0] == 1 and 'JaxRuntimeError' in out):
+    if not _gloo_told_at_once(result.returncodes[0], out):
       break
   assert result.returncodes[1] == -signal.SIGKILL, result.summary
-  assert result.returncodes[0] == 75, (result.summary, out[-4000:])
+  assert result.returncodes[0] == 75, (result.summary, _evidence(out),
+                                       out[-4000:])
   assert took < HEARTBEAT_S + 10, (took, out[-4000:])
   lines = [l for l in out.splitlines() if 'leaving with exit status 75' in l]
   assert len(lines) == 1, out[-4000:]
