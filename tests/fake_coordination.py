@@ -116,6 +116,18 @@ class FakeClient:
       s.store[key] = bytes(value)
       s.cond.notify_all()
 
+  def kv_create(self, key: str, value: bytes) -> bool:
+    s = self.service
+    with s.cond:
+      self._alive()
+      if key in s.store:
+        return False
+      if s.tamper is not None:
+        value = s.tamper(key, value, self.me)
+      s.store[key] = bytes(value)
+      s.cond.notify_all()
+      return True
+
   def kv_get(self, key: str, timeout: float) -> bytes:
     s = self.service
     deadline = time.monotonic() + timeout

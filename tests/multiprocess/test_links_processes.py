@@ -121,3 +121,27 @@ def test_a_source_that_gave_up_after_sending_early_fails_every_process(count):
   assert result.ok, result.summary
   for out in result.outputs:
     assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]
+
+
+def test_a_process_that_gave_up_on_its_last_round_fails_every_process():
+  # tests/programs/gave_up_last_round.py: process 1 times out on its last
+  # agreement round after sending every frame the others need; process 0
+  # completes the rounds after that deadline. All or none: both raise, and
+  # the calls after it return on both. (At 3 processes the others, waiting
+  # longer than the diagnosis window, already see process 1's gave-up mark.)
+  with launch.Controllers(program('gave_up_last_round'), num_processes=2,
+                          env=dict(os.environ), grace_period=30) as cluster:
+    result = cluster.wait(timeout=120)
+  for op in ('sync_global_devices', 'broadcast_one_to_all',
+             'process_allgather'):
+    first = [re.search(rf'CALL {op} 0 (.*)', out) for out in result.outputs]
+    assert all(first), [out[-3000:] for out in result.outputs]
+    outcomes = [m.group(1) for m in first]
+    assert all(o.startswith('CollectiveTimeoutError') for o in outcomes), (
+        op, outcomes)
+    for out in result.outputs:  # back in step
+      for i in (1, 2):
+        assert f'CALL {op} {i} ok' in out, (op, i, out[-3000:])
+  assert result.ok, result.summary
+  for out in result.outputs:
+    assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]

@@ -24,6 +24,7 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import leaves
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import sockets
 
 Header = agree.Header
 
@@ -252,3 +253,69 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
       rt.watchdog.peer_loss.cancel()
     fake.stop(rts)
   del service
+
+
+def _hold_agreement_frames(monkeypatch, process: int, seconds: float, *,
+                           on_a_thread: bool):
+  """Makes fake process `process` hold its agreement frames `seconds`: its send waits (or, `on_a_thread`, returns at once and the frame leaves later)."""
+  real = sockets.send_all
+
+  def held(conn, view, deadline):
+    if threading.current_thread().name != f'fake-process-{process}':
+      return real(conn, view, deadline)
+    if not on_a_thread:
+      time.sleep(seconds)
+      return real(conn, view, deadline)
+    later = threading.Timer(seconds, real, args=(conn, bytes(view), deadline))
+    later.daemon = True
+    later.start()
+    return None
+
+  monkeypatch.setattr(sockets, 'send_all', held)
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_process_that_completes_after_another_gave_up_raises_too(
+    job, monkeypatch):
+  # Process 0 (timeout 1 s) gives the call up while process 1's frame is
+  # held; process 1 then sends it, receives process 0's frame sent long ago,
+  # and completes the rounds: the call's outcome record makes it raise too.
+  _, rts = job
+  _hold_agreement_frames(monkeypatch, 1, 1.6, on_a_thread=False)
+  results = fake.run(rts, lambda rt: _sync(
+      rt, timeout=1.0 if rt.index == 0 else 30.0))
+  first, second = _errors_of(results, errors.CollectiveTimeoutError)
+  assert 'timed out' in str(first) and '[1]' in str(first), first
+  assert 'process 0 gave this call up at its timeout' in str(second), second
+  monkeypatch.undo()
+  # In step again: the next call agrees on both.
+  results = fake.run(rts, _sync)
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 2
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_a_deadline_that_passes_after_another_completed_waits_for_the_frames(
+    job, monkeypatch):
+  # Process 1 comes 1.6 s late, completes at once (process 0's frame waits
+  # in its socket) and settles the call as done; its own frame reaches
+  # process 0 only 1 s later, after process 0's 2 s deadline. Process 0
+  # follows the record: it waits on and returns too.
+  _, rts = job
+  _hold_agreement_frames(monkeypatch, 1, 1.0, on_a_thread=True)
+  results = fake.run(rts, lambda rt: _sync(
+      rt, timeout=2.0 if rt.index == 0 else 30.0), delays={1: 1.6})
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 2, results
+  assert results[0][1] > 2.0, results  # past its deadline, then returned
+  monkeypatch.undo()
+  results = fake.run(rts, _sync)
+  assert [out for out, _ in results] == [agree.Agreement(True)] * 2
+
+
+@pytest.mark.parametrize('job', [2], indirect=True)
+def test_calls_spaced_within_their_timeout_leave_no_outcome_record(job):
+  service, rts = job
+  for _ in range(20):
+    results = fake.run(rts, _sync)
+    assert [out for out, _ in results] == [agree.Agreement(True)] * 2
+  assert not [k for k in service.store if k.endswith('.outcome')], sorted(
+      service.store)

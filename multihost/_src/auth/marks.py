@@ -34,6 +34,10 @@ from multihost._src.runtime import runtime
 # barrier whose processes publish no message (the live barrier).
 GAVE_UP = '.gave-up/'
 HERE = '.here/'
+# Beside the call's directory too: the call's outcome record (`settle`).
+OUTCOME = '.outcome'
+DONE = b'done'
+GIVEN_UP = b'given up'
 _GAVE_UP_MARK = b'gave up'  # MAC'd under the mark's key (see `gave_up`)
 _HERE_MARK = b'here'  # a presence mark's value (see `leave_presence`)
 # Bytes of HMAC-SHA256(job key, key + flag + message). The job key is
@@ -114,6 +118,32 @@ def gave_up(rt: runtime.Runtime, op: str, prefix: str, *,
     except ValueError:
       pass
   return marks
+
+
+def settle(rt: runtime.Runtime, op: str, prefix: str,
+           outcome: bytes) -> tuple[bytes, int]:
+  """The outcome of the call under `prefix`, decided once for every process: (`DONE` or `GIVEN_UP`, the process that decided it).
+
+  The first process to settle decides (the service creates the record
+  atomically); every later one reads that decision. MAC'd with the job key.
+
+  Raises:
+    MultihostError: the record does not verify (someone who reaches the
+      store planted it).
+  """
+  key = prefix[:-1] + OUTCOME
+  secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
+  value = outcome + b'|' + str(rt.index).encode()
+  if rt.client.kv_create(key, mac(secret, key, value) + value):
+    return outcome, rt.index
+  stored = rt.client.kv_try_get(key)
+  if stored is None or not authentic(secret, key, stored):
+    raise failures.forged_message(op, key, me=rt.index)
+  decided, _, process = stored[MAC:].partition(b'|')
+  try:
+    return decided, int(process)
+  except ValueError:
+    raise failures.forged_message(op, key, me=rt.index) from None
 
 
 def late_by(marks: list[Mark], start: float) -> float | None:

@@ -16,8 +16,26 @@ service's full exchange then explains (ConsistencyError everywhere).
 
 A process never leaves the rounds alone on a slow peer: a process that
 completes knows every process started the call, and every process that
-started sends all its rounds, so either all complete or none does. What the
-service's fast window did becomes diagnosis: after `WINDOW_S` a waiting
+started sends all its rounds, so either all complete or none does, but for
+a timeout. A process whose deadline passes may have sent every frame the
+others need (a latecomer came just then): they would complete while it
+raised. So a timeout is settled in the call's outcome record at the
+service (`auth.marks.settle`, created atomically, first writer decides): a
+process at its deadline settles "given up", and a process that completes
+late enough that another's deadline may have passed settles "done" before
+it returns. Whoever comes second follows the record: a completed process
+raises (`failures.given_up_elsewhere`), and a process at its deadline
+waits on for frames that are on their way (every process arrived). "Late
+enough": no process starts call c before this process started call c - 1
+(`Runtime.met_start`: that call needed it), so another's deadline cannot
+pass before met_start + the smallest timeout (carried in every frame);
+completing within `_slack` of that costs one RPC, earlier costs nothing.
+That leaves one order uncovered: a process completes more than the slack
+before another's deadline, and that other's last frame takes longer than
+the slack to reach it (a peer hung in the middle of the rounds). Calls
+spaced by less than three quarters of their timeout never touch the record.
+
+What the service's fast window did becomes diagnosis: after `WINDOW_S` a waiting
 process publishes its presence beside the call (so a timeout names who is
 missing, and where), arms the stall report, and looks for gave-up marks (a
 latecomer then raises at once, as on the service path). At the timeout it
@@ -62,7 +80,8 @@ WINDOW_S = 1.0
 _MARKS_S = 1.0
 # Connecting the links (on a thread) once every process met.
 SETUP_S = 30.0
-_HEAD = struct.Struct('<16sBI')  # digest, flags, entries
+# digest, flags, the smallest timeout the sender knows of, entries
+_HEAD = struct.Struct('<16sBdI')
 _ENTRY = struct.Struct('<II')  # process, length
 _DIFFERS = 1
 # Each process's link-setup outcome: 'call|ok' or 'call|failed', MAC'd.
@@ -157,16 +176,18 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   plane.setup = 'ok'
 
 
-def _encode(digest: bytes, flags: int, entries: dict[int, bytes]) -> bytes:
-  parts = [_HEAD.pack(digest, flags, len(entries))]
+def _encode(digest: bytes, flags: int, timeout: float,
+            entries: dict[int, bytes]) -> bytes:
+  parts = [_HEAD.pack(digest, flags, timeout, len(entries))]
   for p, value in entries.items():
     parts.append(_ENTRY.pack(p, len(value)))
     parts.append(value)
   return b''.join(parts)
 
 
-def _decode(body: bytes, count: int) -> tuple[bytes, int, dict[int, bytes]]:
-  digest, flags, n = _HEAD.unpack_from(body)
+def _decode(body: bytes,
+            count: int) -> tuple[bytes, int, float, dict[int, bytes]]:
+  digest, flags, timeout, n = _HEAD.unpack_from(body)
   at = _HEAD.size
   entries = {}
   for _ in range(n):
@@ -178,11 +199,16 @@ def _decode(body: bytes, count: int) -> tuple[bytes, int, dict[int, bytes]]:
     at += length
   if at != len(body):
     raise ValueError(f'{len(body) - at} bytes after the entries')
-  return digest, flags, entries
+  return digest, flags, timeout, entries
+
+
+def _slack(timeout: float) -> float:
+  """How long after the last process arrives a call's frames may still be moving, for the outcome record (`agree`)."""
+  return max(WINDOW_S, timeout / 4)
 
 
 class _Wait:
-  """A call's waiting over the links: the watchdog, diagnosis after the window, the timeout."""
+  """A call's waiting over the links: the watchdog, diagnosis after the window, the timeout (settled in the call's outcome record)."""
 
   def __init__(self, meeting, timeout: float):
     self.m = meeting
@@ -191,13 +217,47 @@ class _Wait:
     self.diagnose_at = meeting.start + min(WINDOW_S, timeout / 2)
     self.marks_at = None
     self.stall = None
+    self.lock = threading.Lock()  # The sender thread asks `due` too.
+    self.gave_up = False
+    self.extended = False  # Another process settled the call as done.
+
+  def due(self, now: float) -> bool:
+    """Whether this process gives the call up now: its deadline passed and the call's outcome record says given up.
+
+    The first process to reach its deadline settles the call as given up,
+    unless a process that completed it settled it as done first: then
+    every process did arrive, the frames still owed are on their way, and
+    this one waits on, once more the timeout (after which a peer hangs in
+    the call's rounds: it gives up).
+    """
+    with self.lock:
+      if now < self.deadline:
+        return False
+      if self.gave_up or self.extended:
+        self.gave_up = True
+        return True
+      m = self.m
+      try:
+        decided, _ = _control_marks.settle(m.rt, m.op, m.prefix,
+                                           _control_marks.GIVEN_UP)
+      except errors.MultihostError:
+        raise
+      except Exception:  # noqa: BLE001  The service is gone: nobody settles.
+        decided = _control_marks.GIVEN_UP
+      m.wrote()
+      if decided == _control_marks.DONE:
+        self.extended = True
+        self.deadline = now + self.timeout
+        return False
+      self.gave_up = True
+      return True
 
   def slice(self) -> None:
     """Between socket slices: raises if a peer is gone, late, or the timeout passed."""
     m = self.m
     m.rt.watchdog.check(m.op)
     now = time.monotonic()
-    if now >= self.deadline:
+    if self.due(now):
       raise self.timed_out(now)
     if self.marks_at is None and now >= self.diagnose_at:
       m._publish(b'D', self.timeout)  # presence, for naming the missing
@@ -214,13 +274,32 @@ class _Wait:
     error = _control_marks.named(
         m.rt, TimeoutError('DEADLINE_EXCEEDED: the agreement over the links'),
         m.op, m.prefix, waited=now - m.start, timeout=self.timeout)
-    if isinstance(error, errors.CollectiveTimeoutError):
+    if isinstance(error, errors.CollectiveTimeoutError) and not self.extended:
+      # (After the call was settled as done, no latecomer is left to tell.)
       m.wrote()
       _control_marks.leave_mark(m.rt, m.op, m.prefix, m.start)
     return where.with_whereabouts(error, runtime=m.rt)
 
   def end(self) -> None:
     stalls.disarm(self.stall, runtime=self.m.rt)
+
+
+class _Due(Deadline):
+  """The `Deadline` of a call's sends and reads over the links: it expires when its `_Wait` gives the call up, not merely at the first deadline."""
+
+  __slots__ = ('wait',)
+
+  def __init__(self, wait: _Wait, *, idle=None):
+    super().__init__(wait.m.op, wait.deadline, wait.m.rt.watchdog, idle=idle)
+    self.wait = wait
+
+  def expired(self) -> bool:
+    due = self.wait.due(time.monotonic())
+    self.at = self.wait.deadline
+    return due
+
+  def left(self) -> float:
+    return max(self.wait.deadline - time.monotonic(), 0.0)
 
 
 def late(meeting, timeout: float) -> None:
@@ -242,7 +321,7 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
   this call, and only the watchdog and the deadline are checked.
   """
   m = wait.m
-  waiting = Deadline(m.op, wait.deadline, m.rt.watchdog, idle=wait.slice)
+  waiting = _Due(wait, idle=wait.slice)
   while True:
     got_call, length = link.check(
         sockets.recv_exact(link.sock, frames.FRAME_SIZE, waiting), m.op, peer)
@@ -250,7 +329,7 @@ def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
       # too late to (`tcp.chain.Eager`).
-      chain.drop(link, length, Deadline(m.op, wait.deadline, m.rt.watchdog))
+      chain.drop(link, length, _Due(wait))
       continue
     body = sockets.recv_exact(link.sock, length, waiting)
     if got_call & AGREE_BIT and got_call < call:
@@ -281,6 +360,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
     MultihostError: a forged or out-of-step frame (the links are closed).
   """
   rt, op, me, count = meeting.rt, meeting.op, meeting.me, meeting.count
+  met_start = rt.met_start
   last_end = rt.last_end
   if last_end is None or meeting.start - last_end > WINDOW_S:
     late(meeting, timeout)  # Come late: the others may have given the call up.
@@ -288,8 +368,9 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   call = meeting.call | AGREE_BIT
   entries = {} if publish is None else {me: publish}
   differs = False
+  smallest = timeout  # the smallest timeout of the processes heard from
   wait = _Wait(meeting, timeout)
-  watch = Deadline(op, wait.deadline, rt.watchdog)
+  watch = _Due(wait)
   sender = None
   links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
@@ -301,7 +382,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       out = links.get(dst) or links.setdefault(
           dst, plane.conn(dst, wait.deadline, op))
       body = {p: v for p, v in entries.items() if (dst - p) % count >= step}
-      body = _encode(digest, _DIFFERS if differs else 0, body)
+      body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
       out.sock.settimeout(sockets.SLICE_S)
       if len(body) <= sockets.DIRECT_BYTES and sender is None:
         sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
@@ -316,15 +397,29 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       if link is None:  # (at 2 processes the peer sent to is this one)
         link = links[src] = plane.conn(src, wait.deadline, op)
         link.sock.settimeout(sockets.SLICE_S)
-      got_digest, got_flags, got = _decode(
+      got_digest, got_flags, got_timeout, got = _decode(
           _receive(link, call, src, wait), count)
       differs = (differs or bool(got_flags & _DIFFERS)
                  or got_digest != digest)
+      smallest = min(smallest, got_timeout)
       entries.update(got)
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None
       done.close(wait.deadline)
+    now = time.monotonic()
+    if not differs and (met_start is None or now - met_start
+                        >= smallest - _slack(smallest)):
+      # Completed late enough that another process's deadline may have
+      # passed: the call's outcome record decides (see the module notes).
+      peer = me
+      decided, by = _control_marks.settle(rt, op, meeting.prefix,
+                                          _control_marks.DONE)
+      meeting.wrote()
+      if decided != _control_marks.DONE:
+        raise failures.given_up_elsewhere(
+            op, me=me, by=by, waited=now - meeting.start, timeout=timeout,
+            source=rt.timeout_source(timeout))
     if differs and started is not None:
       # The rest of the stripe goes before the link's next frame, and the
       # next process drops it (or skips it, if the call goes on to a

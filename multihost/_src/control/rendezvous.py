@@ -73,6 +73,7 @@ def _ends_on_error(step):
       return step(self, *args, **kwargs)
     except BaseException as e:
       self.rt.flight.fail(self.record, e)
+      self.rt.met_start = None
       raise
 
   return wrapped
@@ -253,6 +254,7 @@ class Rendezvous:
         written.discard(block)
         self.client.kv_delete(f'{_ROOT}/{block}/')
     self.rt.last_end = time.monotonic()
+    self.rt.met_start = self.start
     if not self._links and links.enabled(self.rt):
       links.met(self.rt, self.op, call)
 

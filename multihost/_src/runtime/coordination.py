@@ -37,6 +37,9 @@ class Client(Protocol):
   def kv_set(self, key: str, value: bytes) -> None:
     """Sets `key` (replacing any value)."""
 
+  def kv_create(self, key: str, value: bytes) -> bool:
+    """Sets `key` only if it is not set (atomically); whether this call set it."""
+
   def kv_get(self, key: str, timeout: float) -> bytes:
     """The value of `key`, waiting up to `timeout` seconds for it to be set."""
 
@@ -78,6 +81,15 @@ class JaxClient:
 
   def kv_set(self, key: str, value: bytes) -> None:
     self.raw.key_value_set_bytes(key, value, allow_overwrite=True)
+
+  def kv_create(self, key: str, value: bytes) -> bool:
+    try:
+      self.raw.key_value_set_bytes(key, value, allow_overwrite=False)
+    except Exception as e:  # noqa: BLE001  The client raises JaxRuntimeError.
+      if 'ALREADY_EXISTS' in str(e):
+        return False
+      raise
+    return True
 
   def kv_get(self, key: str, timeout: float) -> bytes:
     return self.raw.blocking_key_value_get_bytes(key, _ms(timeout))

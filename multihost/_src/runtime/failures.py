@@ -317,6 +317,19 @@ def source_gave_up(op: str, source: int) -> errors.CollectiveTimeoutError:
       'or find what delays the late process.', operation=op)
 
 
+def given_up_elsewhere(op: str, *, me: int, by: int, waited: float,
+                       timeout: float,
+                       source: str = 'argument') -> errors.CollectiveTimeoutError:
+  """A process that completed the agreement, but after process `by` had given the call up at its timeout (the call's outcome record says so)."""
+  return errors.CollectiveTimeoutError(
+      f'{prefix(me)} {op}: process {by} gave this call up at its timeout '
+      f'before this process completed it (after {waited:.1f} s here, '
+      f'timeout={timeout:g} s): every process raises, so that none returns '
+      f'what another did not. Process {by}\'s error names who was late. '
+      f'Find what delayed that process, or {larger_timeout(source)}.',
+      operation=op, waited=waited)
+
+
 # --- Where the processes are (see `diagnostics.where`) --------------------------------
 
 

@@ -122,6 +122,11 @@ class Runtime:
     # take the full exchange directly, and when the last call ended.
     self.backoff = 0
     self.last_end: float | None = None
+    # When this process started its last call that every process met in (None
+    # before the first, and after a call that raised): no process can have
+    # started a later call before it, which bounds when another's timeout
+    # can fall (`control.links`, the outcome record).
+    self.met_start: float | None = None
     # The blocks of calls (`control.rendezvous._BLOCK`) under which this
     # process wrote keys, not yet deleted: each process deletes the keys it
     # wrote, so a call that agreed over the links, writing none, costs no
