@@ -191,7 +191,9 @@ class Eager:
   difference, unless that call goes on to a transfer: then the frame,
   marked `AGAIN`, is skipped and the payload's own frame read. The data
   frames carry the call's number (`link.transfer_id`), so the next transfer
-  is in step on every process whichever of them reached this one.
+  is in step on every process whichever of them reached this one. (When
+  the process that timed out is not the source, the call's outcome record
+  decides: see `control.links`.)
   """
 
   def __init__(self, parts: list[np.ndarray], length: int):
