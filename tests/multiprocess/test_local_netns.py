@@ -26,6 +26,7 @@ from multihost import launch
 from multihost import netns
 import recovery
 from recovery._src.local import folder
+from recovery._src.local import private
 
 _OK, _WHY = netns.available()
 _needs_hosts = pytest.mark.skipif(not _OK, reason=_WHY or 'no simulated hosts')
@@ -126,8 +127,8 @@ def test_a_replaced_netns_host_restores_from_its_peer_bitwise_equal(
   for i in range(2):
     disk = pathlib.Path(f'{local}.host{i}')
     assert sorted(p.name for p in disk.iterdir()) == [
-        folder.FOLDER_ID_FILE, f'process_{i}']
-  assert len({folder.folder_id(f'{local}.host{i}') for i in range(2)}) == 2
+        private.FOLDER_ID_FILE, f'process_{i}']
+  assert len({private.folder_id(f'{local}.host{i}') for i in range(2)}) == 2
   assert not any(local.iterdir())
   newest = max(folder.scan(f'{local}.host1'), key=lambda s: s.step)
   assert newest.step == STEPS

@@ -27,6 +27,7 @@ import pytest
 from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
+from recovery._src.local import private
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / 'bin' / 'train.py')
@@ -551,7 +552,7 @@ def test_processes_on_one_folder_read_one_identity_and_a_wiped_one_draws_anew(
 
     def open_folder(local=local, start=start, seen=seen):
       start.wait(30)
-      seen.append(folder.folder_id(str(local)))
+      seen.append(private.folder_id(str(local)))
 
     threads = [threading.Thread(target=open_folder) for _ in range(12)]
     for t in threads:
@@ -559,20 +560,20 @@ def test_processes_on_one_folder_read_one_identity_and_a_wiped_one_draws_anew(
     for t in threads:
       t.join(60)
     assert len(seen) == 12 and len(set(seen)) == 1, seen
-    marker = local / folder.FOLDER_ID_FILE
+    marker = local / private.FOLDER_ID_FILE
     assert marker.read_text() == seen[0] + '\n'
     assert stat.S_ISREG(marker.lstat().st_mode)
     assert stat.S_IMODE(marker.lstat().st_mode) == 0o600
-    assert os.listdir(local) == [folder.FOLDER_ID_FILE]  # no temporary file
+    assert os.listdir(local) == [private.FOLDER_ID_FILE]  # no temporary file
   # It stays (a restart finds it); another folder, or this one wiped,
   # draws another.
   local = tmp_path / 'local0'
-  first = folder.folder_id(str(local))
-  assert folder.folder_id(str(local)) == first
-  assert folder.folder_id(str(tmp_path / 'local1')) != first
+  first = private.folder_id(str(local))
+  assert private.folder_id(str(local)) == first
+  assert private.folder_id(str(tmp_path / 'local1')) != first
   shutil.rmtree(local)
   local.mkdir(mode=0o700)
-  assert folder.folder_id(str(local)) != first
+  assert private.folder_id(str(local)) != first
 
 
 def test_a_folder_identity_that_is_a_link_or_garbage_is_refused(tmp_path):
@@ -580,18 +581,18 @@ def test_a_folder_identity_that_is_a_link_or_garbage_is_refused(tmp_path):
   local.mkdir(mode=0o700)
   elsewhere = tmp_path / 'elsewhere'
   elsewhere.write_text('0123456789abcdef\n')
-  marker = local / folder.FOLDER_ID_FILE
+  marker = local / private.FOLDER_ID_FILE
   marker.symlink_to(elsewhere)
   with pytest.raises(recovery.CheckpointFolderError,
                      match=r'\.recovery-local-disk is not a regular file .*'
                      r'never followed if a link.*Remove it'):
-    folder.folder_id(str(local))
+    private.folder_id(str(local))
   assert elsewhere.read_text() == '0123456789abcdef\n'
   marker.unlink()
   marker.write_text('not an identity\n')
   with pytest.raises(recovery.CheckpointFolderError,
                      match=r"holds 'not an identity', not 16 hex digits"):
-    folder.folder_id(str(local))
+    private.folder_id(str(local))
 
 
 def test_the_local_host_is_the_folder_s_identity_unless_recovery_host_id_is_set(
@@ -602,7 +603,7 @@ def test_the_local_host_is_the_folder_s_identity_unless_recovery_host_id_is_set(
   _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
   local = str(tmp_path / 'local')
   (stored,) = folder.scan(local)
-  assert stored.manifest['host'] == f'folder-{folder.folder_id(local)}'
+  assert stored.manifest['host'] == f'folder-{private.folder_id(local)}'
   monkeypatch.setenv(recovery.HOST_ID_VARIABLE, 'rack1-node7')
   _train(tmp_path, 7, local_every=3, restart=True, monkeypatch=monkeypatch)
   newest = max(folder.scan(local), key=lambda s: s.step)

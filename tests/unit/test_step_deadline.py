@@ -1,6 +1,6 @@
 """The step deadline: the learning rule as pure logic, and the report and exit of a stuck step on the in-memory coordination service.
 
-The rule (`liveness.step_deadline.Rule`, `Learner`): the first warm-up
+The rule (`liveness.step_rule.Rule`, `Learner`): the first warm-up
 steps are never judged; then a step gets max(floor, multiple x the longest
 step since the warm-up), which grows with slower steps and never shrinks;
 a fixed deadline or none can be set instead. The watch's thread, with two
@@ -28,15 +28,16 @@ from multihost import env as env_lib
 from multihost._src.diagnostics import where
 from multihost._src.diagnostics import where_text
 from multihost._src.liveness import step_deadline
+from multihost._src.liveness import step_rule
 from multihost._src.runtime import settings as settings_lib
 import recovery
 
-Rule = step_deadline.Rule
+Rule = step_rule.Rule
 
 
 def _learned(rule, times):
   """The deadline before each step (None: not judged), the step times in `times` observed in turn."""
-  learner = step_deadline.Learner()
+  learner = step_rule.Learner()
   out = []
   for seconds in times:
     out.append(learner.deadline(rule))
@@ -88,7 +89,7 @@ def test_off_never_judges():
 
 def test_the_explanation_names_the_basis():
   rule = Rule(warmup_steps=1, multiple=5, floor=3)
-  learner = step_deadline.Learner()
+  learner = step_rule.Learner()
   learner.observe(9.0, rule)
   assert learner.explain(rule) == ('learned: 5 x the shortest of the 1 '
                                    'warm-up steps, 9 s, at least the floor of '
@@ -118,12 +119,12 @@ def test_the_environment_sets_the_rule_and_the_program_overrides_it(
                       ('off', Rule(enabled=False)), ('0', Rule(enabled=False)),
                       ('120', Rule(fixed=120.0))]:
     monkeypatch.setenv(env_lib.STEP_DEADLINE, value)
-    assert step_deadline.rule_of(settings) == rule, value
+    assert step_rule.rule_of(settings) == rule, value
   monkeypatch.setenv(env_lib.STEP_DEADLINE, 'soon')
   with pytest.raises(ValueError, match=r'\$MULTIHOST_STEP_DEADLINE=.soon.'):
-    step_deadline.rule_of(settings)
+    step_rule.rule_of(settings)
   settings.step_deadline = Rule(fixed=9.0)
-  assert step_deadline.rule_of(settings) == Rule(fixed=9.0)
+  assert step_rule.rule_of(settings) == Rule(fixed=9.0)
 
 
 def test_the_public_setter_and_the_single_process_watch(monkeypatch):
@@ -147,7 +148,7 @@ def test_the_public_setter_and_the_single_process_watch(monkeypatch):
       multihost.set_step_deadline(floor=-1)
   finally:
     watch.runtime.settings.step_deadline = None
-    watch.configure(step_deadline.rule_of(watch.runtime.settings))
+    watch.configure(step_rule.rule_of(watch.runtime.settings))
 
 
 # -- the thread: two processes on the in-memory service ----------------------

@@ -6,7 +6,7 @@ process that did not answer) and asks nothing.
 
 from __future__ import annotations
 
-from multihost._src.liveness import step_deadline
+from multihost._src.liveness import step_report
 from multihost._src.runtime import failures
 
 _prefix = failures.prefix
@@ -25,7 +25,7 @@ def _frames(report: dict, limit: int) -> str:
 def _collectives(report: dict) -> str:
   """Where the process is in its training steps (if it marks them), then its collectives."""
   step = report.get('step')
-  parts = [] if not step else [step_deadline.position_text(step)]
+  parts = [] if not step else [step_report.position_text(step)]
   last = report.get('last')
   parts.append('last completed collective: ' + (
       'none' if last is None else

@@ -6,20 +6,22 @@ other processes wait in the jitted step's cross-process collective, in C++,
 forever and in silence. The program marks its steps (`StepWatch.step(n)`,
 a context manager, around each step; `recovery`'s loop does it), and:
 
-* The deadline is learned (`Rule`, `Learner`): the first `warmup_steps`
-  steps (compilation) are never judged; then a step's deadline is
-  max(floor, multiple x the longest step since warm-up), so it grows with
-  slower steps and never shrinks (the first judged step uses the shortest
-  warm-up step). A fixed deadline, or none, can be set instead.
+* The deadline is learned (`step_rule`: `Rule`, `Learner`): the first
+  `warmup_steps` steps (compilation) are never judged; then a step's
+  deadline is max(floor, multiple x the longest step since warm-up), so it
+  grows with slower steps and never shrinks (the first judged step uses
+  the shortest warm-up step). A fixed deadline, or none, can be set
+  instead.
 * A daemon thread (`multihost-step-deadline`, started at the first judged
   step on a process with peers) sleeps until the step in progress is due.
   When a step outlasts its deadline, it asks every process where it is
   (`diagnostics.where`, through the coordination service: the others'
   responder threads answer while their main threads are blocked; each
   report carries the process's place in its steps, `position`), names the
-  processes behind the most advanced one and where each is, in one line,
-  and leaves with the peer-loss exit status (75, `liveness.peer_loss_exit`)
-  so that a launcher's `--max_restarts` or a scheduler restarts the job.
+  processes behind the most advanced one and where each is, in one line
+  (`step_report`), and leaves with the peer-loss exit status (75,
+  `liveness.peer_loss_exit`) so that a launcher's `--max_restarts` or a
+  scheduler restarts the job.
   The stuck process leaves too: its own step outlasts the deadline.
 * `StepWatch.arrived()` marks the point of the step from which a process
   waits for its peers (its batch is loaded): in the same step, a process
@@ -32,148 +34,20 @@ sent, nothing growing. Every blocking operation of the thread has a bound.
 from __future__ import annotations
 
 from collections.abc import Callable
-import dataclasses
 import threading
 import time
 from typing import Any
 
 from absl import logging
 
-from multihost import env as _env
 from multihost._src.liveness import peer_loss_exit
+from multihost._src.liveness import step_report
+from multihost._src.liveness import step_rule
 from multihost._src.runtime import runtime as _runtime
-from multihost._src.runtime import settings as _settings
 
-DEFAULT_WARMUP_STEPS = 3
-DEFAULT_MULTIPLE = 5.0
-DEFAULT_FLOOR_S = 60.0
 # Where-reports: the others answer within this (`diagnostics.where`'s
 # ANSWER_WITHIN_S plus slack); the thread stops waiting for them then.
 ASK_BOUND_S = 4.0
-# Where a step stands, in order: a process at a smaller (step, place) is
-# behind one at a larger.
-_PLACES = {'preparing': 0, 'arrived': 1, 'done': 2}
-
-
-# --- The rule and what it learned (pure) ------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  """How a step's deadline is set: learned (the default), fixed, or off.
-
-  Attributes:
-    enabled: False: no step is ever judged.
-    fixed: seconds every judged step gets; None: learned.
-    warmup_steps: the first steps a watch sees, never judged (compilation).
-    multiple: a learned deadline is this many times the longest step.
-    floor: a learned deadline is at least this many seconds.
-  """
-  enabled: bool = True
-  fixed: float | None = None
-  warmup_steps: int = DEFAULT_WARMUP_STEPS
-  multiple: float = DEFAULT_MULTIPLE
-  floor: float = DEFAULT_FLOOR_S
-
-  def __post_init__(self):
-    fix = ('multihost.set_step_deadline(fixed=SECONDS) or learned '
-           '(warmup_steps=N >= 0, multiple >= 1, floor > 0)')
-    if self.fixed is not None and not self.fixed > 0:
-      raise ValueError(f'A fixed step deadline must be a positive number of '
-                       f'seconds; got {self.fixed!r}. Pass {fix}, or '
-                       'enabled=False to turn it off.')
-    if (isinstance(self.warmup_steps, bool)
-        or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
-      raise ValueError(f'warmup_steps must be an int >= 0; got '
-                       f'{self.warmup_steps!r}. Pass {fix}.')
-    if not self.multiple >= 1:
-      raise ValueError(f'multiple must be >= 1 (a step may take this many '
-                       f'times the longest one seen); got {self.multiple!r}. '
-                       f'Pass {fix}.')
-    if not self.floor > 0:
-      raise ValueError(f'floor must be a positive number of seconds; got '
-                       f'{self.floor!r}. Pass {fix}.')
-
-
-class Learner:
-  """The step times a watch has seen, and the deadline they give under a `Rule`.
-
-  Keeps three numbers, whatever the number of steps.
-  """
-
-  def __init__(self):
-    self.steps = 0  # Completed steps seen (warm-up ones included).
-    self.shortest_warmup: float | None = None
-    self.longest: float | None = None  # Of the steps after the warm-up.
-
-  def observe(self, seconds: float, rule: Rule) -> None:
-    """One step completed in `seconds`."""
-    if self.steps < rule.warmup_steps:
-      if self.shortest_warmup is None or seconds < self.shortest_warmup:
-        self.shortest_warmup = seconds
-    elif self.longest is None or seconds > self.longest:
-      self.longest = seconds
-    self.steps += 1
-
-  def deadline(self, rule: Rule) -> float | None:
-    """Seconds the next step may take, or None when it is not judged (off, or warming up)."""
-    if not rule.enabled or self.steps < rule.warmup_steps:
-      return None
-    if rule.fixed is not None:
-      return rule.fixed
-    basis = self.longest if self.longest is not None else self.shortest_warmup
-    return max(rule.floor, rule.multiple * (basis or 0.0))
-
-  def explain(self, rule: Rule) -> str:
-    """How `deadline(rule)` came about, for the report."""
-    if rule.fixed is not None:
-      return 'fixed'
-    if self.longest is not None:
-      basis = f'the longest step after the warm-up, {self.longest:.3g} s'
-    elif self.shortest_warmup is not None:
-      basis = (f'the shortest of the {rule.warmup_steps} warm-up steps, '
-               f'{self.shortest_warmup:.3g} s')
-    else:
-      basis = 'no step seen'
-    return (f'learned: {rule.multiple:g} x {basis}, at least the floor of '
-            f'{rule.floor:g} s')
-
-
-def rule_of(settings: _settings.Settings) -> Rule:
-  """The program's rule (`set_step_deadline`), else $MULTIHOST_STEP_DEADLINE's, else the default."""
-  if settings.step_deadline is not None:
-    return settings.step_deadline
-  seconds = _settings.step_deadline()
-  if seconds is None:
-    return Rule()
-  if seconds == 0:
-    return Rule(enabled=False)
-  return Rule(fixed=seconds)
-
-
-def place(position: dict | None) -> tuple[int, int] | None:
-  """A where-report's step position as an order: a smaller one is behind."""
-  if not position:
-    return None
-  return (position['step'], _PLACES[position['state']])
-
-
-def position_text(position: dict, *, arrivals: bool | None = None) -> str:
-  """A step position in words: 'in step 5 for 3.1 s, not arrived at its collective part'.
-
-  Args:
-    position: a where-report's step position (`StepWatch.position`).
-    arrivals: whether the program marks arrivals (`StepWatch.arrived`);
-      None: whether this process has marked one.
-  """
-  n, state, seconds = position['step'], position['state'], position['for']
-  if state == 'done':
-    return f'between steps: step {n} ended {seconds:.1f} s ago'
-  text = f'in step {n} for {seconds:.1f} s'
-  if position['arrivals'] if arrivals is None else arrivals:
-    text += (', arrived at its collective part' if state == 'arrived' else
-             ', not arrived at its collective part')
-  return text
 
 
 # --- One process's watch ----------------------------------------------------
@@ -222,8 +96,8 @@ class StepWatch:
     self._leave = leave
     self._clock = clock
     self._cond = threading.Condition(threading.Lock())
-    self._rule: Rule | None = None  # Resolved at the first step.
-    self.learner = Learner()
+    self._rule: step_rule.Rule | None = None  # Resolved at the first step.
+    self.learner = step_rule.Learner()
     # The step in progress (None between steps): its number, when it began,
     # its deadline (None: not judged), a serial number for the thread.
     self._n: int | None = None
@@ -279,16 +153,16 @@ class StepWatch:
         return self._due
       return self.learner.deadline(self.rule())
 
-  def configure(self, rule: Rule) -> None:
+  def configure(self, rule: step_rule.Rule) -> None:
     """Sets the rule (what was learned stays); applies from the next step."""
     with self._cond:
       self._rule = rule
       self._cond.notify_all()
 
-  def rule(self) -> Rule:
+  def rule(self) -> step_rule.Rule:
     """The rule in force (resolved from the settings on first use)."""
     if self._rule is None:
-      self._rule = rule_of(self.runtime.settings)
+      self._rule = step_rule.rule_of(self.runtime.settings)
     return self._rule
 
   def position(self) -> dict | None:
@@ -384,8 +258,8 @@ class StepWatch:
           's (%s), but ended: not leaving. Later deadlines learn from it.', n,
           took, due, why)
       return False
-    line = _report(rt.prefix, me, n, took=took, due=due, why=why,
-                   reports=reports, describe=self._describe)
+    line = step_report.report(rt.prefix, me, n, took=took, due=due, why=why,
+                              reports=reports, describe=self._describe)
     self.fired = line
     logging.error('%s', line)
     peer_loss_exit.flush_logs()
@@ -410,52 +284,6 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
   return out[0] if out else None
 
 
-def _report(prefix: str, me: int, n: int, *, took: float, due: float,
-            why: str, reports: dict[int, dict | None],
-            describe: Callable[[dict[int, dict | None]], str]) -> str:
-  """The one line of a stuck step: the step, how long, the deadline, who is behind and where."""
-  places = {p: place(r.get('step')) for p, r in reports.items()
-            if r is not None}
-  known = {p: k for p, k in places.items() if k is not None}
-  # A process that never got as far as marking an arrival is behind those
-  # that did: the program marks them if any process does.
-  arrivals = any(reports[p]['step']['arrivals'] for p in known)
-  lead = max(known.values(), default=None)
-  behind = sorted(p for p, k in known.items() if k < lead)
-  silent = sorted(p for p, r in reports.items() if r is None)
-  parts = [f'{prefix} multihost: step {n} has run for {took:.1f} s on this '
-           f'process, past its deadline of {due:.3g} s ({why}).']
-  if behind:
-    who = '; '.join(
-        f'process {p}{" (this process)" if p == me else ""} is '
-        f'{position_text(reports[p]["step"], arrivals=arrivals)}'
-        for p in behind)
-    ahead = sorted(p for p, k in known.items() if k == lead)
-    parts.append(f'Behind the others: {who} (process(es) {ahead}: '
-                 f'{position_text(reports[ahead[0]]["step"], arrivals=arrivals)}'
-                 ').')
-    shown = behind
-  elif len(known) < 2:
-    parts.append('Who is behind is unknown: no other process answered (one '
-                 'that left first, having found this step stuck, does not).')
-    shown = []
-  else:
-    parts.append(f'No process that answered is behind: they are all at the '
-                 f'same point of step {n} (a step slow everywhere, or stuck '
-                 'in a device collective).')
-    shown = [p for p in known if p != me]
-  shown = sorted(set(shown) | set(silent))
-  if shown:
-    parts.append(describe({p: reports[p] for p in shown}))
-  parts.append(
-      f'Leaving with exit status {peer_loss_exit.EXIT_STATUS} so that the '
-      'job restarts (python -m multihost.launch --max_restarts=N does, as '
-      'does a scheduler\'s requeue). A step that is slow rather than stuck '
-      'needs a larger deadline: multihost.set_step_deadline(fixed=SECONDS) '
-      f'or ${_env.STEP_DEADLINE}=SECONDS (0: off).')
-  return ' '.join(parts)
-
-
 # --- Public -----------------------------------------------------------------
 
 
@@ -475,9 +303,9 @@ def step_watch() -> StepWatch:
 
 
 def set_step_deadline(*, enabled: bool = True, fixed: float | None = None,
-                      warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                      multiple: float = DEFAULT_MULTIPLE,
-                      floor: float = DEFAULT_FLOOR_S) -> None:
+                      warmup_steps: int = step_rule.DEFAULT_WARMUP_STEPS,
+                      multiple: float = step_rule.DEFAULT_MULTIPLE,
+                      floor: float = step_rule.DEFAULT_FLOOR_S) -> None:
   """Sets how long a training step may take before this process leaves (see `step_watch`).
 
   Overrides $MULTIHOST_STEP_DEADLINE (unset: learned with the defaults;
@@ -496,9 +324,9 @@ def set_step_deadline(*, enabled: bool = True, fixed: float | None = None,
     ValueError: a value out of range (the message says which, and what to
       pass).
   """
-  rule = Rule(enabled=bool(enabled), fixed=None if fixed is None
-              else float(fixed), warmup_steps=warmup_steps,
-              multiple=float(multiple), floor=float(floor))
+  rule = step_rule.Rule(enabled=bool(enabled), fixed=None if fixed is None
+                        else float(fixed), warmup_steps=warmup_steps,
+                        multiple=float(multiple), floor=float(floor))
   rt = _runtime.current()
   rt.settings.step_deadline = rule
   rt.step_watch.configure(rule)

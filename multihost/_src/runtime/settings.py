@@ -217,7 +217,7 @@ class Settings:
     # `multihost.set_exit_on_peer_failure`'s arguments (enabled, grace,
     # before_exit), applied to each watchdog's policy.
     self.exit_on_peer_failure: tuple[bool, float | None, Any] | None = None
-    # `multihost.set_step_deadline`'s rule (a `liveness.step_deadline.Rule`).
+    # `multihost.set_step_deadline`'s rule (a `liveness.step_rule.Rule`).
     self.step_deadline: Any = None
 
   def timeout(self) -> float:

@@ -11,10 +11,10 @@ from absl import logging
 import jax
 import numpy as np
 
-import multihost
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
+from recovery._src.checkpoint import damage
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import lock
 from recovery._src.checkpoint import manager
@@ -23,7 +23,6 @@ from recovery._src.local import tier
 from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
-from recovery._src.state.errors import CheckpointCorruptError
 from recovery._src.state.errors import CheckpointDamagedError
 from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import CheckpointFolderError
@@ -335,157 +334,10 @@ class Checkpoints:
       raise CheckpointError(
           f'{_prefix()} {self.directory} has no committed checkpoint step '
           f'{step}; committed steps: {self.steps()}.')
-    got = self._read(target, step)
-    if isinstance(got, _resume.Damage):
+    got = damage.read(self, target, step)
+    if isinstance(got, damage.Damage):
       raise got.error
     return got
-
-  def _read(self, target: TransitionState,
-            step: int) -> TransitionState | _resume.Damage:
-    """Restores committed `step` onto `target`, or the agreed finding that it is damaged.
-
-    Collective: every process must call this, in the same order. Every
-    process returns the restored state, or every process a `Damage` of
-    `step`: its meta item or its files cannot be read, or it fails its
-    digest check, on some process (agreed after each of these reads, one
-    small all-gather each).
-
-    Raises:
-      What `restore` raises, but `CheckpointDamagedError`.
-    """
-    start = time.monotonic()
-    where = f'Checkpoint step {step} in {self.directory}'
-    meta, error = None, None
-    try:
-      meta = self.read_meta(step)
-    except CheckpointDamagedError as e:
-      error = e
-    damage = self._agree(step, error)
-    if damage is not None:
-      return damage
-    target_tree = target.to_tree()
-    try:
-      abstract = leaves.restore_target(target_tree, meta.get('leaves'))
-    except TypeError as e:
-      raise CheckpointError(
-          f'{_prefix()} Cannot restore step {step} onto this target: {e}'
-      ) from None
-    _meta.check_fits(meta, abstract, where=where)
-    restored, error = None, None
-    try:
-      restored = manager.watched(
-          f'restore checkpoint step {step}',
-          functools.partial(self._manager.restore, step,
-                            args=manager.restore_args(abstract)),
-          lambda e: f'{type(e).__name__}: {_short(e)}')[manager.STATE_ITEM]
-    except CheckpointError as e:
-      error = CheckpointDamagedError(
-          f'{_prefix()} {where} cannot be read: {e}. The files are damaged '
-          f'or incomplete. {self._fallback_hint(step)}',
-          why=f'its files cannot be read ({e})')
-      error.__cause__ = e.__cause__
-    # A process whose read failed skips Orbax's closing barrier, where the
-    # others then wait up to its timeout before they fail too and get here.
-    damage = self._agree(step, error, timeout=multihost.default_timeout()
-                         + manager.ORBAX_BARRIER_TIMEOUT_S)
-    if damage is not None:
-      return damage
-    digests, error = None, None
-    try:
-      digests = _meta.check_digest(meta, restored, where=where,
-                                   hint=self._fallback_hint(step))
-    except CheckpointDamagedError as e:
-      error = e
-    damage = self._agree(step, error)
-    if damage is not None:
-      return damage
-    consistency.check_consistent(
-        restored, what=f'After restoring step {step}', digests=digests)
-    state = TransitionState.from_tree(
-        leaves.rebuild(target_tree, restored), key_like=target.key)
-    if state.step != step:  # The same on every process (checked just above).
-      why = f'it holds a state at step {state.step}'
-      return _resume.Damage(step, why, CheckpointCorruptError(
-          f'{_prefix()} Checkpoint folder {step} holds a state at step '
-          f'{state.step}. {self._fallback_hint(step)}', why=why))
-    _record_event('checkpoint restore', start, step=step, tier='shared',
-                  bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
-    logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
-                 'digest %s...) from %s onto %d processes, %d devices.',
-                 _prefix(), step, state.epoch, state.cursor,
-                 meta['digest'][:12], self.directory, jax.process_count(),
-                 jax.device_count())
-    return state
-
-  def _agree(self, step: int, error: CheckpointDamagedError | None, *,
-             timeout: float | None = None) -> _resume.Damage | None:
-    """The `Damage` of `step` if this or any process found it damaged, else None.
-
-    Collective: every process must call this, in the same order (one
-    all-gather of the findings). Every process gets the same finding (the
-    first failing process's), with its own error to raise: the one it hit,
-    or, where it found nothing, one naming the processes that did.
-    """
-    whys = multihost.allgather_object(None if error is None else error.why,
-                                      timeout=timeout)
-    failed = [p for p, why in enumerate(whys) if why is not None]
-    if not failed:
-      return None
-    why = whys[failed[0]]
-    if jax.process_count() > 1:
-      why += f' (on process(es) {failed})'
-    if error is None:
-      error = CheckpointDamagedError(
-          f'{_prefix()} Checkpoint step {step} in {self.directory} is '
-          f'damaged: {why}. {self._fallback_hint(step)}', why=why)
-    return _resume.Damage(step, why, error)
-
-  def _set_aside(self, damaged: list[_resume.Damage], *, instead: int,
-                 tier: str) -> None:
-    """Renames each damaged step to `<step>.damaged-<UTC time>` in the folder; says so on every process.
-
-    Collective: every process must call this, in the same order, with the
-    same (agreed) `damaged`. Only process 0 renames (the folder is shared,
-    and it holds the folder's lock); one broadcast gives every process the
-    new names, or process 0's error. Nothing is deleted. Orbax, keep-N and
-    the folder's scan see no such name as a step (it is not all digits).
-
-    Raises:
-      CheckpointFolderError: process 0 could not rename one (on every
-        process, naming it).
-    """
-    if not damaged:
-      return
-    t0 = time.monotonic()
-    moved, error = {}, None
-    if jax.process_index() == 0:
-      for d in damaged:
-        try:
-          moved[d.step] = folder.set_aside(self.directory, d.step)
-        except OSError as e:
-          error = (f'Process 0 could not set damaged checkpoint step {d.step} '
-                   f'aside: renaming {os.path.join(self.directory, str(d.step))}'
-                   f' failed ({type(e).__name__}: {e.strerror or e}). Move it '
-                   'out of the folder by hand (or make the folder writable), '
-                   'then start again.')
-          break
-    moved, error = multihost.broadcast_object((moved, error))
-    self._manager.reload()  # Orbax's list of steps, without the moved ones
-    self._committed = [s for s in self._committed if s not in moved]
-    self.set_aside.update(moved)
-    for d in damaged:
-      if d.step not in moved:
-        continue
-      logging.warning(
-          '%s Checkpoint step %d in %s is damaged: %s. Set it aside as %s '
-          '(kept, never read or deleted); resuming from %s step %d instead.',
-          _prefix(), d.step, self.directory, d.why, moved[d.step], tier,
-          instead)
-      _record_event('checkpoint set aside', t0, step=d.step,
-                    moved_to=moved[d.step], why=d.why, tier=tier,
-                    resumed_from=instead)
-    if error:
-      raise CheckpointFolderError(f'{_prefix()} {error}')
 
   # -- start -----------------------------------------------------------------
 

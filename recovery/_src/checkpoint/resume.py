@@ -7,7 +7,6 @@ with `os.environ`: `multihost.env` is the launcher's side of that contract.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from absl import logging
 from multihost import env as _env
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
+from recovery._src.checkpoint import damage as _damage
 from recovery._src.state.errors import CheckpointDamagedError
 from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import FolderNotFreshError
@@ -25,18 +25,6 @@ from recovery._src.state.state import TransitionState
 
 IF_PRESENT = 'if_present'
 RESTART_COUNT_VARIABLES = (_env.RESTART_COUNT, _env.SLURM_RESTART_COUNT)
-
-
-@dataclasses.dataclass(frozen=True)
-class Damage:
-  """The agreed finding that committed persistent step `step` is damaged.
-
-  `step` and `why` are the same on every process; `error` is what this
-  process raises when the step is not set aside.
-  """
-  step: int
-  why: str
-  error: CheckpointDamagedError
 
 
 def restart() -> tuple[str, int] | None:
@@ -145,12 +133,13 @@ def begin(ckpt: Any, initial: TransitionState, *,
   Collective. Sets `ckpt.resumed_from` and `ckpt.resumed_tier`.
 
   Local steps at least as new as the newest persistent step are tried first
-  (newest first), then that persistent step. When it is damaged (`Damage`,
-  agreed by every process) and the mode `falls_back`, it is passed over and
-  the same is done with the next older persistent step as the newest (so
-  local steps between the two are tried too), until one restores; then the
-  damaged steps passed over are set aside (renamed, never deleted). When
-  none restores, nothing is set aside, and the oldest one's error is raised.
+  (newest first), then that persistent step. When it is damaged
+  (`damage.Damage`, agreed by every process) and the mode `falls_back`, it
+  is passed over and the same is done with the next older persistent step
+  as the newest (so local steps between the two are tried too), until one
+  restores; then the damaged steps passed over are set aside (renamed,
+  never deleted: `damage.set_aside`). When none restores, nothing is set
+  aside, and the oldest one's error is raised.
   """
   persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
   restarted = ckpt._restarted  # pylint: disable=protected-access
@@ -168,7 +157,7 @@ def begin(ckpt: Any, initial: TransitionState, *,
       tier.forget()
     return initial
   fallback = falls_back(resume, restarted) and not ckpt.read_only
-  damaged: list[Damage] = []
+  damaged: list[_damage.Damage] = []
   tried: set[int] = set()  # local steps
   while True:
     newest_persistent = persistent[-1] if persistent else None
@@ -178,7 +167,7 @@ def begin(ckpt: Any, initial: TransitionState, *,
       tried.update(local)
       state = _restore_local(ckpt, initial, local, newest_persistent)
       if state is not None:
-        ckpt._set_aside(damaged, instead=state.step, tier='local')  # pylint: disable=protected-access
+        _damage.set_aside(ckpt, damaged, instead=state.step, tier='local')
         return state
       if newest_persistent is not None:
         logging.warning('%s No local step at or after persistent step %d '
@@ -193,14 +182,15 @@ def begin(ckpt: Any, initial: TransitionState, *,
           f'(see the errors above) and {ckpt.directory} holds no committed '
           'checkpoint. Start fresh in a new folder, or fix the local '
           'folders.')
-    got = ckpt._read(initial, newest_persistent)  # pylint: disable=protected-access
-    if isinstance(got, Damage):
+    got = _damage.read(ckpt, initial, newest_persistent)
+    if isinstance(got, _damage.Damage):
       if not fallback:
         raise got.error
       damaged.append(got)
       persistent.pop()
       continue
-    ckpt._set_aside(damaged, instead=newest_persistent, tier='persistent')  # pylint: disable=protected-access
+    _damage.set_aside(ckpt, damaged, instead=newest_persistent,
+                      tier='persistent')
     ckpt.resumed_from, ckpt.resumed_tier = newest_persistent, 'persistent'
     if tier is not None:
       tier.last_saved = newest_persistent
@@ -239,7 +229,8 @@ def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
   return state
 
 
-def _none_verifies(directory: str, damaged: list[Damage]) -> CheckpointDamagedError:
+def _none_verifies(directory: str,
+                   damaged: list[_damage.Damage]) -> CheckpointDamagedError:
   """The error when every committed persistent step (and no local one) failed: nothing is set aside."""
   oldest = damaged[-1]
   message = str(oldest.error)

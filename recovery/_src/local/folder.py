@@ -3,7 +3,8 @@
 Layout (the same path on every host, on each host's own disk):
 
   <local>/                               this user's; no one else can write it
-  <local>/.recovery-local-disk           the folder's identity (`folder_id`)
+  <local>/.recovery-local-disk           the folder's identity
+                                         (`private.folder_id`)
   <local>/process_<P>/<step>-<run>/      committed: data.bin, manifest.json,
                                          COMMIT
   <local>/process_<P>/<step>-<run>.tmp-* a write in progress (or killed)
@@ -19,24 +20,15 @@ at any point leaves the previous committed steps intact, a failed write
 removes its temporary folder, and a reader never takes a folder without its
 marker.
 
-The processes that share `<local>` (one disk) find each other through it:
-the first to open it draws a random identity and links it into place
-atomically, and every process reads back the one in place (`folder_id`).
-It outlives restarts with the folder; a wiped or new folder draws a new one.
-
 Nothing under `<local>` is followed through a symlink. `<local>` and each
-`process_<P>` must be real folders of this user that its group and others
-cannot write (`check_private`; created owner-only, mode 0700); entries that
-are links are skipped when read and refused when written or deleted, and
-files are opened with O_NOFOLLOW. Since no other user can add or swap
-entries in such a folder, an entry checked with lstat can then be used by
-its path. Pure file handling: no collective, no JAX.
+`process_<P>` must pass `private.check_private` (created owner-only, mode
+0700); entries that are links are skipped when read and refused when
+written or deleted, and files are opened with O_NOFOLLOW
+(`private.open_file`). Pure file handling: no collective, no JAX.
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
-import contextlib
 import dataclasses
 import errno
 import json
@@ -52,6 +44,7 @@ import numpy as np
 
 from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
+from recovery._src.local import private
 from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
@@ -64,10 +57,6 @@ _TMP = '.tmp-'
 _RUN = re.compile(r'[0-9a-f]{16}')
 _STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
 _WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-# The local folder's identity: 16 random hex digits, one line.
-FOLDER_ID_FILE = '.recovery-local-disk'
-_FOLDER_ID = re.compile(r'[0-9a-f]{16}')
 
 # (leaf path, index) names one entry: a leaf's block, its index a tuple of
 # (start, stop) per dimension ( () for a whole 0-d or host-held leaf).
@@ -114,55 +103,6 @@ def step_name(step: int, run: str) -> str:
   return f'{step}-{run}'
 
 
-def check_private(path: str) -> None:
-  """Returns if `path` is a real folder of this user that no one else can write.
-
-  Raises:
-    CheckpointFolderError: it is missing, a symlink or no folder, another
-      user's, or writable by its group or others; the message names the path,
-      what it is and the fix.
-  """
-  try:
-    st = os.lstat(path)
-  except OSError as e:
-    raise CheckpointFolderError(
-        f'Local checkpoint folder {path} cannot be read ({e.strerror or e}). '
-        'Pick a local folder this user can create and write.') from None
-  if stat.S_ISLNK(st.st_mode):
-    try:
-      target = os.readlink(path)
-    except OSError:
-      target = '?'
-    raise CheckpointFolderError(
-        f'Local checkpoint folder {path} is a symlink (to {target}): the '
-        'local tier never follows a link under its folder, so that it cannot '
-        'write or delete anything elsewhere. Remove the link (a real folder '
-        'is created in its place), or pass the real folder.')
-  if not stat.S_ISDIR(st.st_mode):
-    raise CheckpointFolderError(
-        f'Local checkpoint folder {path} is not a folder (mode '
-        f'{oct(st.st_mode)}). Move it away or pick another local folder.')
-  if st.st_uid != os.geteuid():
-    raise CheckpointFolderError(
-        f'Local checkpoint folder {path} is owned by uid {st.st_uid}, not by '
-        f'this user (uid {os.geteuid()}): its owner could plant or delete '
-        'local steps. Use a folder of your own (a new one is created '
-        'owner-only, mode 0700).')
-  if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-    raise CheckpointFolderError(
-        f'Local checkpoint folder {path} is writable by its group or others '
-        f'(mode {oct(stat.S_IMODE(st.st_mode))}): they could plant or delete '
-        f'local steps. Run `chmod 700 {path}`, or use a new folder (created '
-        'owner-only, mode 0700).')
-
-
-def _ensure_private(path: str) -> None:
-  """Creates folder `path` owner-only (mode 0700) if missing; then `check_private`."""
-  with contextlib.suppress(FileExistsError):
-    os.mkdir(path, 0o700)
-  check_private(path)
-
-
 def prepare(local: str, process: int) -> None:
   """Creates (or checks) `local` and its `process_<process>` subfolder.
 
@@ -174,108 +114,20 @@ def prepare(local: str, process: int) -> None:
   """
   try:
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    _ensure_private(local)
-    _ensure_private(process_folder(local, process))
+    private.ensure_private(local)
+    private.ensure_private(process_folder(local, process))
   except OSError as e:
     raise CheckpointFolderError(
         f'Local checkpoint folder {local} cannot be created ({e.strerror or e}).'
         ' Pick a local folder this user can create and write.') from None
 
 
-def _read_folder_id(path: str) -> str | None:
-  """The identity in marker `path`; None if there is no marker.
-
-  Raises:
-    CheckpointFolderError: the marker is a link, no regular file, unreadable
-      or holds no identity.
-  """
-  try:
-    st = os.lstat(path)
-  except FileNotFoundError:
-    return None
-  except OSError as e:
-    raise CheckpointFolderError(
-        f'The local folder\'s identity {path} cannot be read '
-        f'({e.strerror or e}). Check the local folder.') from None
-  if not stat.S_ISREG(st.st_mode):
-    raise CheckpointFolderError(
-        f'The local folder\'s identity {path} is not a regular file (mode '
-        f'{oct(st.st_mode)}; never followed if a link). Remove it: the next '
-        'start draws a new identity.')
-  try:
-    with _open_file(path, os.O_RDONLY) as f:
-      text = f.read(64).decode('ascii', 'replace').strip()
-  except OSError as e:
-    raise CheckpointFolderError(
-        f'The local folder\'s identity {path} cannot be read '
-        f'({e.strerror or e}). Check the local folder.') from None
-  if _FOLDER_ID.fullmatch(text) is None:
-    raise CheckpointFolderError(
-        f'The local folder\'s identity {path} holds {text[:40]!r}, not 16 hex '
-        'digits. Remove it when no run uses the folder: the next start draws '
-        'a new identity.')
-  return text
-
-
-def folder_id(local: str) -> str:
-  """The identity of local folder `local`: the same for every process that opens the same folder.
-
-  16 hex digits kept in `<local>/.recovery-local-disk`. The first process
-  to open the folder draws them (`secrets.token_hex`), writes them to a
-  temporary file of an unpredictable name (created with O_EXCL and
-  O_NOFOLLOW, fsynced) and links that into place, which fails when another
-  process was first; every process then reads back the identity in place,
-  so processes that start at once on one disk agree. Processes that see
-  different folders at the same path (a disk each) read different ones.
-  The identity outlives restarts with the folder; a wiped or new folder
-  draws a new one (it no longer holds what the old one held).
-
-  Raises:
-    CheckpointFolderError: `local` fails `check_private`; the marker is a
-      link, no regular file or no identity; or it cannot be written.
-  """
-  check_private(local)
-  path = os.path.join(local, FOLDER_ID_FILE)
-  found = _read_folder_id(path)
-  if found is not None:
-    return found
-  tmp = os.path.join(local, f'{FOLDER_ID_FILE}{_TMP}{secrets.token_hex(8)}')
-  try:
-    with _open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
-      f.write(f'{secrets.token_hex(8)}\n'.encode())
-      f.flush()
-      os.fsync(f.fileno())
-    with contextlib.suppress(FileExistsError):  # Another process was first.
-      os.link(tmp, path, follow_symlinks=False)
-    fsync_folder(local)
-  except OSError as e:
-    raise CheckpointFolderError(
-        f'Cannot write the local folder\'s identity {path} '
-        f'({e.strerror or e}). The local folder must be writable by this '
-        'user.') from None
-  finally:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
-  found = _read_folder_id(path)
-  if found is None:
-    raise CheckpointFolderError(
-        f'The local folder\'s identity {path} vanished right after it was '
-        'written: something else is deleting files in the local folder. '
-        'Give this run a local folder of its own.')
-  return found
-
-
 def _own(local: str, process: int) -> str:
   """`process`'s checked subfolder of `local` (created if missing)."""
-  check_private(local)
+  private.check_private(local)
   own = process_folder(local, process)
-  _ensure_private(own)
+  private.ensure_private(own)
   return own
-
-
-def _open_file(path: str, flags: int, mode: int = 0o600):
-  return os.fdopen(os.open(path, flags | _NOFOLLOW, mode),
-                   'wb' if flags & os.O_WRONLY else 'rb')
 
 
 def _is_dir(path: str) -> bool:
@@ -321,8 +173,8 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   os.mkdir(tmp, 0o700)
   try:
     listed, offset = [], 0
-    with _open_file(os.path.join(tmp, DATA),
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
+    with private.open_file(os.path.join(tmp, DATA),
+                           os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
       for (leaf, index), block in blocks:
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
         f.write(memoryview(block.reshape(-1).view(np.uint8)))
@@ -366,7 +218,7 @@ def _read(path: str, step: int, run: str, process: int) -> StoredStep | None:
   if _real_file(os.path.join(path, COMMIT)) is None or info is None:
     return None
   try:
-    with _open_file(os.path.join(path, MANIFEST), os.O_RDONLY) as f:
+    with private.open_file(os.path.join(path, MANIFEST), os.O_RDONLY) as f:
       manifest = json.load(f)
   except (OSError, ValueError):
     return None
@@ -402,7 +254,7 @@ def scan(local: str) -> list[StoredStep]:
   """
   out = []
   try:
-    check_private(local)
+    private.check_private(local)
     names = sorted(os.listdir(local))
   except (CheckpointFolderError, OSError):
     return out
@@ -412,7 +264,7 @@ def scan(local: str) -> list[StoredStep]:
       continue
     sub = os.path.join(local, name)
     try:
-      check_private(sub)
+      private.check_private(sub)
       step_names = os.listdir(sub)
     except (CheckpointFolderError, OSError):
       continue
@@ -429,7 +281,7 @@ def scan(local: str) -> list[StoredStep]:
 def read_block(entry: Entry) -> np.ndarray:
   """The block's array, read from its data file (never through a link)."""
   out = np.empty(entry.shape, np.dtype(entry.dtype))
-  with _open_file(entry.path, os.O_RDONLY) as f:
+  with private.open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
     view = memoryview(out.reshape(-1).view(np.uint8))
     if f.readinto(view) != entry.nbytes:
@@ -441,8 +293,8 @@ def read_block(entry: Entry) -> np.ndarray:
 
 def _names(local: str, process: int) -> tuple[str, list[str]]:
   own = process_folder(local, process)
-  check_private(local)
-  check_private(own)
+  private.check_private(local)
+  private.check_private(own)
   return own, os.listdir(own)
 
 

@@ -21,7 +21,7 @@ from recovery._src.local.folder import EntryKey
 from recovery._src.state import digest
 from recovery._src.state.errors import CheckpointError
 
-# Overrides the local folder's identity (`folder.folder_id`) that tells
+# Overrides the local folder's identity (`private.folder_id`) that tells
 # the local tier's hosts apart: processes with the same value are taken to
 # share one local folder.
 HOST_ID_VARIABLE = 'RECOVERY_HOST_ID'
@@ -36,7 +36,7 @@ def host_id(local_folder_id: str) -> str:
   """This process's host for the local tier: $RECOVERY_HOST_ID, else its local folder's identity.
 
   A "host" is the set of processes that share one local folder: they read
-  the same identity from it (`folder.folder_id`), whatever their hostnames,
+  the same identity from it (`private.folder_id`), whatever their hostnames,
   and processes with a folder each (a disk each at the same path, even under
   one hostname) read different ones.
   """

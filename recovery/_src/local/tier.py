@@ -5,7 +5,7 @@ Every `every` steps each process writes, to its host's own local folder
 arrays sharded across processes, and every other leaf (replicated arrays,
 host values) once per host, by the lowest process index of that host that
 holds it. A host is the set of processes that share one local folder: they
-find each other through the folder itself (`folder.folder_id`, a random
+find each other through the folder itself (`private.folder_id`, a random
 identity kept in it), never by hostname, so processes with a disk each
 under one hostname are hosts of their own, and processes on one disk are
 one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that
@@ -41,6 +41,7 @@ from multihost.lowlevel import shorten as _short
 from multihost.lowlevel import write_atomic
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
+from recovery._src.local import private
 from recovery._src.local import restore as _local_restore
 from recovery._src.local.layout import HOST_ID_VARIABLE as HOST_ID_VARIABLE
 from recovery._src.state import consistency
@@ -57,7 +58,7 @@ from recovery._src.state.state import TransitionState
 # did not reach, another run's in a shared local folder, one copied in. An
 # authenticated manifest (a MAC) would need a key that a restarted run finds
 # and a planter does not, i.e. kept where this identity is kept; and the
-# local folder is owner-only (`folder.check_private`), so no other user can
+# local folder is owner-only (`private.check_private`), so no other user can
 # plant a step there at all. The identity is the simpler of the two, and as
 # sound.
 RUN_FILE = '.recovery-local-run'
@@ -140,7 +141,7 @@ class LocalTier:
     error, runs, local_id = None, None, None
     try:
       folder.prepare(self.local, self.me)
-      local_id = folder.folder_id(self.local)
+      local_id = private.folder_id(self.local)
     except CheckpointFolderError as e:
       error = str(e)
     if self.me == 0:  # Holds the checkpoint folder's lock.

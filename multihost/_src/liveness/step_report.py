@@ -1,0 +1,88 @@
+"""Liveness: the report of a stuck step, in one line: where each process is in its steps, who is behind, and why it leaves.
+
+Pure: it renders the where-reports that `liveness.step_deadline` collects
+(each with the process's place in its steps, `StepWatch.position`; None
+for a process that did not answer) and asks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from multihost import env as _env
+from multihost._src.liveness import peer_loss_exit
+
+# Where a step stands, in order: a process at a smaller (step, place) is
+# behind one at a larger.
+_PLACES = {'preparing': 0, 'arrived': 1, 'done': 2}
+
+
+def place(position: dict | None) -> tuple[int, int] | None:
+  """A where-report's step position as an order: a smaller one is behind."""
+  if not position:
+    return None
+  return (position['step'], _PLACES[position['state']])
+
+
+def position_text(position: dict, *, arrivals: bool | None = None) -> str:
+  """A step position in words: 'in step 5 for 3.1 s, not arrived at its collective part'.
+
+  Args:
+    position: a where-report's step position (`StepWatch.position`).
+    arrivals: whether the program marks arrivals (`StepWatch.arrived`);
+      None: whether this process has marked one.
+  """
+  n, state, seconds = position['step'], position['state'], position['for']
+  if state == 'done':
+    return f'between steps: step {n} ended {seconds:.1f} s ago'
+  text = f'in step {n} for {seconds:.1f} s'
+  if position['arrivals'] if arrivals is None else arrivals:
+    text += (', arrived at its collective part' if state == 'arrived' else
+             ', not arrived at its collective part')
+  return text
+
+
+def report(prefix: str, me: int, n: int, *, took: float, due: float,
+           why: str, reports: dict[int, dict | None],
+           describe: Callable[[dict[int, dict | None]], str]) -> str:
+  """The one line of a stuck step: the step, how long, the deadline, who is behind and where."""
+  places = {p: place(r.get('step')) for p, r in reports.items()
+            if r is not None}
+  known = {p: k for p, k in places.items() if k is not None}
+  # A process that never got as far as marking an arrival is behind those
+  # that did: the program marks them if any process does.
+  arrivals = any(reports[p]['step']['arrivals'] for p in known)
+  lead = max(known.values(), default=None)
+  behind = sorted(p for p, k in known.items() if k < lead)
+  silent = sorted(p for p, r in reports.items() if r is None)
+  parts = [f'{prefix} multihost: step {n} has run for {took:.1f} s on this '
+           f'process, past its deadline of {due:.3g} s ({why}).']
+  if behind:
+    who = '; '.join(
+        f'process {p}{" (this process)" if p == me else ""} is '
+        f'{position_text(reports[p]["step"], arrivals=arrivals)}'
+        for p in behind)
+    ahead = sorted(p for p, k in known.items() if k == lead)
+    parts.append(f'Behind the others: {who} (process(es) {ahead}: '
+                 f'{position_text(reports[ahead[0]]["step"], arrivals=arrivals)}'
+                 ').')
+    shown = behind
+  elif len(known) < 2:
+    parts.append('Who is behind is unknown: no other process answered (one '
+                 'that left first, having found this step stuck, does not).')
+    shown = []
+  else:
+    parts.append(f'No process that answered is behind: they are all at the '
+                 f'same point of step {n} (a step slow everywhere, or stuck '
+                 'in a device collective).')
+    shown = [p for p in known if p != me]
+  shown = sorted(set(shown) | set(silent))
+  if shown:
+    parts.append(describe({p: reports[p] for p in shown}))
+  parts.append(
+      f'Leaving with exit status {peer_loss_exit.EXIT_STATUS} so that the '
+      'job restarts (python -m multihost.launch --max_restarts=N does, as '
+      'does a scheduler\'s requeue). A step that is slow rather than stuck '
+      'needs a larger deadline: multihost.set_step_deadline(fixed=SECONDS) '
+      f'or ${_env.STEP_DEADLINE}=SECONDS (0: off).')
+  return ' '.join(parts)
