@@ -29,7 +29,7 @@ waits on for frames that are on their way (every process arrived). "Late
 enough": no process starts call c before this process started call c - 1
 (`Runtime.met_start`: that call needed it), so another's deadline cannot
 pass before met_start + the smallest timeout (carried in every frame);
-completing within `_slack` of that costs one RPC, earlier costs nothing.
+completing within `waiting.slack` of that costs one RPC, earlier costs nothing.
 That leaves one order uncovered: a process completes more than the slack
 before another's deadline, and that other's last frame takes longer than
 the slack to reach it (a peer hung in the middle of the rounds). Calls
@@ -57,13 +57,11 @@ import time
 from multihost import env as _env
 from multihost._src.auth import marks as _control_marks
 from multihost._src.auth import secret as _secret
-from multihost._src.diagnostics import stalls
-from multihost._src.diagnostics import where
+from multihost._src.control import waiting
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
-from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import chain
 from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import frames
@@ -73,11 +71,7 @@ from multihost._src.transport.tcp import sockets
 # Agreement frames have this bit set in their call field; data frames count
 # transfers (`Plane.seq`) and never reach it.
 AGREE_BIT = 1 << 63
-# After this long without completing, a waiting process starts its
-# diagnosis (presence, stall report, gave-up marks); then every `_MARKS_S`
-# it looks for gave-up marks again.
-WINDOW_S = 1.0
-_MARKS_S = 1.0
+WINDOW_S = waiting.WINDOW_S
 # Connecting the links (on a thread) once every process met.
 SETUP_S = 30.0
 # digest, flags, the smallest timeout the sender knows of, entries
@@ -202,136 +196,26 @@ def _decode(body: bytes,
   return digest, flags, timeout, entries
 
 
-def _slack(timeout: float) -> float:
-  """How long after the last process arrives a call's frames may still be moving, for the outcome record (`agree`)."""
-  return max(WINDOW_S, timeout / 4)
-
-
-class _Wait:
-  """A call's waiting over the links: the watchdog, diagnosis after the window, the timeout (settled in the call's outcome record)."""
-
-  def __init__(self, meeting, timeout: float):
-    self.m = meeting
-    self.timeout = timeout
-    self.deadline = meeting.start + timeout
-    self.diagnose_at = meeting.start + min(WINDOW_S, timeout / 2)
-    self.marks_at = None
-    self.stall = None
-    self.lock = threading.Lock()  # The sender thread asks `due` too.
-    self.gave_up = False
-    self.extended = False  # Another process settled the call as done.
-
-  def due(self, now: float) -> bool:
-    """Whether this process gives the call up now: its deadline passed and the call's outcome record says given up.
-
-    The first process to reach its deadline settles the call as given up,
-    unless a process that completed it settled it as done first: then
-    every process did arrive, the frames still owed are on their way, and
-    this one waits on, once more the timeout (after which a peer hangs in
-    the call's rounds: it gives up).
-    """
-    with self.lock:
-      if now < self.deadline:
-        return False
-      if self.gave_up or self.extended:
-        self.gave_up = True
-        return True
-      m = self.m
-      try:
-        decided, _ = _control_marks.settle(m.rt, m.op, m.prefix,
-                                           _control_marks.GIVEN_UP)
-      except errors.MultihostError:
-        raise
-      except Exception:  # noqa: BLE001  The service is gone: nobody settles.
-        decided = _control_marks.GIVEN_UP
-      m.wrote()
-      if decided == _control_marks.DONE:
-        self.extended = True
-        self.deadline = now + self.timeout
-        return False
-      self.gave_up = True
-      return True
-
-  def slice(self) -> None:
-    """Between socket slices: raises if a peer is gone, late, or the timeout passed."""
-    m = self.m
-    m.rt.watchdog.check(m.op)
-    now = time.monotonic()
-    if self.due(now):
-      raise self.timed_out(now)
-    if self.marks_at is None and now >= self.diagnose_at:
-      m._publish(b'D', self.timeout)  # presence, for naming the missing
-      self.stall = stalls.arm(
-          m.op, started=m.start, until=self.deadline, runtime=m.rt,
-          missing=lambda: _control_marks.absent(m.rt, m.op, m.prefix))
-      self.marks_at = now
-    if self.marks_at is not None and now >= self.marks_at:
-      self.marks_at = now + _MARKS_S
-      late(m, self.timeout)
-
-  def timed_out(self, now: float) -> errors.MultihostError:
-    m = self.m
-    error = _control_marks.named(
-        m.rt, TimeoutError('DEADLINE_EXCEEDED: the agreement over the links'),
-        m.op, m.prefix, waited=now - m.start, timeout=self.timeout)
-    if isinstance(error, errors.CollectiveTimeoutError) and not self.extended:
-      # (After the call was settled as done, no latecomer is left to tell.)
-      m.wrote()
-      _control_marks.leave_mark(m.rt, m.op, m.prefix, m.start)
-    return where.with_whereabouts(error, runtime=m.rt)
-
-  def end(self) -> None:
-    stalls.disarm(self.stall, runtime=self.m.rt)
-
-
-class _Due(Deadline):
-  """The `Deadline` of a call's sends and reads over the links: it expires when its `_Wait` gives the call up, not merely at the first deadline."""
-
-  __slots__ = ('wait',)
-
-  def __init__(self, wait: _Wait, *, idle=None):
-    super().__init__(wait.m.op, wait.deadline, wait.m.rt.watchdog, idle=idle)
-    self.wait = wait
-
-  def expired(self) -> bool:
-    due = self.wait.due(time.monotonic())
-    self.at = self.wait.deadline
-    return due
-
-  def left(self) -> float:
-    return max(self.wait.deadline - time.monotonic(), 0.0)
-
-
-def late(meeting, timeout: float) -> None:
-  """Raises `arrived_late` if processes already gave this call up."""
-  marks = _control_marks.gave_up(meeting.rt, meeting.op, meeting.prefix)
-  if marks:
-    raise failures.arrived_late(
-        meeting.op, me=meeting.me, waited=time.monotonic() - meeting.start,
-        timeout=timeout,
-        late_by=_control_marks.late_by(marks, meeting.start),
-        source=meeting.rt.timeout_source(timeout))
-
-
-def _receive(link: _tcp_link.Link, call: int, peer: int, wait: _Wait) -> bytes:
+def _receive(link: _tcp_link.Link, call: int, peer: int,
+             wait: waiting.Wait) -> bytes:
   """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded.
 
   While nothing of a frame has come, the wait's diagnosis runs between the
-  socket's slices (`_Wait.slice`); once part of it came, its peer is in
+  socket's slices (`waiting.Wait.slice`); once part of it came, its peer is in
   this call, and only the watchdog and the deadline are checked.
   """
   m = wait.m
-  waiting = _Due(wait, idle=wait.slice)
+  deadline = waiting.Due(wait, idle=wait.slice)
   while True:
     got_call, length = link.check(
-        sockets.recv_exact(link.sock, frames.FRAME_SIZE, waiting), m.op, peer)
+        sockets.recv_exact(link.sock, frames.FRAME_SIZE, deadline), m.op, peer)
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
       # too late to (`tcp.chain.Eager`).
-      chain.drop(link, length, _Due(wait))
+      chain.drop(link, length, waiting.Due(wait))
       continue
-    body = sockets.recv_exact(link.sock, length, waiting)
+    body = sockets.recv_exact(link.sock, length, deadline)
     if got_call & AGREE_BIT and got_call < call:
       continue  # A frame of a call this process gave up (a latecomer's).
     if got_call != call:
@@ -363,14 +247,14 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   met_start = rt.met_start
   last_end = rt.last_end
   if last_end is None or meeting.start - last_end > WINDOW_S:
-    late(meeting, timeout)  # Come late: the others may have given the call up.
+    waiting.late(meeting, timeout)  # Come late: the others may have given the call up.
   plane = rt.plane
   call = meeting.call | AGREE_BIT
   entries = {} if publish is None else {me: publish}
   differs = False
   smallest = timeout  # the smallest timeout of the processes heard from
-  wait = _Wait(meeting, timeout)
-  watch = _Due(wait)
+  wait = waiting.Wait(meeting, timeout)
+  watch = waiting.Due(wait)
   sender = None
   links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
@@ -409,7 +293,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       done.close(wait.deadline)
     now = time.monotonic()
     if not differs and (met_start is None or now - met_start
-                        >= smallest - _slack(smallest)):
+                        >= smallest - waiting.slack(smallest)):
       # Completed late enough that another process's deadline may have
       # passed: the call's outcome record decides (see the module notes).
       peer = me

@@ -174,7 +174,7 @@ class Eager:
   All or none. A process can complete the agreement while the source does
   not: the source sent all its rounds, then timed out waiting for its last
   one, and a latecomer came before the source's gave-up mark was visible
-  (`control.links.late`), so every other process completes. Such a process
+  (`control.waiting.late`), so every other process completes. Such a process
   goes on to read the transfer; it must not return the payload the source
   sent ahead, since the source raises. So the frame carries one more byte
   after the payload (`VERDICT_BIT`), which is never sent ahead: the
