@@ -106,21 +106,27 @@ def test_a_source_that_gave_up_after_sending_early_fails_every_process(count):
                           env=dict(os.environ), grace_period=30) as cluster:
     result = cluster.wait(timeout=120)
   for n in (1 << 18, 4 << 20):
-    first = [re.search(rf'CALL {n} 0 (.*)', out) for out in result.outputs]
-    assert all(first), [out[-3000:] for out in result.outputs]
-    outcomes = [m.group(1) for m in first]
-    assert not any(o.startswith('ok') for o in outcomes), (n, outcomes)
+    outcomes = _all_or_none(result, n)
     assert outcomes[0].startswith('CollectiveTimeoutError'), outcomes[0]
     for p, outcome in enumerate(outcomes[1:], 1):
       assert outcome.startswith(
           f'CollectiveTimeoutError [process={p}] broadcast_one_to_all'), (
               n, p, outcome)
-    for out in result.outputs:  # back in step
-      for i in (1, 2):
-        assert f'CALL {n} {i} ok' in out, (n, i, out[-3000:])
+
+
+def _all_or_none(result, case) -> list[str]:
+  """Each process's outcome of call 0 of `case` (a program's `CALL <case> <i> <outcome>` lines), checked: none returned, calls 1 and 2 returned on every process, and the program passed."""
+  first = [re.search(rf'CALL {case} 0 (.*)', out) for out in result.outputs]
+  assert all(first), [out[-3000:] for out in result.outputs]
+  outcomes = [m.group(1) for m in first]
+  assert not any(o.startswith('ok') for o in outcomes), (case, outcomes)
+  for out in result.outputs:  # back in step
+    for i in (1, 2):
+      assert f'CALL {case} {i} ok' in out, (case, i, out[-3000:])
   assert result.ok, result.summary
   for out in result.outputs:
     assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]
+  return outcomes
 
 
 def test_a_process_that_gave_up_on_its_last_round_fails_every_process():
@@ -134,14 +140,6 @@ def test_a_process_that_gave_up_on_its_last_round_fails_every_process():
     result = cluster.wait(timeout=120)
   for op in ('sync_global_devices', 'broadcast_one_to_all',
              'process_allgather'):
-    first = [re.search(rf'CALL {op} 0 (.*)', out) for out in result.outputs]
-    assert all(first), [out[-3000:] for out in result.outputs]
-    outcomes = [m.group(1) for m in first]
+    outcomes = _all_or_none(result, op)
     assert all(o.startswith('CollectiveTimeoutError') for o in outcomes), (
         op, outcomes)
-    for out in result.outputs:  # back in step
-      for i in (1, 2):
-        assert f'CALL {op} {i} ok' in out, (op, i, out[-3000:])
-  assert result.ok, result.summary
-  for out in result.outputs:
-    assert 'PASSED' in out and 'LINKS True' in out, out[-3000:]

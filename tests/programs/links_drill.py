@@ -14,28 +14,24 @@ everywhere). Exits 0 after PASSED.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import numpy as np
 
 import multihost
-from multihost._src.control import links
 from multihost._src.runtime import runtime
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _links  # noqa: E402  (a sibling module, found by path)
 
 
 def drill(mode: str, sleeper: int, me: int) -> None:
   """One MODE, once the processes agree over the links."""
   print(f'MODE {mode}', flush=True)
-  # Until the links are set up (every process switches in the same call).
-  # The bound is a number of calls, the same on every process, so all stop
-  # calling together; at 20 ms apart it outlasts the setup time (30 s).
-  for _ in range(int(links.SETUP_S / 0.02)):
-    multihost.sync_global_devices(f'setup {mode}')
-    if links.usable(runtime.current()):
-      break
-    time.sleep(0.02)
-  print(f'LINKS {links.usable(runtime.current())}', flush=True)
+  up = _links.wait_until_up(f'setup {mode}')
+  print(f'LINKS {up}', flush=True)
   if mode == 'mismatch':
     try:
       multihost.sync_global_devices('odd' if me == sleeper else 'even',
@@ -59,7 +55,7 @@ def drill(mode: str, sleeper: int, me: int) -> None:
               f'missing={list(e.missing)} message={e}', flush=True)
 
 
-def _links() -> dict:
+def _conns() -> dict:
   return dict(runtime.current().plane.conns)
 
 
@@ -71,7 +67,7 @@ def eager(sleeper: int, me: int) -> None:
   for n in (1 << 18, 2 << 20, 16 << 20):
     x = np.arange(n, dtype=np.float32) + me
     multihost.broadcast_one_to_all(x)  # the lanes' links open
-    before = _links()
+    before = _conns()
     for case, arg, kwargs in (
         ('shape', x[:-1] if me == sleeper else x, {}),
         # Agrees (process 0 is the source either way) after a difference:
@@ -85,7 +81,7 @@ def eager(sleeper: int, me: int) -> None:
         print(f'EAGER {n} {case} RAISED {str(e)[:160]}', flush=True)
       got = multihost.broadcast_one_to_all(x, timeout=20)
       assert (got == np.arange(n, dtype=np.float32)).all(), (n, case)
-    print(f'EAGER {n} SAME LINKS {_links() == before}', flush=True)
+    print(f'EAGER {n} SAME LINKS {_conns() == before}', flush=True)
   # 16 MiB: more of the first stripe (8 MiB) than a socket takes at once,
   # so the source's timed-out call leaves its link owing the rest.
   x = np.arange(4 << 20, dtype=np.float32) + me
