@@ -274,6 +274,13 @@ def _hold_agreement_frames(monkeypatch, process: int, seconds: float, *,
   monkeypatch.setattr(sockets, 'send_all', held)
 
 
+def _in_step_again(rts, monkeypatch):
+  """With the frames no longer held, the next call agrees on every process."""
+  monkeypatch.undo()
+  results = fake.run(rts, _sync)
+  assert [out for out, _ in results] == [agree.Agreement(True)] * len(rts)
+
+
 @pytest.mark.parametrize('job', [2], indirect=True)
 def test_a_process_that_completes_after_another_gave_up_raises_too(
     job, monkeypatch):
@@ -287,10 +294,7 @@ def test_a_process_that_completes_after_another_gave_up_raises_too(
   first, second = _errors_of(results, errors.CollectiveTimeoutError)
   assert 'timed out' in str(first) and '[1]' in str(first), first
   assert 'process 0 gave this call up at its timeout' in str(second), second
-  monkeypatch.undo()
-  # In step again: the next call agrees on both.
-  results = fake.run(rts, _sync)
-  assert [out for out, _ in results] == [agree.Agreement(True)] * 2
+  _in_step_again(rts, monkeypatch)
 
 
 @pytest.mark.parametrize('job', [2], indirect=True)
@@ -306,9 +310,7 @@ def test_a_deadline_that_passes_after_another_completed_waits_for_the_frames(
       rt, timeout=2.0 if rt.index == 0 else 30.0), delays={1: 1.6})
   assert [out for out, _ in results] == [agree.Agreement(True)] * 2, results
   assert results[0][1] > 2.0, results  # past its deadline, then returned
-  monkeypatch.undo()
-  results = fake.run(rts, _sync)
-  assert [out for out, _ in results] == [agree.Agreement(True)] * 2
+  _in_step_again(rts, monkeypatch)
 
 
 @pytest.mark.parametrize('job', [2], indirect=True)
