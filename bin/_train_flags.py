@@ -115,9 +115,10 @@ DRILL_DAMAGE_NEWEST = flags.DEFINE_boolean(
     'by then has committed.')
 DRILL_DAMAGE_NEWEST_LOCAL = flags.DEFINE_boolean(
     'drill_damage_newest_local', False,
-    'For fault drills: the killed process first flips the last byte of the data file of its newest local '
-    'step in --local_checkpoint_dir (a damaged local step), so that the '
-    'restart must set that step aside and restore an older one.')
+    'For fault drills: the killed process first flips the last byte of the '
+    'data file of its newest local step in --local_checkpoint_dir (a damaged '
+    'local step), so that the restart must set that step aside and restore '
+    'an older one.')
 
 DRILL_STALL_AT = flags.DEFINE_integer(
     'drill_stall_at_step', 0,

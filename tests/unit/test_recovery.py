@@ -157,6 +157,11 @@ def test_step_check_failure_names_the_step():
 # -- checkpoints --------------------------------------------------------------
 
 
+def _entries(directory) -> list[str]:
+  """The checkpoint folder's entries, sorted, without its hidden files (the lock)."""
+  return sorted(n for n in os.listdir(directory) if not n.startswith('.'))
+
+
 def _saved_run(tmp_path, steps=7, save_every=3, keep=2):
   loop = _toy_loop()
   directory = tmp_path / 'ckpt'
@@ -382,7 +387,7 @@ def test_a_damaged_newest_step_is_set_aside_and_the_run_falls_back(
   assert (recovery.checkpoint_digest(result.state)
           == recovery.checkpoint_digest(straight))
   # The damaged step is kept, whole, beside the others; never deleted.
-  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == (
+  assert _entries(directory) == (
       sorted(['9', '10', os.path.basename(moved)]))
   assert (pathlib.Path(moved) / 'state').is_dir()
   why = ('its files cannot be read' if how == 'bytes'
@@ -412,7 +417,7 @@ def test_a_strict_resume_refuses_a_damaged_step_and_says_how_to_fall_back(
                        r'\(step 6\)'):
       ckpt.start(_initial(loop), resume=True)
     assert ckpt.set_aside == {}
-  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == [
+  assert _entries(directory) == [
       '6', '7']
   # On a restart, the same resume=True falls back: no one is there.
   monkeypatch.setenv('SLURM_RESTART_COUNT', '2')
@@ -435,7 +440,7 @@ def test_when_no_step_verifies_nothing_is_set_aside(tmp_path, monkeypatch):
                        r'set aside\.'):
       ckpt.start(_initial(loop), resume='if_present')
     assert ckpt.set_aside == {}
-  assert sorted(n for n in os.listdir(directory) if not n.startswith('.')) == [
+  assert _entries(directory) == [
       '6', '7']
 
 

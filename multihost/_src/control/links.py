@@ -35,7 +35,7 @@ before another's deadline, and that other's last frame takes longer than
 the slack to reach it (a peer hung in the middle of the rounds). Calls
 spaced by less than three quarters of their timeout never touch the record.
 
-What the service's fast window did becomes diagnosis: after `WINDOW_S` a waiting
+What the service's fast window did becomes diagnosis: after `waiting.WINDOW_S` a waiting
 process publishes its presence beside the call (so a timeout names who is
 missing, and where), arms the stall report, and looks for gave-up marks (a
 latecomer then raises at once, as on the service path). At the timeout it
@@ -71,7 +71,6 @@ from multihost._src.transport.tcp import sockets
 # Agreement frames have this bit set in their call field; data frames count
 # transfers (`Plane.seq`) and never reach it.
 AGREE_BIT = 1 << 63
-WINDOW_S = waiting.WINDOW_S
 # Connecting the links (on a thread) once every process met.
 SETUP_S = 30.0
 # digest, flags, the smallest timeout the sender knows of, entries
@@ -246,8 +245,9 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   rt, op, me, count = meeting.rt, meeting.op, meeting.me, meeting.count
   met_start = rt.met_start
   last_end = rt.last_end
-  if last_end is None or meeting.start - last_end > WINDOW_S:
-    waiting.late(meeting, timeout)  # Come late: the others may have given the call up.
+  if last_end is None or meeting.start - last_end > waiting.WINDOW_S:
+    # Come late: the others may have given the call up.
+    waiting.late(meeting, timeout)
   plane = rt.plane
   call = meeting.call | AGREE_BIT
   entries = {} if publish is None else {me: publish}
