@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import shutil
 import signal
 import time
@@ -236,27 +235,24 @@ def drill(step: int, pid: int, *, first_attempt: bool, checkpoints) -> None:
     if DRILL_DAMAGE_NEWEST.value:
       _damage_newest(checkpoints.directory)
     if DRILL_DAMAGE_NEWEST_LOCAL.value and checkpoints.local is not None:
-      _damage_newest_local(LOCAL_DIR.value, pid)
+      _damage_newest_local(checkpoints.local, pid)
     print(f'Drill: process {pid} SIGKILLs itself after step {step} '
           f'at {time.time():.3f}.', flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _damage_newest_local(local: str, pid: int) -> None:
-  """Flips the last byte of `data.bin` of process `pid`'s newest local step (`<local>/process_<pid>/<step>-<run>/`)."""
-  own = pathlib.Path(local) / f'process_{pid}'
-  steps = sorted((int(p.name.split('-')[0]), p) for p in own.iterdir()
-                 if re.fullmatch(r'\d+-[0-9a-f]{16}', p.name))
-  if not steps:
-    raise AssertionError(f'--drill_damage_newest_local: no local step in '
-                         f'{own} yet; kill after a later step.')
-  step, folder = steps[-1]
-  data = folder / 'data.bin'
+def _damage_newest_local(tier, pid: int) -> None:
+  """Flips the last byte of `data.bin` of process `pid`'s newest local step of this run (`<local>/process_<pid>/<step>-<run>/`), its write finished."""
+  own = pathlib.Path(tier.local) / f'process_{pid}'
+  data = own / f'{tier.last_saved}-{tier.run}' / 'data.bin'
+  if tier.last_saved is None or not data.is_file():
+    raise AssertionError(f'--drill_damage_newest_local: no local step of '
+                         f'this run in {own} yet; kill after a later step.')
   raw = bytearray(data.read_bytes())
   raw[-1] ^= 0xff
   data.write_bytes(bytes(raw))
-  print(f'Drill: damaged local step {step} in {own} at {time.time():.3f}.',
-        flush=True)
+  print(f'Drill: damaged local step {tier.last_saved} in {own} at '
+        f'{time.time():.3f}.', flush=True)
 
 
 def _damage_newest(directory: str) -> None:

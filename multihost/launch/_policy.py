@@ -77,8 +77,7 @@ def next_step(*, elapsed: float, returncodes: collections.abc.Sequence[int | Non
     return Step(TIMED_OUT, running=running)
   failed = [(rc, t) for rc, t in zip(returncodes, end_times, strict=True)
             if rc not in (None, 0) and t is not None]
-  if (restart_at_once and failed and
-      all(rc != env_lib.NO_RETRY_EXIT_STATUS for rc, _ in failed)):
+  if restart_at_once and failed and not_retryable(returncodes) is None:
     return Step(RESTART_NOW, running=running)
   failed_at = [t for _, t in failed]
   grace_end = min(failed_at) + grace_period if failed_at else None

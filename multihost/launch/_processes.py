@@ -175,9 +175,13 @@ class Processes:
       with self.changed:
         if self._returncodes[i] is not None:
           continue
-        if not exited(proc.pid):
-          self._stopped.add(i)
+        self._mark_stopped_locked(i, proc)
       signal_group(proc, sig)
+
+  def _mark_stopped_locked(self, i: int, proc: subprocess.Popen) -> None:
+    """Counts process `i` as stopped by the launcher, unless it has already exited by itself (not yet reaped); hold `changed`."""
+    if not exited(proc.pid):
+      self._stopped.add(i)
 
   def stop(self, *, wait: float,
            until: collections.abc.Callable[[], bool] | None = None) -> None:
@@ -191,7 +195,7 @@ class Processes:
     for i, proc in enumerate(self._procs):
       if proc.returncode is None and self._returncodes[i] is None:
         with self.changed:
-          self._stopped.add(i)
+          self._mark_stopped_locked(i, proc)
         signal_group(proc, signal.SIGKILL)
     for proc in self._procs:
       try:

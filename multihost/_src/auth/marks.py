@@ -66,7 +66,7 @@ def authentic(secret: bytes, key: str, stored: bytes) -> bool:
 
 
 def beside(prefix: str, kind: str) -> str:
-  """The directory of the marks of `kind` (`GAVE_UP`, `HERE`) of the call whose messages are under `prefix`."""
+  """The place of the marks of `kind` (the `GAVE_UP` and `HERE` directories, the `OUTCOME` record) of the call whose messages are under `prefix`."""
   return prefix[:-1] + kind
 
 
@@ -131,7 +131,7 @@ def settle(rt: runtime.Runtime, op: str, prefix: str,
     MultihostError: the record does not verify (someone who reaches the
       store planted it).
   """
-  key = prefix[:-1] + OUTCOME
+  key = beside(prefix, OUTCOME)
   secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
   value = outcome + b'|' + str(rt.index).encode()
   if rt.client.kv_create(key, mac(secret, key, value) + value):

@@ -34,7 +34,6 @@ import errno
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 import time
@@ -53,10 +52,8 @@ COMMIT = 'COMMIT'
 MANIFEST = 'manifest.json'
 DATA = 'data.bin'
 _PROCESS = 'process_'
-_TMP = '.tmp-'
-_RUN = re.compile(r'[0-9a-f]{16}')
-_STEP = re.compile(r'(\d+)-([0-9a-f]{16})')
-_WRITING = re.compile(r'(\d+)-([0-9a-f]{16})' + re.escape(_TMP) + r'[0-9a-f]+')
+_STEP = re.compile(rf'(\d+)-({private.IDENTITY.pattern})')
+_WRITING = re.compile(_STEP.pattern + re.escape(private.TMP) + r'[0-9a-f]+')
 
 # (leaf path, index) names one entry: a leaf's block, its index a tuple of
 # (start, stop) per dimension ( () for a whole 0-d or host-held leaf).
@@ -86,12 +83,12 @@ class StoredStep:
 
 def new_run() -> str:
   """A fresh run identity: 16 random hex digits."""
-  return secrets.token_hex(8)
+  return private.new_identity()
 
 
 def is_run(value: Any) -> bool:
   """Whether `value` is a run identity (16 lowercase hex digits)."""
-  return isinstance(value, str) and _RUN.fullmatch(value) is not None
+  return isinstance(value, str) and private.IDENTITY.fullmatch(value) is not None
 
 
 def process_folder(local: str, process: int) -> str:
@@ -169,7 +166,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
                      'manifest; a run identity is 16 hex digits (new_run()).')
   own = _own(local, process)
   name = step_name(step, run)
-  tmp = os.path.join(own, f'{name}{_TMP}{secrets.token_hex(8)}')
+  tmp = os.path.join(own, f'{name}{private.TMP}{private.new_identity()}')
   os.mkdir(tmp, 0o700)
   try:
     listed, offset = [], 0
@@ -319,9 +316,7 @@ def prune(local: str, process: int, run: str, *, keep: int,
     m = _STEP.fullmatch(name)
     if m and m.group(2) == run and _is_dir(os.path.join(own, name)):
       mine[int(m.group(1))] = name
-    m = _WRITING.fullmatch(name)
-    if m and m.group(2) == run:
-      _remove(os.path.join(own, name))
+  _remove_writing(own, names, run)
   older = sorted(s for s in mine if s < written)
   deleted = sorted([*older[:max(0, len(older) - (keep - 1))],
                     *(s for s in mine if s > written)])
@@ -369,6 +364,11 @@ def remove_tmp(local: str, process: int, run: str) -> None:
     own, names = _names(local, process)
   except (CheckpointFolderError, OSError):
     return
+  _remove_writing(own, names, run)
+
+
+def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
+  """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`)."""
   for name in names:
     m = _WRITING.fullmatch(name)
     if m and m.group(2) == run:

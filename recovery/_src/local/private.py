@@ -29,9 +29,16 @@ from recovery._src.state.errors import CheckpointFolderError
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 # The local folder's identity: 16 random hex digits, one line.
 FOLDER_ID_FILE = '.recovery-local-disk'
-_FOLDER_ID = re.compile(r'[0-9a-f]{16}')
-# A temporary file's infix, as for a step's write in progress (`folder`).
-_TMP = '.tmp-'
+# An identity (the folder's, a run's: `folder.new_run`): 16 random hex digits.
+IDENTITY = re.compile(r'[0-9a-f]{16}')
+# A temporary name's infix (this module's identity file, `folder`'s steps in
+# writing).
+TMP = '.tmp-'
+
+
+def new_identity() -> str:
+  """A fresh identity (`IDENTITY`)."""
+  return secrets.token_hex(8)
 
 
 def check_private(path: str) -> None:
@@ -117,7 +124,7 @@ def _read_folder_id(path: str) -> str | None:
     raise CheckpointFolderError(
         f'The local folder\'s identity {path} cannot be read '
         f'({e.strerror or e}). Check the local folder.') from None
-  if _FOLDER_ID.fullmatch(text) is None:
+  if IDENTITY.fullmatch(text) is None:
     raise CheckpointFolderError(
         f'The local folder\'s identity {path} holds {text[:40]!r}, not 16 hex '
         'digits. Remove it when no run uses the folder: the next start draws '
@@ -147,10 +154,10 @@ def folder_id(local: str) -> str:
   found = _read_folder_id(path)
   if found is not None:
     return found
-  tmp = os.path.join(local, f'{FOLDER_ID_FILE}{_TMP}{secrets.token_hex(8)}')
+  tmp = os.path.join(local, f'{FOLDER_ID_FILE}{TMP}{new_identity()}')
   try:
     with open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
-      f.write(f'{secrets.token_hex(8)}\n'.encode())
+      f.write(f'{new_identity()}\n'.encode())
       f.flush()
       os.fsync(f.fileno())
     with contextlib.suppress(FileExistsError):  # Another process was first.

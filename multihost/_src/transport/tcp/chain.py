@@ -107,7 +107,9 @@ def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
   next process need not wait for the copies).
   """
   offset = 0
-  left = sum(len(memoryview(x).cast('B')) for x in segments_) - already
+  # (Bytes still to send: only `then` needs them counted.)
+  left = (sum(len(memoryview(x).cast('B')) for x in segments_) - already
+          if then else 0)
   if then and left <= 0:
     sockets.send_all(down.sock, then, watch)
   for segment in segments_:
@@ -149,6 +151,10 @@ def _pieces(parts: list[np.ndarray], ranges: list[tuple[int, int]]) -> list:
 def _framed(head: bytes, piece: list, striped: bool) -> list:
   """`head` then a stripe's `piece` (see `_pieces`), as the segments to send."""
   return [head, *piece] if striped else segments(head, piece)
+
+
+# Past the end of any payload (`_cut`'s stop, `send_ready`'s limit).
+_ALL = 1 << 62
 
 
 def _cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
@@ -220,22 +226,13 @@ class Eager:
 
   def defer(self, verdict: bytes) -> None:
     """Ends the frame with `verdict` (`GAVE_UP` after a timeout, `AGAIN` after a difference), sent at once as far as the socket takes it; the link owes the remainder (sent before its next use: `Plane.conn`)."""
-    rest, skip = [], self.sent
-    for view in [*self.segments, memoryview(verdict)]:
-      if skip < len(view):
-        rest.append(view[skip:])
-      skip = max(skip - len(view), 0)
+    rest = _cut([*self.segments, memoryview(verdict)], self.sent, _ALL)
     link, self.link = self.link, None
     try:
-      skip = sockets.send_ready(link.sock, rest, 1 << 62)
+      sent = sockets.send_ready(link.sock, rest, _ALL)
     except OSError:
-      skip = 0  # (the link is broken: its next use finds it closed)
-    owed = []
-    for view in rest:
-      if skip < len(view):
-        owed.append(view[skip:])
-      skip = max(skip - len(view), 0)
-    link.owed = owed or None
+      sent = 0  # (the link is broken: its next use finds it closed)
+    link.owed = _cut(rest, sent, _ALL) or None
 
 
 def drop(link: _tcp_link.Link, length: int, watch: Deadline) -> None:

@@ -106,7 +106,7 @@ def _unpolled(conn) -> bool:
 
 def recv_into(conn: socket.socket, view: memoryview,
                deadline: Deadline | None = None) -> None:
-  """Fills `view`; with a `deadline`, in watched slices (`api.watched`).
+  """Fills `view`; with a `deadline`, in watched slices (`_watched`).
 
   A socket with a timeout is non-blocking underneath, and Python polls it
   before each recv: what has already come is read first with one plain
