@@ -63,6 +63,10 @@ RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
 # TCP connections per pair of processes that a large broadcast stripes over
 # (default 2; 1: one); the same on every process. See `multihost._src.transport.tcp.chain`.
 TCP_LANES = 'MULTIHOST_TCP_LANES'
+# Links between processes on one host (one network namespace) go over a
+# local (Unix domain) socket instead of TCP loopback (default on; 0: TCP
+# for every link). See `multihost._src.transport.tcp.link`.
+LOCAL_LINKS = 'MULTIHOST_LOCAL_LINKS'
 
 # Calls (and events) each process's flight recorder keeps (default 64); see
 # `multihost._src.runtime.flight`.

@@ -176,12 +176,15 @@ def test_a_mark_moved_to_another_key_or_badly_maced_is_ignored(secret):
 
 def test_a_data_plane_address_written_by_a_store_writer_is_refused():
   key = os.urandom(32)
-  real = auth.address_record(key, 2, '10.0.0.3', 4242)
-  assert auth.read_address(key, 2, real, 'op') == ('10.0.0.3', 4242)
+  real = auth.address_record(key, 2, '10.0.0.3', 4242, 'multihost-ab12')
+  assert auth.read_address(key, 2, real, 'op') == ('10.0.0.3', 4242,
+                                                    'multihost-ab12')
   relay = b'127.0.0.1|5555'  # as the store held before: no MAC
   moved = real.replace(b'10.0.0.3|4242', b'127.0.0.1|5555')  # MAC kept
+  # Another local socket name (a stranger's on the same host), MAC kept:
+  renamed = real.replace(b'multihost-ab12', b'multihost-cd34')
   other = auth.address_record(key, 1, '127.0.0.1', 5555)  # another's
-  for forged in (relay, moved, other, b'', b'|||'):
+  for forged in (relay, moved, renamed, other, b'', b'|||'):
     with pytest.raises(errors.MultihostError,
                        match="'multihost_transport/2' failed authentication"):
       auth.read_address(key, 2, forged, 'process_allgather')
@@ -307,18 +310,30 @@ def test_what_the_store_shows_does_not_give_the_secret_to_a_word_list(secret):
 # --- Strangers at a data-plane port ------------------------------------------
 
 
-@pytest.fixture
-def plane(secret, monkeypatch):
-  """Process 1's data-plane listener (of 2), with a 1 s handshake deadline."""
+@pytest.fixture(params=['tcp', 'local'])
+def plane(secret, monkeypatch, request):
+  """Process 1's data-plane listener (of 2), with a 1 s handshake deadline, and a function that connects a stranger to it: its TCP port, or its local socket."""
+  import socket  # noqa: PLC0415
   del secret
   monkeypatch.setattr(_tcp_link, '_HANDSHAKE_S', 1.0)
   _, rts = fake.runtimes(2)
   fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
   p = _tcp_link.Plane(rts[1], 5.0, 'test')
-  yield p, auth.read_address(
+  host, port, local = auth.read_address(
       rts[1].job_keys[1], 1,
       rts[1].client.kv_try_get(auth.ADDRESS_KEY.format(1)), 'test')
-  p.listener.close()
+  assert local, 'the plane publishes no local socket'
+
+  def connect():
+    if request.param == 'tcp':
+      return socket.create_connection((host, port), timeout=5)
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(b'\0' + local.encode())
+    return s
+
+  yield p, connect
+  _tcp_link.close_plane(p)
   fake.stop(rts)
 
 
@@ -334,9 +349,8 @@ def _closed_within(s, seconds: float) -> bool:
 
 
 def test_a_handshake_trickling_a_byte_at_a_time_is_cut_at_its_deadline(plane):
-  import socket  # noqa: PLC0415
-  _, address = plane
-  s = socket.create_connection(address, timeout=5)
+  _, connect = plane
+  s = connect()
   start = time.monotonic()
   try:
     cut = False
@@ -354,16 +368,14 @@ def test_a_handshake_trickling_a_byte_at_a_time_is_cut_at_its_deadline(plane):
 
 
 def test_strangers_past_the_cap_cut_the_oldest_not_the_newcomer(plane):
-  import socket  # noqa: PLC0415
-  p, address = plane
-  held = [socket.create_connection(address, timeout=5)
-          for _ in range(_tcp_link._PER_SOURCE)]
+  p, connect = plane
+  held = [connect() for _ in range(_tcp_link._PER_SOURCE)]
   try:
     deadline = time.monotonic() + 2
     while len(p.pending) < _tcp_link._PER_SOURCE:
       assert time.monotonic() < deadline, len(p.pending)
       time.sleep(0.01)
-    newcomer = socket.create_connection(address, timeout=5)
+    newcomer = connect()
     held.append(newcomer)
     assert _closed_within(held[0], 0.5)  # the oldest stranger
     assert not _closed_within(newcomer, 0.2)  # a peer would go on from here

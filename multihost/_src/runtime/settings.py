@@ -12,6 +12,7 @@ in each call's agreement.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from multihost import env
@@ -104,6 +105,11 @@ def tcp_lanes() -> int:
                      f'connections per pair of processes; set 1 to '
                      f'{MAX_TCP_LANES}, or unset it ({DEFAULT_TCP_LANES}).')
   return lanes
+
+
+def local_links() -> bool:
+  """$MULTIHOST_LOCAL_LINKS: whether links to processes on this host may use a local (Unix domain) socket (Linux only)."""
+  return sys.platform.startswith('linux') and not is_off(env.LOCAL_LINKS)
 
 
 def stall_report_after() -> float:

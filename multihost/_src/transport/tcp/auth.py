@@ -42,19 +42,20 @@ def _address_mac(key: bytes, index: int, text: bytes) -> str:
                      + b'\0' + text, hashlib.sha256)[:_MAC].hex()
 
 
-def address_record(key: bytes, index: int, host: str, port: int) -> bytes:
-  """What process `index` publishes under ADDRESS_KEY: 'host|port|MAC'."""
-  text = f'{host}|{port}'.encode()
+def address_record(key: bytes, index: int, host: str, port: int,
+                   local: str = '') -> bytes:
+  """What process `index` publishes under ADDRESS_KEY: 'host|port|local|MAC' (`local`: its local socket's name, or '')."""
+  text = f'{host}|{port}|{local}'.encode()
   return text + b'|' + _address_mac(key, index, text).encode()
 
 
 def read_address(key: bytes, index: int, value: bytes,
-                 op: str) -> tuple[str, int]:
-  """(host, port) of process `index`'s record; raises unless it wrote it."""
+                 op: str) -> tuple[str, int, str]:
+  """(host, port, local socket name or '') of process `index`'s record; raises unless it wrote it."""
   text, _, mac = value.rpartition(b'|')
   try:
     ok = hmac.compare_digest(mac.decode(), _address_mac(key, index, text))
-    host, port = text.decode().rsplit('|', 1)
+    host, port, local = text.decode().split('|')
     port = int(port)
   except ValueError:
     ok = False
@@ -67,7 +68,7 @@ def read_address(key: bytes, index: int, value: bytes,
         'secret). Nothing was sent to it. Give every process the same job '
         'secret, and keep the coordination service\'s port firewalled (see '
         'docs/trust.md, "Trust model").')
-  return host, port
+  return host, port, local
 
 
 def local_host(rt: runtime.Runtime) -> str:

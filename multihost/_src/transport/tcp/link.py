@@ -20,6 +20,9 @@ peer's handshake takes a round trip, a stranger's lasts to its deadline). A
 connector whose handshake was cut tries again until the transfer's
 deadline. After a failed transfer the links are closed and opened afresh by
 the next transfer (new nonces, new keys, frame numbers from 0).
+
+Processes on one host link over a local socket instead, found through the
+same record and proven by the same handshake (`transport.tcp.local`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import errors as _tcp_errors
 from multihost._src.transport.tcp import frames
+from multihost._src.transport.tcp import local as _local
 from multihost._src.transport.tcp import sockets
 
 # Handshake (the lower index connects): hello = magic, connector, acceptor,
@@ -118,16 +122,23 @@ class Plane:
     # would be dropped and sent again only a second later.
     self.listener.listen(socket.SOMAXCONN)
     port = self.listener.getsockname()[1]
-    threading.Thread(target=self._accept, name='multihost-transport',
-                     daemon=True).start()
+    self.local_listener = _local.listener()
+    self.local = ''  # its name, published without the leading NUL
+    for listener in (self.listener, self.local_listener):
+      if listener is not None:
+        threading.Thread(target=self._accept, args=(listener,),
+                         name='multihost-transport', daemon=True).start()
+    if self.local_listener is not None:
+      self.local = self.local_listener.getsockname()[1:].decode()
     rt.client.kv_set(auth.ADDRESS_KEY.format(self.me),
-                     auth.address_record(self.secret, self.me, host, port))
+                     auth.address_record(self.secret, self.me, host, port,
+                                         self.local))
 
-  def _accept(self) -> None:
-    """Accepts connections for ever; each handshake runs on its own thread."""
+  def _accept(self, listener: socket.socket) -> None:
+    """Accepts connections on `listener` for ever; each handshake runs on its own thread."""
     while True:
       try:
-        conn, source = self.listener.accept()
+        conn, source = listener.accept()
       except OSError as e:
         if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
           return  # the listener was closed
@@ -136,7 +147,7 @@ class Plane:
         time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
                                        errno.ENOBUFS, errno.ENOMEM) else 0.001)
         continue
-      self._admit(conn, source[0])
+      self._admit(conn, _local.source(conn, source))
       try:
         threading.Thread(target=self._handshake, args=(conn,), daemon=True,
                          name='multihost-transport-handshake').start()
@@ -211,27 +222,38 @@ class Plane:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
     deadline = time.monotonic() + remaining
     value = self.rt.client.kv_get(auth.ADDRESS_KEY.format(peer), remaining)
-    host, port = auth.read_address(self.secret, peer, value, op)
+    host, port, local = auth.read_address(self.secret, peer, value, op)
+    # The local socket when the peer's name answers on this host; else
+    # (another host or network namespace: refused at once) TCP.
+    where = (f'the local socket @{local}'
+             if local and settings.local_links() else f'{host}:{port}')
     while True:
       try:
-        return self._connect_once(peer, lane, host, port, deadline, op)
+        return self._connect_once(peer, lane, where, (host, port), local,
+                                  deadline)
+      except _local.NotLocal:
+        where = f'{host}:{port}'
       except (ConnectionResetError, BrokenPipeError) as e:
         # Cut during the handshake (e.g. as the oldest pending one while
         # strangers crowd the port): try again while there is time.
         if time.monotonic() + _RETRY_S >= deadline:
-          raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
+          raise _tcp_errors.Unreachable(where, e) from e
         time.sleep(_RETRY_S)
 
-  def _connect_once(self, peer: int, lane: int, host: str, port: int,
-                    deadline: float, op: str) -> Link:
-    """One attempt of `_connect`."""
+  def _connect_once(self, peer: int, lane: int, where: str,
+                    address: tuple[str, int], local: str,
+                    deadline: float) -> Link:
+    """One attempt of `_connect`, to `where`: the peer's local socket, or its TCP `address`."""
     remaining = max(deadline - time.monotonic(), 0.001)
     try:
-      conn = socket.create_connection((host, port), timeout=remaining)
-    except (ConnectionResetError, BrokenPipeError):
+      if where.startswith('the local socket'):
+        conn = _local.connect(local, remaining)
+      else:
+        conn = socket.create_connection(address, timeout=remaining)
+    except (_local.NotLocal, ConnectionResetError, BrokenPipeError):
       raise
     except OSError as e:
-      raise _tcp_errors.Unreachable(f'{host}:{port}', e) from e
+      raise _tcp_errors.Unreachable(where, e) from e
     try:
       nonce = secrets.token_bytes(_NONCE)
       conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, lane, nonce))
@@ -240,7 +262,7 @@ class Plane:
       if not hmac.compare_digest(reply[_NONCE:], auth.proof(
           self.secret, b'accept', self.job, self.me, peer, nonces)):
         raise errors.MultihostError(
-            f'{self.rt.prefix} the listener at {host}:{port} (published '
+            f'{self.rt.prefix} the listener at {where} (published '
             f'as process {peer}\'s) did not prove the job secret: it is not '
             f'process {peer} of this job. Check that every process has the '
             'same job secret and that nothing else took the address.')
@@ -248,7 +270,7 @@ class Plane:
                           nonces))
       if sockets.recv_exact(conn, 1) != _ACCEPTED:
         raise errors.MultihostError(
-            f'{self.rt.prefix} process {peer} at {host}:{port} did not accept '
+            f'{self.rt.prefix} process {peer} at {where} did not accept '
             'the handshake.')
     except BaseException:
       sockets.close(conn)
@@ -373,8 +395,11 @@ def close_plane(plane: Plane) -> None:
   plane.sends.stop()
   for lane in plane.lane_threads:
     lane.stop()
-  try:  # Wakes the accept thread (a close alone does not, on Linux).
-    plane.listener.shutdown(socket.SHUT_RDWR)
-  except OSError:
-    pass
-  sockets.close(plane.listener)
+  for listener in (plane.listener, plane.local_listener):
+    if listener is None:
+      continue
+    try:  # Wakes the accept thread (a close alone does not, on Linux).
+      listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    sockets.close(listener)

@@ -40,7 +40,8 @@ def tune(conn: socket.socket) -> None:
   asking for (tcp_rmem's maximum): the large broadcasts ran faster
   without (bench/README.md).
   """
-  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  if conn.family != socket.AF_UNIX:  # (a local link has no Nagle)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def recv_exact(conn: socket.socket, n: int,
