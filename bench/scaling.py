@@ -2,7 +2,9 @@
 
 `python bin/bench.py --report=FILE` (not under the launcher) starts
 `bin/bench.py --versus` at each P under `multihost.launch` (at P=2 with
-the soak too), reads their JSON rows, and writes one markdown report.
+the soak too), reads their JSON rows, and writes one markdown report, with
+the P-scaling data beside it as JSON (`data_path`) for
+`bin/plot.py --scaling`.
 """
 
 from __future__ import annotations
@@ -72,12 +74,38 @@ def scaling_table(by_p: dict[int, list[versus.Result]]) -> str:
   return '\n'.join(lines)
 
 
+def data_path(path: str) -> str:
+  """Where `report(path)` writes its data: `path` with its extension replaced by .json (a report named *.json gets *.json.json)."""
+  base, ext = os.path.splitext(path)
+  return path + '.json' if ext == '.json' else base + '.json'
+
+
+def _ms(value: float | None) -> float | None:
+  return None if value is None else float(f'{value:.4g}')
+
+
+def scaling_data(by_p: dict[int, list[versus.Result]], **about) -> dict:
+  """What `bin/plot.py --scaling` draws: `about` (the run: commit, date, cores, ...) and a list `rows`, one per case and P.
+
+  A row: `processes`, `op`, `payload_bytes`, `busy` (a CPU-busy case),
+  `ours_ms` and `torch_ms` (medians over rounds, 4 significant digits;
+  torch_ms None for ours alone: the raw stream and the round trip) and
+  `rounds`. The per-round times are left out.
+  """
+  rows = [{'processes': p, 'op': r.name, 'payload_bytes': r.nbytes,
+           'busy': r.name.endswith(versus.BUSY), 'ours_ms': _ms(r.ours_ms),
+           'torch_ms': _ms(r.torch_ms), 'rounds': len(r.ours)}
+          for p in sorted(by_p) for r in by_p[p]]
+  return {**about, 'rows': rows}
+
+
 def report(path: str, *, rounds: int, soak_calls: int,
            processes: tuple[int, ...] = (2, 4, 8),
            small_at: int = 8) -> str:
   """Runs every part, writes the markdown report to `path`, returns it.
 
-  At P >= `small_at` the 64 MiB cases are left out (memory and time on
+  The P-scaling data go to `data_path(path)` (see `scaling_data`). At
+  P >= `small_at` the 64 MiB cases are left out (memory and time on
   this machine's cores); the scaling table marks them '–'.
   """
   by_p: dict[int, list[versus.Result]] = {}
@@ -94,13 +122,20 @@ def report(path: str, *, rounds: int, soak_calls: int,
     by_p[p] = _results(rows)
     if p == 2:
       soak_rows = [r for r in rows if r.get('kind') == 'soak'] or None
-  now = datetime.datetime.now(datetime.timezone.utc).strftime(
-      '%Y-%m-%d %H:%M UTC')
+  about = {
+      'commit': _commit(),
+      'date': datetime.datetime.now(datetime.timezone.utc).strftime(
+          '%Y-%m-%d %H:%M UTC'),
+      'cores': os.cpu_count(), 'load': report_lib.load(),
+      'command': f'python bin/bench.py --report={path} '
+                 f'--report_rounds={rounds} --report_soak={soak_calls}'}
+  data = data_path(path)
+  with open(data, 'w') as f:
+    json.dump(scaling_data(by_p, **about), f, indent=1)
+    f.write('\n')
   parts = [
-      f'Commit {_commit()}, {now}, {os.cpu_count()} cores, load at the end '
-      f'{report_lib.load()}. Command: `python bin/bench.py '
-      f'--report={path} --report_rounds={rounds} '
-      f'--report_soak={soak_calls}`.',
+      f'Commit {about["commit"]}, {about["date"]}, {about["cores"]} cores, '
+      f'load at the end {about["load"]}. Command: `{about["command"]}`.',
       '', '### Targets (P=2)', '',
       versus.render_targets(versus.targets(by_p.get(2, []), soak_rows)),
   ]
@@ -113,8 +148,11 @@ def report(path: str, *, rounds: int, soak_calls: int,
               'process 0 hosts the coordination service)', '',
               soak.render(soak_rows)]
   parts += ['', '### P-scaling (ms per call; P=4 and P=8 run '
-            f'oversubscribed on {os.cpu_count()} cores)', '',
-            scaling_table(by_p),
+            f'oversubscribed on {about["cores"]} cores)', '',
+            scaling_table(by_p), '',
+            f'The data (medians per case and P): `{data}`; '
+            f'`python bin/plot.py --scaling={data} --out=scaling.png` '
+            'draws them against P.',
             '', '### Model: one call at large P (analytic)', '',
             model.render(model.rows())]
   text = '\n'.join(parts) + '\n'

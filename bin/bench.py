@@ -60,7 +60,9 @@ The comparison and soak:
 * `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
   (P > 2 oversubscribes the cores; at P=2 also with the CPU busy), the
   soak at P=2, and the model of
-  messages and rounds at P=1024 and 4096, as one markdown file:
+  messages and rounds at P=1024 and 4096, as one markdown file, with the
+  P-scaling data beside it (/tmp/bench_report.json; `bin/plot.py --scaling`
+  draws them):
 
     python bin/bench.py --report=/tmp/bench_report.md
 
@@ -183,7 +185,9 @@ _SOAK = flags.DEFINE_integer(
 _REPORT = flags.DEFINE_string(
     'report', '', 'Run without the launcher: starts --versus at P=2, 4, 8 '
     '(and the soak at P=2) under multihost.launch and writes the targets, '
-    'side-by-side, soak, P-scaling and model tables to this markdown file.')
+    'side-by-side, soak, P-scaling and model tables to this markdown file, '
+    'and the P-scaling data beside it as JSON (.json for its extension; '
+    'bin/plot.py --scaling draws them).')
 _REPORT_ROUNDS = flags.DEFINE_integer('report_rounds', 15,
                                       '--report: rounds at P=2.',
                                       lower_bound=1)

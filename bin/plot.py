@@ -16,9 +16,16 @@ loopback TCP stream), one panel per operation.
 
   python bin/plot.py --bench=/tmp/bench.jsonl --out=/tmp/bench.png
 
-Write the pictures somewhere new (as these examples do): docs/train.png and
-docs/bench_p2.png are committed, made from docs/train_metrics.jsonl and
-docs/bench_p2.jsonl.
+A P-scaling report (`bin/bench.py --report=FILE.md` writes FILE.json beside
+it): median time per call against the process count P, ours and torch
+gloo's, one panel per case, with one round trip (the floor) on the panels of
+calls up to 1 MiB and the raw TCP stream on the broadcast of its size.
+
+  python bin/plot.py --scaling=/tmp/report.json --out=/tmp/scaling.png
+
+Write the pictures somewhere new (as these examples do): docs/train.png,
+docs/bench_p2.png and docs/scaling.png are committed, made from
+docs/train_metrics.jsonl, docs/bench_p2.jsonl and docs/scaling.json.
 
 matplotlib is an optional extra (`pip install -e ".[plot]"`); nothing else in
 the project imports it.
@@ -38,8 +45,13 @@ _METRICS = flags.DEFINE_string(
     'metrics', '', 'A JSON Lines file written by bin/train.py --metrics_out.')
 _BENCH = flags.DEFINE_string(
     'bench', '', 'A JSON Lines file written by bin/bench.py --json.')
+_SCALING = flags.DEFINE_string(
+    'scaling', '', 'A JSON file written by bin/bench.py --report (the report '
+    'with .json for .md).')
 _OUT = flags.DEFINE_string('out', '', 'The PNG to write.')
-_TITLE = flags.DEFINE_string('title', '', 'A title; default: the file name.')
+_TITLE = flags.DEFINE_string(
+    'title', '', 'A title; default: the file name (--scaling: the run\'s '
+    'commit, date and cores).')
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -154,15 +166,39 @@ def rolling_median(values: list[float], window: int) -> list[float]:
   return np.median(windows, axis=1).tolist()
 
 
+def _pyplot():
+  """matplotlib's pyplot, drawing to files only (the Agg backend)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def _panels(plt, count: int, width: float, height: float):
+  """A figure of `count` panels, up to 3 a row, the unused ones hidden; (figure, the panels in order)."""
+  cols = min(3, count)
+  rows = -(-count // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows),
+                           dpi=100, squeeze=False)
+  for ax in axes.flat[count:]:
+    ax.set_visible(False)
+  return fig, list(axes.flat[:count])
+
+
+def _save(plt, fig, out: str, **layout) -> None:
+  """Lays the figure out (`layout`: tight_layout's arguments), writes it to `out` and frees it."""
+  fig.tight_layout(**layout)
+  fig.savefig(out)
+  plt.close(fig)
+
+
 def _event_label(kind: str, record_tier: str | None) -> str:
   return f'{kind} ({record_tier} tier)' if record_tier else kind
 
 
 def plot_training(run: Run, out: str, title: str) -> Drawn:
   """Writes the loss curve (smoothed when long) on an axis that shows zeros and spikes, saves as ticks, restarts, resumes and their tiers as labelled lines; returns what it drew."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
   scale, linthresh = loss_axis(run.losses)
   # Each attempt is its own line, so a replayed stretch shows as an overlap.
@@ -221,9 +257,7 @@ def plot_training(run: Run, out: str, title: str) -> Drawn:
   ax.set_title(title)
   ax.legend(loc='upper right', fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(out)
-  plt.close(fig)
+  _save(plt, fig, out)
   return Drawn(yscale=scale, linthresh=linthresh, top=top, ticks=ticks,
                lines=lines, window=window)
 
@@ -289,21 +323,14 @@ def bench_series(rows: list[dict]) -> dict[str, dict[str, list]]:
 def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
                processes: int | None) -> None:
   """Writes one log-log panel per operation."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = _pyplot()
   order = [f for f in ('barrier', 'broadcast', 'all-gather',
                        'broadcast an object', 'all-gather an object')
            if f in series]
-  cols = min(3, len(order))
-  rows = -(-len(order) // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows),
-                           dpi=100, squeeze=False)
-  for ax in axes.flat[len(order):]:
-    ax.set_visible(False)
+  fig, axes = _panels(plt, len(order), 5, 3.8)
   names = sorted({n for s in series.values() for n in s})
   colors = {n: f'C{i}' for i, n in enumerate(names)}
-  for ax, family in zip(axes.flat, order):
+  for ax, family in zip(axes, order, strict=True):
     if family == 'barrier':  # No payload: one bar per implementation.
       items = sorted(series[family].items())
       ax.barh([n for n, _ in items], [p[0][1] for _, p in items],
@@ -326,27 +353,164 @@ def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
     ax.legend(fontsize=7)
   suffix = f' (P={processes})' if processes else ''
   fig.suptitle(title + suffix)
-  fig.tight_layout()
-  fig.savefig(out)
-  plt.close(fig)
+  _save(plt, fig, out)
+
+
+# A P-scaling report's series. Its reference rows (ours alone: torch_ms is
+# None) are known by the start of their case name.
+OURS, TORCH = 'multihost', 'torch.distributed gloo'
+ROUND_TRIP, FLOOR = 'round trip', 'one round trip (the floor)'
+RAW_STREAM, STREAM = 'raw TCP stream', 'raw TCP stream, process 0 -> 1'
+# The round trip is drawn on the panels of calls up to this many bytes (a
+# latency floor; a 64 MiB call is bound by bandwidth instead).
+FLOOR_UP_TO = 1 << 20
+
+
+def read_json(path: str) -> dict:
+  """The object a JSON file holds; a file that is not one is a ValueError that names it."""
+  with open(path) as f:
+    try:
+      value = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path} is not JSON ({e}); pass the .json file '
+                       'bin/bench.py --report writes.') from e
+  if not isinstance(value, dict):
+    raise ValueError(f'{path} holds a JSON {type(value).__name__}, not an '
+                     'object; pass the .json file bin/bench.py --report '
+                     'writes.')
+  return value
+
+
+def scaling_series(data: dict) -> dict[str, dict[str, list]]:
+  """{case: {series: [(P, median ms), ...]}}, cases in the report's order, from what `bench/scaling.py` writes.
+
+  Each compared case gets ours and torch gloo's medians; the CPU-busy
+  rows (P=2 alone) are left out. One round trip is added, as the floor,
+  to every case of up to `FLOOR_UP_TO` bytes, and the raw stream to the
+  broadcast of its size. A case missing at some P (64 MiB at P=8) has no
+  point there.
+  """
+  cases: dict[str, dict[str, list]] = {}
+  sizes: dict[str, int] = {}
+  floor, streams = [], collections.defaultdict(list)
+  for r in data.get('rows', []):
+    if r.get('busy') or r.get('ours_ms') is None:
+      continue
+    p, op, ms = int(r['processes']), r['op'], r['ours_ms']
+    size = int(r.get('payload_bytes') or 0)
+    if r.get('torch_ms') is not None:
+      series = cases.setdefault(op, {OURS: [], TORCH: []})
+      series[OURS].append((p, ms))
+      series[TORCH].append((p, r['torch_ms']))
+      sizes[op] = size
+    elif op.startswith(ROUND_TRIP):
+      floor.append((p, ms))
+    elif op.startswith(RAW_STREAM):
+      streams[size].append((p, ms))
+  for op, series in cases.items():
+    if floor and sizes[op] <= FLOOR_UP_TO:
+      series[FLOOR] = floor
+    if streams.get(sizes[op]) and op.startswith('broadcast '):
+      series[STREAM] = streams[sizes[op]]
+  return {op: {k: sorted(v) for k, v in s.items()} for op, s in cases.items()}
+
+
+def scaling_title(data: dict) -> str:
+  """The run a P-scaling picture shows: its commit, date, cores, and which P were oversubscribed."""
+  cores = data.get('cores')
+  ps = sorted({int(r['processes']) for r in data.get('rows', [])})
+  over = [str(p) for p in ps if cores and p > cores]
+  parts = [f'commit {data.get("commit", "unknown")}']
+  if data.get('date'):
+    parts.append(data['date'])
+  if cores:
+    listed = (over[0] if len(over) == 1 else
+              f'{", ".join(over[:-1])} and {over[-1]}')
+    parts.append(f'{cores} cores' +
+                 (f', P={listed} oversubscribed' if over else ''))
+  return ('median ms per call against the process count P: '
+          + ', '.join(parts))
+
+
+# Each series' look on every panel: (colour, line and marker style).
+_SCALING_STYLE = {OURS: ('C0', '-o'), TORCH: ('C1', '-s'),
+                  FLOOR: ('grey', '--'), STREAM: ('C2', ':^')}
+
+
+def _plain_log_labels(ticker, *, minor: bool):
+  """A log axis's labels as plain numbers (0.1, 30, 600), on the ticks matplotlib's `LogFormatter` labels: the minor ones where a panel spans about a decade or less."""
+
+  class Plain(ticker.LogFormatter):
+
+    def __call__(self, x, pos=None):
+      return f'{x:g}' if super().__call__(x, pos) else ''
+
+  return Plain(labelOnlyBase=not minor)
+
+
+def plot_scaling(series: dict[str, dict[str, list]], out: str,
+                 title: str) -> None:
+  """Writes one panel per case: ms per call against P, both axes logarithmic, P's ticks at the measured counts, one legend for all."""
+  plt = _pyplot()
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
+  fig, axes = _panels(plt, len(series), 4.2, 3.2)
+  ps = sorted({p for s in series.values() for pts in s.values()
+               for p, _ in pts})
+  for ax, (case, lines) in zip(axes, series.items(), strict=True):
+    for name, points in lines.items():
+      color, style = _SCALING_STYLE.get(name, ('black', '-'))
+      ax.plot([p for p, _ in points], [ms for _, ms in points], style,
+              color=color, markersize=4, label=name)
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xticks(ps, [str(p) for p in ps])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_formatter(_plain_log_labels(ticker, minor=False))
+    ax.yaxis.set_minor_formatter(_plain_log_labels(ticker, minor=True))
+    ax.set_xlim(ps[0] / 1.3, ps[-1] * 1.3)
+    ax.set_title(case, fontsize=10)
+    ax.set_xlabel('processes P', fontsize=8)
+    ax.set_ylabel('median ms per call', fontsize=8)
+    ax.tick_params(which='both', labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.1, which='minor')
+  handles = {}
+  for ax in axes:
+    for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+      handles.setdefault(label, handle)
+  fig.legend(handles.values(), handles.keys(), loc='lower center',
+             ncol=len(handles), fontsize=9, frameon=False)
+  fig.suptitle(title, fontsize=11)
+  _save(plt, fig, out, rect=(0, 0.04, 1, 1))
 
 
 def main(argv):
   del argv  # Unused.
-  if bool(_METRICS.value) == bool(_BENCH.value):
-    raise app.UsageError('Pass exactly one of --metrics=FILE or --bench=FILE.')
+  given = [f for f in (_METRICS, _BENCH, _SCALING) if f.value]
+  if len(given) != 1:
+    raise app.UsageError('Pass exactly one of --metrics=FILE, --bench=FILE '
+                         'or --scaling=FILE.')
   if not _OUT.value:
     raise app.UsageError('Pass --out=PNG, the picture to write.')
   if importlib.util.find_spec('matplotlib') is None:
     sys.exit('bin/plot.py needs matplotlib, an optional extra: '
              'pip install -e ".[plot]"')
-  path = _METRICS.value or _BENCH.value
+  path = given[0].value
   try:
-    records = read_jsonl(path)
+    if _SCALING.value:
+      data = read_json(path)
+    else:
+      records = read_jsonl(path)
   except OSError as e:
     raise app.UsageError(f'cannot read {path}: {e}') from e
   title = _TITLE.value or path
-  if _METRICS.value:
+  if _SCALING.value:
+    series = scaling_series(data)
+    if not series:
+      raise app.UsageError(f'{path} holds no compared cases to draw; pass '
+                           'the .json file bin/bench.py --report writes.')
+    plot_scaling(series, _OUT.value, _TITLE.value or scaling_title(data))
+  elif _METRICS.value:
     run = training_run(records)
     if not run.steps:
       raise app.UsageError(f'{path} holds no loss records; pass a file '

@@ -61,7 +61,8 @@ NOT_RUN = {
     'docs/restart.sbatch': 'a Slurm job and a 2000-step run; tests/multiprocess/'
                            'test_slurm_restarts.py runs the recipe with a stand-in srun',
     'bin/plot.py': 'regenerates the committed pictures in docs/; '
-                   'tests/unit/test_plot.py draws both kinds from files it writes',
+                   'tests/unit/test_plot.py draws all three kinds from files it '
+                   'writes',
 }
 # A command's start -> why it is dropped from a block that runs.
 SKIPPED_COMMANDS = {

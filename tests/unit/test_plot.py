@@ -1,4 +1,4 @@
-"""bin/plot.py: what a training run and a benchmark run are drawn from, and the PNGs."""
+"""bin/plot.py: what a training run, a benchmark run and a P-scaling report are drawn from, and the PNGs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / 'bin'))
+sys.path.insert(0, str(ROOT))
 import plot  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+from bench import scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from bench import versus  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 _PNG = b'\x89PNG\r\n\x1a\n'
 
@@ -74,7 +78,79 @@ def test_benchmark_rows_are_grouped_by_operation_and_implementation():
   assert set(series) == {'broadcast', 'barrier'}
 
 
-def test_both_pictures_are_written(tmp_path):
+def _scaling_report() -> dict:
+  """What bench/scaling.py writes for a small report: P=2 (with a CPU-busy row) and P=4, where 64 MiB was not run."""
+  r = versus.Result
+  by_p = {
+      2: [r('barrier', 0, [0.1, 0.3, 0.2], [0.5]),
+          r('broadcast 8 B', 8, [0.2], [0.3]),
+          r('broadcast 64 MiB', 64 << 20, [20.0, 22.0], [19.0, 21.0]),
+          r('raw TCP stream 64 MiB', 64 << 20, [25.0], None),
+          r(versus.RoundTrip.NAME, 8, [0.07], None),
+          r('barrier' + versus.BUSY, 0, [0.9], [1.9])],
+      4: [r('barrier', 0, [0.5], [1.5]),
+          r('broadcast 8 B', 8, [0.7], [0.6]),
+          r('raw TCP stream 64 MiB', 64 << 20, [29.0], None),
+          r(versus.RoundTrip.NAME, 8, [0.09], None)],
+  }
+  return scaling.scaling_data(by_p, commit='abc1234', date='2026-12-03',
+                              cores=2)
+
+
+def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
+  assert scaling.data_path('/tmp/report.md') == '/tmp/report.json'
+  path = tmp_path / 'report.json'
+  path.write_text(json.dumps(_scaling_report()))
+  data = plot.read_json(str(path))
+  series = plot.scaling_series(data)
+  floor = [(2, 0.07), (4, 0.09)]
+  # Cases in the report's order; the CPU-busy row and the references are
+  # no case of their own. The round trip is the floor of the small calls;
+  # the raw stream bounds the broadcast of its size; a case not run at
+  # P=4 has no point there.
+  assert series == {
+      'barrier': {plot.OURS: [(2, 0.2), (4, 0.5)],
+                  plot.TORCH: [(2, 0.5), (4, 1.5)], plot.FLOOR: floor},
+      'broadcast 8 B': {plot.OURS: [(2, 0.2), (4, 0.7)],
+                        plot.TORCH: [(2, 0.3), (4, 0.6)],
+                        plot.FLOOR: floor},
+      'broadcast 64 MiB': {plot.OURS: [(2, 21.0)], plot.TORCH: [(2, 20.0)],
+                           plot.STREAM: [(2, 25.0), (4, 29.0)]},
+  }
+  assert list(series) == ['barrier', 'broadcast 8 B', 'broadcast 64 MiB']
+  assert plot.scaling_title(data).endswith(
+      'commit abc1234, 2026-12-03, 2 cores, P=4 oversubscribed')
+  # The committed data: the report of 51f45b5, 9 cases, 64 MiB not at P=8.
+  committed = plot.read_json(str(ROOT / 'docs' / 'scaling.json'))
+  assert len(plot.scaling_series(committed)) == 9
+  assert 'commit 51f45b5' in plot.scaling_title(committed)
+  assert '2 cores, P=4 and 8 oversubscribed' in plot.scaling_title(committed)
+
+
+def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
+  def bench_rows(processes, args, timeout):  # What --versus writes, faked.
+    del args, timeout
+    return [{'kind': 'versus', 'op': 'barrier', 'payload_bytes': 0,
+             'processes': processes, 'ours_times_ms': [0.1 * processes, 0.3],
+             'torch_times_ms': [0.5 * processes]}]
+  monkeypatch.setattr(scaling, '_run', bench_rows)
+  text = scaling.report(str(tmp_path / 'r.md'), rounds=3, soak_calls=0)
+  data = plot.read_json(str(tmp_path / 'r.json'))
+  assert f'`{tmp_path / "r.json"}`' in text
+  assert data['cores'] and data['command'].endswith('--report_soak=0')
+  assert plot.scaling_series(data) == {'barrier': {
+      plot.OURS: [(2, 0.25), (4, 0.35), (8, 0.55)],
+      plot.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)]}}
+
+
+def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
+  path = tmp_path / 'rows.json'
+  path.write_text('[]')
+  with pytest.raises(ValueError, match=r'rows.json holds a JSON list'):
+    plot.read_json(str(path))
+
+
+def test_every_picture_is_written(tmp_path):
   pytest.importorskip('matplotlib', reason='bin/plot.py draws with '
                       'matplotlib, the optional extra "plot"')
   metrics = tmp_path / 'm.jsonl'
@@ -86,7 +162,10 @@ def test_both_pictures_are_written(tmp_path):
       {'op': 'process_allgather', 'payload': f'{n} B', 'payload_bytes': n,
        'leaves': 1, 'kind': 'compare', 'ours_ms': 0.5 + n / 1e6,
        'jax_ms': 0.9 + n / 1e6, 'processes': 2} for n in (8, 1024, 2**20)])
-  for flag, source in (('--metrics', metrics), ('--bench', bench)):
+  report = tmp_path / 'scaling.json'
+  report.write_text(json.dumps(_scaling_report()))
+  for flag, source in (('--metrics', metrics), ('--bench', bench),
+                       ('--scaling', report)):
     out = tmp_path / f'{source.stem}.png'
     done = subprocess.run(
         [sys.executable, str(ROOT / 'bin' / 'plot.py'), f'{flag}={source}',
@@ -102,7 +181,8 @@ def test_bad_flags_say_what_to_pass(tmp_path):
       [sys.executable, str(ROOT / 'bin' / 'plot.py'), f'--out={tmp_path}/x'],
       capture_output=True, text=True, timeout=60, check=False)
   assert done.returncode != 0
-  assert 'Pass exactly one of --metrics=FILE or --bench=FILE' in done.stderr
+  assert ('Pass exactly one of --metrics=FILE, --bench=FILE or '
+          '--scaling=FILE') in done.stderr
 
 
 def _long_run(n: int = 2000, saves_every: int = 50) -> list[dict]:
