@@ -363,10 +363,11 @@ def main(argv):
         metrics.write(json.dumps({'event': 'restart' if restarted else 'resume',
                                   'step': state.step, 'tier':
                                   checkpoints.resumed_tier}) + '\n')
-      for step, moved in sorted(checkpoints.set_aside.items(), reverse=True):
-        if metrics is not None:  # A damaged step, renamed (bin/plot.py).
-          metrics.write(json.dumps({'event': 'set_aside', 'step': step,
-                                    'moved_to': moved,
+      if metrics is not None:  # Each damaged folder renamed, either tier.
+        for aside in checkpoints.set_aside:  # (bin/plot.py marks them.)
+          metrics.write(json.dumps({'event': 'set_aside', 'step': aside.step,
+                                    'tier': aside.tier,
+                                    'moved_to': aside.path,
                                     'resumed_from': state.step}) + '\n')
       if resumed:
         announce_first_step[0] = True

@@ -15,6 +15,7 @@ tests/unit/test_layers.py); this module only re-exports.
 """
 
 from recovery._src.checkpoint.checkpoints import Checkpoints as Checkpoints
+from recovery._src.checkpoint.damage import SetAside as SetAside
 from recovery._src.checkpoint.manager import (
     quiet_orbax_logs as quiet_orbax_logs,
 )

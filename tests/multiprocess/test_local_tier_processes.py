@@ -270,5 +270,5 @@ def test_a_restart_sets_a_damaged_newest_local_step_aside_and_ends_equal(
                      out), out[-3000:]
   records = [json.loads(ln) for ln in
              (tmp_path / 'metrics.jsonl').read_text().splitlines()]
-  assert [r['step'] for r in records if r.get('event') == 'set_aside'] == [
-      15], records
+  assert [(r['step'], r['tier']) for r in records
+          if r.get('event') == 'set_aside'] == [(15, 'local')], records

@@ -633,9 +633,9 @@ def test_a_restart_sets_a_damaged_newest_checkpoint_aside_and_loses_nothing(
     assert f'[process={p}] Resumed from step 5 (epoch' in out
   assert sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) == [
       10, 15, 20]
-  assert {'event': 'set_aside', 'step': 10, 'moved_to': str(ckpt / moved),
-          'resumed_from': 5} in [json.loads(ln) for ln in
-                                  metrics.read_text().splitlines()]
+  assert {'event': 'set_aside', 'step': 10, 'tier': 'persistent',
+          'moved_to': str(ckpt / moved), 'resumed_from': 5} in [
+              json.loads(ln) for ln in metrics.read_text().splitlines()]
   # _metrics checks that steps 6-12, run twice, were recomputed identically.
   assert sorted(_metrics(metrics)) == list(range(1, 21))
   print(f'damaged-checkpoint drill: {took:.1f} s (both attempts)')

@@ -255,7 +255,9 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
   assert f'Resuming from local step {newest} in {local}' in caplog.text
   if damage == 'digest':
     # Set aside, kept: past the run's later saves of steps 9 and 12.
-    moved = ckpt.set_aside[9]
+    (aside,) = ckpt.set_aside
+    assert (aside.step, aside.tier) == (9, 'local')
+    moved = aside.path
     assert re.fullmatch(r'9-[0-9a-f]{16}\.damaged-\d{8}T\d{6}Z',
                         os.path.basename(moved)), moved
     assert os.path.isdir(moved) and os.path.dirname(moved) == os.path.join(
@@ -298,7 +300,7 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
 
 def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
     tmp_path, monkeypatch, caplog):
-  """Past damaged local step 9 and persistent steps 9 and 8, local step 6 restores; 9 and 8 are set aside."""
+  """Past damaged local step 9 and persistent steps 9 and 8, local step 6 restores; all three are set aside, each in the record with its tier."""
   reference, _ = _train(tmp_path / 'ref', 12, monkeypatch=monkeypatch)
   _train(tmp_path, 9, save_every=4, local_every=3, local_keep=3,
          monkeypatch=monkeypatch)  # persistent 4, 8, 9; local 3, 6, 9
@@ -311,7 +313,13 @@ def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
   state, ckpt = _train(tmp_path, 12, save_every=4, local_every=3,
                        local_keep=3, restart=True, monkeypatch=monkeypatch)
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
-  assert sorted(ckpt.set_aside) == [8, 9]
+  # Both step 9s: the local one first (tried first), then the persistent.
+  assert [(a.step, a.tier) for a in ckpt.set_aside] == [
+      (9, 'local'), (9, 'persistent'), (8, 'persistent')], ckpt.set_aside
+  renamed = sorted(str(p) for d in (tmp_path / 'ckpt',
+                                    tmp_path / 'local' / 'process_0')
+                   for p in d.iterdir() if '.damaged-' in p.name)
+  assert sorted(a.path for a in ckpt.set_aside) == renamed
   lines = [r.getMessage() for r in caplog.records
            if 'Set it aside as' in r.getMessage()]
   assert len(lines) == 2, lines

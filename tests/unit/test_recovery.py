@@ -376,8 +376,9 @@ def test_a_damaged_newest_step_is_set_aside_and_the_run_falls_back(
                          'checkpoint set aside')) == 1, events
     assert (ckpt.resumed_from, ckpt.resumed_tier, state.step) == (
         6, 'persistent', 6)
-    (moved,) = ckpt.set_aside.values()
-    assert list(ckpt.set_aside) == [7]
+    (aside,) = ckpt.set_aside
+    assert (aside.step, aside.tier) == (7, 'persistent')
+    moved = aside.path
     assert re.fullmatch(r'7\.damaged-\d{8}T\d{6}Z', os.path.basename(moved))
     assert os.path.dirname(moved) == str(directory)
     assert ckpt.steps() == [6]
@@ -400,7 +401,7 @@ def test_a_damaged_newest_step_is_set_aside_and_the_run_falls_back(
   # A later start sees steps 9 and 10 only.
   with recovery.Checkpoints(directory, save_every=3, keep=2) as ckpt:
     assert ckpt.start(_initial(loop), resume=True).step == 10
-    assert ckpt.set_aside == {}
+    assert ckpt.set_aside == []
 
 
 def test_a_strict_resume_refuses_a_damaged_step_and_says_how_to_fall_back(
@@ -416,14 +417,14 @@ def test_a_strict_resume_refuses_a_damaged_step_and_says_how_to_fall_back(
                        r'.*, kept\) and resume from the previous checkpoint '
                        r'\(step 6\)'):
       ckpt.start(_initial(loop), resume=True)
-    assert ckpt.set_aside == {}
+    assert ckpt.set_aside == []
   assert _entries(directory) == [
       '6', '7']
   # On a restart, the same resume=True falls back: no one is there.
   monkeypatch.setenv('SLURM_RESTART_COUNT', '2')
   with recovery.Checkpoints(directory) as ckpt:
     assert ckpt.start(_initial(loop), resume=True).step == 6
-    assert list(ckpt.set_aside) == [7]
+    assert [(a.step, a.tier) for a in ckpt.set_aside] == [(7, 'persistent')]
 
 
 def test_when_no_step_verifies_nothing_is_set_aside(tmp_path, monkeypatch):
@@ -439,7 +440,7 @@ def test_when_no_step_verifies_nothing_is_set_aside(tmp_path, monkeypatch):
                        r'check.*\): no checkpoint in .* verifies, so none was '
                        r'set aside\.'):
       ckpt.start(_initial(loop), resume='if_present')
-    assert ckpt.set_aside == {}
+    assert ckpt.set_aside == []
   assert _entries(directory) == [
       '6', '7']
 
@@ -495,10 +496,45 @@ def test_train_sets_a_damaged_step_aside_with_resume_if_present(tmp_path):
                    r'step 5 instead\.', lines[0]), lines[0]
   events = [json.loads(ln) for ln in metrics.read_text().splitlines()
             if '"event"' in ln]
-  assert {'event': 'set_aside', 'step': 10, 'moved_to': str(ckpt / moved),
-          'resumed_from': 5} in events, events
+  assert {'event': 'set_aside', 'step': 10, 'tier': 'persistent',
+          'moved_to': str(ckpt / moved), 'resumed_from': 5} in events, events
   assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == [
       '10', '15', '20', '5']
+
+
+def test_train_records_a_step_damaged_in_both_tiers_once_per_tier(tmp_path):
+  """Local and persistent step 10 both damaged: --metrics_out has a set_aside record for each, with its tier; local step 5 resumes."""
+  ckpt, local = tmp_path / 'ckpt', tmp_path / 'local'
+  args = [f'--checkpoint_dir={ckpt}', f'--local_checkpoint_dir={local}',
+          '--steps=10', '--save_every=5', '--local_save_every=5']
+  rc, out = _train(*args, log=tmp_path / 'first.log')
+  assert rc == 0, out[-3000:]
+  (digest,) = re.findall(r'Finished step 10 .*digest (\w+)', out)
+  (data,) = (local / 'process_0').glob('10-*/data.bin')
+  raw = bytearray(data.read_bytes())
+  raw[-1] ^= 0xff  # It fails its digest check.
+  data.write_bytes(bytes(raw))
+  for f in (ckpt / '10' / 'state').rglob('*'):  # Its files cannot be read.
+    if f.is_file() and f.parent.name == 'd':
+      f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
+  metrics = tmp_path / 'metrics.jsonl'
+  rc, out = _train(*args, '--resume_if_present', f'--metrics_out={metrics}',
+                   log=tmp_path / 'again.log')
+  assert rc == 0, out[-3000:]
+  assert 'Resumed from step 5 (epoch 0) from the local tier' in out, (
+      out[-3000:])
+  assert re.findall(r'Finished step 10 .*digest (\w+)', out) == [digest]
+  records = [json.loads(ln) for ln in metrics.read_text().splitlines()
+             if '"set_aside"' in ln]
+  beside = {'local': local / 'process_0', 'persistent': ckpt}
+  moved = sorted(str(p) for d in beside.values() for p in d.iterdir()
+                 if '.damaged-' in p.name)
+  assert len(moved) == 2, moved
+  assert sorted(r['moved_to'] for r in records) == moved, records
+  assert [(r['step'], r['tier'], r['resumed_from']) for r in records] == [
+      (10, 'local', 5), (10, 'persistent', 5)], records
+  for r in records:
+    assert os.path.dirname(r['moved_to']) == str(beside[r['tier']]), r
 
 
 # Orbax leaves an asyncio callback behind when the JSON item fails to parse.

@@ -68,8 +68,9 @@ class Checkpoints:
     partial_steps: steps of saves that never committed, found when opened.
     resumed_from: the step `start` restored, or None (fresh, or not started).
     resumed_tier: 'local' or 'persistent' after a restoring `start`, else None.
-    set_aside: the damaged steps `start` renamed aside (step -> new path;
-      for a local step, this process's folder of it).
+    set_aside: every damaged folder `start` renamed aside, in that order: a
+      `SetAside` (step, tier, new path) each; a step damaged in both tiers
+      is there twice (for a local step, this process's folder of it).
     local: the local tier, or None.
   """
 
@@ -95,7 +96,7 @@ class Checkpoints:
     self.read_only = read_only
     self.resumed_from: int | None = None
     self.resumed_tier: str | None = None
-    self.set_aside: dict[int, str] = {}
+    self.set_aside: list[damage.SetAside] = []
     self.local: tier.LocalTier | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for

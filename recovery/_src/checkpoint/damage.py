@@ -1,4 +1,4 @@
-"""Damaged persistent steps: reading one with every process agreeing whether it is damaged, and setting them aside.
+"""Damaged steps: reading a persistent one with every process agreeing whether it is damaged, setting them aside, noting each folder set aside (either tier).
 
 `read` restores a committed step of a `Checkpoints` onto a target, or
 returns the agreed finding (`Damage`) that the step is damaged: its meta
@@ -7,6 +7,8 @@ process. `set_aside` renames damaged steps to `<step>.damaged-<UTC time>`
 (kept, never read or deleted). Both are collectives; `Checkpoints.restore`
 and `Checkpoints.start` (`resume.begin`) use them. They act on the
 `Checkpoints`' own parts (its Orbax manager, its committed steps).
+`record` is where every folder set aside, persistent or local, is noted
+(`Checkpoints.set_aside`, one `SetAside` each) and reported as an event.
 """
 
 # pylint: disable=protected-access
@@ -48,6 +50,30 @@ class Damage:
   step: int
   why: str
   error: CheckpointDamagedError
+
+
+@dataclasses.dataclass(frozen=True)
+class SetAside:
+  """A damaged checkpoint folder that `Checkpoints.start` renamed aside: kept, never read or deleted.
+
+  Attributes:
+    step: the step it holds.
+    tier: 'persistent' (the step's folder in the checkpoint folder) or
+      'local' (this process's folder of a local step).
+    path: its new path, `<step>.damaged-<UTC time>` (persistent) or
+      `<step>-<run>.damaged-<UTC time>` (local), beside the steps.
+  """
+  step: int
+  tier: str
+  path: str
+
+
+def record(ckpt: Any, aside: SetAside, t0: float, *, why: str,
+           resumed_from: int | None) -> None:
+  """Notes a folder set aside, of either tier: appends it to `ckpt.set_aside` and records a 'checkpoint set aside' event (since `t0`)."""
+  ckpt.set_aside.append(aside)
+  _record_event('checkpoint set aside', t0, step=aside.step, tier=aside.tier,
+                moved_to=aside.path, why=why, resumed_from=resumed_from)
 
 
 def read(ckpt: Any, target: TransitionState,
@@ -153,7 +179,7 @@ def _agree(ckpt: Any, step: int, error: CheckpointDamagedError | None, *,
 
 
 def set_aside(ckpt: Any, damaged: list[Damage], *, instead: int,
-              tier: str) -> None:
+              resumed_tier: str) -> None:
   """Renames each damaged step to `<step>.damaged-<UTC time>` in the folder; says so on every process.
 
   Collective: every process must call this, in the same order, with the
@@ -161,6 +187,8 @@ def set_aside(ckpt: Any, damaged: list[Damage], *, instead: int,
   and it holds the folder's lock); one broadcast gives every process the
   new names, or process 0's error. Nothing is deleted. Orbax, keep-N and
   the folder's scan see no such name as a step (it is not all digits).
+  Each one moved is noted (`record`), as resuming from `resumed_tier`'s
+  step `instead`.
 
   Raises:
     CheckpointFolderError: process 0 could not rename one (on every
@@ -184,17 +212,15 @@ def set_aside(ckpt: Any, damaged: list[Damage], *, instead: int,
   moved, error = multihost.broadcast_object((moved, error))
   ckpt._manager.reload()  # Orbax's list of steps, without the moved ones
   ckpt._committed = [s for s in ckpt._committed if s not in moved]
-  ckpt.set_aside.update(moved)
   for d in damaged:
     if d.step not in moved:
       continue
     logging.warning(
         '%s Checkpoint step %d in %s is damaged: %s. Set it aside as %s '
         '(kept, never read or deleted); resuming from %s step %d instead.',
-        _prefix(), d.step, ckpt.directory, d.why, moved[d.step], tier,
-        instead)
-    _record_event('checkpoint set aside', t0, step=d.step,
-                  moved_to=moved[d.step], why=d.why, tier=tier,
-                  resumed_from=instead)
+        _prefix(), d.step, ckpt.directory, d.why, moved[d.step],
+        resumed_tier, instead)
+    record(ckpt, SetAside(d.step, 'persistent', moved[d.step]), t0,
+           why=d.why, resumed_from=instead)
   if error:
     raise CheckpointFolderError(f'{_prefix()} {error}')

@@ -167,7 +167,8 @@ def begin(ckpt: Any, initial: TransitionState, *,
       tried.update(local)
       state = _restore_local(ckpt, initial, local, newest_persistent)
       if state is not None:
-        _damage.set_aside(ckpt, damaged, instead=state.step, tier='local')
+        _damage.set_aside(ckpt, damaged, instead=state.step,
+                          resumed_tier='local')
         return state
       if newest_persistent is not None:
         logging.warning('%s No local step at or after persistent step %d '
@@ -190,7 +191,7 @@ def begin(ckpt: Any, initial: TransitionState, *,
       persistent.pop()
       continue
     _damage.set_aside(ckpt, damaged, instead=newest_persistent,
-                      tier='persistent')
+                      resumed_tier='persistent')
     ckpt.resumed_from, ckpt.resumed_tier = newest_persistent, 'persistent'
     if tier is not None:
       tier.last_saved = newest_persistent
@@ -202,15 +203,14 @@ def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
   """The newest of the local `candidates` (>= `not_before`) that restores, or None on every process."""
   tier, t0 = ckpt.local, time.monotonic()
   got = tier.restore(initial, candidates=candidates, not_before=not_before)
-  for step, moved in sorted(tier.set_aside.items()):
+  for step, moved in tier.set_aside.items():  # in the order set aside
     if moved is None:
       continue
-    # A damaged local step, kept beside the others (bin/train.py's
-    # --metrics_out records it as it does a persistent one).
-    ckpt.set_aside.setdefault(step, moved)
-    _record_event('checkpoint set aside', t0, step=step, moved_to=moved,
-                  why='failed its checks', tier='local',
-                  resumed_from=None if got is None else got.step)
+    # A damaged local step, kept beside the others: noted as a persistent
+    # one is (bin/train.py's --metrics_out records both).
+    _damage.record(ckpt, _damage.SetAside(step, 'local', moved), t0,
+                   why='failed its checks',
+                   resumed_from=None if got is None else got.step)
   tier.set_aside.clear()
   if got is None:
     return None
