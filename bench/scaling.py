@@ -21,19 +21,22 @@ from bench import model
 from bench import report as report_lib
 from bench import soak
 from bench import versus
+from multihost import env
 from multihost import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = str(ROOT / 'bin' / 'bench.py')
 
 
-def _run(processes: int, args: list[str], timeout: float) -> list[dict]:
+def _run(processes: int, args: list[str], timeout: float,
+         env: dict[str, str] | None = None) -> list[dict]:
   with tempfile.TemporaryDirectory(prefix='multihost-bench-') as tmp:
     out = os.path.join(tmp, 'rows.jsonl')
     result = launch.launch([sys.executable, BENCH, '--ops=', *args,
                             f'--json={out}'],
                            num_processes=processes, devices_per_process=1,
-                           timeout=timeout, cwd=ROOT, stream=sys.stderr)
+                           timeout=timeout, cwd=ROOT, stream=sys.stderr,
+                           env=env)
     if not result.ok:
       raise RuntimeError(f'bench at P={processes} failed:\n{result.summary}')
     with open(out) as f:
@@ -120,6 +123,14 @@ def report(path: str, *, rounds: int, soak_calls: int,
         args.append(f'--soak={soak_calls}')
     rows = _run(p, args, timeout=3600)
     by_p[p] = _results(rows)
+    # The compared cases again with every link over TCP, as between hosts
+    # (on one host the links are local sockets): rows named `OVER_TCP`.
+    tcp = _run(p, [a for a in args if a.startswith('--versus')
+                   and a != '--versus_busy'], timeout=3600,
+               env={env.LOCAL_LINKS: '0'})
+    by_p[p] += [versus.Result(r.name + versus.OVER_TCP, r.nbytes, r.ours,
+                              r.torch)
+                for r in _results(tcp) if r.torch]
     if p == 2:
       soak_rows = [r for r in rows if r.get('kind') == 'soak'] or None
   about = {

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import socket
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -60,30 +61,41 @@ class Result:
             'torch_times_ms': self.torch}
 
 
-def _connect_0_and_1(settings: Settings):
-  """(listening socket or None, connection or None): one loopback TCP connection between processes 0 and 1 (the others get None, None).
+def _connect_0_and_1(settings: Settings, local: bool = False):
+  """(listening socket or None, connection or None): one connection between processes 0 and 1 (the others get None, None): loopback TCP, or with `local` a Unix domain socket (what our links between processes on one host use).
 
-  Collective: every process must call this (the port is broadcast).
+  Collective: every process must call this (the address is broadcast).
   """
-  pid, server, conn, port = jax.process_index(), None, None, None
-  if pid == 0:
+  pid, server, conn, address = jax.process_index(), None, None, None
+  if pid == 0 and local:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(b'\0multihost-bench-' + os.urandom(8).hex().encode())
+    server.listen()
+    address = server.getsockname()
+  elif pid == 0:
     server = socket.create_server(('127.0.0.1', 0))
-    port = server.getsockname()[1]
-  port = multihost.broadcast_object(port, timeout=settings.timeout)
+    address = server.getsockname()[1]
+  address = multihost.broadcast_object(address, timeout=settings.timeout)
   if pid == 0:
     conn, _ = server.accept()
+  elif pid == 1 and local:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(address)
   elif pid == 1:
-    conn = socket.create_connection(('127.0.0.1', port))
+    conn = socket.create_connection(('127.0.0.1', address))
   return server, conn
 
 
 class RawStream:
-  """One Python TCP stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks."""
+  """One Python stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks. Over loopback TCP, or with `local` a Unix domain socket."""
 
-  def __init__(self, nbytes: int, settings: Settings):
+  def __init__(self, nbytes: int, settings: Settings, local: bool = False):
     self.pid = jax.process_index()
     self.nbytes = nbytes
-    self.server, self.conn = _connect_0_and_1(settings)
+    self.local = local
+    self.name = (f'raw {"local" if local else "TCP"} stream '
+                 f'{harness.format_size(nbytes)}')
+    self.server, self.conn = _connect_0_and_1(settings, local)
     self.payload = np.ones(nbytes, np.uint8)
     self.buffer = memoryview(bytearray(nbytes))
 
@@ -107,14 +119,16 @@ class RawStream:
 
 
 class RoundTrip:
-  """The floor: one 8-byte Python ping-pong between processes 0 and 1 over loopback TCP (TCP_NODELAY), per call."""
+  """The floor: one 8-byte Python ping-pong between processes 0 and 1 over loopback TCP (TCP_NODELAY), or with `local` a Unix domain socket, per call."""
 
   NAME = 'round trip 8 B (Python ping-pong, loopback)'
+  LOCAL_NAME = 'round trip 8 B (Python ping-pong, local socket)'
 
-  def __init__(self, settings: Settings):
+  def __init__(self, settings: Settings, local: bool = False):
     self.pid = jax.process_index()
-    self.server, self.conn = _connect_0_and_1(settings)
-    if self.conn is not None:
+    self.name = self.LOCAL_NAME if local else self.NAME
+    self.server, self.conn = _connect_0_and_1(settings, local)
+    if self.conn is not None and not local:
       self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     self.buffer = memoryview(bytearray(8))
 
@@ -169,10 +183,12 @@ class BusyCores:
 
 SIZES = (8, MiB, 64 * MiB)
 BUSY = ' (CPU busy)'
+# Ours with $MULTIHOST_LOCAL_LINKS=0: every link over TCP, as between
+# processes on different hosts (`bench/scaling.py` runs it too).
+OVER_TCP = ' (links over TCP)'
 
 
-def build_cases(dist, raw: RawStream | None, sizes=SIZES,
-                trip: RoundTrip | None = None) -> list[Case]:
+def build_cases(dist, refs: list, sizes=SIZES) -> list[Case]:
   """The compared cases, ours and torch's on the same payloads."""
   import torch  # pylint: disable=import-outside-toplevel,g-import-not-at-top
   me, count = jax.process_index(), jax.process_count()
@@ -202,18 +218,20 @@ def build_cases(dist, raw: RawStream | None, sizes=SIZES,
       'broadcast of a 1 KiB object', 1024, 20,
       lambda: multihost.broadcast_object(kib),
       dist and (lambda: dist.broadcast_object_list([kib], 0))))
-  return cases + _references(raw, trip)
+  return cases + _references(refs)
 
 
-def _references(raw: RawStream | None, trip: RoundTrip | None) -> list[Case]:
-  """The reference cases (ours alone): a raw stream, one round trip."""
-  cases = []
-  if raw is not None:
-    cases.append(Case(f'raw TCP stream {harness.format_size(raw.nbytes)}',
-                      raw.nbytes, 2, raw))
-  if trip is not None:
-    cases.append(Case(RoundTrip.NAME, 8, 20, trip))
-  return cases
+def _references(refs: list) -> list[Case]:
+  """The reference cases (ours alone): raw streams and round trips (`RawStream`, `RoundTrip`)."""
+  return [Case(ref.name, ref.nbytes, 2, ref) if isinstance(ref, RawStream)
+          else Case(ref.name, 8, 20, ref) for ref in refs]
+
+
+def _make_references(settings: Settings, raw_bytes: int) -> list:
+  """The raw streams and round trips between processes 0 and 1: over loopback TCP, and (Linux) over a local socket as our links on one host use."""
+  kinds = (False, True) if sys.platform.startswith('linux') else (False,)
+  return ([RawStream(raw_bytes, settings, local) for local in kinds]
+          + [RoundTrip(settings, local) for local in kinds])
 
 
 def _per_call(fn: Callable[[], Any], calls: int, settings: Settings) -> float:
@@ -236,16 +254,15 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
   """
   dist = harness.torch_group(settings)
   several = jax.process_count() > 1
-  raw = RawStream(raw_bytes, settings) if several else None
-  trip = RoundTrip(settings) if several else None
+  refs = _make_references(settings, raw_bytes) if several else []
   spinners = None
   try:
     try:
       import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     except ImportError:
       dist = None
-    cases = (build_cases(dist, raw, sizes, trip) if dist is not None
-             else _cases_without_torch(raw, sizes, trip))
+    cases = (build_cases(dist, refs, sizes) if dist is not None
+             else _cases_without_torch(refs, sizes))
     for case in cases:  # Warm-up: connections, compiles, caches.
       for fn in (case.ours, case.torch):
         if fn is not None:
@@ -276,15 +293,13 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
   finally:
     if spinners is not None:
       spinners.close()
-    for ref in (raw, trip):
-      if ref is not None:
-        ref.close()
+    for ref in refs:
+      ref.close()
     if dist is not None:
       dist.destroy_process_group()
 
 
-def _cases_without_torch(raw: RawStream | None, sizes,
-                         trip: RoundTrip | None = None) -> list[Case]:
+def _cases_without_torch(refs: list, sizes) -> list[Case]:
   me = jax.process_index()
   cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'))]
   for n in sizes:
@@ -294,7 +309,7 @@ def _cases_without_torch(raw: RawStream | None, sizes,
                       lambda x=x: multihost.broadcast_one_to_all(x)))
     cases.append(Case(f'all-gather {harness.format_size(n)}', n, calls,
                       lambda x=x: multihost.process_allgather(x)))
-  return cases + _references(raw, trip)
+  return cases + _references(refs)
 
 
 def render(results: list[Result]) -> str:
@@ -334,13 +349,29 @@ TARGETS = (
      0.9),
     ('broadcast 64 MiB <= 1.1x a raw stream', 'broadcast 64 MiB',
      'raw TCP stream 64 MiB', 1.1),
+    # On one host our links are local sockets: against a raw one too.
+    ('broadcast 64 MiB <= 1.1x a raw local stream', 'broadcast 64 MiB',
+     'raw local stream 64 MiB', 1.1),
     # The floor: one Python round trip over loopback, in the same run.
     ('barrier <= 3x one round trip', 'barrier', RoundTrip.NAME, 3.0),
     ('broadcast 8 B <= 4x one round trip', 'broadcast 8 B', RoundTrip.NAME,
      4.0),
     ('all-gather 8 B <= 4x one round trip', 'all-gather 8 B', RoundTrip.NAME,
      4.0),
+    # ... and over a local socket, the floor of our links on one host.
+    ('barrier <= 3x one local round trip', 'barrier', RoundTrip.LOCAL_NAME,
+     3.0),
+    ('broadcast 8 B <= 4x one local round trip', 'broadcast 8 B',
+     RoundTrip.LOCAL_NAME, 4.0),
+    ('all-gather 8 B <= 4x one local round trip', 'all-gather 8 B',
+     RoundTrip.LOCAL_NAME, 4.0),
 ) + tuple(
+    # Every link over TCP (as between hosts), in a run of its own.
+    (f'{case}, links over TCP <= {limit}x torch gloo'.replace(' 1.0x', ''),
+     case + OVER_TCP, 'torch', limit)
+    for case, limit in (('barrier', 1.0), ('broadcast 8 B', 1.0),
+                        ('all-gather 8 B', 1.0), ('broadcast 1 MiB', 0.9),
+                        ('broadcast 64 MiB', 0.9))) + tuple(
     # With one spinning process per core beside both sides.
     (f'{case}, CPU busy <= torch gloo', case + BUSY, 'torch', 1.0)
     for case in ('barrier', 'broadcast 8 B', 'all-gather 8 B',

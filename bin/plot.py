@@ -359,7 +359,10 @@ def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
 # A P-scaling report's series. Its reference rows (ours alone: torch_ms is
 # None) are known by the start of their case name.
 OURS, TORCH = 'multihost', 'torch.distributed gloo'
-ROUND_TRIP, FLOOR = 'round trip', 'one round trip (the floor)'
+# Ours again with every link over TCP (bench/versus.py's OVER_TCP rows).
+OVER_TCP, OURS_TCP = ' (links over TCP)', 'multihost, links over TCP'
+ROUND_TRIP, FLOOR = 'round trip', 'one TCP round trip (the floor)'
+LOCAL, FLOOR_LOCAL = 'local socket', 'one local-socket round trip'
 RAW_STREAM, STREAM = 'raw TCP stream', 'raw TCP stream, process 0 -> 1'
 # The round trip is drawn on the panels of calls up to this many bytes (a
 # latency floor; a 64 MiB call is bound by bandwidth instead).
@@ -384,32 +387,41 @@ def read_json(path: str) -> dict:
 def scaling_series(data: dict) -> dict[str, dict[str, list]]:
   """{case: {series: [(P, median ms), ...]}}, cases in the report's order, from what `bench/scaling.py` writes.
 
-  Each compared case gets ours and torch gloo's medians; the CPU-busy
-  rows (P=2 alone) are left out. One round trip is added, as the floor,
-  to every case of up to `FLOOR_UP_TO` bytes, and the raw stream to the
-  broadcast of its size. A case missing at some P (64 MiB at P=8) has no
+  Each compared case gets ours and torch gloo's medians, and ours with
+  every link over TCP where the report has it; the CPU-busy rows (P=2
+  alone) are left out. The round trips (TCP, local socket) are added, as
+  the floor, to every case of up to `FLOOR_UP_TO` bytes, and the raw TCP
+  stream to the broadcast of its size. A case missing at some P (64 MiB at P=8) has no
   point there.
   """
   cases: dict[str, dict[str, list]] = {}
   sizes: dict[str, int] = {}
-  floor, streams = [], collections.defaultdict(list)
+  floor, local_floor, streams = [], [], collections.defaultdict(list)
+  tcp = collections.defaultdict(list)
   for r in data.get('rows', []):
     if r.get('busy') or r.get('ours_ms') is None:
       continue
     p, op, ms = int(r['processes']), r['op'], r['ours_ms']
     size = int(r.get('payload_bytes') or 0)
-    if r.get('torch_ms') is not None:
+    if r.get('torch_ms') is not None and op.endswith(OVER_TCP):
+      base = op[:-len(OVER_TCP)]
+      tcp[base].append((p, ms))
+    elif r.get('torch_ms') is not None:
       series = cases.setdefault(op, {OURS: [], TORCH: []})
       series[OURS].append((p, ms))
       series[TORCH].append((p, r['torch_ms']))
       sizes[op] = size
     elif op.startswith(ROUND_TRIP):
-      floor.append((p, ms))
+      (local_floor if LOCAL in op else floor).append((p, ms))
     elif op.startswith(RAW_STREAM):
       streams[size].append((p, ms))
   for op, series in cases.items():
+    if tcp.get(op):
+      series[OURS_TCP] = tcp[op]
     if floor and sizes[op] <= FLOOR_UP_TO:
       series[FLOOR] = floor
+    if local_floor and sizes[op] <= FLOOR_UP_TO:
+      series[FLOOR_LOCAL] = local_floor
     if streams.get(sizes[op]) and op.startswith('broadcast '):
       series[STREAM] = streams[sizes[op]]
   return {op: {k: sorted(v) for k, v in s.items()} for op, s in cases.items()}
@@ -433,8 +445,9 @@ def scaling_title(data: dict) -> str:
 
 
 # Each series' look on every panel: (colour, line and marker style).
-_SCALING_STYLE = {OURS: ('C0', '-o'), TORCH: ('C1', '-s'),
-                  FLOOR: ('grey', '--'), STREAM: ('C2', ':^')}
+_SCALING_STYLE = {OURS: ('C0', '-o'), OURS_TCP: ('C0', '--x'),
+                  TORCH: ('C1', '-s'), FLOOR: ('grey', '--'),
+                  FLOOR_LOCAL: ('grey', ':'), STREAM: ('C2', ':^')}
 
 
 def _plain_log_labels(ticker, *, minor: bool):

@@ -235,8 +235,9 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
     # As the first call would (the job keys are agreed by all processes).
     fake.run(rts, lambda rt: _tcp_link.plane_of(rt, 'test',
                                                 time.monotonic() + 5))
-    rts[1].plane.listener.shutdown(socket.SHUT_RDWR)  # refuses connections
-    rts[1].plane.listener.close()
+    for listener in (rts[1].plane.listener, rts[1].plane.local_listener):
+      listener.shutdown(socket.SHUT_RDWR)  # refuses connections
+      listener.close()
     deadline = time.monotonic() + links.SETUP_S
     while time.monotonic() < deadline and not all(
         rt.plane.refused for rt in rts):

@@ -87,7 +87,9 @@ def _scaling_report() -> dict:
           r('broadcast 64 MiB', 64 << 20, [20.0, 22.0], [19.0, 21.0]),
           r('raw TCP stream 64 MiB', 64 << 20, [25.0], None),
           r(versus.RoundTrip.NAME, 8, [0.07], None),
-          r('barrier' + versus.BUSY, 0, [0.9], [1.9])],
+          r(versus.RoundTrip.LOCAL_NAME, 8, [0.03], None),
+          r('barrier' + versus.BUSY, 0, [0.9], [1.9]),
+          r('barrier' + versus.OVER_TCP, 0, [0.3], [0.6])],
       4: [r('barrier', 0, [0.5], [1.5]),
           r('broadcast 8 B', 8, [0.7], [0.6]),
           r('raw TCP stream 64 MiB', 64 << 20, [29.0], None),
@@ -104,16 +106,18 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
   data = plot.read_json(str(path))
   series = plot.scaling_series(data)
   floor = [(2, 0.07), (4, 0.09)]
-  # Cases in the report's order; the CPU-busy row and the references are
-  # no case of their own. The round trip is the floor of the small calls;
-  # the raw stream bounds the broadcast of its size; a case not run at
-  # P=4 has no point there.
+  # Cases in the report's order; the CPU-busy row, the links-over-TCP row
+  # and the references are no case of their own. The round trips are the
+  # floors of the small calls; the raw stream bounds the broadcast of its
+  # size; a case not run at P=4 has no point there.
   assert series == {
       'barrier': {plot.OURS: [(2, 0.2), (4, 0.5)],
-                  plot.TORCH: [(2, 0.5), (4, 1.5)], plot.FLOOR: floor},
+                  plot.TORCH: [(2, 0.5), (4, 1.5)],
+                  plot.OURS_TCP: [(2, 0.3)], plot.FLOOR: floor,
+                  plot.FLOOR_LOCAL: [(2, 0.03)]},
       'broadcast 8 B': {plot.OURS: [(2, 0.2), (4, 0.7)],
                         plot.TORCH: [(2, 0.3), (4, 0.6)],
-                        plot.FLOOR: floor},
+                        plot.FLOOR: floor, plot.FLOOR_LOCAL: [(2, 0.03)]},
       'broadcast 64 MiB': {plot.OURS: [(2, 21.0)], plot.TORCH: [(2, 20.0)],
                            plot.STREAM: [(2, 25.0), (4, 29.0)]},
   }
@@ -128,10 +132,13 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
 
 
 def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
-  def bench_rows(processes, args, timeout):  # What --versus writes, faked.
+  def bench_rows(processes, args, timeout, env=None):  # --versus, faked
     del args, timeout
+    # The run with every link over TCP: twice the time, here.
+    slower = 2 if env else 1
     return [{'kind': 'versus', 'op': 'barrier', 'payload_bytes': 0,
-             'processes': processes, 'ours_times_ms': [0.1 * processes, 0.3],
+             'processes': processes,
+             'ours_times_ms': [0.1 * processes * slower, 0.3 * slower],
              'torch_times_ms': [0.5 * processes]}]
   monkeypatch.setattr(scaling, '_run', bench_rows)
   text = scaling.report(str(tmp_path / 'r.md'), rounds=3, soak_calls=0)
@@ -140,7 +147,8 @@ def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
   assert data['cores'] and data['command'].endswith('--report_soak=0')
   assert plot.scaling_series(data) == {'barrier': {
       plot.OURS: [(2, 0.25), (4, 0.35), (8, 0.55)],
-      plot.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)]}}
+      plot.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)],
+      plot.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)]}}
 
 
 def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
