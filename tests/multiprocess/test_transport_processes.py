@@ -28,7 +28,9 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
   # a 3 s heartbeat keeps that wait short (nothing here depends on it).
   result = launch.launch(program('blocked_port'), num_processes=2,
                          devices_per_process=1, timeout=120,
-                         env={env_lib.HEARTBEAT: '3'})
+                         # (TCP's port: links on one host are local)
+                         env={env_lib.HEARTBEAT: '3',
+                              env_lib.LOCAL_LINKS: '0'})
   assert all('BLOCKED-PORT OK' in out for out in result.outputs), (
       result.summary + '\n'.join(result.outputs))
 
