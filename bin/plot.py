@@ -491,10 +491,12 @@ def plot_scaling(series: dict[str, dict[str, list]], out: str,
   for ax in axes:
     for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
       handles.setdefault(label, handle)
+  # At most three entries a row, so that the legend fits the figure's width.
+  rows = -(-len(handles) // 3)
   fig.legend(handles.values(), handles.keys(), loc='lower center',
-             ncol=len(handles), fontsize=9, frameon=False)
+             ncol=min(len(handles), 3), fontsize=9, frameon=False)
   fig.suptitle(title, fontsize=11)
-  _save(plt, fig, out, rect=(0, 0.04, 1, 1))
+  _save(plt, fig, out, rect=(0, 0.025 * rows + 0.01, 1, 1))
 
 
 def main(argv):
