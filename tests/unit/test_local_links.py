@@ -61,6 +61,25 @@ def test_processes_on_one_host_link_over_a_local_socket(job):
   assert _linked(rts, planes) == [socket.AF_UNIX] * 2
 
 
+def test_a_local_link_takes_a_1_mib_frame_without_its_peer_reading(job):
+  """A broadcast's source sends what the socket takes ahead of its agreement (`chain.Eager`): on a local link, a whole 1 MiB frame."""
+  rts, planes = job
+  planes += [_tcp_link.Plane(rt, 5.0, 'test') for rt in rts]
+  assert _linked(rts, planes) == [socket.AF_UNIX] * 2
+  link = planes[0].conn(1, time.monotonic() + 5, 'test')
+  view = memoryview(bytes(1 << 20))
+  sent = 0
+  link.sock.setblocking(False)
+  try:
+    while sent < len(view):
+      sent += link.sock.send(view[sent:])
+  except BlockingIOError:
+    pass
+  finally:
+    link.sock.settimeout(5)
+  assert sent == len(view)
+
+
 def test_with_local_links_off_the_link_is_tcp(job, monkeypatch):
   monkeypatch.setenv(env_lib.LOCAL_LINKS, '0')
   rts, planes = job

@@ -32,16 +32,28 @@ def family(host: str) -> int:
   return socket.AF_INET6 if ':' in host else socket.AF_INET
 
 
-def tune(conn: socket.socket) -> None:
-  """No delay for small frames. The buffer sizes stay the kernel's.
+# A local link's send buffer (the kernel doubles it, up to
+# net.core.wmem_max): see `tune`.
+LOCAL_SEND_BUFFER = 4 << 20
 
-  Setting SO_SNDBUF or SO_RCVBUF turns off the kernel's autotuning of that
-  buffer, which for a large transfer grows it past any fixed size worth
-  asking for (tcp_rmem's maximum): the large broadcasts ran faster
-  without (bench/README.md).
+
+def tune(conn: socket.socket) -> None:
+  """A TCP link: no delay for small frames, the buffer sizes the kernel's. A local link: a send buffer of `LOCAL_SEND_BUFFER`.
+
+  Setting SO_SNDBUF or SO_RCVBUF on TCP turns off the kernel's autotuning
+  of that buffer, which for a large transfer grows it past any fixed size
+  worth asking for (tcp_rmem's maximum): the large broadcasts ran faster
+  without (bench/README.md). A local (Unix domain) socket has no
+  autotuning and no Nagle.
   """
-  if conn.family != socket.AF_UNIX:  # (a local link has no Nagle)
+  if conn.family != socket.AF_UNIX:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  else:
+    # A local link has no Nagle and no autotuning: its send buffer stays at
+    # net.core.wmem_default (208 KiB here), so a 1 MiB frame went out in
+    # pieces, each a wake-up on both sides, and a broadcast's source sent
+    # only that much ahead of its agreement (`chain.Eager`).
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER)
 
 
 def recv_exact(conn: socket.socket, n: int,
