@@ -326,8 +326,10 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
   # (lane 0) or on its lane's thread between reads (the others).
   sender = None
   if nxt is not None and rank > 0:
-    sender = (sockets.sender(watch, n, plane.sends) if lane == 0
-              else sockets.DirectSender(watch))
+    # A stripe of one chunk is read whole before any of it is forwarded:
+    # a thread would have no read to overlap, only a handoff to add.
+    sender = (sockets.sender(watch, n, plane.sends)
+              if lane == 0 and n > _CHUNK else sockets.DirectSender(watch))
   peer = nxt if rank == 0 else prev
   target = None if out is None else out[start:stop]
   try:
