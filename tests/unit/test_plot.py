@@ -124,10 +124,10 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
   assert list(series) == ['barrier', 'broadcast 8 B', 'broadcast 64 MiB']
   assert plot.scaling_title(data).endswith(
       'commit abc1234, 2026-12-03, 2 cores, P=4 oversubscribed')
-  # The committed data: the report of fcc375c, 9 cases, 64 MiB not at P=8.
+  # The committed data: the report of ac28894, 9 cases, 64 MiB not at P=8.
   committed = plot.read_json(str(ROOT / 'docs' / 'scaling.json'))
   assert len(plot.scaling_series(committed)) == 9
-  assert 'commit fcc375c' in plot.scaling_title(committed)
+  assert 'commit ac28894' in plot.scaling_title(committed)
   assert '2 cores, P=4 and 8 oversubscribed' in plot.scaling_title(committed)
 
 
