@@ -1,6 +1,8 @@
-"""Both data planes for large payloads at an odd process count, a blocked data-plane port, and lanes that differ across processes."""
+"""Both data planes for large payloads at an odd process count, a blocked data-plane port, lanes that differ across processes, and local links between processes on one host."""
 
 from __future__ import annotations
+
+import json
 
 from _helpers import program
 import pytest
@@ -33,6 +35,21 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
                               env_lib.LOCAL_LINKS: '0'})
   assert all('BLOCKED-PORT OK' in out for out in result.outputs), (
       result.summary + '\n'.join(result.outputs))
+
+
+@pytest.mark.parametrize('local', ['on', '0'])
+def test_processes_on_one_host_link_over_local_sockets_unless_turned_off(
+    local):
+  """Real controllers on one host: every link (both lanes) is a Unix domain socket; with $MULTIHOST_LOCAL_LINKS=0, TCP."""
+  env = {} if local == 'on' else {env_lib.LOCAL_LINKS: local}
+  result = launch.launch(program('link_families'), num_processes=2,
+                         devices_per_process=1, timeout=120, env=env)
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  want = 'AF_UNIX' if local == 'on' else 'AF_INET'
+  for me, out in enumerate(result.outputs):
+    families = json.loads(out.split('FAMILIES ', 1)[1].splitlines()[0])
+    peer = 1 - me
+    assert families == {str(peer): want, str((peer, 1)): want}, families
 
 
 def test_lanes_that_differ_are_a_consistency_error_at_once():

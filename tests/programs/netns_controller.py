@@ -61,6 +61,9 @@ def main() -> None:
     np.testing.assert_array_equal(got, want)
   report['lane_links'] = sorted(
       str(k) for k in runtime.current().plane.conns if isinstance(k, tuple))
+  # Every link crosses hosts here: TCP, never a local socket.
+  report['families'] = sorted({
+      link.sock.family.name for link in runtime.current().plane.conns.values()})
 
   # A device collective: a jitted sum over one device per process (gloo).
   mesh = jax.make_mesh((n,), ('p',), devices=jax.devices())
