@@ -8,10 +8,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _links  # noqa: E402  (a sibling module, found by path)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import _links  # noqa: E402  (a sibling module, found by path)
 import multihost  # noqa: E402
 from multihost._src.runtime import runtime  # noqa: E402
 
