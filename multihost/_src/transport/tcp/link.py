@@ -225,32 +225,33 @@ class Plane:
     host, port, local = auth.read_address(self.secret, peer, value, op)
     # The local socket when the peer's name answers on this host; else
     # (another host or network namespace: refused at once) TCP.
-    where = (f'the local socket @{local}'
-             if local and settings.local_links() else f'{host}:{port}')
+    if not settings.local_links():
+      local = ''
     while True:
       try:
-        return self._connect_once(peer, lane, where, (host, port), local,
-                                  deadline)
+        return self._connect_once(peer, lane, (host, port), local, deadline)
       except _local.NotLocal:
-        where = f'{host}:{port}'
-      except (ConnectionResetError, BrokenPipeError) as e:
+        local = ''
+      except (ConnectionResetError, BrokenPipeError, BlockingIOError) as e:
         # Cut during the handshake (e.g. as the oldest pending one while
-        # strangers crowd the port): try again while there is time.
+        # strangers crowd the port), or a local listener's full backlog:
+        # try again while there is time.
         if time.monotonic() + _RETRY_S >= deadline:
-          raise _tcp_errors.Unreachable(where, e) from e
+          raise _tcp_errors.Unreachable(_where(host, port, local), e) from e
         time.sleep(_RETRY_S)
 
-  def _connect_once(self, peer: int, lane: int, where: str,
-                    address: tuple[str, int], local: str,
-                    deadline: float) -> Link:
-    """One attempt of `_connect`, to `where`: the peer's local socket, or its TCP `address`."""
+  def _connect_once(self, peer: int, lane: int, address: tuple[str, int],
+                    local: str, deadline: float) -> Link:
+    """One attempt of `_connect`: to the peer's `local` socket if named, else to its TCP `address`."""
     remaining = max(deadline - time.monotonic(), 0.001)
+    where = _where(*address, local)
     try:
-      if where.startswith('the local socket'):
+      if local:
         conn = _local.connect(local, remaining)
       else:
         conn = socket.create_connection(address, timeout=remaining)
-    except (_local.NotLocal, ConnectionResetError, BrokenPipeError):
+    except (_local.NotLocal, ConnectionResetError, BrokenPipeError,
+            BlockingIOError):
       raise
     except OSError as e:
       raise _tcp_errors.Unreachable(where, e) from e
@@ -321,6 +322,11 @@ class Plane:
         self.lock.wait(min(remaining, 0.5))
         self.rt.watchdog.check(op)
       return self.conns[key]
+
+
+def _where(host: str, port: int, local: str) -> str:
+  """A link's address, for messages: the local socket's name, or host:port."""
+  return f'the local socket @{local}' if local else f'{host}:{port}'
 
 
 def _pay_owed(link: Link, peer: int, deadline: Deadline) -> None:
