@@ -92,7 +92,7 @@ class RawStream:
   def __init__(self, nbytes: int, settings: Settings, local: bool = False):
     self.pid = jax.process_index()
     self.nbytes = nbytes
-    self.local = local
+    self.calls = 2  # timed back to back, per round
     self.name = (f'raw {"local" if local else "TCP"} stream '
                  f'{harness.format_size(nbytes)}')
     self.server, self.conn = _connect_0_and_1(settings, local)
@@ -127,6 +127,7 @@ class RoundTrip:
   def __init__(self, settings: Settings, local: bool = False):
     self.pid = jax.process_index()
     self.name = self.LOCAL_NAME if local else self.NAME
+    self.nbytes, self.calls = 8, 20
     self.server, self.conn = _connect_0_and_1(settings, local)
     if self.conn is not None and not local:
       self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -223,8 +224,7 @@ def build_cases(dist, refs: list, sizes=SIZES) -> list[Case]:
 
 def _references(refs: list) -> list[Case]:
   """The reference cases (ours alone): raw streams and round trips (`RawStream`, `RoundTrip`)."""
-  return [Case(ref.name, ref.nbytes, 2, ref) if isinstance(ref, RawStream)
-          else Case(ref.name, 8, 20, ref) for ref in refs]
+  return [Case(ref.name, ref.nbytes, ref.calls, ref) for ref in refs]
 
 
 def _make_references(settings: Settings, raw_bytes: int) -> list:

@@ -38,6 +38,8 @@ import importlib.util
 import json
 import sys
 
+import _figures  # bin/_figures.py: the figure helpers every picture uses.
+import _plot_scaling as scaling  # bin/_plot_scaling.py: the P-scaling picture.
 from absl import app
 from absl import flags
 
@@ -166,39 +168,13 @@ def rolling_median(values: list[float], window: int) -> list[float]:
   return np.median(windows, axis=1).tolist()
 
 
-def _pyplot():
-  """matplotlib's pyplot, drawing to files only (the Agg backend)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-  return plt
-
-
-def _panels(plt, count: int, width: float, height: float):
-  """A figure of `count` panels, up to 3 a row, the unused ones hidden; (figure, the panels in order)."""
-  cols = min(3, count)
-  rows = -(-count // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows),
-                           dpi=100, squeeze=False)
-  for ax in axes.flat[count:]:
-    ax.set_visible(False)
-  return fig, list(axes.flat[:count])
-
-
-def _save(plt, fig, out: str, **layout) -> None:
-  """Lays the figure out (`layout`: tight_layout's arguments), writes it to `out` and frees it."""
-  fig.tight_layout(**layout)
-  fig.savefig(out)
-  plt.close(fig)
-
-
 def _event_label(kind: str, record_tier: str | None) -> str:
   return f'{kind} ({record_tier} tier)' if record_tier else kind
 
 
 def plot_training(run: Run, out: str, title: str) -> Drawn:
   """Writes the loss curve (smoothed when long) on an axis that shows zeros and spikes, saves as ticks, restarts, resumes and their tiers as labelled lines; returns what it drew."""
-  plt = _pyplot()
+  plt = _figures.pyplot()
   fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
   scale, linthresh = loss_axis(run.losses)
   # Each attempt is its own line, so a replayed stretch shows as an overlap.
@@ -257,7 +233,7 @@ def plot_training(run: Run, out: str, title: str) -> Drawn:
   ax.set_title(title)
   ax.legend(loc='upper right', fontsize=8)
   ax.grid(alpha=0.3)
-  _save(plt, fig, out)
+  _figures.save(plt, fig, out)
   return Drawn(yscale=scale, linthresh=linthresh, top=top, ticks=ticks,
                lines=lines, window=window)
 
@@ -323,11 +299,11 @@ def bench_series(rows: list[dict]) -> dict[str, dict[str, list]]:
 def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
                processes: int | None) -> None:
   """Writes one log-log panel per operation."""
-  plt = _pyplot()
+  plt = _figures.pyplot()
   order = [f for f in ('barrier', 'broadcast', 'all-gather',
                        'broadcast an object', 'all-gather an object')
            if f in series]
-  fig, axes = _panels(plt, len(order), 5, 3.8)
+  fig, axes = _figures.panels(plt, len(order), 5, 3.8)
   names = sorted({n for s in series.values() for n in s})
   colors = {n: f'C{i}' for i, n in enumerate(names)}
   for ax, family in zip(axes, order, strict=True):
@@ -353,150 +329,7 @@ def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
     ax.legend(fontsize=7)
   suffix = f' (P={processes})' if processes else ''
   fig.suptitle(title + suffix)
-  _save(plt, fig, out)
-
-
-# A P-scaling report's series. Its reference rows (ours alone: torch_ms is
-# None) are known by the start of their case name.
-OURS, TORCH = 'multihost', 'torch.distributed gloo'
-# Ours again with every link over TCP (bench/versus.py's OVER_TCP rows).
-OVER_TCP, OURS_TCP = ' (links over TCP)', 'multihost, links over TCP'
-ROUND_TRIP, FLOOR = 'round trip', 'one TCP round trip (the floor)'
-LOCAL, FLOOR_LOCAL = 'local socket', 'one local-socket round trip'
-RAW_STREAM, STREAM = 'raw TCP stream', 'raw TCP stream, process 0 -> 1'
-# The round trip is drawn on the panels of calls up to this many bytes (a
-# latency floor; a 64 MiB call is bound by bandwidth instead).
-FLOOR_UP_TO = 1 << 20
-
-
-def read_json(path: str) -> dict:
-  """The object a JSON file holds; a file that is not one is a ValueError that names it."""
-  with open(path) as f:
-    try:
-      value = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'{path} is not JSON ({e}); pass the .json file '
-                       'bin/bench.py --report writes.') from e
-  if not isinstance(value, dict):
-    raise ValueError(f'{path} holds a JSON {type(value).__name__}, not an '
-                     'object; pass the .json file bin/bench.py --report '
-                     'writes.')
-  return value
-
-
-def scaling_series(data: dict) -> dict[str, dict[str, list]]:
-  """{case: {series: [(P, median ms), ...]}}, cases in the report's order, from what `bench/scaling.py` writes.
-
-  Each compared case gets ours and torch gloo's medians, and ours with
-  every link over TCP where the report has it; the CPU-busy rows (P=2
-  alone) are left out. The round trips (TCP, local socket) are added, as
-  the floor, to every case of up to `FLOOR_UP_TO` bytes, and the raw TCP
-  stream to the broadcast of its size. A case missing at some P (64 MiB at P=8) has no
-  point there.
-  """
-  cases: dict[str, dict[str, list]] = {}
-  sizes: dict[str, int] = {}
-  floor, local_floor, streams = [], [], collections.defaultdict(list)
-  tcp = collections.defaultdict(list)
-  for r in data.get('rows', []):
-    if r.get('busy') or r.get('ours_ms') is None:
-      continue
-    p, op, ms = int(r['processes']), r['op'], r['ours_ms']
-    size = int(r.get('payload_bytes') or 0)
-    if r.get('torch_ms') is not None and op.endswith(OVER_TCP):
-      base = op[:-len(OVER_TCP)]
-      tcp[base].append((p, ms))
-    elif r.get('torch_ms') is not None:
-      series = cases.setdefault(op, {OURS: [], TORCH: []})
-      series[OURS].append((p, ms))
-      series[TORCH].append((p, r['torch_ms']))
-      sizes[op] = size
-    elif op.startswith(ROUND_TRIP):
-      (local_floor if LOCAL in op else floor).append((p, ms))
-    elif op.startswith(RAW_STREAM):
-      streams[size].append((p, ms))
-  for op, series in cases.items():
-    if tcp.get(op):
-      series[OURS_TCP] = tcp[op]
-    if floor and sizes[op] <= FLOOR_UP_TO:
-      series[FLOOR] = floor
-    if local_floor and sizes[op] <= FLOOR_UP_TO:
-      series[FLOOR_LOCAL] = local_floor
-    if streams.get(sizes[op]) and op.startswith('broadcast '):
-      series[STREAM] = streams[sizes[op]]
-  return {op: {k: sorted(v) for k, v in s.items()} for op, s in cases.items()}
-
-
-def scaling_title(data: dict) -> str:
-  """The run a P-scaling picture shows: its commit, date, cores, and which P were oversubscribed."""
-  cores = data.get('cores')
-  ps = sorted({int(r['processes']) for r in data.get('rows', [])})
-  over = [str(p) for p in ps if cores and p > cores]
-  parts = [f'commit {data.get("commit", "unknown")}']
-  if data.get('date'):
-    parts.append(data['date'])
-  if cores:
-    listed = (over[0] if len(over) == 1 else
-              f'{", ".join(over[:-1])} and {over[-1]}')
-    parts.append(f'{cores} cores' +
-                 (f', P={listed} oversubscribed' if over else ''))
-  return ('median ms per call against the process count P: '
-          + ', '.join(parts))
-
-
-# Each series' look on every panel: (colour, line and marker style).
-_SCALING_STYLE = {OURS: ('C0', '-o'), OURS_TCP: ('C0', '--x'),
-                  TORCH: ('C1', '-s'), FLOOR: ('grey', '--'),
-                  FLOOR_LOCAL: ('grey', ':'), STREAM: ('C2', ':^')}
-
-
-def _plain_log_labels(ticker, *, minor: bool):
-  """A log axis's labels as plain numbers (0.1, 30, 600), on the ticks matplotlib's `LogFormatter` labels: the minor ones where a panel spans about a decade or less."""
-
-  class Plain(ticker.LogFormatter):
-
-    def __call__(self, x, pos=None):
-      return f'{x:g}' if super().__call__(x, pos) else ''
-
-  return Plain(labelOnlyBase=not minor)
-
-
-def plot_scaling(series: dict[str, dict[str, list]], out: str,
-                 title: str) -> None:
-  """Writes one panel per case: ms per call against P, both axes logarithmic, P's ticks at the measured counts, one legend for all."""
-  plt = _pyplot()
-  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
-  fig, axes = _panels(plt, len(series), 4.2, 3.2)
-  ps = sorted({p for s in series.values() for pts in s.values()
-               for p, _ in pts})
-  for ax, (case, lines) in zip(axes, series.items(), strict=True):
-    for name, points in lines.items():
-      color, style = _SCALING_STYLE.get(name, ('black', '-'))
-      ax.plot([p for p, _ in points], [ms for _, ms in points], style,
-              color=color, markersize=4, label=name)
-    ax.set_xscale('log', base=2)
-    ax.set_yscale('log')
-    ax.set_xticks(ps, [str(p) for p in ps])
-    ax.xaxis.set_minor_locator(ticker.NullLocator())
-    ax.yaxis.set_major_formatter(_plain_log_labels(ticker, minor=False))
-    ax.yaxis.set_minor_formatter(_plain_log_labels(ticker, minor=True))
-    ax.set_xlim(ps[0] / 1.3, ps[-1] * 1.3)
-    ax.set_title(case, fontsize=10)
-    ax.set_xlabel('processes P', fontsize=8)
-    ax.set_ylabel('median ms per call', fontsize=8)
-    ax.tick_params(which='both', labelsize=8)
-    ax.grid(alpha=0.3)
-    ax.grid(alpha=0.1, which='minor')
-  handles = {}
-  for ax in axes:
-    for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-      handles.setdefault(label, handle)
-  # At most three entries a row, so that the legend fits the figure's width.
-  rows = -(-len(handles) // 3)
-  fig.legend(handles.values(), handles.keys(), loc='lower center',
-             ncol=min(len(handles), 3), fontsize=9, frameon=False)
-  fig.suptitle(title, fontsize=11)
-  _save(plt, fig, out, rect=(0, 0.025 * rows + 0.01, 1, 1))
+  _figures.save(plt, fig, out)
 
 
 def main(argv):
@@ -513,18 +346,19 @@ def main(argv):
   path = given[0].value
   try:
     if _SCALING.value:
-      data = read_json(path)
+      data = scaling.read_json(path)
     else:
       records = read_jsonl(path)
   except OSError as e:
     raise app.UsageError(f'cannot read {path}: {e}') from e
   title = _TITLE.value or path
   if _SCALING.value:
-    series = scaling_series(data)
+    series = scaling.scaling_series(data)
     if not series:
       raise app.UsageError(f'{path} holds no compared cases to draw; pass '
                            'the .json file bin/bench.py --report writes.')
-    plot_scaling(series, _OUT.value, _TITLE.value or scaling_title(data))
+    scaling.plot_scaling(series, _OUT.value,
+                         _TITLE.value or scaling.scaling_title(data))
   elif _METRICS.value:
     run = training_run(records)
     if not run.steps:

@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / 'bin'))
 sys.path.insert(0, str(ROOT))
+import _plot_scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bench import scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -103,32 +104,32 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
   assert scaling.data_path('/tmp/report.md') == '/tmp/report.json'
   path = tmp_path / 'report.json'
   path.write_text(json.dumps(_scaling_report()))
-  data = plot.read_json(str(path))
-  series = plot.scaling_series(data)
+  data = _plot_scaling.read_json(str(path))
+  series = _plot_scaling.scaling_series(data)
   floor = [(2, 0.07), (4, 0.09)]
   # Cases in the report's order; the CPU-busy row, the links-over-TCP row
   # and the references are no case of their own. The round trips are the
   # floors of the small calls; the raw stream bounds the broadcast of its
   # size; a case not run at P=4 has no point there.
   assert series == {
-      'barrier': {plot.OURS: [(2, 0.2), (4, 0.5)],
-                  plot.TORCH: [(2, 0.5), (4, 1.5)],
-                  plot.OURS_TCP: [(2, 0.3)], plot.FLOOR: floor,
-                  plot.FLOOR_LOCAL: [(2, 0.03)]},
-      'broadcast 8 B': {plot.OURS: [(2, 0.2), (4, 0.7)],
-                        plot.TORCH: [(2, 0.3), (4, 0.6)],
-                        plot.FLOOR: floor, plot.FLOOR_LOCAL: [(2, 0.03)]},
-      'broadcast 64 MiB': {plot.OURS: [(2, 21.0)], plot.TORCH: [(2, 20.0)],
-                           plot.STREAM: [(2, 25.0), (4, 29.0)]},
+      'barrier': {_plot_scaling.OURS: [(2, 0.2), (4, 0.5)],
+                  _plot_scaling.TORCH: [(2, 0.5), (4, 1.5)],
+                  _plot_scaling.OURS_TCP: [(2, 0.3)], _plot_scaling.FLOOR: floor,
+                  _plot_scaling.FLOOR_LOCAL: [(2, 0.03)]},
+      'broadcast 8 B': {_plot_scaling.OURS: [(2, 0.2), (4, 0.7)],
+                        _plot_scaling.TORCH: [(2, 0.3), (4, 0.6)],
+                        _plot_scaling.FLOOR: floor, _plot_scaling.FLOOR_LOCAL: [(2, 0.03)]},
+      'broadcast 64 MiB': {_plot_scaling.OURS: [(2, 21.0)], _plot_scaling.TORCH: [(2, 20.0)],
+                           _plot_scaling.STREAM: [(2, 25.0), (4, 29.0)]},
   }
   assert list(series) == ['barrier', 'broadcast 8 B', 'broadcast 64 MiB']
-  assert plot.scaling_title(data).endswith(
+  assert _plot_scaling.scaling_title(data).endswith(
       'commit abc1234, 2026-12-03, 2 cores, P=4 oversubscribed')
   # The committed data: the report of ac28894, 9 cases, 64 MiB not at P=8.
-  committed = plot.read_json(str(ROOT / 'docs' / 'scaling.json'))
-  assert len(plot.scaling_series(committed)) == 9
-  assert 'commit ac28894' in plot.scaling_title(committed)
-  assert '2 cores, P=4 and 8 oversubscribed' in plot.scaling_title(committed)
+  committed = _plot_scaling.read_json(str(ROOT / 'docs' / 'scaling.json'))
+  assert len(_plot_scaling.scaling_series(committed)) == 9
+  assert 'commit ac28894' in _plot_scaling.scaling_title(committed)
+  assert '2 cores, P=4 and 8 oversubscribed' in _plot_scaling.scaling_title(committed)
 
 
 def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
@@ -142,20 +143,20 @@ def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
              'torch_times_ms': [0.5 * processes]}]
   monkeypatch.setattr(scaling, '_run', bench_rows)
   text = scaling.report(str(tmp_path / 'r.md'), rounds=3, soak_calls=0)
-  data = plot.read_json(str(tmp_path / 'r.json'))
+  data = _plot_scaling.read_json(str(tmp_path / 'r.json'))
   assert f'`{tmp_path / "r.json"}`' in text
   assert data['cores'] and data['command'].endswith('--report_soak=0')
-  assert plot.scaling_series(data) == {'barrier': {
-      plot.OURS: [(2, 0.25), (4, 0.35), (8, 0.55)],
-      plot.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)],
-      plot.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)]}}
+  assert _plot_scaling.scaling_series(data) == {'barrier': {
+      _plot_scaling.OURS: [(2, 0.25), (4, 0.35), (8, 0.55)],
+      _plot_scaling.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)],
+      _plot_scaling.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)]}}
 
 
 def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
   path = tmp_path / 'rows.json'
   path.write_text('[]')
   with pytest.raises(ValueError, match=r'rows.json holds a JSON list'):
-    plot.read_json(str(path))
+    _plot_scaling.read_json(str(path))
 
 
 def test_every_picture_is_written(tmp_path):
