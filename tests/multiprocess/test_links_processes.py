@@ -82,12 +82,13 @@ def test_a_broadcast_sent_during_its_agreement_is_dropped_on_a_mismatch(
         assert m.group(1).startswith(f'[process={p}] broadcast_one_to_all'), (
             m.group(1))
       # Process 1 passes is_source=False, process 0 the default: the
-      # digests differ, the headers agree, and the stripe is sent again.
+      # digests differ, the headers agree, and the stripe sent early is
+      # the transfer's (its rest is sent, not the whole again).
       assert f'EAGER {n} source not raised' in out, out[-3000:]
       assert f'EAGER {n} SAME LINKS True' in out, out[-3000:]
     # A source that sent ahead and then timed out leaves its link owing the
-    # rest of the frame, which ends with its verdict (gave up); the late
-    # process raises, drops the frame, and all go on.
+    # rest of the frame; the late process raises, drops the frame, and all
+    # go on.
     assert re.search(r'EAGER LATE 0 (CollectiveTimeoutError|'
                      r'ProcessFailureError|MultihostError)', out), out[-3000:]
     for i in (1, 2):
@@ -101,7 +102,9 @@ def test_a_source_that_gave_up_after_sending_early_fails_every_process(count):
   # on its last round while a latecomer (that did not yet see its gave-up
   # mark) lets every other process complete the agreement. The payload is
   # on their sockets, but no process may return it unless the source does:
-  # every process raises, and the calls after it return everywhere.
+  # the call's outcome record (settled by the source at its deadline, read
+  # by each process that completes late) makes every process raise, and
+  # the calls after it return everywhere.
   with launch.Controllers(program('eager_gave_up', 1), num_processes=count,
                           env=dict(os.environ), grace_period=30) as cluster:
     result = cluster.wait(timeout=120)

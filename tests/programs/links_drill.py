@@ -71,7 +71,7 @@ def eager(sleeper: int, me: int) -> None:
     for case, arg, kwargs in (
         ('shape', x[:-1] if me == sleeper else x, {}),
         # Agrees (process 0 is the source either way) after a difference:
-        # the dropped stripe is sent again.
+        # the stripe sent early serves the transfer.
         ('source', x, {'is_source': False} if me == sleeper else {}),
         ('sources', x, {'is_source': True} if me == sleeper else {})):
       try:

@@ -232,10 +232,8 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first round's frame to the next
   process (see `transport.tcp.chain.Eager`); on a difference or a timeout its link
-  owes the rest, and the next process drops it (`_receive`). That frame
-  ends with this process's verdict, sent once its agreement ended, so a
-  process that completed the agreement while this one timed out raises
-  too (all or none; see `Eager`).
+  owes the rest, and the next process drops it (`_receive`) unless the
+  call goes on to its transfer.
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -306,17 +304,17 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
             source=rt.timeout_source(timeout))
     if differs and started is not None:
       # The rest of the stripe goes before the link's next frame, and the
-      # next process drops it (or skips it, if the call goes on to a
+      # next process drops it (or reads it, if the call goes on to a
       # transfer): neither waits for the other here, so both go on to the
       # full exchange that names the difference.
-      started.defer(chain.AGAIN)
+      started.defer()
   except (errors.CollectiveTimeoutError, errors.ProcessFailureError) as e:
     if sender is not None:
       sender.finish(time.monotonic() + 0.1)
     if started is not None and isinstance(e, errors.CollectiveTimeoutError):
-      # The frame ends with the verdict: a process that completed the
-      # agreement raises (`tcp.chain.Eager`); a late one drops the frame.
-      started.defer(chain.GAVE_UP)
+      # The rest of the frame follows; every other process raises too (the
+      # outcome record), and drops it in its next agreement.
+      started.defer()
     elif started is not None:
       _tcp_link.break_plane(plane, e)  # A data frame is cut short.
     raise

@@ -305,18 +305,6 @@ def out_of_step(op: str, peer: int, got: tuple[int, int],
       'abandoned after an error); restart the job.')
 
 
-def source_gave_up(op: str, source: int) -> errors.CollectiveTimeoutError:
-  """A receiver's error for a broadcast whose source gave its agreement up after sending the start of its payload (`transport.tcp.chain.Eager`)."""
-  return errors.CollectiveTimeoutError(
-      f'{prefix()} {op}: the source, process {source}, gave this call up: '
-      'its agreement timed out (a process came too late for it) after it '
-      'had started sending its payload, so no process returns the payload '
-      f'(process {source}\'s error names who was late). This process '
-      'completed the agreement only because the late process arrived '
-      'before the source\'s timeout was visible to it. Raise the timeout, '
-      'or find what delays the late process.', operation=op)
-
-
 def given_up_elsewhere(op: str, *, me: int, by: int, waited: float,
                        timeout: float,
                        source: str = 'argument') -> errors.CollectiveTimeoutError:

@@ -18,17 +18,14 @@ here at once.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 
 import numpy as np
 
 from multihost._src.runtime import errors
-from multihost._src.runtime import failures
 from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport import buffers
 from multihost._src.transport.tcp import errors as tcp_errors
-from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
 
@@ -44,16 +41,6 @@ _ALIGN = 4096
 # a small payload whole; of a large one only its start, so that the
 # lanes' stripes still go out side by side once the agreement passed.
 EAGER_BYTES = 2 << 20
-# Set in the call field of a data frame that ends with the source's verdict
-# (`Eager`): its length counts the payload and that one byte.
-VERDICT_BIT = 1 << 62
-# The verdicts: the source completed the agreement (the payload stands);
-# it gave the call up (a timeout: every receiver raises); the agreement
-# found a difference (receivers skip the frame: if the call goes on, the
-# payload follows in a frame of its own).
-GO, GAVE_UP, AGAIN = b'\x01', b'\x00', b'\x02'
-
-
 def _failed(plane: _tcp_link.Plane,
             sender: sockets.Sender | sockets.DirectSender | None, op: str,
             peer: int, error: BaseException) -> errors.MultihostError:
@@ -94,7 +81,7 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
 
 def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
                    out: np.ndarray | None, watch: Deadline,
-                   already: int = 0, then: bytes = b'') -> None:
+                   already: int = 0) -> None:
   """Sends `segments_` down the chain; with `out`, copies the payload there too.
 
   The copy goes piece by piece right after each piece is sent, while the
@@ -102,26 +89,16 @@ def _send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
   process reading: a copy after the whole send would read the leaves from
   memory again and delay the source's return by all of it. The first
   `skip` bytes are the frame header, not payload; the first `already`
-  bytes were sent before (`Eager`), and are only copied. `then` is sent
-  right behind the last byte, before that byte's piece is copied (the
-  next process need not wait for the copies).
+  bytes were sent before (`Eager`), and are only copied.
   """
   offset = 0
-  # (Bytes still to send: only `then` needs them counted.)
-  left = (sum(len(memoryview(x).cast('B')) for x in segments_) - already
-          if then else 0)
-  if then and left <= 0:
-    sockets.send_all(down.sock, then, watch)
   for segment in segments_:
     view = memoryview(segment).cast('B')
     for start in range(0, len(view), _CHUNK):
       piece = view[start:start + _CHUNK]
       if already < len(piece):
         sockets.send_all(down.sock, piece[already:], watch)
-        left -= len(piece) - already
         already = 0
-        if then and left <= 0:
-          sockets.send_all(down.sock, then, watch)
       else:
         already -= len(piece)
       if out is not None:
@@ -175,31 +152,22 @@ class Eager:
   after its first round's frame to the next process in the chain, so the
   bytes are on their way while the agreement's messages are. Only the
   source of a default-source broadcast starts one: every process knows who
-  the source is before agreeing.
+  the source is before agreeing. It is the transfer's own data frame of
+  stripe 0, with the id every process gives the call's transfer
+  (`link.transfer_id`); `broadcast` sends its rest.
 
-  All or none. A process can complete the agreement while the source does
-  not: the source sent all its rounds, then timed out waiting for its last
-  one, and a latecomer came before the source's gave-up mark was visible
-  (`control.waiting.late`), so every other process completes. Such a process
-  goes on to read the transfer; it must not return the payload the source
-  sent ahead, since the source raises. So the frame carries one more byte
-  after the payload (`VERDICT_BIT`), which is never sent ahead: the
-  source's verdict, sent only once its own agreement ended. On agreement
-  `broadcast` sends the rest of the frame and `GO`; on a timeout the link
-  owes the rest and `GAVE_UP`, on a difference the rest and `AGAIN`
-  (`defer`: sent at once as far as the socket takes it, the remainder
-  before anything else on that link). Each process in the chain forwards
-  the verdict behind the payload, and returns only on `GO`: on `GAVE_UP`
-  every one raises (`source_gave_up`), so either every process returns
-  the payload or every process raises. A process that did not complete
-  the agreement (it raised) leaves the frame on its socket; its next
-  agreement drops it (`control.links._receive`), as does a process after a
-  difference, unless that call goes on to a transfer: then the frame,
-  marked `AGAIN`, is skipped and the payload's own frame read. The data
-  frames carry the call's number (`link.transfer_id`), so the next transfer
-  is in step on every process whichever of them reached this one. (When
-  the process that timed out is not the source, the call's outcome record
-  decides: see `control.links`.)
+  All or none, as for any call over the links: a process that completed
+  the agreement goes on to read the frame and returns its payload; after a
+  timeout every process raises (the call's outcome record decides when one
+  gave up while others completed, see `control.links`), and a process
+  that did not read the frame drops it in its next agreement
+  (`control.links._receive`). So a receiver never waits for the source to
+  end its agreement: at two processes a call costs each side one wake-up,
+  not two in turn. On a difference or a timeout the source's link owes the
+  rest of the frame (`defer`: sent at once as far as the socket takes it,
+  the remainder before anything else on that link); if the call still
+  goes on to a transfer (the headers agreed after all), the frame is its
+  stripe 0 and is not sent again.
   """
 
   def __init__(self, parts: list[np.ndarray], length: int):
@@ -208,15 +176,13 @@ class Eager:
     self.link: _tcp_link.Link | None = None  # set once started
     self.segments: list[memoryview] = []
     self.head = 0  # frame header bytes at the start of `segments`
-    self.sent = 0
+    self.sent = 0  # bytes of `segments` sent (or owed: `defer`)
 
   def start(self, plane: _tcp_link.Plane, link: _tcp_link.Link) -> None:
-    """Sends the frame of stripe 0 to `link` (the next process's), up to what its socket takes now, never its verdict."""
+    """Sends the frame of stripe 0 to `link` (the next process's), up to what its socket takes now."""
     ranges = stripes(self.length, plane.lanes)
     a, b = ranges[0]
-    # The data frame the transfer will send: its id is the one every
-    # process gives the next transfer, and one byte ends it (the verdict).
-    head = link.frame(_tcp_link.transfer_id(plane) | VERDICT_BIT, b - a + 1)
+    head = link.frame(_tcp_link.transfer_id(plane), b - a)
     piece = _pieces(self.parts, ranges)[0]
     self.segments = [memoryview(x).cast('B')
                      for x in _framed(head, piece, len(ranges) > 1)]
@@ -224,15 +190,15 @@ class Eager:
     self.link = link
     self.sent = sockets.send_ready(link.sock, self.segments, EAGER_BYTES)
 
-  def defer(self, verdict: bytes) -> None:
-    """Ends the frame with `verdict` (`GAVE_UP` after a timeout, `AGAIN` after a difference), sent at once as far as the socket takes it; the link owes the remainder (sent before its next use: `Plane.conn`)."""
-    rest = _cut([*self.segments, memoryview(verdict)], self.sent, _ALL)
-    link, self.link = self.link, None
+  def defer(self) -> None:
+    """Ends the frame after a difference or a timeout: the rest is sent at once as far as the socket takes it, and the link owes the remainder (sent before its next use: `Plane.conn`)."""
+    rest = _cut(self.segments, self.sent, _ALL)
+    self.sent = sum(len(x) for x in self.segments)
     try:
-      sent = sockets.send_ready(link.sock, rest, _ALL)
+      sent = sockets.send_ready(self.link.sock, rest, _ALL)
     except OSError:
       sent = 0  # (the link is broken: its next use finds it closed)
-    link.owed = _cut(rest, sent, _ALL) or None
+    self.link.owed = _cut(rest, sent, _ALL) or None
 
 
 def drop(link: _tcp_link.Link, length: int, watch: Deadline) -> None:
@@ -271,20 +237,13 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   out = buffers.take(length) if rank > 0 or source_result else None
   ranges = stripes(length, plane.lanes)
   pieces = [None] * len(ranges) if rank > 0 else _pieces(parts, ranges)
-  gave_up = threading.Event()  # set when the source's verdict said so
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
       _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
-      deadline, True, gave_up=gave_up)) for lane in range(1, len(ranges))]
+      deadline, True)) for lane in range(1, len(ranges))]
   error = None
   try:
-    error = _chain(plane, 0, call, source, ranges[0], pieces[0], out, op,
-                   deadline, len(ranges) > 1,
-                   eager if eager and eager.link else None)
-    if error is not None:
-      # The source gave the call up (`Eager`): it sends no other stripe,
-      # and the other lanes stop waiting for one within a slice, their
-      # links untouched (nothing of this call is on them).
-      gave_up.set()
+    _chain(plane, 0, call, source, ranges[0], pieces[0], out, op, deadline,
+           len(ranges) > 1, eager if eager and eager.link else None)
   except errors.MultihostError as e:
     error = e  # The links are closed: the other lanes end within a slice.
   for job in jobs:
@@ -300,17 +259,13 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
 def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
            stripe: tuple[int, int], piece: list | None,
            out: np.ndarray | None, op: str, deadline: float,
-           striped: bool, eager: Eager | None = None, *,
-           gave_up: threading.Event | None = None
-           ) -> errors.CollectiveTimeoutError | None:
+           striped: bool, eager: Eager | None = None) -> None:
   """Moves bytes `stripe` of the payload down the chain on `lane`.
 
   The source sends `piece` (its parts when the payload is one stripe, else
-  views of its bytes of the stripe, `striped`); every other process reads into
-  `out[start:stop]` and forwards down the chain. Returns the error to raise
-  when the source's verdict says it gave the call up (`Eager`), its frame
-  read whole (the links stay in step). A lane past the first stops waiting
-  for its frame once `gave_up` is set (`_Stopped`).
+  views of its bytes of the stripe, `striped`), or the rest of its started
+  `eager` frame; every other process reads into `out[start:stop]` and
+  forwards down the chain.
   """
   me, count = plane.me, plane.count
   start, stop = stripe
@@ -319,8 +274,6 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
   prev = (me - 1) % count
   nxt = (me + 1) % count if rank < count - 1 else None
   watch = Deadline(op, deadline, plane.rt.watchdog)
-  if gave_up is not None:
-    watch.idle = functools.partial(_unless_stopped, watch, gave_up)
   # The source sends on its thread (it has no reads to keep going
   # meanwhile); a process in the middle of the chain forwards on a sender
   # (lane 0) or on its lane's thread between reads (the others).
@@ -339,77 +292,31 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
     if rank == 0 and eager is not None:
       if down is not eager.link:  # (the links were closed meanwhile)
         raise ConnectionResetError('the link was closed after the agreement')
-      # The rest of the frame, and GO: this process completed the agreement.
       _send_and_copy(down, eager.segments, eager.head, target, watch,
-                     eager.sent, then=GO)
+                     eager.sent)
     elif rank == 0:
       head = down.frame(call, n)
       _send_and_copy(down, _framed(head, piece, striped), len(head), target,
                      watch)
     else:
       view = memoryview(target)
+      if down is not None:
+        sender.send(down.sock, down.frame(call, n))
       up = plane.conn(prev, deadline, op, lane)
       _start(op, prev, up, deadline)
-      while True:
-        # A frame the source sent during the agreement ends with its
-        # verdict (`Eager`); it is forwarded as it came.
-        ends = _read_head(up, call, n, op, prev, watch)
-        if down is not None:
-          sender.send(down.sock, down.frame(call | VERDICT_BIT if ends
-                                            else call, n + ends))
-        if down is None:  # The end of the chain: one read into the result.
-          sockets.recv_into(up.sock, view, watch)
-        for at in range(0, n if down is not None else 0, _CHUNK):
-          chunk = view[at:at + _CHUNK]
-          sockets.recv_into(up.sock, chunk, watch)
-          sender.send(down.sock, chunk)
-        if not ends:
-          break
-        verdict = sockets.recv_exact(up.sock, 1, watch)
-        if down is not None:
-          sender.send(down.sock, verdict)
-        if verdict == GO:
-          break
-        if verdict == GAVE_UP:
-          if sender is not None:  # The next process raises too.
-            sender, done = None, sender
-            done.close(deadline)
-          return failures.source_gave_up(op, source)
-        if verdict != AGAIN:  # (AGAIN: the payload's own frame follows)
-          raise failures.forged_frame(op, prev,
-                                      f'ended with verdict {verdict!r}')
+      up.read_frame(call, n, op, prev, watch)
+      if down is None:  # The end of the chain: one read into the result.
+        sockets.recv_into(up.sock, view, watch)
+      for at in range(0, n if down is not None else 0, _CHUNK):
+        chunk = view[at:at + _CHUNK]
+        sockets.recv_into(up.sock, chunk, watch)
+        sender.send(down.sock, chunk)
     if sender is not None:
       peer = nxt
       sender, done = None, sender
       done.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
-  return None
-
-
-class _Stopped(Exception):
-  """A lane's wait for its frame, stopped: the source gave the call up (`Eager`)."""
-
-
-def _unless_stopped(watch: Deadline, gave_up: threading.Event) -> None:
-  """A lane's `Deadline.idle` (between the slices of a read that received nothing): the plain checks, and `_Stopped` once `gave_up` is set."""
-  if gave_up.is_set():
-    raise _Stopped()
-  watch.check()
-  if watch.expired():
-    raise TimeoutError('timed out')
-
-
-def _read_head(up: _tcp_link.Link, call: int, n: int, op: str, peer: int,
-               watch: Deadline) -> int:
-  """Reads the next data frame's header, of `n` bytes of `call`: 1 when a verdict byte follows them (`Eager`), else 0."""
-  got = up.check(sockets.recv_exact(up.sock, frames.FRAME_SIZE, watch), op,
-                 peer)
-  if got == (call, n):
-    return 0
-  if got == (call | VERDICT_BIT, n + 1):
-    return 1
-  raise failures.out_of_step(op, peer, got, (call, n))
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
