@@ -43,8 +43,16 @@ def _started(count):
   return service, rts
 
 
+@pytest.fixture(params=['star', 'rounds'])
+def shape(request, monkeypatch):
+  """Each test twice: the processes (all on this host) agree in a star at process 0 from 3 processes on, as on one host; or in the dissemination rounds, as between hosts."""
+  if request.param == 'rounds':
+    monkeypatch.setattr(links, 'STAR_MIN', 1 << 30)
+  return request.param
+
+
 @pytest.fixture
-def job(request):
+def job(request, shape):
   """(service, runtimes) of `request.param` processes (3 by default), links set up."""
   count = getattr(request, 'param', 3)
   service, rts = _started(count)
@@ -60,6 +68,8 @@ def job(request):
       break
     time.sleep(0.001)
   assert all(links.usable(rt) for rt in rts)  # all in one call
+  star = shape == 'star' and count >= 3
+  assert [rt.plane.star for rt in rts] == [star] * count
   yield service, rts
   for rt in rts:
     rt.watchdog.peer_loss.cancel()
@@ -226,7 +236,10 @@ def test_the_links_are_kept_across_calls_and_nothing_grows(job):
   for _ in range(50):
     fake.run(rts, _sync)
   assert threading.active_count() <= threads
-  assert all(len(rt.plane.conns) == 2 for rt in rts)
+  # One link per peer of the agreement: at 3 processes both others in the
+  # rounds; in a star, process 0 to each other, each other to process 0.
+  want = [2, 1, 1] if rts[0].plane.star else [2, 2, 2]
+  assert [len(rt.plane.conns) for rt in rts] == want
 
 
 def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():

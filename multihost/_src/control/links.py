@@ -1,4 +1,4 @@
-"""Control plane: the agreement over the authenticated TCP links, in ceil(log2 P) dissemination rounds.
+"""Control plane: the agreement over the authenticated TCP links, in ceil(log2 P) dissemination rounds (or, on one host, a star).
 
 Once the links are up (`met`: after the first calls, which meet through
 the coordination service), a call's agreement travels over them: in round k
@@ -13,6 +13,12 @@ on every process exactly when two digests differ (round k's flag covers the
 comparison), so every process reaches the same verdict: agreement, with the
 payloads (no second phase), or a difference, which the coordination
 service's full exchange then explains (ConsistencyError everywhere).
+When 3 to 8 processes all publish one host (`_star`, decided alike by
+every process from the same address records at the links' setup), the
+same messages go in a star instead: each process sends its to process 0,
+which compares them all and answers each with the verdict, the smallest
+timeout and the payloads it lacks: 2(P-1) messages a call instead of
+P log2 P, on cores the processes share.
 
 A process never leaves the rounds alone on a slow peer: a process that
 completes knows every process started the call, and every process that
@@ -77,6 +83,13 @@ SETUP_S = 30.0
 _HEAD = struct.Struct('<16sBdI')
 _ENTRY = struct.Struct('<II')  # process, length
 _DIFFERS = 1
+# Processes on one host agree in a star at process 0 when there are this
+# many (`_star`): 2(P-1) messages a call instead of P log2 P, where every
+# message costs CPU that the processes share, and a hop on one host is
+# cheap. Between hosts the dissemination rounds' latency (log2 P hops, no
+# process handling more than one message a round) wins, and at 2
+# processes they take one hop where a star takes two.
+STAR_MIN, STAR_MAX = 3, 8
 # Each process's link-setup outcome: 'call|ok' or 'call|failed', MAC'd.
 _RECORDS = 'multihost/links/'
 
@@ -94,13 +107,31 @@ def enabled(rt: runtime.Runtime) -> bool:
 usable = _tcp_link.agreeing
 
 
-def _peers(me: int, count: int) -> list[tuple[int, int]]:
-  """(send to, receive from) of each round."""
+def _steps(me: int, count: int,
+           star: bool) -> list[tuple[int | None, int | None]]:
+  """(send to, receive from) of each step of the agreement; either may be None.
+
+  The dissemination rounds, or with `star` the star at process 0: every
+  other process sends to it and receives its answer; it receives from each
+  in turn, then answers each.
+  """
+  if star:
+    if me == 0:
+      return ([(None, p) for p in range(1, count)]
+              + [(p, None) for p in range(1, count)])
+    return [(0, None), (None, 0)]
   rounds, step = [], 1
   while step < count:
     rounds.append(((me + step) % count, (me - step) % count))
     step *= 2
   return rounds
+
+
+def _star(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str,
+          deadline: float) -> bool:
+  """Whether calls agree in a star: STAR_MIN to STAR_MAX processes, all on one host (the same answer on every process, from the same records)."""
+  return (STAR_MIN <= rt.count <= STAR_MAX
+          and len(set(plane.hosts(op, deadline))) == 1)
 
 
 def prepare(rt: runtime.Runtime, op: str, call: int) -> None:
@@ -156,8 +187,10 @@ def met(rt: runtime.Runtime, op: str, call: int) -> None:
 def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   """Opens the links of the rounds (on the setup thread)."""
   deadline = time.monotonic() + SETUP_S
-  peers = {p for pair in _peers(rt.index, rt.count) for p in pair}
   try:
+    plane.star = _star(rt, plane, op, deadline)
+    peers = {p for pair in _steps(rt.index, rt.count, plane.star)
+             for p in pair if p is not None}
     # Connect first, then await the lower-numbered peers' connections: a
     # connection needs only the acceptor's listener thread, so none waits.
     for peer in sorted(peers, key=lambda p: (p < rt.index, p)):
@@ -230,8 +263,9 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
 
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
-  first stripe, started right after its first round's frame to the next
-  process (see `transport.tcp.chain.Eager`); on a difference or a timeout its link
+  first stripe, started right after its first frame to the next process
+  (in a star: its answer, once every process agreed; see
+  `transport.tcp.chain.Eager`); on a difference or a timeout its link
   owes the rest, and the next process drops it (`_receive`) unless the
   call goes on to its transfer.
 
@@ -259,32 +293,38 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   step = 1
   started = None  # the eager stripe this process started
   try:
-    for dst, src in _peers(me, count):
-      peer = dst
-      out = links.get(dst) or links.setdefault(
-          dst, plane.conn(dst, wait.deadline, op))
-      body = {p: v for p, v in entries.items() if (dst - p) % count >= step}
-      body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
-      out.sock.settimeout(sockets.SLICE_S)
-      if len(body) <= sockets.DIRECT_BYTES and sender is None:
-        sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
-        if eager is not None and step == 1:  # Right behind its frame.
-          started = eager
-          eager.start(plane, out)
-      else:  # Large: on a thread, so that rounds that all send never block.
-        sender = sender or plane.sends.sender(watch)
-        sender.send(out.sock, out.frame(call, len(body)) + body)
-      peer = src
-      link = links.get(src)
-      if link is None:  # (at 2 processes the peer sent to is this one)
-        link = links[src] = plane.conn(src, wait.deadline, op)
-        link.sock.settimeout(sockets.SLICE_S)
-      got_digest, got_flags, got_timeout, got = _decode(
-          _receive(link, call, src, wait), count)
-      differs = (differs or bool(got_flags & _DIFFERS)
-                 or got_digest != digest)
-      smallest = min(smallest, got_timeout)
-      entries.update(got)
+    star = plane.star
+    for dst, src in _steps(me, count, star):
+      if dst is not None:
+        peer = dst
+        out = links.get(dst) or links.setdefault(
+            dst, plane.conn(dst, wait.deadline, op))
+        # What `dst` does not know yet: in a star everything but its own.
+        body = {p: v for p, v in entries.items()
+                if (p != dst if star else (dst - p) % count >= step)}
+        body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
+        out.sock.settimeout(sockets.SLICE_S)
+        if len(body) <= sockets.DIRECT_BYTES and sender is None:
+          sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
+          if (eager is not None and started is None and not differs
+              and dst == (me + 1) % count):  # Right behind its frame.
+            started = eager
+            eager.start(plane, out)
+        else:  # Large: on a thread, so that rounds that all send never block.
+          sender = sender or plane.sends.sender(watch)
+          sender.send(out.sock, out.frame(call, len(body)) + body)
+      if src is not None:
+        peer = src
+        link = links.get(src)
+        if link is None:  # (at 2 processes the peer sent to is this one)
+          link = links[src] = plane.conn(src, wait.deadline, op)
+          link.sock.settimeout(sockets.SLICE_S)
+        got_digest, got_flags, got_timeout, got = _decode(
+            _receive(link, call, src, wait), count)
+        differs = (differs or bool(got_flags & _DIFFERS)
+                   or got_digest != digest)
+        smallest = min(smallest, got_timeout)
+        entries.update(got)
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None

@@ -95,6 +95,8 @@ class Plane:
     self.count = rt.count
     self.job, self.secret = secret.job_keys(op, timeout=timeout, runtime=rt)
     self.seq = 0  # The last transfer's id (`transfer_id`).
+    # Whether calls agree in a star at process 0 (`control.links`).
+    self.star = False
     # Whether calls agree over the links, and the links' setup for that
     # (see `control.links.met`).
     self.agrees = False
@@ -216,6 +218,20 @@ class Plane:
       self._settled(conn)
       if not keep:
         sockets.close(conn)
+
+  def hosts(self, op: str, deadline: float) -> list[str]:
+    """Every process's host, as its authenticated address record says (one read per process).
+
+    Raises:
+      MultihostError: a record failed authentication.
+      Exception: the service did not return a record by `deadline`.
+    """
+    hosts = []
+    for p in range(self.count):
+      value = self.rt.client.kv_get(
+          auth.ADDRESS_KEY.format(p), max(deadline - time.monotonic(), 0.001))
+      hosts.append(auth.read_address(self.secret, p, value, op)[0])
+    return hosts
 
   def _connect(self, peer: int, lane: int, remaining: float,
                op: str) -> Link:
