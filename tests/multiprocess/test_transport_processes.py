@@ -11,10 +11,12 @@ from multihost import env as env_lib
 from multihost import launch
 
 
-@pytest.mark.parametrize('transport,lanes', [('tcp', ''), ('tcp', '3'),
-                                             ('device', '')])
-def test_large_payloads_over_each_transport(transport, lanes):
-  result = launch.launch(program('bulk_transfers'), num_processes=3,
+# At 5 processes a broadcast of one stripe (3 MiB) goes down a binomial
+# tree with processes in its middle (at 3 the source sends to both).
+@pytest.mark.parametrize('transport,lanes,count', [
+    ('tcp', '', 3), ('tcp', '3', 3), ('device', '', 3), ('tcp', '', 5)])
+def test_large_payloads_over_each_transport(transport, lanes, count):
+  result = launch.launch(program('bulk_transfers'), num_processes=count,
                          devices_per_process=1, timeout=120,
                          env={env_lib.TRANSPORT: transport,
                               env_lib.TCP_LANES: lanes})

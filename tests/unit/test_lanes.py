@@ -86,3 +86,28 @@ def test_a_failed_lane_past_the_first_fails_the_broadcast_on_every_process(
       f'{[(type(out).__name__, round(s, 1)) for out, s in results]}')
   for p, (out, seconds) in enumerate(results):  # lane 1's failure
     assert seconds >= timeout - 0.1, (p, seconds, out)
+
+
+@pytest.mark.parametrize('count', [3, 4, 5, 7, 8, 9, 16])
+def test_a_one_stripe_broadcast_tree_reaches_every_process_once_in_log2_p_hops(
+    count):
+  # Below STRIPE_BYTES, at 3 processes or more, a broadcast goes down a
+  # binomial tree rooted at the source (`chain.tree_peers`, relative ranks).
+  parents, depth = {}, {0: 0}
+  for rank in range(count):
+    parent, children = chain.tree_peers(rank, count)
+    assert (parent is None) == (rank == 0)
+    for child in children:
+      assert child not in parents, (child, rank)  # one parent each
+      parents[child] = rank
+      assert chain.tree_peers(child, count)[0] == rank
+  assert sorted(parents) == list(range(1, count))
+  for rank in sorted(parents):  # (a parent's rank is below its children's)
+    depth[rank] = depth[parents[rank]] + 1
+  # Each hop sets one bit of the rank: depth = the most bits of a rank,
+  # at most ceil(log2 P) (where the chain takes P - 1 hops).
+  assert max(depth.values()) == max(bin(r).count('1') for r in range(count))
+  assert max(depth.values()) <= (count - 1).bit_length()
+  # The root sends to its largest subtree first.
+  assert chain.tree_peers(0, count)[1] == sorted(
+      chain.tree_peers(0, count)[1], reverse=True)

@@ -4,12 +4,15 @@ Why not a device collective: on CPU, JAX's gloo collectives move bytes
 several times slower than plain TCP between the same processes (see
 bench/README.md). The payloads of `broadcast_one_to_all`,
 `process_allgather` and the object collectives are host values (numpy in,
-numpy out), so they go host to host: a pipelined chain for broadcast (memory
-and source traffic do not grow with the process count), a ring for
-all-gather. Set MULTIHOST_TRANSPORT=device to use a device collective
-instead (e.g. where peers cannot open TCP connections to each other).
+numpy out), so they go host to host: for broadcast a binomial tree when the
+payload is one stripe (below `STRIPE_BYTES`) and there are 3 processes or
+more (ceil(log2 P) hops where a chain takes P - 1), else a pipelined
+chain per stripe (memory and source traffic do not grow with the process
+count); a ring for all-gather. Set MULTIHOST_TRANSPORT=device to use a
+device collective instead (e.g. where peers cannot open TCP connections to
+each other).
 
-This module holds the two transfer algorithms; the links they run on are
+This module holds the transfer algorithms; the links they run on are
 `transport.tcp.link`'s, their socket I/O `transport.tcp.sockets`'s. Every socket wait is bounded by
 the collective's timeout; a peer that dies closes its sockets, which raises
 here at once.
@@ -213,7 +216,7 @@ def drop(link: _tcp_link.Link, length: int, watch: Deadline) -> None:
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
               eager: Eager | None = None) -> np.ndarray | None:
-  """Returns the source's `length` bytes on every process (a pipelined chain per lane).
+  """Returns the source's `length` bytes on every process (a binomial tree, or a pipelined chain per lane).
 
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; the source passes its parts (C-contiguous
@@ -222,7 +225,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   behind the sends) is None with `source_result=False`. Receivers read
   straight into the result.
 
-  A payload of `STRIPE_BYTES` or more is cut into one stripe per lane
+  A payload of one stripe among 3 processes or more goes down a binomial
+  tree (`_tree`). A payload of `STRIPE_BYTES` or more is cut into one stripe per lane
   (`Plane.lanes` connections per pair of processes), each moving down its
   own chain at once: the first on the calling thread, the others on the
   plane's lane threads. One TCP stream is limited by the one core that
@@ -237,6 +241,10 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   out = buffers.take(length) if rank > 0 or source_result else None
   ranges = stripes(length, plane.lanes)
   pieces = [None] * len(ranges) if rank > 0 else _pieces(parts, ranges)
+  if len(ranges) == 1 and plane.count > 2:
+    _tree(plane, call, source, length, pieces[0], out, op, deadline,
+          eager if eager and eager.link else None)
+    return out
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
       _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
       deadline, True)) for lane in range(1, len(ranges))]
@@ -317,6 +325,66 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
       done.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise _failed(plane, sender, op, peer, e) from e
+
+
+def tree_peers(rank: int, count: int) -> tuple[int | None, list[int]]:
+  """(parent, children) of relative `rank` in the binomial tree of `count` processes rooted at rank 0; children largest subtree first."""
+  mask = 1
+  while mask < count and not rank & mask:
+    mask <<= 1
+  parent = rank - mask if rank else None
+  children = []
+  mask >>= 1
+  while mask:
+    if rank + mask < count:
+      children.append(rank + mask)
+    mask >>= 1
+  return parent, children
+
+
+def _tree(plane: _tcp_link.Plane, call: int, source: int, n: int,
+          piece: list | None, out: np.ndarray | None, op: str,
+          deadline: float, eager: Eager | None) -> None:
+  """Moves a payload of one stripe down a binomial tree rooted at the source: ceil(log2 P) hops where the chain takes P - 1.
+
+  Every process but the source reads the whole payload into `out` from
+  its parent, then sends it to its children, largest subtree first. The
+  source sends `piece` (its parts) to each child, copying into `out` (if
+  any) behind its first send; its frame to the next process (rank 1) may
+  be its started `eager` one, of which only the rest is sent.
+  """
+  me, count = plane.me, plane.count
+  rank = (me - source) % count
+  parent, children = tree_peers(rank, count)
+  watch = Deadline(op, deadline, plane.rt.watchdog)
+  peer = me
+  try:
+    if parent is not None:
+      peer = (parent + source) % count
+      up = plane.conn(peer, deadline, op)
+      _start(op, peer, up, deadline)
+      up.read_frame(call, n, op, peer, watch)
+      sockets.recv_into(up.sock, memoryview(out), watch)
+    target = out if parent is None else None  # (the source copies once)
+    for child in children:
+      peer = (child + source) % count
+      down = plane.conn(peer, deadline, op)
+      _start(op, peer, down, deadline)
+      if parent is not None:
+        sockets.send_all(down.sock, down.frame(call, n), watch)
+        sockets.send_all(down.sock, memoryview(out), watch)
+        continue
+      if child == 1 and eager is not None:
+        if down is not eager.link:  # (the links were closed meanwhile)
+          raise ConnectionResetError('the link was closed after the agreement')
+        _send_and_copy(down, eager.segments, eager.head, target, watch,
+                       eager.sent)
+      else:
+        head = down.frame(call, n)
+        _send_and_copy(down, segments(head, piece), len(head), target, watch)
+      target = None
+  except (OSError, TimeoutError, errors.MultihostError) as e:
+    raise _failed(plane, None, op, peer, e) from e
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
