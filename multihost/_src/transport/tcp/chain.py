@@ -44,6 +44,8 @@ _ALIGN = 4096
 # a small payload whole; of a large one only its start, so that the
 # lanes' stripes still go out side by side once the agreement passed.
 EAGER_BYTES = 2 << 20
+
+
 def _failed(plane: _tcp_link.Plane,
             sender: sockets.Sender | sockets.DirectSender | None, op: str,
             peer: int, error: BaseException) -> errors.MultihostError:
