@@ -226,19 +226,20 @@ class Plane:
       MultihostError: a record failed authentication.
       Exception: the service did not return a record by `deadline`.
     """
-    hosts = []
-    for p in range(self.count):
-      value = self.rt.client.kv_get(
-          auth.ADDRESS_KEY.format(p), max(deadline - time.monotonic(), 0.001))
-      hosts.append(auth.read_address(self.secret, p, value, op)[0])
-    return hosts
+    return [self._address(p, max(deadline - time.monotonic(), 0.001), op)[0]
+            for p in range(self.count)]
+
+  def _address(self, peer: int, remaining: float,
+               op: str) -> tuple[str, int, str]:
+    """(host, port, local socket name) from `peer`'s address record, authenticated; waits up to `remaining` seconds for it."""
+    value = self.rt.client.kv_get(auth.ADDRESS_KEY.format(peer), remaining)
+    return auth.read_address(self.secret, peer, value, op)
 
   def _connect(self, peer: int, lane: int, remaining: float,
                op: str) -> Link:
     """Opens and authenticates a connection to the higher-numbered `peer`."""
     deadline = time.monotonic() + remaining
-    value = self.rt.client.kv_get(auth.ADDRESS_KEY.format(peer), remaining)
-    host, port, local = auth.read_address(self.secret, peer, value, op)
+    host, port, local = self._address(peer, remaining, op)
     # The local socket when the peer's name answers on this host; else
     # (another host or network namespace: refused at once) TCP.
     if not settings.local_links():
