@@ -1,7 +1,7 @@
 """A default-source broadcast whose source gives its agreement up while the others complete it: argv LATE.
 
 Process 0 (the source, which sends its first stripe during the agreement:
-`transport.tcp.chain.Eager`) waits 4 s; process LATE arrives 4.4 s late,
+`transport.tcp.eager.Eager`) waits 4 s; process LATE arrives 4.4 s late,
 the others 1 s late with a 6 s timeout, so they still complete the
 agreement once LATE's frames come. Process 0's gave-up mark is written 2 s
 late (the window between its deadline check and the mark being visible,

@@ -35,7 +35,7 @@ def main() -> None:
     print(f'allgather {n}: {choice.transport(n)} tcp={used} ok={ok}',
           flush=True)
   # Small and large leaves in one tree: the source sends large ones from
-  # their own memory and joins the small ones (`transport.tcp.chain.segments`).
+  # their own memory and joins the small ones (`transport.tcp.payload.segments`).
   tree = {'a': np.full(3, me, np.int8), 'b': np.arange(1 << 18, dtype=np.int32) * (me + 1),
           'c': np.float32(me + 7), 'd': np.ones((1 << 17,), np.float32) * me}
   got = multihost.broadcast_one_to_all(tree, is_source=me == 1)

@@ -21,10 +21,12 @@ from multihost._src.auth import secret
 from multihost._src.runtime import errors
 from multihost._src.runtime import runtime
 from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import payload
+from multihost._src.transport.tcp import tree
 
 # Two stripes: lane 0's on the calling thread, lane 1's on the plane's lane
 # thread.
-LENGTH = 2 * chain.STRIPE_BYTES
+LENGTH = 2 * payload.STRIPE_BYTES
 
 
 @pytest.fixture
@@ -56,19 +58,19 @@ def test_a_failed_lane_past_the_first_fails_the_broadcast_on_every_process(
     job):
   """A broadcast whose lane 1 fails while lane 0 completes raises on every process; none returns the partly filled result."""
   rts, bind = job
-  payload = np.arange(LENGTH, dtype=np.uint8)
-  assert len(chain.stripes(LENGTH, 2)) == 2
+  data = np.arange(LENGTH, dtype=np.uint8)
+  assert len(payload.stripes(LENGTH, 2)) == 2
 
   def broadcast(rt, timeout):
     bind(rt)
-    parts = [payload] if rt.index == 0 else None
+    parts = [data] if rt.index == 0 else None
     out = chain.broadcast(parts, LENGTH, 0, op='broadcast_one_to_all',
                               timeout=timeout)
     return bytes(out)
 
   # Both lanes' links are set up, and a whole broadcast arrives.
   results = fake.run(rts, lambda rt: broadcast(rt, 20.0))
-  assert [out for out, _ in results] == [payload.tobytes()] * 2, results
+  assert [out for out, _ in results] == [data.tobytes()] * 2, results
 
   # Process 0's lane thread is busy: its lane 1 never sends, so process 1's
   # lane 1 reads nothing until the deadline. Lane 0 moves its stripe on both.
@@ -92,15 +94,15 @@ def test_a_failed_lane_past_the_first_fails_the_broadcast_on_every_process(
 def test_a_one_stripe_broadcast_tree_reaches_every_process_once_in_log2_p_hops(
     count):
   # Below STRIPE_BYTES, at 3 processes or more, a broadcast goes down a
-  # binomial tree rooted at the source (`chain.tree_peers`, relative ranks).
+  # binomial tree rooted at the source (`tree.tree_peers`, relative ranks).
   parents, depth = {}, {0: 0}
   for rank in range(count):
-    parent, children = chain.tree_peers(rank, count)
+    parent, children = tree.tree_peers(rank, count)
     assert (parent is None) == (rank == 0)
     for child in children:
       assert child not in parents, (child, rank)  # one parent each
       parents[child] = rank
-      assert chain.tree_peers(child, count)[0] == rank
+      assert tree.tree_peers(child, count)[0] == rank
   assert sorted(parents) == list(range(1, count))
   for rank in sorted(parents):  # (a parent's rank is below its children's)
     depth[rank] = depth[parents[rank]] + 1
@@ -109,5 +111,5 @@ def test_a_one_stripe_broadcast_tree_reaches_every_process_once_in_log2_p_hops(
   assert max(depth.values()) == max(bin(r).count('1') for r in range(count))
   assert max(depth.values()) <= (count - 1).bit_length()
   # The root sends to its largest subtree first.
-  assert chain.tree_peers(0, count)[1] == sorted(
-      chain.tree_peers(0, count)[1], reverse=True)
+  assert tree.tree_peers(0, count)[1] == sorted(
+      tree.tree_peers(0, count)[1], reverse=True)

@@ -62,7 +62,7 @@ def test_processes_on_one_host_link_over_a_local_socket(job):
 
 
 def test_a_local_link_takes_a_1_mib_frame_without_its_peer_reading(job):
-  """A broadcast's source sends what the socket takes ahead of its agreement (`chain.Eager`): on a local link, a whole 1 MiB frame."""
+  """A broadcast's source sends what the socket takes ahead of its agreement (`tcp.eager.Eager`): on a local link, a whole 1 MiB frame."""
   rts, planes = job
   planes += [_tcp_link.Plane(rt, 5.0, 'test') for rt in rts]
   assert _linked(rts, planes) == [socket.AF_UNIX] * 2

@@ -19,13 +19,13 @@ def test_a_bad_lane_count_is_a_clear_error(monkeypatch):
 
 
 def test_stripes_cover_the_payload_once():
-  from multihost._src.transport.tcp import chain
-  assert chain.stripes(chain.STRIPE_BYTES - 1, 2) == [
-      (0, chain.STRIPE_BYTES - 1)]
-  assert chain.stripes(10 << 20, 1) == [(0, 10 << 20)]
-  for length in (chain.STRIPE_BYTES, (5 << 20) + 3, 64 << 20):
+  from multihost._src.transport.tcp import payload
+  assert payload.stripes(payload.STRIPE_BYTES - 1, 2) == [
+      (0, payload.STRIPE_BYTES - 1)]
+  assert payload.stripes(10 << 20, 1) == [(0, 10 << 20)]
+  for length in (payload.STRIPE_BYTES, (5 << 20) + 3, 64 << 20):
     for lanes in range(2, 9):
-      got = chain.stripes(length, lanes)
+      got = payload.stripes(length, lanes)
       assert 1 < len(got) <= lanes, (length, lanes, got)
       assert got[0][0] == 0 and got[-1][1] == length
       assert all(a[1] == b[0] for a, b in zip(got, got[1:]))

@@ -102,7 +102,7 @@ def agree(header: Header, *, timeout: float,
   Collective: every process must call this, in the same order. `runtime`
   (here and below) is the process's runtime, by default the current one.
   `eager`: a broadcast source's first stripe, sent during an agreement
-  over the links (`transport.tcp.chain.Eager`).
+  over the links (`transport.tcp.eager.Eager`).
   """
   meeting = _meet(runtime, header.op, header.name)
   if meeting.try_agreement(header.agreement(), timeout=timeout, eager=eager):

@@ -68,10 +68,11 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
-from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
 
 # Agreement frames have this bit set in their call field; data frames count
@@ -244,8 +245,8 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
-      # too late to (`tcp.chain.Eager`).
-      chain.drop(link, length, waiting.Due(wait))
+      # too late to (`tcp.eager.Eager`).
+      payload.drop(link, length, waiting.Due(wait))
       continue
     body = sockets.recv_exact(link.sock, length, deadline)
     if got_call & AGREE_BIT and got_call < call:
@@ -258,14 +259,14 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
 
 def agree(meeting, digest: bytes, publish: bytes | None, *,
           timeout: float,
-          eager: chain.Eager | None = None) -> dict[int, bytes] | None:
+          eager: _eager.Eager | None = None) -> dict[int, bytes] | None:
   """Every process's published bytes (by process) when every digest equals `digest`; None when any differs.
 
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its first frame to the next process
   (in a star: its answer, once every process agreed; see
-  `transport.tcp.chain.Eager`); on a difference or a timeout its link
+  `transport.tcp.eager.Eager`); on a difference or a timeout its link
   owes the rest, and the next process drops it (`_receive`) unless the
   call goes on to its transfer.
 

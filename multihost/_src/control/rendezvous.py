@@ -131,7 +131,7 @@ class Rendezvous:
     `read_all`/`read_one`. Returns False at once while backing off after a
     recent fallback, or after FAST_WINDOW_S when a peer is slow or disagrees;
     then call `exchange`. `eager` (a broadcast source's
-    `transport.tcp.chain.Eager`) starts during an agreement over the links, and is
+    `transport.tcp.eager.Eager`) starts during an agreement over the links, and is
     left unstarted on the service's path.
 
     Raises:

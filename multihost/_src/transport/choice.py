@@ -28,6 +28,7 @@ from multihost._src.runtime import settings
 from multihost._src.transport import device
 from multihost._src.transport import interface
 from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link
 
 # On GPU/TPU backends, payloads larger than this use a device collective.
@@ -83,16 +84,16 @@ def carries_small_payloads() -> bool:
   return tcp_enabled() and not link.agreeing(runtime.current())
 
 
-def early_stripe(parts: list[np.ndarray], length: int) -> chain.Eager | None:
-  """A broadcast source's first stripe, to send during the agreement (`tcp.chain.Eager`), where its payload moves over TCP and calls agree over the links; else None."""
+def early_stripe(parts: list[np.ndarray], length: int) -> _eager.Eager | None:
+  """A broadcast source's first stripe, to send during the agreement (`tcp.eager.Eager`), where its payload moves over TCP and calls agree over the links; else None."""
   if transport(length) != 'tcp' or not link.agreeing(runtime.current()):
     return None
-  return chain.Eager(parts, length)
+  return _eager.Eager(parts, length)
 
 
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
-              early: chain.Eager | None = None) -> np.ndarray | None:
+              early: _eager.Eager | None = None) -> np.ndarray | None:
   """The source's `length` bytes, on every process, over the chosen transport (see `Transport.broadcast`); a timeout says where the late peers are.
 
   Collective: every process must call this, in the same order, with the

@@ -47,7 +47,7 @@ class Link:
     self.poll = select.poll()  # for `transport.tcp.sockets.open_at_peer`
     self.poll.register(sock, select.POLLIN | select.POLLRDHUP)
     # The rest of a frame a call left half sent after a difference or a
-    # timeout (`transport.tcp.chain.Eager.defer`): sent before anything else
+    # timeout (`transport.tcp.eager.Eager.defer`): sent before anything else
     # (`Plane.conn`).
     self.owed: list[memoryview] | None = None
 

@@ -52,7 +52,7 @@ def tune(conn: socket.socket) -> None:
     # A local link has no Nagle and no autotuning: its send buffer stays at
     # net.core.wmem_default (208 KiB here), so a 1 MiB frame went out in
     # pieces, each a wake-up on both sides, and a broadcast's source sent
-    # only that much ahead of its agreement (`chain.Eager`).
+    # only that much ahead of its agreement (`eager.Eager`).
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER)
 
 

@@ -1,0 +1,71 @@
+"""Data plane: a broadcast source's first stripe, sent during the call's agreement (`Eager`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import payload
+from multihost._src.transport.tcp import sockets
+
+# What a broadcast's source sends during the agreement (`Eager`), at most:
+# a small payload whole; of a large one only its start, so that the
+# lanes' stripes still go out side by side once the agreement passed.
+EAGER_BYTES = 2 << 20
+
+
+class Eager:
+  """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting (up to EAGER_BYTES).
+
+  The agreement over the links (`control.links.agree`) starts it right
+  after its first round's frame to the next process in the chain, so the
+  bytes are on their way while the agreement's messages are. Only the
+  source of a default-source broadcast starts one: every process knows who
+  the source is before agreeing. It is the transfer's own data frame of
+  stripe 0, with the id every process gives the call's transfer
+  (`link.transfer_id`); the broadcast (`tcp.chain`, `tcp.tree`) sends its
+  rest.
+
+  All or none, as for any call over the links: a process that completed
+  the agreement goes on to read the frame and returns its payload; after a
+  timeout every process raises (the call's outcome record decides when one
+  gave up while others completed, see `control.links`), and a process
+  that did not read the frame drops it in its next agreement
+  (`control.links._receive`). So a receiver never waits for the source to
+  end its agreement: at two processes a call costs each side one wake-up,
+  not two in turn. On a difference or a timeout the source's link owes the
+  rest of the frame (`defer`: sent at once as far as the socket takes it,
+  the remainder before anything else on that link); if the call still
+  goes on to a transfer (the headers agreed after all), the frame is its
+  stripe 0 and is not sent again.
+  """
+
+  def __init__(self, parts: list[np.ndarray], length: int):
+    self.parts = parts
+    self.length = length
+    self.link: _tcp_link.Link | None = None  # set once started
+    self.segments: list[memoryview] = []
+    self.head = 0  # frame header bytes at the start of `segments`
+    self.sent = 0  # bytes of `segments` sent (or owed: `defer`)
+
+  def start(self, plane: _tcp_link.Plane, link: _tcp_link.Link) -> None:
+    """Sends the frame of stripe 0 to `link` (the next process's), up to what its socket takes now."""
+    ranges = payload.stripes(self.length, plane.lanes)
+    a, b = ranges[0]
+    head = link.frame(_tcp_link.transfer_id(plane), b - a)
+    piece = payload.pieces(self.parts, ranges)[0]
+    self.segments = [memoryview(x).cast('B')
+                     for x in payload.framed(head, piece, len(ranges) > 1)]
+    self.head = len(head)
+    self.link = link
+    self.sent = sockets.send_ready(link.sock, self.segments, EAGER_BYTES)
+
+  def defer(self) -> None:
+    """Ends the frame after a difference or a timeout: the rest is sent at once as far as the socket takes it, and the link owes the remainder (sent before its next use: `Plane.conn`)."""
+    rest = payload.cut(self.segments, self.sent, payload.ALL)
+    self.sent = sum(len(x) for x in self.segments)
+    try:
+      sent = sockets.send_ready(self.link.sock, rest, payload.ALL)
+    except OSError:
+      sent = 0  # (the link is broken: its next use finds it closed)
+    self.link.owed = payload.cut(rest, sent, payload.ALL) or None

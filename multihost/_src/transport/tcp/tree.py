@@ -1,0 +1,79 @@
+"""Data plane: a broadcast of one stripe down a binomial tree rooted at the source (ceil(log2 P) hops where the chain takes P - 1).
+
+`tcp.chain.broadcast` sends payloads below `payload.STRIPE_BYTES` among 3
+processes or more this way; at each hop the whole payload is read before
+it goes on, so a tree pays off where the payload is small next to the
+chain's hops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from multihost._src.runtime import errors
+from multihost._src.runtime.deadline import Deadline
+from multihost._src.transport.tcp import eager as _eager
+from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import payload
+from multihost._src.transport.tcp import sockets
+
+
+def tree_peers(rank: int, count: int) -> tuple[int | None, list[int]]:
+  """(parent, children) of relative `rank` in the binomial tree of `count` processes rooted at rank 0; children largest subtree first."""
+  mask = 1
+  while mask < count and not rank & mask:
+    mask <<= 1
+  parent = rank - mask if rank else None
+  children = []
+  mask >>= 1
+  while mask:
+    if rank + mask < count:
+      children.append(rank + mask)
+    mask >>= 1
+  return parent, children
+
+
+def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
+              piece: list | None, out: np.ndarray | None, op: str,
+              deadline: float, eager: _eager.Eager | None) -> None:
+  """Moves a payload of one stripe down a binomial tree rooted at the source: ceil(log2 P) hops where the chain takes P - 1.
+
+  Every process but the source reads the whole payload into `out` from
+  its parent, then sends it to its children, largest subtree first. The
+  source sends `piece` (its parts) to each child, copying into `out` (if
+  any) behind its first send; its frame to the next process (rank 1) may
+  be its started `eager` one, of which only the rest is sent.
+  """
+  me, count = plane.me, plane.count
+  rank = (me - source) % count
+  parent, children = tree_peers(rank, count)
+  watch = Deadline(op, deadline, plane.rt.watchdog)
+  peer = me
+  try:
+    if parent is not None:
+      peer = (parent + source) % count
+      up = plane.conn(peer, deadline, op)
+      payload.arm(up, deadline)
+      up.read_frame(call, n, op, peer, watch)
+      sockets.recv_into(up.sock, memoryview(out), watch)
+    target = out if parent is None else None  # (the source copies once)
+    for child in children:
+      peer = (child + source) % count
+      down = plane.conn(peer, deadline, op)
+      payload.arm(down, deadline)
+      if parent is not None:
+        sockets.send_all(down.sock, down.frame(call, n), watch)
+        sockets.send_all(down.sock, memoryview(out), watch)
+        continue
+      if child == 1 and eager is not None:
+        if down is not eager.link:  # (the links were closed meanwhile)
+          raise ConnectionResetError('the link was closed after the agreement')
+        payload.send_and_copy(down, eager.segments, eager.head, target,
+                              watch, eager.sent)
+      else:
+        head = down.frame(call, n)
+        payload.send_and_copy(down, payload.segments(head, piece), len(head),
+                              target, watch)
+      target = None
+  except (OSError, TimeoutError, errors.MultihostError) as e:
+    raise payload.failed(plane, None, op, peer, e) from e
