@@ -282,6 +282,36 @@ def test_steps_in_time_or_ending_during_the_report_never_leave(pair, caplog):
     slow.stop()
 
 
+def test_a_step_that_raises_while_it_is_reported_still_leaves_with_75(
+    pair, caplog):
+  """The stuck peer left first, so this process's collective raised while its report was being made: it leaves with 75 all the same, not with that error."""
+  rts, exits = pair
+  caplog.set_level(logging.WARNING)
+  asked = threading.Event()
+
+  def slow_ask(processes):
+    asked.set()
+    time.sleep(0.5)
+    return {p: None for p in processes}
+
+  watch = step_deadline.StepWatch(
+      rts[0], ask=slow_ask, describe=lambda r: '', leave=exits[0].append)
+  watch.configure(Rule(fixed=0.2, warmup_steps=0))
+  try:
+    with pytest.raises(RuntimeError, match='the peer left'):
+      with watch.step(7):
+        watch.arrived()
+        assert asked.wait(5)
+        raise RuntimeError('the collective failed: the peer left')
+    assert exits[0] == [75], exits
+    assert 'step 7 has run for' in watch.fired, watch.fired
+    assert any('step 7 raised past its deadline of 0.2 s (RuntimeError: '
+               'the collective failed' in r.getMessage()
+               for r in caplog.records), caplog.text
+  finally:
+    watch.stop()
+
+
 def test_an_unanswered_ask_is_bounded(pair, monkeypatch):
   rts, exits = pair
   monkeypatch.setattr(step_deadline, 'ASK_BOUND_S', 0.5)

@@ -22,7 +22,10 @@ a context manager, around each step; `recovery`'s loop does it), and:
   (`step_report`), and leaves with the peer-loss exit status (75,
   `liveness.peer_loss_exit`) so that a launcher's `--max_restarts` or a
   scheduler restarts the job.
-  The stuck process leaves too: its own step outlasts the deadline.
+  The stuck process leaves too: its own step outlasts the deadline. A
+  step that raises once past its deadline (its collective failed as the
+  stuck peer left) waits for the thread's verdict, so the process leaves
+  with 75 and the report, not on that error with another status.
 * `StepWatch.arrived()` marks the point of the step from which a process
   waits for its peers (its batch is loaded): in the same step, a process
   short of it is behind one past it.
@@ -67,7 +70,7 @@ class _Step:
     return self
 
   def __exit__(self, kind, value, tb) -> None:
-    self._watch._end(completed=kind is None)  # pylint: disable=protected-access
+    self._watch._end(completed=kind is None, error=value)  # pylint: disable=protected-access
 
 
 class StepWatch:
@@ -104,6 +107,7 @@ class StepWatch:
     self._began = 0.0
     self._due: float | None = None
     self._serial = 0
+    self._decided = 0  # The serial of the last step the thread judged.
     self._state = 'done'
     self._last: int | None = None  # The last step begun.
     self._ended = 0.0  # When the last step ended.
@@ -199,11 +203,29 @@ class StepWatch:
       if limit is not None and self._thread is None and not self._stopping:
         self._start_thread()
 
-  def _end(self, *, completed: bool) -> None:
+  def _end(self, *, completed: bool,
+           error: BaseException | None = None) -> None:
     with self._cond:
       if self._n is None:
         return
       now = self._clock()
+      if (not completed and self._due is not None
+          and now - self._began >= self._due and self._thread is not None
+          and not self._stopping):
+        # Raised past its deadline: typically the step's collective failed
+        # as a stuck peer left. The thread is judging this step; its
+        # verdict stands (it leaves with 75, naming who was behind), or
+        # the process would end on that error with another status, racing
+        # the report.
+        self.runtime.log.warning(
+            'multihost: step %d raised past its deadline of %.3g s (%s: '
+            '%.200s); the step deadline reports it.', self._n, self._due,
+            type(error).__name__, error)
+        serial, until = self._serial, now + ASK_BOUND_S + 1.0
+        self._cond.notify_all()
+        while self._decided != serial and self._clock() < until:
+          self._cond.wait(0.05)
+        now = self._clock()
       if completed:
         self.learner.observe(now - self._began, self.rule())
       self._n, self._due, self._state, self._ended = None, None, 'done', now
@@ -236,7 +258,11 @@ class StepWatch:
           else:  # A step that begins now is due no sooner than this.
             wait = self.learner.deadline(self.rule()) or 1.0
           self._cond.wait(max(wait, 0.01))
-      if self._overdue(*stuck):
+      done = self._overdue(*stuck)
+      with self._cond:
+        self._decided = stuck[0]
+        self._cond.notify_all()
+      if done:
         return
 
   def _overdue(self, serial: int, n: int, began: float,
