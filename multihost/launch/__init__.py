@@ -79,6 +79,7 @@ from multihost.launch._controllers import (
 from multihost.launch._controllers import Controllers as Controllers
 from multihost.launch._environment import child_env as child_env
 from multihost.launch._environment import find_free_port as find_free_port
+from multihost.launch._environment import hold_free_port as hold_free_port
 from multihost.launch._evidence import (
     LOST_SERVICE_MARKER as LOST_SERVICE_MARKER,
 )

@@ -157,6 +157,7 @@ class Controllers:
     self.compilation_cache_dir: str | None = None
     self._own_cache_dir: str | None = None  # Made here; removed at stop().
     self._service = None
+    self._port_hold = None  # (`hold_free_port`)
     self.hosts_kind = hosts
     self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
     self._extra_env = dict(env or {})
@@ -208,7 +209,11 @@ class Controllers:
 
   def _spawn_attempt(self) -> None:
     """Starts attempt `restart_count`: a coordinator port, the service if hosted, every process."""
-    self.port = self._fixed_port or _environment.find_free_port()
+    self.port = self._fixed_port
+    if not self.port:  # Held until the run ends (see `hold_free_port`).
+      self._release_port()
+      self._port_hold = _environment.hold_free_port()
+      self.port = self._port_hold.getsockname()[1]
     if self.restart_count:
       self._procs = _processes.Processes(self.num_processes,
                                          stream=self._stream)
@@ -474,7 +479,13 @@ class Controllers:
     if self._own_cache_dir is not None:
       shutil.rmtree(self._own_cache_dir, ignore_errors=True)
       self._own_cache_dir = None
+    self._release_port()
     _LIVE.discard(self)
+
+  def _release_port(self) -> None:
+    if self._port_hold is not None:
+      self._port_hold.close()
+      self._port_hold = None
 
   # Context manager.
 

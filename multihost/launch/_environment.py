@@ -17,10 +17,38 @@ _PYTHON = re.compile(r'python[0-9.]*$')
 
 
 def find_free_port(host: str = '127.0.0.1') -> int:
-  """A TCP port on `host` that was free a moment ago (binds port 0)."""
+  """A TCP port on `host` that was free a moment ago (binds port 0).
+
+  Nothing keeps it free: where the port is used seconds later (a
+  controller's coordination service, after JAX's import), prefer
+  `hold_free_port`.
+  """
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
+
+
+def hold_free_port(host: str = '127.0.0.1') -> socket.socket:
+  """A socket bound to a free TCP port on `host` that keeps the port from every other program's port-0 bind while it stays open, yet lets the coordination service bind it.
+
+  Why: a port only found free stays free until the service binds it,
+  seconds later; another launch on this machine may be given the same
+  port meanwhile. JAX's service (gRPC) binds with SO_REUSEPORT, so both
+  services would then listen on it and the kernel would share the
+  connections between them: a task registering at the other job's
+  service aborts both jobs (seen in this project's tests). This socket
+  is bound with SO_REUSEPORT too (so the service's bind succeeds) and
+  never listens (so it is given no connection). The port is
+  `hold.getsockname()[1]`; close the socket when the run is over.
+  """
+  s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  try:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+  except BaseException:
+    s.close()
+    raise
+  return s
 
 
 def child_env(process_id: int, *, num_processes: int, devices_per_process: int,

@@ -33,8 +33,20 @@ HEARTBEAT_S = 3
 BOUND_S = HEARTBEAT_S + 10
 
 
+# Ports held while a test's processes run (`launch.hold_free_port`).
+_HELD = []
+
+
+@pytest.fixture(autouse=True)
+def _release_ports():
+  yield
+  while _HELD:
+    _HELD.pop().close()
+
+
 def _start(tmp_path: pathlib.Path, mode: str, n: int = N, **extra: str):
-  port = launch.find_free_port()
+  _HELD.append(launch.hold_free_port())
+  port = _HELD[-1].getsockname()[1]
   procs, logs = [], []
   for i in range(n):
     env = mh_env.controller_env(

@@ -238,7 +238,8 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process():
 
 def test_with_an_external_service_process_0_is_an_ordinary_failure():
   """When the launcher hosts the coordination service, killing 0 raises too."""
-  port = launch.find_free_port()
+  hold = launch.hold_free_port()
+  port = hold.getsockname()[1]
   service = lowlevel.start_service(
       f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
       shutdown_timeout=10)
@@ -251,6 +252,7 @@ def test_with_an_external_service_process_0_is_an_ordinary_failure():
       result = cluster.wait(timeout=60)
   finally:
     service.shutdown()
+    hold.close()
   assert not result.timed_out, result.summary
   _check_survivors(result, 0, killed_at)
   _assert_nothing_running(cluster)

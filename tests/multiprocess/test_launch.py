@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from _helpers import stop
 import pytest
 
 from multihost import launch
+from multihost import lowlevel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED_NAME = '000_ceec6835a23a2fd6.txt'
@@ -27,6 +30,36 @@ SEED = next((d / 'shared' / 'seeds' / SEED_NAME for d in ROOT.parents
              if (d / 'shared' / 'seeds').is_dir()),
             ROOT.parent / 'shared' / 'seeds' / SEED_NAME)
 PY = sys.executable
+
+
+def _bind_fails(port: int) -> bool:
+  with socket.socket() as s:
+    try:
+      s.bind(('127.0.0.1', port))
+    except OSError as e:
+      assert e.errno == errno.EADDRINUSE, e
+      return True
+  return False
+
+
+def test_a_held_port_is_kept_from_other_binds_and_open_to_the_service():
+  """`hold_free_port`: no other bind gets the port while it is held (so no other launch's find_free_port), yet JAX's service binds it; the launcher holds its port from before the controllers start."""
+  hold = launch.hold_free_port()
+  port = hold.getsockname()[1]
+  try:
+    assert _bind_fails(port)
+    service = lowlevel.start_service(f'127.0.0.1:{port}', 1,
+                                     heartbeat_timeout=5, shutdown_timeout=1)
+    service.shutdown()
+  finally:
+    hold.close()
+  assert not _bind_fails(port)
+  # Controllers that never start a service: only the hold keeps the port.
+  with launch.Controllers([sys.executable, '-c', 'import time; '
+                           'time.sleep(60)'], num_processes=2,
+                          kill_wait=1) as cluster:
+    assert _bind_fails(cluster.port)
+  assert not _bind_fails(cluster.port)
 
 
 def test_child_env_lets_jax_detect_the_cluster():

@@ -12,6 +12,7 @@ by its SLURM_JOB_ID) is left running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import random
@@ -63,11 +64,17 @@ def _recipe(program: list[str], *, cwd: os.PathLike[str] | str = ROOT,
             **extra: str) -> tuple[subprocess.CompletedProcess, str]:
   """The recipe, as sbatch runs it, with `program` (2 tasks), from `cwd`; `path`: its $PATH (default: the stand-in srun, this Python's folder, ours); `extra`: more environment."""
   job = str(random.randrange(10**5, 10**6))
+  # The port stays held from other runs' port-0 binds across the restarts.
+  with contextlib.closing(launch.hold_free_port()) as hold:
+    return _run_recipe(program, job, cwd=cwd, path=path, hold=hold, **extra)
+
+
+def _run_recipe(program, job, *, cwd, path, hold, **extra):
   env = clean_env(
       PATH=path or (f'{STANDIN}:{os.path.dirname(sys.executable)}:'
                     f'{os.environ["PATH"]}'),
       SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
-      JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(launch.find_free_port()),
+      JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(hold.getsockname()[1]),
       MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
       **extra)
   command = ['bash', str(RECIPE), *program]
