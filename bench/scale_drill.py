@@ -31,11 +31,12 @@ last process returned from `multihost.initialize()`.
 Then each column is fitted against log2(P), P and P log2(P) (least squares
 of t = a + b f(P); the better of the first two by residual is named), and
 set against the model the docs state (O(log P) for the barrier, the small
-calls, which agree over the links in ceil(log2 P) rounds, and the links'
-setup, up to 2 ceil(log2 P) peers per process; O(P) for the first call, which
-meets at process 0's service, and so for `links ready`, which contains
-it, and for the 1 MiB chain broadcast, P - 1 hops), scaled from the
-smallest P: t(P0) f(P) / f(P0). The first P where the measurement exceeds
+calls, which agree over the links in ceil(log2 P) rounds (from 3 to 8
+processes on one host: a star at process 0, two hops), the links' setup,
+up to 2 ceil(log2 P) peers per process, and the 1 MiB broadcast, a
+binomial tree of ceil(log2 P) hops; O(P) for the first call, which meets
+at process 0's service, and so for `links ready`, which contains it),
+scaled from the smallest P: t(P0) f(P) / f(P0). The first P where the measurement exceeds
 that by more than --leave_factor is named. On a machine with fewer cores
 than P every process shares the cores, so the runs are oversubscribed.
 """
@@ -60,7 +61,7 @@ STAGES = (
     ('allgather_8b_ms', 'allgather 8 B ms', 'log'),
     ('barrier_ms', 'barrier ms', 'log'),
     ('broadcast_8b_ms', 'broadcast 8 B ms', 'log'),
-    ('broadcast_1mib_ms', 'broadcast 1 MiB ms', 'linear'),
+    ('broadcast_1mib_ms', 'broadcast 1 MiB ms', 'log'),
 )
 REPEATED = ('barrier_ms', 'allgather_8b_ms', 'broadcast_8b_ms',
             'broadcast_1mib_ms')

@@ -26,18 +26,18 @@ RAW_STREAM, STREAM = 'raw TCP stream', 'raw TCP stream, process 0 -> 1'
 FLOOR_UP_TO = 1 << 20
 
 
-def read_json(path: str) -> dict:
-  """The object a JSON file holds; a file that is not one is a ValueError that names it."""
+def read_json(path: str,
+              what: str = 'the .json file bin/bench.py --report writes'
+              ) -> dict:
+  """The object a JSON file holds; a file that is not one is a ValueError that names it and says to pass `what`."""
   with open(path) as f:
     try:
       value = json.load(f)
     except json.JSONDecodeError as e:
-      raise ValueError(f'{path} is not JSON ({e}); pass the .json file '
-                       'bin/bench.py --report writes.') from e
+      raise ValueError(f'{path} is not JSON ({e}); pass {what}.') from e
   if not isinstance(value, dict):
     raise ValueError(f'{path} holds a JSON {type(value).__name__}, not an '
-                     'object; pass the .json file bin/bench.py --report '
-                     'writes.')
+                     f'object; pass {what}.')
   return value
 
 

@@ -23,9 +23,16 @@ calls up to 1 MiB and the raw TCP stream on the broadcast of its size.
 
   python bin/plot.py --scaling=/tmp/report.json --out=/tmp/scaling.png
 
+The scale drill (`bench/scale_drill.py --out=FILE`): the first call, the
+links' setup and the repeated calls against P, each beside the docs' model
+(dashed).
+
+  python bin/plot.py --scale_drill=/tmp/drill.json --out=/tmp/drill.png
+
 Write the pictures somewhere new (as these examples do): docs/train.png,
-docs/bench_p2.png and docs/scaling.png are committed, made from
-docs/train_metrics.jsonl, docs/bench_p2.jsonl and docs/scaling.json.
+docs/bench_p2.png, docs/scaling.png and docs/scale_drill.png are
+committed, made from docs/train_metrics.jsonl, docs/bench_p2.jsonl,
+docs/scaling.json and docs/scale_drill.json.
 
 matplotlib is an optional extra (`pip install -e ".[plot]"`); nothing else in
 the project imports it.
@@ -39,6 +46,7 @@ import json
 import sys
 
 import _figures  # bin/_figures.py: the figure helpers every picture uses.
+import _plot_drill as drill  # bin/_plot_drill.py: the scale drill's picture.
 import _plot_scaling as scaling  # bin/_plot_scaling.py: the P-scaling picture.
 from absl import app
 from absl import flags
@@ -50,6 +58,8 @@ _BENCH = flags.DEFINE_string(
 _SCALING = flags.DEFINE_string(
     'scaling', '', 'A JSON file written by bin/bench.py --report (the report '
     'with .json for .md).')
+_DRILL = flags.DEFINE_string(
+    'scale_drill', '', 'A JSON file written by bench/scale_drill.py --out.')
 _OUT = flags.DEFINE_string('out', '', 'The PNG to write.')
 _TITLE = flags.DEFINE_string(
     'title', '', 'A title; default: the file name (--scaling: the run\'s '
@@ -334,10 +344,10 @@ def plot_bench(series: dict[str, dict[str, list]], out: str, title: str,
 
 def main(argv):
   del argv  # Unused.
-  given = [f for f in (_METRICS, _BENCH, _SCALING) if f.value]
+  given = [f for f in (_METRICS, _BENCH, _SCALING, _DRILL) if f.value]
   if len(given) != 1:
-    raise app.UsageError('Pass exactly one of --metrics=FILE, --bench=FILE '
-                         'or --scaling=FILE.')
+    raise app.UsageError('Pass exactly one of --metrics=FILE, --bench=FILE, '
+                         '--scaling=FILE or --scale_drill=FILE.')
   if not _OUT.value:
     raise app.UsageError('Pass --out=PNG, the picture to write.')
   if importlib.util.find_spec('matplotlib') is None:
@@ -347,12 +357,21 @@ def main(argv):
   try:
     if _SCALING.value:
       data = scaling.read_json(path)
+    elif _DRILL.value:
+      data = scaling.read_json(
+          path, 'the file bench/scale_drill.py --out writes')
     else:
       records = read_jsonl(path)
   except OSError as e:
     raise app.UsageError(f'cannot read {path}: {e}') from e
   title = _TITLE.value or path
-  if _SCALING.value:
+  if _DRILL.value:
+    series = drill.drill_series(data)
+    if not series:
+      raise app.UsageError(f'{path} holds no fitted stages to draw; pass '
+                           'the file bench/scale_drill.py --out writes.')
+    drill.plot_drill(series, _OUT.value, _TITLE.value or drill.drill_title(data))
+  elif _SCALING.value:
     series = scaling.scaling_series(data)
     if not series:
       raise app.UsageError(f'{path} holds no compared cases to draw; pass '

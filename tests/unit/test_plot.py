@@ -1,4 +1,4 @@
-"""bin/plot.py: what a training run, a benchmark run and a P-scaling report are drawn from, and the PNGs."""
+"""bin/plot.py: what a training run, a benchmark run, a P-scaling report and the scale drill are drawn from, and the PNGs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / 'bin'))
 sys.path.insert(0, str(ROOT))
+import _plot_drill  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import _plot_scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -152,6 +153,35 @@ def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
       _plot_scaling.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)]}}
 
 
+def _drill() -> dict:
+  rows = [{'P': p, 'first_call_ms': 100.0 * p, 'barrier_ms': 0.2 * p}
+          for p in (2, 8, 4)]
+  fits = [{'stage': 'first_call_ms', 'heading': 'first call ms',
+           'model': 'O(P)'},
+          {'stage': 'barrier_ms', 'heading': 'barrier ms',
+           'model': 'O(log P)'}]
+  return {'cores': 2, 'load_start': [0.5], 'load_end': [9.0], 'repeats': 3,
+          'rows': rows, 'fits': fits}
+
+
+def test_the_scale_drill_is_drawn_against_its_model_from_the_smallest_p():
+  series = _plot_drill.drill_series(_drill())
+  assert list(series) == ['first_call_ms', 'barrier_ms']
+  first, barrier = series['first_call_ms'], series['barrier_ms']
+  assert first['points'] == [(2, 200.0), (4, 400.0), (8, 800.0)]
+  assert first['modelled'] == first['points']  # O(P): on the model.
+  # O(log P) from P=2: 0.4 ms x log2(P) / log2(2).
+  assert barrier['points'] == [(2, 0.4), (4, 0.8), (8, 1.6)]
+  assert barrier['modelled'] == [(2, 0.4), (4, 0.8), (8, pytest.approx(1.2))]
+  assert _plot_drill.drill_title(_drill()).startswith(
+      'Scale drill: 2 cores, 3 repeats, load 0.5 at the start, 9.0 at the end')
+  # The committed run: every stage of bench/scale_drill.py, P=2 to 48.
+  committed = _plot_scaling.read_json(str(ROOT / 'docs' / 'scale_drill.json'))
+  drawn = _plot_drill.drill_series(committed)
+  assert len(drawn) == 7
+  assert [p for p, _ in drawn['barrier_ms']['points']] == [2, 4, 8, 16, 32, 48]
+
+
 def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
   path = tmp_path / 'rows.json'
   path.write_text('[]')
@@ -173,8 +203,10 @@ def test_every_picture_is_written(tmp_path):
        'jax_ms': 0.9 + n / 1e6, 'processes': 2} for n in (8, 1024, 2**20)])
   report = tmp_path / 'scaling.json'
   report.write_text(json.dumps(_scaling_report()))
+  drill = tmp_path / 'drill.json'
+  drill.write_text(json.dumps(_drill()))
   for flag, source in (('--metrics', metrics), ('--bench', bench),
-                       ('--scaling', report)):
+                       ('--scaling', report), ('--scale_drill', drill)):
     out = tmp_path / f'{source.stem}.png'
     done = subprocess.run(
         [sys.executable, str(ROOT / 'bin' / 'plot.py'), f'{flag}={source}',
@@ -190,8 +222,8 @@ def test_bad_flags_say_what_to_pass(tmp_path):
       [sys.executable, str(ROOT / 'bin' / 'plot.py'), f'--out={tmp_path}/x'],
       capture_output=True, text=True, timeout=60, check=False)
   assert done.returncode != 0
-  assert ('Pass exactly one of --metrics=FILE, --bench=FILE or '
-          '--scaling=FILE') in done.stderr
+  assert ('Pass exactly one of --metrics=FILE, --bench=FILE, '
+          '--scaling=FILE or --scale_drill=FILE') in done.stderr
 
 
 def _long_run(n: int = 2000, saves_every: int = 50) -> list[dict]:
