@@ -247,6 +247,21 @@ def test_a_process_between_steps_is_behind_one_in_the_next_step(pair):
   assert '(process(es) [0]: in step 3 for ' in line, line
 
 
+def _slowly_asking(rt, exits, rule):
+  """A watch (under `rule`) whose question to the others takes 0.5 s, and the event set when it is asked."""
+  asked = threading.Event()
+
+  def slow_ask(processes):
+    asked.set()
+    time.sleep(0.5)
+    return {p: None for p in processes}
+
+  watch = step_deadline.StepWatch(rt, ask=slow_ask, describe=lambda r: '',
+                                  leave=exits.append)
+  watch.configure(rule)
+  return watch, asked
+
+
 def test_steps_in_time_or_ending_during_the_report_never_leave(pair, caplog):
   rts, exits = pair
   w0 = rts[0].step_watch
@@ -259,16 +274,8 @@ def test_steps_in_time_or_ending_during_the_report_never_leave(pair, caplog):
   # A step past its deadline that ends while the others are asked: slow,
   # not stuck. It is logged, learned from, and the process stays.
   caplog.set_level(logging.WARNING)
-  asked = threading.Event()
-
-  def slow_ask(processes):
-    asked.set()
-    time.sleep(0.5)
-    return {p: None for p in processes}
-
-  slow = step_deadline.StepWatch(
-      rts[0], ask=slow_ask, describe=lambda r: '', leave=exits[0].append)
-  slow.configure(Rule(warmup_steps=0, floor=0.3, multiple=1))
+  slow, asked = _slowly_asking(rts[0], exits[0],
+                               Rule(warmup_steps=0, floor=0.3, multiple=1))
   try:
     with slow.step(1):
       assert asked.wait(5)
@@ -287,16 +294,8 @@ def test_a_step_that_raises_while_it_is_reported_still_leaves_with_75(
   """The stuck peer left first, so this process's collective raised while its report was being made: it leaves with 75 all the same, not with that error."""
   rts, exits = pair
   caplog.set_level(logging.WARNING)
-  asked = threading.Event()
-
-  def slow_ask(processes):
-    asked.set()
-    time.sleep(0.5)
-    return {p: None for p in processes}
-
-  watch = step_deadline.StepWatch(
-      rts[0], ask=slow_ask, describe=lambda r: '', leave=exits[0].append)
-  watch.configure(Rule(fixed=0.2, warmup_steps=0))
+  watch, asked = _slowly_asking(rts[0], exits[0],
+                                Rule(fixed=0.2, warmup_steps=0))
   try:
     with pytest.raises(RuntimeError, match='the peer left'):
       with watch.step(7):
