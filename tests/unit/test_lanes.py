@@ -11,6 +11,7 @@ in test_transport.py and test_failures.py.
 from __future__ import annotations
 
 import threading
+import types
 
 import fake_coordination as fake
 import numpy as np
@@ -18,9 +19,11 @@ import pytest
 
 from multihost import env as env_lib
 from multihost._src.auth import secret
+from multihost._src.control import links
 from multihost._src.runtime import errors
 from multihost._src.runtime import runtime
 from multihost._src.transport.tcp import chain
+from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import tree
 
@@ -113,3 +116,30 @@ def test_a_one_stripe_broadcast_tree_reaches_every_process_once_in_log2_p_hops(
   # The root sends to its largest subtree first.
   assert tree.tree_peers(0, count)[1] == sorted(
       tree.tree_peers(0, count)[1], reverse=True)
+
+
+@pytest.mark.parametrize('count,length,lanes,first', [
+    (2, 1 << 20, 2, 1),  # two processes: no tree, the next one
+    (3, 1 << 20, 2, 2),  # down the tree: its first child, the largest
+    (5, 1 << 20, 2, 4),  # subtree's root
+    (8, 1 << 20, 2, 4),
+    (9, 1 << 20, 2, 8),
+    (5, payload.STRIPE_BYTES, 2, 1),  # striped, down the chains
+    (5, payload.STRIPE_BYTES, 1, 1),  # one lane: a chain all the same
+])
+def test_the_early_stripe_goes_to_the_peer_the_transfer_sends_to_first(
+    count, length, lanes, first):
+  """A broadcast source's early stripe (`tcp.eager.Eager`) goes to the process its transfer sends to first (the tree's largest subtree, or the chain's next process), and in a star that process is answered first."""
+  me = 2
+  plane = types.SimpleNamespace(me=me, count=count, lanes=lanes)
+  early = _eager.Eager([np.zeros(8, np.uint8)], length)
+  assert early.first_peer(plane) == (me + first) % count
+  assert tree.carries(count, length) == (count > 2 and length
+                                         < payload.STRIPE_BYTES)
+  if count <= links.STAR_MAX:  # The star's center answers it first.
+    answers = [dst for dst, _ in links._steps(0, count, True, first)
+               if dst is not None]
+    assert answers == [first] + [p for p in range(1, count) if p != first]
+  else:  # The rounds send to it in one of theirs.
+    assert (me + first) % count in [
+        dst for dst, _ in links._steps(me, count, False)]

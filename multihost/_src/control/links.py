@@ -108,18 +108,20 @@ def enabled(rt: runtime.Runtime) -> bool:
 usable = _tcp_link.agreeing
 
 
-def _steps(me: int, count: int,
-           star: bool) -> list[tuple[int | None, int | None]]:
+def _steps(me: int, count: int, star: bool,
+           first: int | None = None) -> list[tuple[int | None, int | None]]:
   """(send to, receive from) of each step of the agreement; either may be None.
 
   The dissemination rounds, or with `star` the star at process 0: every
   other process sends to it and receives its answer; it receives from each
-  in turn, then answers each.
+  in turn, then answers each, `first` (a broadcast source's first peer,
+  `tcp.eager.Eager.first_peer`) first.
   """
   if star:
     if me == 0:
+      order = sorted(range(1, count), key=lambda p: p != first)
       return ([(None, p) for p in range(1, count)]
-              + [(p, None) for p in range(1, count)])
+              + [(p, None) for p in order])
     return [(0, None), (None, 0)]
   rounds, step = [], 1
   while step < count:
@@ -264,11 +266,11 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
 
   Collective: every process must call this, in the same order. `meeting`
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
-  first stripe, started right after its first frame to the next process
-  (in a star: its answer, once every process agreed; see
-  `transport.tcp.eager.Eager`); on a difference or a timeout its link
-  owes the rest, and the next process drops it (`_receive`) unless the
-  call goes on to its transfer.
+  first stripe, started right after its frame to the process its transfer
+  sends to first (in a star: its answer to that process, sent before the
+  others once every process agreed; see `transport.tcp.eager.Eager`); on
+  a difference or a timeout its link owes the rest, and that process
+  drops it (`_receive`) unless the call goes on to its transfer.
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -295,7 +297,10 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   started = None  # the eager stripe this process started
   try:
     star = plane.star
-    for dst, src in _steps(me, count, star):
+    # The eager stripe goes right behind this process's frame to the peer
+    # its transfer sends to first.
+    to = eager.first_peer(plane) if eager is not None else None
+    for dst, src in _steps(me, count, star, to):
       if dst is not None:
         peer = dst
         out = links.get(dst) or links.setdefault(
@@ -308,9 +313,9 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         if len(body) <= sockets.DIRECT_BYTES and sender is None:
           sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
           if (eager is not None and started is None and not differs
-              and dst == (me + 1) % count):  # Right behind its frame.
+              and dst == to):  # Right behind its frame.
             started = eager
-            eager.start(plane, out)
+            eager.start(plane, out, dst)
         else:  # Large: on a thread, so that rounds that all send never block.
           sender = sender or plane.sends.sender(watch)
           sender.send(out.sock, out.frame(call, len(body)) + body)

@@ -65,7 +65,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   out = buffers.take(length) if rank > 0 or source_result else None
   ranges = payload.stripes(length, plane.lanes)
   pieces = [None] * len(ranges) if rank > 0 else payload.pieces(parts, ranges)
-  if len(ranges) == 1 and plane.count > 2:
+  if tree.carries(plane.count, length):
     tree.broadcast(plane, call, source, length, pieces[0], out, op,
                    deadline, eager if eager and eager.link else None)
     return out

@@ -8,14 +8,23 @@ chain's hops.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from multihost._src.runtime import errors
 from multihost._src.runtime.deadline import Deadline
-from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
+
+if TYPE_CHECKING:  # (tcp.eager imports this module)
+  from multihost._src.transport.tcp import eager as _eager
+
+
+def carries(count: int, length: int) -> bool:
+  """Whether a broadcast of `length` bytes among `count` processes goes down the tree: below `payload.STRIPE_BYTES` (larger ones pipeline down the chains, however many lanes), 3 processes or more."""
+  return count > 2 and length < payload.STRIPE_BYTES
 
 
 def tree_peers(rank: int, count: int) -> tuple[int | None, list[int]]:
@@ -33,6 +42,11 @@ def tree_peers(rank: int, count: int) -> tuple[int | None, list[int]]:
   return parent, children
 
 
+def first_child(count: int) -> int:
+  """The relative rank the root sends to first: its largest subtree's (the largest power of 2 below `count`)."""
+  return tree_peers(0, count)[1][0]
+
+
 def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
               piece: list | None, out: np.ndarray | None, op: str,
               deadline: float, eager: _eager.Eager | None) -> None:
@@ -41,8 +55,9 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
   Every process but the source reads the whole payload into `out` from
   its parent, then sends it to its children, largest subtree first. The
   source sends `piece` (its parts) to each child, copying into `out` (if
-  any) behind its first send; its frame to the next process (rank 1) may
-  be its started `eager` one, of which only the rest is sent.
+  any) behind its first send; its frame to its first child (`first_child`,
+  its largest subtree) may be its started `eager` one, of which only the
+  rest is sent.
   """
   me, count = plane.me, plane.count
   rank = (me - source) % count
@@ -65,7 +80,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
         sockets.send_all(down.sock, down.frame(call, n), watch)
         sockets.send_all(down.sock, memoryview(out), watch)
         continue
-      if child == 1 and eager is not None:
+      if eager is not None and peer == eager.to:
         if down is not eager.link:  # (the links were closed meanwhile)
           raise ConnectionResetError('the link was closed after the agreement')
         payload.send_and_copy(down, eager.segments, eager.head, target,
