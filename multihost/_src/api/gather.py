@@ -95,8 +95,11 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                                    op=op, timeout=timeout)
       received = [rows[p, :n] for p, n in enumerate(sizes)]
     if not has_global:
-      return treedef.unflatten(_leaves.stacked_views(
-          np.stack(received) if inline else rows, specs, tiled=tiled))
+      if inline:  # Equal sizes: the rows, joined in one (writable) copy.
+        rows = np.frombuffer(bytearray().join(payloads),
+                             np.uint8).reshape(count, sizes[0])
+      return treedef.unflatten(_leaves.stacked_views(rows, specs,
+                                                     tiled=tiled))
     all_shards = [[None if layout is None else layout[p]
                    for layout in layouts] for p in range(count)]
   else:
