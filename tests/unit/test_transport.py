@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
+import numpy as np
 import pytest
 
 from multihost import env as env_lib
@@ -39,3 +44,52 @@ def test_unknown_transport_is_a_clear_error(monkeypatch):
     lowlevel.tcp_transport_enabled()
 
 
+
+
+class _Counting(socket.socket):
+  """A socket that counts its recv_into calls (each one a wake-up)."""
+  calls = 0
+
+  def recv_into(self, *args, **kwargs):
+    self.calls += 1
+    return super().recv_into(*args, **kwargs)
+
+
+def test_a_large_tcp_read_wakes_per_lowat_bytes_and_gets_its_tail():
+  """`sockets.recv_into` of 4 MiB over TCP, sent in 64 KiB pieces a millisecond apart: read in pieces of at least LOWAT_BYTES (not one per segment), the last bytes included, and SO_RCVLOWAT is 1 again after."""
+  from multihost._src.runtime.deadline import Deadline
+  from multihost._src.transport.tcp import sockets
+  listener = socket.create_server(('127.0.0.1', 0))
+  sender = socket.create_connection(listener.getsockname())
+  plain, _ = listener.accept()
+  reader = _Counting(plain.family, plain.type, plain.proto,
+                     fileno=plain.detach())
+  reader.settimeout(sockets.SLICE_S)
+  n = 4 << 20
+  data = np.random.default_rng(0).integers(0, 256, n, np.uint8).tobytes()
+  tail = 1000  # The last piece: far below LOWAT_BYTES.
+
+  def send():
+    view = memoryview(data)
+    for at in range(0, n - tail, 64 << 10):
+      sender.sendall(view[at:min(at + (64 << 10), n - tail)])
+      time.sleep(0.001)
+    time.sleep(0.05)  # The tail comes alone, after the rest was read.
+    sender.sendall(view[n - tail:])
+
+  thread = threading.Thread(target=send)
+  thread.start()
+  try:
+    out = bytearray(n)
+    started = time.monotonic()
+    sockets.recv_into(reader, memoryview(out),
+                      Deadline('test', time.monotonic() + 10, None))
+    took = time.monotonic() - started
+  finally:
+    thread.join(10)
+    for s in (sender, reader, listener):
+      s.close()
+  assert bytes(out) == data
+  assert took < 5, took  # The tail did not wait for more bytes.
+  # 64 pieces of 64 KiB: one wake-up each without SO_RCVLOWAT.
+  assert reader.calls <= n // sockets.LOWAT_BYTES + 4, reader.calls
