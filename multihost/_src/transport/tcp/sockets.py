@@ -160,7 +160,10 @@ def recv_into(conn: socket.socket, view: memoryview,
       got += k
   finally:
     if lowat:
-      conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+      try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+      except OSError:  # (closed meanwhile: the read's own error stands)
+        pass
 
 
 def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
