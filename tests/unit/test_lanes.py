@@ -23,7 +23,6 @@ from multihost._src.control import links
 from multihost._src.runtime import errors
 from multihost._src.runtime import runtime
 from multihost._src.transport.tcp import chain
-from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import tree
 
@@ -132,8 +131,7 @@ def test_the_early_stripe_goes_to_the_peer_the_transfer_sends_to_first(
   """A broadcast source's early stripe (`tcp.eager.Eager`) goes to the process its transfer sends to first (the tree's largest subtree, or the chain's next process), and in a star that process is answered first."""
   me = 2
   plane = types.SimpleNamespace(me=me, count=count, lanes=lanes)
-  early = _eager.Eager([np.zeros(8, np.uint8)], length)
-  assert early.first_peer(plane) == (me + first) % count
+  assert chain.first_peer(plane, length) == (me + first) % count
   assert tree.carries(count, length) == (count > 2 and length
                                          < payload.STRIPE_BYTES)
   if count <= links.STAR_MAX:  # The star's center answers it first.

@@ -68,6 +68,7 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
+from multihost._src.transport.tcp import chain
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import frames
@@ -115,7 +116,7 @@ def _steps(me: int, count: int, star: bool,
   The dissemination rounds, or with `star` the star at process 0: every
   other process sends to it and receives its answer; it receives from each
   in turn, then answers each, `first` (a broadcast source's first peer,
-  `tcp.eager.Eager.first_peer`) first.
+  `tcp.chain.first_peer`) first.
   """
   if star:
     if me == 0:
@@ -299,7 +300,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
     star = plane.star
     # The eager stripe goes right behind this process's frame to the peer
     # its transfer sends to first.
-    to = eager.first_peer(plane) if eager is not None else None
+    to = chain.first_peer(plane, eager.length) if eager is not None else None
     for dst, src in _steps(me, count, star, to):
       if dst is not None:
         peer = dst

@@ -37,6 +37,13 @@ from multihost._src.transport.tcp import sockets
 from multihost._src.transport.tcp import tree
 
 
+def first_peer(plane: _tcp_link.Plane, length: int) -> int:
+  """The process a broadcast's source (this process) sends its `length` bytes to first: down the tree its first child (the largest subtree's root), else the next process in the chain. Its early stripe (`tcp.eager.Eager`) goes there."""
+  if tree.carries(plane.count, length):
+    return (plane.me + tree.first_child(plane.count)) % plane.count
+  return (plane.me + 1) % plane.count
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
               eager: _eager.Eager | None = None) -> np.ndarray | None:

@@ -7,7 +7,6 @@ import numpy as np
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
-from multihost._src.transport.tcp import tree
 
 # What a broadcast's source sends during the agreement (`Eager`), at most:
 # a small payload whole; of a large one only its start, so that the
@@ -19,9 +18,10 @@ class Eager:
   """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting (up to EAGER_BYTES).
 
   The agreement over the links (`control.links.agree`) starts it right
-  behind its frame to the process the transfer sends to first (`first_peer`:
-  the tree's first child, or the next process in the chain), so the bytes
-  are on their way while the agreement's messages are. Only the
+  behind its frame to the process the transfer sends to first
+  (`tcp.chain.first_peer`: the tree's first child, or the next process in
+  the chain), so the bytes are on their way while the agreement's
+  messages are. Only the
   source of a default-source broadcast starts one: every process knows who
   the source is before agreeing. It is the transfer's own data frame of
   stripe 0, with the id every process gives the call's transfer
@@ -51,15 +51,9 @@ class Eager:
     self.head = 0  # frame header bytes at the start of `segments`
     self.sent = 0  # bytes of `segments` sent (or owed: `defer`)
 
-  def first_peer(self, plane: _tcp_link.Plane) -> int:
-    """The process this source's transfer sends to first, whom this frame is for: down a tree its first child (the largest subtree's root), else the next process in the chain."""
-    if tree.carries(plane.count, self.length):
-      return (plane.me + tree.first_child(plane.count)) % plane.count
-    return (plane.me + 1) % plane.count
-
   def start(self, plane: _tcp_link.Plane, link: _tcp_link.Link,
             to: int) -> None:
-    """Sends the frame of stripe 0 to process `to` (`first_peer`) on `link`, up to what its socket takes now."""
+    """Sends the frame of stripe 0 to process `to` (`tcp.chain.first_peer`) on `link`, up to what its socket takes now."""
     ranges = payload.stripes(self.length, plane.lanes)
     a, b = ranges[0]
     head = link.frame(_tcp_link.transfer_id(plane), b - a)

@@ -8,18 +8,14 @@ chain's hops.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from multihost._src.runtime import errors
 from multihost._src.runtime.deadline import Deadline
+from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
-
-if TYPE_CHECKING:  # (tcp.eager imports this module)
-  from multihost._src.transport.tcp import eager as _eager
 
 
 def carries(count: int, length: int) -> bool:
