@@ -42,13 +42,17 @@ def drill_series(data: dict) -> dict[str, dict]:
 
 def drill_title(data: dict) -> str:
   """The run in one line: cores, repeats and the load at its start and end."""
-  start = (data.get('load_start') or ['?'])[0]
-  end = (data.get('load_end') or ['?'])[0]
-  fmt = lambda v: f'{v:.1f}' if isinstance(v, (int, float)) else str(v)  # noqa: E731
-  return (f'Scale drill: {data.get("cores", "?")} cores, '
-          f'{data.get("repeats", "?")} repeats, load {fmt(start)} at the '
-          f'start, {fmt(end)} at the end (oversubscribed above P='
-          f'{data.get("cores", "?")})')
+  cores = data.get('cores', '?')
+  start, end = (_load(data.get(k)) for k in ('load_start', 'load_end'))
+  return (f'Scale drill: {cores} cores, {data.get("repeats", "?")} repeats, '
+          f'load {start} at the start, {end} at the end (oversubscribed '
+          f'above P={cores})')
+
+
+def _load(averages: list | None) -> str:
+  """The 1-minute load average of os.getloadavg()'s list, or '?'."""
+  first = (averages or ['?'])[0]
+  return f'{first:.1f}' if isinstance(first, (int, float)) else str(first)
 
 
 def plot_drill(series: dict[str, dict], out: str, title: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterable
+from collections.abc import Iterator
+import contextlib
 import os
 import pathlib
 import shutil
@@ -20,6 +22,17 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROGRAMS = pathlib.Path(__file__).resolve().parent / 'programs'
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+  """A free port for a coordination service the test starts, held from other runs' port-0 binds until the block ends (`multihost.launch.hold_free_port`, as the launcher holds its own)."""
+  from multihost import launch  # pylint: disable=g-import-not-at-top
+  hold = launch.hold_free_port()
+  try:
+    yield hold.getsockname()[1]
+  finally:
+    hold.close()
 
 
 def program(name: str, *args: object) -> list[str]:

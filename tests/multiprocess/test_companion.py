@@ -8,6 +8,7 @@ from process 0's output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -16,6 +17,7 @@ import time
 
 from _helpers import alive
 from _helpers import clean_env
+from _helpers import held_port
 from _helpers import kill_alive
 from _helpers import program
 from _helpers import wait_all
@@ -23,7 +25,6 @@ from _helpers import wait_gone
 import pytest
 
 from multihost import env as mh_env
-from multihost import launch
 
 # Two controllers, but three where process 0's death must be named by
 # several others.
@@ -33,20 +34,18 @@ HEARTBEAT_S = 3
 BOUND_S = HEARTBEAT_S + 10
 
 
-# Ports held while a test's processes run (`launch.hold_free_port`).
-_HELD = []
+# The ports held while a test's processes run (`held_port`).
+_HELD = contextlib.ExitStack()
 
 
 @pytest.fixture(autouse=True)
 def _release_ports():
   yield
-  while _HELD:
-    _HELD.pop().close()
+  _HELD.close()
 
 
 def _start(tmp_path: pathlib.Path, mode: str, n: int = N, **extra: str):
-  _HELD.append(launch.hold_free_port())
-  port = _HELD[-1].getsockname()[1]
+  port = _HELD.enter_context(held_port())
   procs, logs = [], []
   for i in range(n):
     env = mh_env.controller_env(

@@ -20,6 +20,7 @@ import re
 import signal
 import time
 
+from _helpers import held_port
 from _helpers import program
 import pytest
 
@@ -238,21 +239,19 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process():
 
 def test_with_an_external_service_process_0_is_an_ordinary_failure():
   """When the launcher hosts the coordination service, killing 0 raises too."""
-  hold = launch.hold_free_port()
-  port = hold.getsockname()[1]
-  service = lowlevel.start_service(
-      f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
-      shutdown_timeout=10)
-  try:
-    with _start(3, 'allgather', 'small', port=port,
-                extra_env={multihost.env.EXTERNAL_SERVICE: '1'}) as cluster:
-      _wait_all(cluster, 'LOOPING', range(3))
-      killed_at = time.time()
-      cluster.kill(0, signal.SIGKILL)
-      result = cluster.wait(timeout=60)
-  finally:
-    service.shutdown()
-    hold.close()
+  with held_port() as port:
+    service = lowlevel.start_service(
+        f'127.0.0.1:{port}', 3, heartbeat_timeout=HEARTBEAT_S,
+        shutdown_timeout=10)
+    try:
+      with _start(3, 'allgather', 'small', port=port,
+                  extra_env={multihost.env.EXTERNAL_SERVICE: '1'}) as cluster:
+        _wait_all(cluster, 'LOOPING', range(3))
+        killed_at = time.time()
+        cluster.kill(0, signal.SIGKILL)
+        result = cluster.wait(timeout=60)
+    finally:
+      service.shutdown()
   assert not result.timed_out, result.summary
   _check_survivors(result, 0, killed_at)
   _assert_nothing_running(cluster)

@@ -12,7 +12,6 @@ by its SLURM_JOB_ID) is left running.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import random
@@ -22,11 +21,11 @@ import subprocess
 import sys
 
 from _helpers import clean_env
+from _helpers import held_port
 from _helpers import quick_compile_env
 import pytest
 
 from multihost import env as env_lib
-from multihost import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = ROOT / 'docs' / 'restart.sbatch'
@@ -65,16 +64,16 @@ def _recipe(program: list[str], *, cwd: os.PathLike[str] | str = ROOT,
   """The recipe, as sbatch runs it, with `program` (2 tasks), from `cwd`; `path`: its $PATH (default: the stand-in srun, this Python's folder, ours); `extra`: more environment."""
   job = str(random.randrange(10**5, 10**6))
   # The port stays held from other runs' port-0 binds across the restarts.
-  with contextlib.closing(launch.hold_free_port()) as hold:
-    return _run_recipe(program, job, cwd=cwd, path=path, hold=hold, **extra)
+  with held_port() as port:
+    return _run_recipe(program, job, cwd=cwd, path=path, port=port, **extra)
 
 
-def _run_recipe(program, job, *, cwd, path, hold, **extra):
+def _run_recipe(program, job, *, cwd, path, port, **extra):
   env = clean_env(
       PATH=path or (f'{STANDIN}:{os.path.dirname(sys.executable)}:'
                     f'{os.environ["PATH"]}'),
       SLURM_JOB_ID=job, SLURM_NTASKS='2', JAX_NUM_CPU_DEVICES='2',
-      JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(hold.getsockname()[1]),
+      JAX_PLATFORMS='cpu', JAX_COORDINATOR_PORT=str(port),
       MULTIHOST_HEARTBEAT_TIMEOUT='5', MAX_RESTARTS='2', PYTHONUNBUFFERED='1',
       **extra)
   command = ['bash', str(RECIPE), *program]
