@@ -120,7 +120,8 @@ def _steps(me: int, count: int, star: bool,
   """
   if star:
     if me == 0:
-      order = sorted(range(1, count), key=lambda p: p != first)
+      order = (range(1, count) if first is None
+               else sorted(range(1, count), key=lambda p: p != first))
       return ([(None, p) for p in range(1, count)]
               + [(p, None) for p in order])
     return [(0, None), (None, 0)]
