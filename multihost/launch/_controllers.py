@@ -1,9 +1,10 @@
 """`Controllers`: N controllers of one command as a context manager, supervised together and restarted.
 
-Composes the parts: the controllers' environment (`_environment`), the
-processes (`_processes`), the run policy and restarts (`_policy`), signal
-forwarding (`_signals`) and the report (`_report`, `_restarts`); optionally
-hosts the coordination service (`multihost.lowlevel.start_service`).
+Composes the parts: the controllers' environment (`_environment`), one
+attempt's steps (`_attempt`), the processes (`_processes`), the run policy
+and restarts (`_policy`), signal forwarding (`_signals`) and the report
+(`_report`, `_restarts`); optionally hosts the coordination service
+(`multihost.lowlevel.start_service`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ import collections.abc
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
+from multihost.launch import _attempt
 from multihost.launch import _environment
-from multihost.launch import _output
 from multihost.launch import _policy
 from multihost.launch import _processes
 from multihost.launch import _report
@@ -124,22 +124,10 @@ class Controllers:
                log_dir: str | os.PathLike[str] | None = None,
                hold_tracebacks: bool = True):
     _environment.check_hosts(hosts, host_service=host_service)
-    if isinstance(command, str) or not command:
-      raise ValueError(
-          f'command must be a non-empty list of arguments, e.g. '
-          f"['python', 'train.py']; got {command!r}.")
-    if num_processes < 1 or devices_per_process < 1:
-      raise ValueError(
-          'num_processes and devices_per_process must be at least 1; got '
-          f'num_processes={num_processes}, '
-          f'devices_per_process={devices_per_process}.')
-    if grace_period < 0 or kill_wait < 0:
-      raise ValueError(
-          f'grace_period and kill_wait must be >= 0 seconds; got '
-          f'grace_period={grace_period}, kill_wait={kill_wait}.')
-    if not isinstance(max_restarts, int) or max_restarts < 0:
-      raise ValueError(f'max_restarts must be an integer >= 0; got '
-                       f'max_restarts={max_restarts!r}.')
+    _environment.check_command(command, num_processes=num_processes,
+                               devices_per_process=devices_per_process)
+    _policy.check(grace_period=grace_period, kill_wait=kill_wait,
+                  max_restarts=max_restarts)
     self.command = [os.fspath(c) for c in command]
     self.num_processes = num_processes
     self.devices_per_process = devices_per_process
@@ -188,24 +176,15 @@ class Controllers:
         self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
         self.hosts.start()
       self._secret_env = env_lib.job_secret_env(self._extra_env)
-      self._choose_compilation_cache()
+      self.compilation_cache_dir, self._own_cache_dir = (
+          _environment.compilation_cache_dir(
+              self._cache_choice, extra_env=self._extra_env,
+              max_restarts=self.max_restarts))
       self._spawn_attempt()
     except BaseException:
       self.stop()
       raise
     return self
-
-  def _choose_compilation_cache(self) -> None:
-    """Sets `compilation_cache_dir`: the folder every attempt gets (see the class's Args), making it if needed."""
-    if self._cache_choice is not None:
-      os.makedirs(self._cache_choice, exist_ok=True)
-      self.compilation_cache_dir = self._cache_choice
-    elif (env_lib.COMPILATION_CACHE_DIR in self._extra_env or
-          env_lib.COMPILATION_CACHE_DIR in os.environ):
-      return  # The user's; the controllers inherit it.
-    elif self.max_restarts > 0:
-      self._own_cache_dir = tempfile.mkdtemp(prefix='multihost-jax-cache-')
-      self.compilation_cache_dir = self._own_cache_dir
 
   def _spawn_attempt(self) -> None:
     """Starts attempt `restart_count`: a coordinator port, the service if hosted, every process."""
@@ -237,17 +216,14 @@ class Controllers:
           heartbeat_timeout=int(self.heartbeat_timeout))
       service_env = env_lib.external_service_env(self.heartbeat_timeout)
     service_env.update(self._secret_env)
+    envs = _attempt.environments(
+        num_processes=self.num_processes,
+        devices_per_process=self.devices_per_process, port=self.port,
+        address=address, service_env=service_env, extra_env=self._extra_env,
+        compilation_cache_dir=self.compilation_cache_dir,
+        restart_count=self.restart_count)
     for i in range(self.num_processes):
-      env = _environment.child_env(
-          i, num_processes=self.num_processes,
-          devices_per_process=self.devices_per_process, port=self.port,
-          host=address)
-      env.update(service_env)
-      env.update(self._extra_env)
-      if self.compilation_cache_dir is not None:
-        env[env_lib.COMPILATION_CACHE_DIR] = self.compilation_cache_dir
-      env[env_lib.RESTART_COUNT] = str(self.restart_count)
-      self._procs.spawn(command[i], env=env, cwd=self._cwd)
+      self._procs.spawn(command[i], env=envs[i], cwd=self._cwd)
 
   @property
   def pids(self) -> list[int]:
@@ -354,56 +330,20 @@ class Controllers:
 
   def _wait_attempt(self, timeout: float | None) -> _report.LaunchResult:
     """Supervises the current attempt to its end (`timeout` seconds from now at most); stops its processes; returns its result."""
-    step = _policy.Step(_policy.ALL_EXITED)
-    restart_at_once = _policy.restarts_left(restart_count=self.restart_count,
-                                            max_restarts=self.max_restarts)
-    try:
-      step = _policy.supervise(self._procs, timeout=timeout,
-                               grace_period=self.grace_period,
-                               interrupt=self._poll_signals,
-                               restart_at_once=restart_at_once,
-                               tick=self._release_stale)
-      if step.action == _policy.RESTART_NOW and self._hold:
-        self._procs.output.hold_all()  # The stopped ones' last words.
-      if step.action == _policy.INTERRUPTED:
-        _policy.forward(self._procs, self._interrupts.first,
-                        wait=max(self.kill_wait, self.grace_period),
-                        again=self._interrupts.again)
-    finally:
-      self._stop_attempt(
-          kill_wait=min(self.kill_wait, _policy.RESTART_KILL_WAIT_S)
-          if step.action == _policy.RESTART_NOW else self.kill_wait)
-    timed_out = step.action == _policy.TIMED_OUT
-    with self._procs.changed:
-      observed = _report.Observed(
-          returncodes=tuple(self._procs.returncodes_locked()),
-          end_times=tuple(self._procs.end_times_locked()),
-          stopped=self._procs.stopped_locked(),
-          pids=tuple(self._procs.pids),
-          outputs=tuple(self._procs.output.text_locked(i)
-                        for i in range(self.num_processes)),
-          devices_per_process=self.devices_per_process,
-          elapsed=time.monotonic() - self._procs.start_time,
-          grace_period=self.grace_period,
-          host_service=self.host_service, timed_out=timed_out,
-          still_running_at_timeout=step.running if timed_out else (),
-          interrupted_by=self._interrupts.first,
-          line_times=self._procs.line_times_locked(),
-          hosts=self.hosts_kind,
-          host_addresses=(
-              tuple(self.hosts.address(i) for i in range(self.num_processes))
-              if self.hosts is not None else ()),
-          stopped_to_restart=step.action == _policy.RESTART_NOW)
-    return _report.report(observed)
-
-  def _release_stale(self) -> None:
-    """While supervising (caller holds `changed`): streams held tracebacks that no failure followed, or all when a process said restarting will not help."""
-    output = self._procs.output
-    if _policy.not_retryable(self._procs.returncodes_locked(),
-                             self._procs.stopped_locked()) is not None:
-      output.release()
-    else:
-      output.release(older_than=_output.HELD_TRACEBACK_S)
+    step = _attempt.supervise(
+        self._procs, timeout=timeout, grace_period=self.grace_period,
+        kill_wait=self.kill_wait,
+        restart_at_once=_policy.restarts_left(
+            restart_count=self.restart_count, max_restarts=self.max_restarts),
+        hold=self._hold, interrupts=self._interrupts,
+        poll_signals=self._poll_signals, stop=self._stop_attempt)
+    return _attempt.result(
+        self._procs, step, devices_per_process=self.devices_per_process,
+        grace_period=self.grace_period, host_service=self.host_service,
+        interrupted_by=self._interrupts.first, hosts_kind=self.hosts_kind,
+        host_addresses=(
+            tuple(self.hosts.address(i) for i in range(self.num_processes))
+            if self.hosts is not None else ()))
 
   def _say_healed(self, attempt: _report.LaunchResult, k: int) -> None:
     """Writes failed attempt `k`'s output to one file per process and says where the others were and where the files are."""
@@ -415,11 +355,8 @@ class Controllers:
     try:
       if self.log_dir is None:
         self.log_dir = tempfile.mkdtemp(prefix='multihost-launch-logs-')
-      os.makedirs(self.log_dir, exist_ok=True)
-      for i, text in enumerate(attempt.outputs):
-        path = os.path.join(self.log_dir, f'attempt-{k}.p{i}.log')
-        with open(path, 'w', encoding='utf-8') as f:
-          f.write(text)
+      files = _attempt.keep_logs(attempt.outputs, log_dir=self.log_dir,
+                                 attempt=k)
     except OSError as e:
       self._say(f'  {held} line(s) held back (tracebacks, the stopped '
                 f'processes\' last words) could not be written to '
@@ -427,8 +364,7 @@ class Controllers:
       return
     what = (f'{held} line(s) held back (tracebacks, the stopped processes\' '
             'last words); ' if held else '')
-    self._say(f'  {what}every line of attempt {k}: '
-              f'{os.path.join(self.log_dir, f"attempt-{k}.p*.log")}.')
+    self._say(f'  {what}every line of attempt {k}: {files}.')
 
   def _say(self, text: str) -> None:
     """Writes a `[launcher] ` line to the live stream, if there is one."""
@@ -452,16 +388,7 @@ class Controllers:
     A controller handles it once `multihost.initialize()` has run; one that
     does not handle SIGUSR1 (which would kill it) is skipped, and said so.
     """
-    for i, pid in enumerate(self.pids):
-      if self._procs.returncodes_locked()[i] is not None:
-        continue
-      if _signals.catches(pid, _signals.REPORT_SIGNAL):
-        self._procs.kill(i, _signals.REPORT_SIGNAL)
-      else:
-        sys.stderr.write(f'[launcher] process {i} does not handle SIGUSR1 '
-                         '(it has not called multihost.initialize()); not '
-                         'asked where it is.\n')
-        sys.stderr.flush()
+    _attempt.ask_where(self._procs)
 
   def _stop_attempt(self, kill_wait: float | None = None) -> None:
     """Stops the current attempt's processes (SIGTERM, then SIGKILL after `kill_wait`, default self.kill_wait) and its hosted service."""

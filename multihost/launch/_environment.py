@@ -6,6 +6,7 @@ import collections.abc
 import os
 import re
 import socket
+import tempfile
 
 from multihost import env as env_lib
 
@@ -58,6 +59,42 @@ def child_env(process_id: int, *, num_processes: int, devices_per_process: int,
   return env_lib.controller_env(process_id, num_processes=num_processes,
                                 devices_per_process=devices_per_process,
                                 port=port, base=base, host=host)
+
+
+def check_command(command: collections.abc.Sequence[str], *,
+                  num_processes: int, devices_per_process: int) -> None:
+  """Raises ValueError, saying what to pass, for a command or process count a run cannot have."""
+  if isinstance(command, str) or not command:
+    raise ValueError(
+        f'command must be a non-empty list of arguments, e.g. '
+        f"['python', 'train.py']; got {command!r}.")
+  if num_processes < 1 or devices_per_process < 1:
+    raise ValueError(
+        'num_processes and devices_per_process must be at least 1; got '
+        f'num_processes={num_processes}, '
+        f'devices_per_process={devices_per_process}.')
+
+
+def compilation_cache_dir(
+    choice: str | None, *, extra_env: collections.abc.Mapping[str, str],
+    max_restarts: int) -> tuple[str | None, str | None]:
+  """The compilation cache folder every attempt gets, and the same again if it was made here (to remove at the end), else None.
+
+  `choice` (the caller's folder), made if missing; else None when
+  `JAX_COMPILATION_CACHE_DIR` is in `extra_env` or this process's
+  environment (the controllers inherit it); else, with restarts, a fresh
+  folder under the temp folder; else None.
+  """
+  if choice is not None:
+    os.makedirs(choice, exist_ok=True)
+    return choice, None
+  if (env_lib.COMPILATION_CACHE_DIR in extra_env or
+      env_lib.COMPILATION_CACHE_DIR in os.environ):
+    return None, None
+  if max_restarts > 0:
+    made = tempfile.mkdtemp(prefix='multihost-jax-cache-')
+    return made, made
+  return None, None
 
 
 def check_hosts(hosts: str | None, *, host_service: bool) -> None:

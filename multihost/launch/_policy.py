@@ -54,6 +54,17 @@ class Step:
   running: tuple[int, ...] = ()
 
 
+def check(*, grace_period: float, kill_wait: float, max_restarts: int) -> None:
+  """Raises ValueError, saying what to pass, for a grace period, kill wait or restart count a run cannot have."""
+  if grace_period < 0 or kill_wait < 0:
+    raise ValueError(
+        f'grace_period and kill_wait must be >= 0 seconds; got '
+        f'grace_period={grace_period}, kill_wait={kill_wait}.')
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise ValueError(f'max_restarts must be an integer >= 0; got '
+                     f'max_restarts={max_restarts!r}.')
+
+
 def next_step(*, elapsed: float, returncodes: collections.abc.Sequence[int | None],
               end_times: collections.abc.Sequence[float | None],
               timeout: float | None, grace_period: float,
