@@ -33,7 +33,6 @@ import functools
 import itertools
 import os
 import threading
-import typing
 from typing import Any
 
 from absl import logging
@@ -42,15 +41,6 @@ import jax
 from multihost._src.runtime import coordination
 from multihost._src.runtime import flight
 from multihost._src.runtime import settings as _settings
-
-if typing.TYPE_CHECKING:  # The parts' types; the assembler imports them.
-  from multihost._src.api.live_devices import Blocks
-  from multihost._src.diagnostics.stalls import Stalls
-  from multihost._src.diagnostics.where import Responder
-  from multihost._src.liveness.step_deadline import StepWatch
-  from multihost._src.liveness.watchdog import Watchdog
-  from multihost._src.runtime.companion import Companion
-  from multihost._src.transport.tcp.link import Plane
 
 # The exit sequence (see `Runtime.shutdown`). The flight recorder's dump
 # goes first: it only writes a local file, and a later step may block.
@@ -141,16 +131,21 @@ class Runtime:
     # The type of the uncaught exception ending the program, if any (noted
     # by `liveness.exit_handshake.note_uncaught_exceptions`, read by the exit handshake).
     self.uncaught: str | None = None
-    # The TCP links, made on the first transfer; process 0's companion.
-    self.plane: Plane | None = None
-    self.companion: Companion | None = None
+    # The TCP links (a `transport.tcp.link.Plane`), made on the first
+    # transfer; process 0's companion (a `runtime.companion.Companion`).
+    # Typed Any here and below: their classes are in the packages above
+    # this one, which import it, never the other way.
+    self.plane: Any = None
+    self.companion: Any = None
     # The parts that run threads (which they start when first needed),
-    # built now by the registered assembler.
-    self.watchdog: Watchdog
-    self.where: Responder
-    self.stalls: Stalls
-    self.live_blocks: Blocks
-    self.step_watch: StepWatch
+    # built now by the registered assembler: a `liveness.watchdog.Watchdog`,
+    # a `diagnostics.where.Responder`, `diagnostics.stalls.Stalls`,
+    # `api.live_devices.Blocks` and a `liveness.step_deadline.StepWatch`.
+    self.watchdog: Any
+    self.where: Any
+    self.stalls: Any
+    self.live_blocks: Any
+    self.step_watch: Any
     if _assembler is None:
       raise RuntimeError(
           'multihost\'s runtime parts are not assembled: import '
