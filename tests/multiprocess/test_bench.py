@@ -181,3 +181,28 @@ def test_targets_mark_met_and_missed_from_the_medians():
   assert '| 1024 | agreement over TCP links (dissemination) | 10 |' in text
   assert '| 4096 | agreement over TCP links (dissemination) | 12 |' in text
   assert '| 4096 | agreement at the service (full exchange) | 3 |' in text
+
+
+COST_CASES = ['round trip (local socket)', 'round trip, socket timeout',
+              'framed round trip', 'barrier', 'broadcast 8 B',
+              'all-gather 8 B']
+
+
+def test_cost_times_every_layer_from_the_round_trip_up(tmp_path):
+  out = tmp_path / 'cost.json'
+  result = launch.launch(
+      [sys.executable, str(ROOT / 'bench' / 'cost.py'), '--calls=40',
+       '--rounds=2', f'--json={out}'],
+      num_processes=2, devices_per_process=1, timeout=60, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  report = json.loads(out.read_text())
+  assert [row['case'] for row in report['rows']] == COST_CASES, report
+  for row in report['rows']:
+    _positive(row, 'wall_ms')
+    assert len(row['cpu_ms']) == len(row['sleeps']) == 2, row
+    assert all(cpu > 0 for cpu in row['cpu_ms']), row
+  # Every round trip sleeps: the reply cannot come before the message.
+  for row in report['rows'][:3]:
+    assert min(row['sleeps']) >= 0.5, row
+  for case in COST_CASES:
+    assert f'| {case} | ' in result.outputs[0], case

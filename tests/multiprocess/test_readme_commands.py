@@ -48,6 +48,9 @@ NOT_RUN = {
     'bench/restart_drill.py': 'a measurement: 3 restart drills of about a '
                               'minute each per command; tests/multiprocess/'
                               'test_launch_restarts.py drills the restarts',
+    'bench/cost.py': 'a measurement: 9 rounds of 6 cases of 2000 calls, '
+                     'about 15 s; tests/multiprocess/test_bench.py runs it '
+                     'with fewer calls',
     'bench/compile_cache.py': 'a measurement: a 400-layer model whose '
                               'compiles take 25-35 s per process and attempt',
     '--width=8388608': 'a synopsis ([--local_checkpoint_dir=...] is '

@@ -16,8 +16,9 @@ import time
 
 from multihost._src.runtime.deadline import Deadline
 
-# is checked, so a peer cut off or frozen (its socket silent, not closed)
-# raises ProcessFailureError once the watchdog names it.
+# The longest a link's socket waits in one read or write: between slices
+# the failure watchdog is checked, so a peer cut off or frozen (its socket
+# silent, not closed) raises ProcessFailureError once the watchdog names it.
 SLICE_S = 0.25
 
 
