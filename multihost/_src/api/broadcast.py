@@ -77,7 +77,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
             and not choice.carries_small_payloads())
   header = agree.Header(
       op, _leaves.signature(treedef), tuple(paths), specs, size=size,
-      payload=_leaves.pack(values).tobytes() if is_source and inline else None,
+      payload=_leaves.packed_bytes(values) if is_source and inline else None,
       default_source=default_source, is_source=bool(is_source))
   # With the default source every process knows who it is, so one barrier
   # can prove agreement. With explicit is_source every process also shares

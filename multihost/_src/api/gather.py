@@ -74,12 +74,13 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   size = sum(p.nbytes for p in parts)
   # What every process sends follows from the specs and the global leaves'
   # layouts, which the agreement covers, so every process knows every size.
-  sizes = [_size_of(specs, layouts, p) for p in range(count)]
+  sizes = ([size] * count if not has_global else
+           [_size_of(specs, layouts, p) for p in range(count)])
   inline = (max(sizes) * count <= _INLINE_TOTAL
             and not choice.carries_small_payloads())
   header = agree.Header(
       op, _leaves.signature(treedef), tuple(paths), tuple(specs), size=size,
-      payload=_leaves.pack(parts).tobytes() if inline else None,
+      payload=_leaves.packed_bytes(parts) if inline else None,
       tiled=bool(tiled), layouts=tuple(layouts), shards=tuple(shards))
   if inline:
     payloads, headers = agree.agree_and_gather(header,
@@ -88,16 +89,16 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     payloads, headers = None, agree.agree(
         header, timeout=timeout).headers
   if headers is None:
-    if inline:
+    if inline and not has_global:  # Equal sizes: the rows, in one
+      rows = np.frombuffer(bytearray().join(payloads),  # (writable) copy.
+                           np.uint8).reshape(count, size)
+    elif inline:
       received = [np.frombuffer(p, np.uint8) for p in payloads]
     else:
       rows = choice.allgather(_leaves.pack(parts, copy=False), sizes,
                                    op=op, timeout=timeout)
       received = [rows[p, :n] for p, n in enumerate(sizes)]
     if not has_global:
-      if inline:  # Equal sizes: the rows, joined in one (writable) copy.
-        rows = np.frombuffer(bytearray().join(payloads),
-                             np.uint8).reshape(count, sizes[0])
       return treedef.unflatten(_leaves.stacked_views(rows, specs,
                                                      tiled=tiled))
     all_shards = [[None if layout is None else layout[p]

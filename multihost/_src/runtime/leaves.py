@@ -172,6 +172,13 @@ def pack(values: list[np.ndarray], pad_to: int = 0, *,
   return out
 
 
+def packed_bytes(values: list[np.ndarray]) -> bytes:
+  """`pack(values)` as bytes, without the array in between (a small payload that travels in a header)."""
+  if len(values) == 1:
+    return values[0].tobytes()
+  return b''.join([v.reshape(-1).view(np.uint8) for v in values])
+
+
 def unpack(buffer: np.ndarray, specs: list[LeafSpec],
            shapes: list[tuple[int, ...]] | None = None) -> list:
   """Splits `buffer` back into leaves (optionally with other shapes)."""
