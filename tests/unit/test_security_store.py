@@ -28,6 +28,7 @@ from multihost._src.control import rendezvous
 from multihost._src.diagnostics import where
 from multihost._src.runtime import errors
 from multihost._src.transport.tcp import auth
+from multihost._src.transport.tcp import handshake
 from multihost._src.transport.tcp import link as _tcp_link
 
 Header = agree.Header
@@ -315,7 +316,7 @@ def plane(secret, monkeypatch, request):
   """Process 1's data-plane listener (of 2), with a 1 s handshake deadline, and a function that connects a stranger to it: its TCP port, or its local socket."""
   import socket  # noqa: PLC0415
   del secret
-  monkeypatch.setattr(_tcp_link, '_HANDSHAKE_S', 1.0)
+  monkeypatch.setattr(handshake, 'HANDSHAKE_S', 1.0)
   _, rts = fake.runtimes(2)
   fake.run(rts, lambda rt: _secret.job_keys(timeout=5, runtime=rt))
   p = _tcp_link.Plane(rts[1], 5.0, 'test')
@@ -369,11 +370,11 @@ def test_a_handshake_trickling_a_byte_at_a_time_is_cut_at_its_deadline(plane):
 
 def test_strangers_past_the_cap_cut_the_oldest_not_the_newcomer(plane):
   p, connect = plane
-  held = [connect() for _ in range(_tcp_link._PER_SOURCE)]
+  held = [connect() for _ in range(handshake.PER_SOURCE)]
   try:
     deadline = time.monotonic() + 2
-    while len(p.pending) < _tcp_link._PER_SOURCE:
-      assert time.monotonic() < deadline, len(p.pending)
+    while len(p.acceptor.pending) < handshake.PER_SOURCE:
+      assert time.monotonic() < deadline, len(p.acceptor.pending)
       time.sleep(0.01)
     newcomer = connect()
     held.append(newcomer)

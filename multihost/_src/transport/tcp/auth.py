@@ -1,8 +1,8 @@
 """Data plane: the TCP links' credentials (handshake proofs, per-direction frame keys, the MAC'd address records).
 
-The handshake and the records are `transport.tcp.link`'s; what proves the job secret
-lives here, so that the plane's connection logic and its cryptography can
-be read (and reviewed) apart.
+The handshake is `transport.tcp.handshake`'s and the records
+`transport.tcp.link`'s; what proves the job secret lives here, so that the
+connection logic and its cryptography can be read (and reviewed) apart.
 """
 
 from __future__ import annotations

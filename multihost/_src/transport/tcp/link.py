@@ -12,13 +12,9 @@ are refused. Each pair of processes has `lanes` links (lane 0 for the
 agreement and every transfer, the others for large broadcasts' stripes).
 The plane is the runtime's (`Runtime.plane`), made on the first transfer.
 
-Strangers who reach the port cannot hold it: each handshake has one
-deadline (`_HANDSHAKE_S`) for all of its bytes, at most `_PER_SOURCE`
-handshakes from one source address and `_MAX_HANDSHAKES` in all are pending,
-and a new connection past either limit closes the oldest pending one (a
-peer's handshake takes a round trip, a stranger's lasts to its deadline). A
-connector whose handshake was cut tries again until the transfer's
-deadline. After a failed transfer the links are closed and opened afresh by
+The handshake, and the bounds that keep strangers who reach the port from
+holding it, are `transport.tcp.handshake`'s. A connector whose handshake
+was cut tries again until the transfer's deadline. After a failed transfer the links are closed and opened afresh by
 the next transfer (new nonces, new keys, frame numbers from 0).
 
 Processes on one host link over a local socket instead, found through the
@@ -27,12 +23,7 @@ same record and proven by the same handshake (`transport.tcp.local`).
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import hmac
-import secrets
 import socket
-import struct
 import threading
 import time
 
@@ -45,37 +36,11 @@ from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import errors as _tcp_errors
 from multihost._src.transport.tcp import frames
+from multihost._src.transport.tcp import handshake
 from multihost._src.transport.tcp import local as _local
 from multihost._src.transport.tcp import sockets
 
-# Handshake (the lower index connects): hello = magic, connector, acceptor,
-# lane, connector's nonce; the acceptor answers its nonce and its proof; the
-# connector answers its proof; the acceptor answers one byte (accepted). The
-# lane is bound into both proofs and the frame keys (see `_nonces`), so a
-# relay cannot swap two lanes' connections.
-_HELLO = struct.Struct('<4sIIB16s')
-
-_MAGIC = b'MHT3'
-
-# Links per pair of processes: lane 0 carries the agreement and every
-# transfer; large broadcasts also stripe over the others (`transport.tcp.chain`).
-
-_NONCE = 16
-
-
-_ACCEPTED = b'\x01'
-
-_HANDSHAKE_S = 5.0  # an accepted connection must authenticate within this
-
-_MAX_HANDSHAKES = 32  # pending at once; a new one closes the oldest
-
-_PER_SOURCE = 8  # pending at once from one address; likewise
-
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
-
-def _nonces(connector: bytes, acceptor: bytes, lane: int) -> bytes:
-  """What a handshake's proofs and frame keys bind: both nonces and the lane."""
-  return connector + acceptor + bytes([lane])
 
 
 def _key(peer: int, lane: int) -> int | tuple[int, int]:
@@ -112,9 +77,9 @@ class Plane:
     self.lanes = settings.tcp_lanes()
     self.lane_threads = [sockets.Lane(f'multihost-transport-lane-{k}')
                          for k in range(1, self.lanes)]
-    # Accepted connections still in their handshake, oldest first:
-    # connection -> its source address.
-    self.pending: dict[socket.socket, str] = {}
+    self.acceptor = handshake.Acceptor(me=self.me, job=self.job,
+                                       secret=self.secret, lock=self.lock,
+                                       on_link=self._accepted)
     host = auth.local_host(rt)
     self.listener = socket.socket(sockets.family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -128,7 +93,7 @@ class Plane:
     self.local = ''  # its name, published without the leading NUL
     for listener in (self.listener, self.local_listener):
       if listener is not None:
-        threading.Thread(target=self._accept, args=(listener,),
+        threading.Thread(target=self.acceptor.serve, args=(listener,),
                          name='multihost-transport', daemon=True).start()
     if self.local_listener is not None:
       self.local = self.local_listener.getsockname()[1:].decode()
@@ -136,88 +101,15 @@ class Plane:
                      auth.address_record(self.secret, self.me, host, port,
                                          self.local))
 
-  def _accept(self, listener: socket.socket) -> None:
-    """Accepts connections on `listener` for ever; each handshake runs on its own thread."""
-    while True:
-      try:
-        conn, source = listener.accept()
-      except OSError as e:
-        if e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
-          return  # the listener was closed
-        # Out of file descriptors or memory, or a connection aborted before
-        # it was accepted: back off and keep listening.
-        time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE,
-                                       errno.ENOBUFS, errno.ENOMEM) else 0.001)
-        continue
-      self._admit(conn, _local.source(conn, source))
-      try:
-        threading.Thread(target=self._handshake, args=(conn,), daemon=True,
-                         name='multihost-transport-handshake').start()
-      except RuntimeError:
-        self._settled(conn)
-        sockets.close(conn)
-
-  def _admit(self, conn: socket.socket, source: str) -> None:
-    """Counts `conn` as pending; past a limit, cuts the oldest pending one."""
-    with self.lock:
-      same = [c for c, s in self.pending.items() if s == source]
-      oldest = None
-      if len(same) >= _PER_SOURCE:
-        oldest = same[0]
-      elif len(self.pending) >= _MAX_HANDSHAKES:
-        oldest = next(iter(self.pending))
-      if oldest is not None:
-        del self.pending[oldest]
-        try:  # Wakes its handshake thread, which closes it.
-          oldest.shutdown(socket.SHUT_RDWR)
-        except OSError:
-          pass
-      self.pending[conn] = source
-
-  def _settled(self, conn: socket.socket) -> None:
-    with self.lock:
-      self.pending.pop(conn, None)
-
-  def _handshake(self, conn: socket.socket) -> None:
-    """Authenticates a connecting peer; keeps the connection only if it proves itself."""
-    keep = False
-    deadline = time.monotonic() + _HANDSHAKE_S  # for all of its bytes
-    try:
-      magic, peer, target, lane, nonce = _HELLO.unpack(
-          sockets.recv_by(conn, _HELLO.size, deadline))
-      if (magic != _MAGIC or target != self.me or not 0 <= peer < self.me
-          or lane >= settings.MAX_TCP_LANES):
-        return
-      mine = secrets.token_bytes(_NONCE)
-      nonces = _nonces(nonce, mine, lane)
-      conn.settimeout(max(deadline - time.monotonic(), 0.001))
-      conn.sendall(mine + auth.proof(self.secret, b'accept', self.job, peer,
-                                 self.me, nonces))
-      theirs = sockets.recv_by(conn, hashlib.sha256().digest_size, deadline)
-      if not hmac.compare_digest(theirs, auth.proof(
-          self.secret, b'connect', self.job, peer, self.me, nonces)):
-        return
-      with self.lock:
-        if self.pending.pop(conn, None) is None:
-          return  # cut as the oldest pending one meanwhile
-        conn.sendall(_ACCEPTED)
-        sockets.tune(conn)
-        # A proven new connection replaces the old link: the peer closed
-        # its end of that one after a failed transfer.
-        old = self.conns.get(_key(peer, lane))
-        if old is not None:
-          sockets.close(old.sock)
-        self.conns[_key(peer, lane)] = Link(
-            conn, *auth.link_keys(self.secret, self.job, peer, self.me, nonces,
-                              connector=False))
-        keep = True
-        self.lock.notify_all()
-    except (OSError, struct.error, ValueError):
-      pass
-    finally:
-      self._settled(conn)
-      if not keep:
-        sockets.close(conn)
+  def _accepted(self, peer: int, lane: int, link: Link) -> None:
+    """Keeps a link `peer` proved on `lane` (the acceptor calls it under `lock`)."""
+    # A proven new connection replaces the old link: the peer closed its end
+    # of that one after a failed transfer.
+    old = self.conns.get(_key(peer, lane))
+    if old is not None:
+      sockets.close(old.sock)
+    self.conns[_key(peer, lane)] = link
+    self.lock.notify_all()
 
   def hosts(self, op: str, deadline: float) -> list[str]:
     """Every process's host, as its authenticated address record says (one read per process).
@@ -273,29 +165,12 @@ class Plane:
     except OSError as e:
       raise _tcp_errors.Unreachable(where, e) from e
     try:
-      nonce = secrets.token_bytes(_NONCE)
-      conn.sendall(_HELLO.pack(_MAGIC, self.me, peer, lane, nonce))
-      reply = sockets.recv_exact(conn, _NONCE + hashlib.sha256().digest_size)
-      nonces = _nonces(nonce, reply[:_NONCE], lane)
-      if not hmac.compare_digest(reply[_NONCE:], auth.proof(
-          self.secret, b'accept', self.job, self.me, peer, nonces)):
-        raise errors.MultihostError(
-            f'{self.rt.prefix} the listener at {where} (published '
-            f'as process {peer}\'s) did not prove the job secret: it is not '
-            f'process {peer} of this job. Check that every process has the '
-            'same job secret and that nothing else took the address.')
-      conn.sendall(auth.proof(self.secret, b'connect', self.job, self.me, peer,
-                          nonces))
-      if sockets.recv_exact(conn, 1) != _ACCEPTED:
-        raise errors.MultihostError(
-            f'{self.rt.prefix} process {peer} at {where} did not accept '
-            'the handshake.')
+      return handshake.connect(conn, me=self.me, peer=peer, lane=lane,
+                               job=self.job, secret=self.secret, where=where,
+                               prefix=self.rt.prefix)
     except BaseException:
       sockets.close(conn)
       raise
-    sockets.tune(conn)
-    return Link(conn, *auth.link_keys(self.secret, self.job, self.me, peer,
-                                   nonces, connector=True))
 
   def conn(self, peer: int, deadline: float, op: str, lane: int = 0) -> Link:
     """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it."""
