@@ -9,7 +9,7 @@ thread), and each process's voluntary context switches (sleeps: the waits
 for the peer). The cases, each one layer on the one before:
 
 1. `round trip`: an 8-byte Python ping-pong over a local socket (the floor,
-   as `bench/versus.py` `RoundTrip`);
+   as `bench/reference.py` `RoundTrip`);
 2. `round trip, socket timeout`: the same on a socket with a Python
    timeout, as our links' sockets have (Python polls before each read);
 3. `framed round trip`: that with our frame header on each message (a
@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import versus  # noqa: E402  pylint: disable=g-import-not-at-top
+from bench import reference  # noqa: E402  pylint: disable=g-import-not-at-top
 from bench.harness import Settings  # noqa: E402
 import multihost  # noqa: E402
 from multihost._src.transport.tcp import frames  # noqa: E402
@@ -55,7 +55,7 @@ class FramedRoundTrip:
 
   def __init__(self, settings: Settings):
     self.pid = jax.process_index()
-    self.server, conn = versus._connect_0_and_1(settings, local=True)  # pylint: disable=protected-access
+    self.server, conn = reference.connect_0_and_1(settings, local=True)
     self.link = None
     if conn is not None:
       keys = ((_KEY_0_TO_1, _KEY_1_TO_0) if self.pid == 0
@@ -115,8 +115,8 @@ def main() -> None:
                      'python bench/cost.py')
   settings = Settings()
   x8 = np.zeros(2, np.float32)
-  floor = versus.RoundTrip(settings, local=True)
-  timed = versus.RoundTrip(settings, local=True)
+  floor = reference.RoundTrip(settings, local=True)
+  timed = reference.RoundTrip(settings, local=True)
   if timed.conn is not None:
     timed.conn.settimeout(sockets.SLICE_S)
   framed = FramedRoundTrip(settings)
@@ -135,8 +135,8 @@ def main() -> None:
   for r in range(args.rounds):
     for c, (_, fn) in enumerate(cases):
       samples[r, c] = _sample(fn, args.calls)
-  for reference in (floor, timed, framed):
-    reference.close()
+  for ref in (floor, timed, framed):
+    ref.close()
   every = multihost.process_allgather(samples)  # (process, round, case, 3)
   if jax.process_index() != 0:
     return

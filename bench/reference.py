@@ -1,15 +1,20 @@
-"""Reference rows: the raw barrier, plain jitted collectives, loopback TCP, torch.distributed.
+"""Reference rows: the raw barrier, plain jitted collectives, loopback TCP, torch.distributed; and the references `--versus` times beside ours: a raw stream, a round trip, spinners for a busy CPU.
 
 Each is what ours could at best match: the coordination-service barrier
 under `sync_global_devices`, a plain jitted all-gather and psum of a
 prebuilt global array, loopback TCP from process 0 to 1, and
-torch.distributed (gloo) when `import torch` works.
+torch.distributed (gloo) when `import torch` works. `RawStream` and
+`RoundTrip` are one Python socket between processes 0 and 1 (over loopback
+TCP, or a local socket as our links on one host use); `BusyCores` spins
+one process per core.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import socket
+import time
 
 import jax
 import numpy as np
@@ -18,6 +23,7 @@ from bench.collectives import global_rows
 from bench.collectives import process_mesh
 from bench.harness import Row
 from bench.harness import Settings
+from bench.harness import barrier
 from bench.harness import format_size
 from bench.harness import time_reference
 from bench.harness import torch_group
@@ -154,3 +160,124 @@ def torch_rows(sizes: list[int], repeats: int,
   finally:
     dist.destroy_process_group()
   return rows
+
+
+def connect_0_and_1(settings: Settings, local: bool = False):
+  """(listening socket or None, connection or None): one connection between processes 0 and 1 (the others get None, None): loopback TCP, or with `local` a Unix domain socket (what our links between processes on one host use).
+
+  Collective: every process must call this (the address is broadcast).
+  """
+  pid, server, conn, address = jax.process_index(), None, None, None
+  if pid == 0 and local:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(b'\0multihost-bench-' + os.urandom(8).hex().encode())
+    server.listen()
+    address = server.getsockname()
+  elif pid == 0:
+    server = socket.create_server(('127.0.0.1', 0))
+    address = server.getsockname()[1]
+  address = multihost.broadcast_object(address, timeout=settings.timeout)
+  if pid == 0:
+    conn, _ = server.accept()
+  elif pid == 1 and local:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(address)
+  elif pid == 1:
+    conn = socket.create_connection(('127.0.0.1', address))
+  return server, conn
+
+
+class RawStream:
+  """One Python stream, process 0 -> 1 (`sendall`, `recv_into` a buffer); 1 acks. Over loopback TCP, or with `local` a Unix domain socket."""
+
+  def __init__(self, nbytes: int, settings: Settings, local: bool = False):
+    self.pid = jax.process_index()
+    self.nbytes = nbytes
+    self.calls = 2  # timed back to back, per round
+    self.name = (f'raw {"local" if local else "TCP"} stream '
+                 f'{format_size(nbytes)}')
+    self.server, self.conn = connect_0_and_1(settings, local)
+    self.payload = np.ones(nbytes, np.uint8)
+    self.buffer = memoryview(bytearray(nbytes))
+
+  def __call__(self) -> None:
+    if self.pid == 0:
+      self.conn.sendall(self.payload)
+      self.conn.recv(1)
+    elif self.pid == 1:
+      got = 0
+      while got < self.nbytes:
+        k = self.conn.recv_into(self.buffer[got:])
+        if not k:
+          raise ConnectionError('raw stream: process 0 closed early')
+        got += k
+      self.conn.sendall(b'k')
+
+  def close(self) -> None:
+    for s in (self.conn, self.server):
+      if s is not None:
+        s.close()
+
+
+class RoundTrip:
+  """The floor: one 8-byte Python ping-pong between processes 0 and 1 over loopback TCP (TCP_NODELAY), or with `local` a Unix domain socket, per call."""
+
+  NAME = 'round trip 8 B (Python ping-pong, loopback)'
+  LOCAL_NAME = 'round trip 8 B (Python ping-pong, local socket)'
+
+  def __init__(self, settings: Settings, local: bool = False):
+    self.pid = jax.process_index()
+    self.name = self.LOCAL_NAME if local else self.NAME
+    self.nbytes, self.calls = 8, 20
+    self.server, self.conn = connect_0_and_1(settings, local)
+    if self.conn is not None and not local:
+      self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    self.buffer = memoryview(bytearray(8))
+
+  def _take(self) -> None:
+    got = 0
+    while got < 8:
+      k = self.conn.recv_into(self.buffer[got:])
+      if not k:
+        raise ConnectionError('round trip: the peer closed early')
+      got += k
+
+  def __call__(self) -> None:
+    if self.pid == 0:
+      self.conn.sendall(b'pingping')
+      self._take()
+    elif self.pid == 1:
+      self._take()
+      self.conn.sendall(self.buffer)
+
+  def close(self) -> None:
+    for s in (self.conn, self.server):
+      if s is not None:
+        s.close()
+
+
+class BusyCores:
+  """One spinning process per core on this machine (started by process 0 only), for the rows with the CPU busy.
+
+  Every process of a one-machine run shares those cores, so one set of
+  spinners is enough; `close` ends them (by their own process ids).
+  """
+
+  def __init__(self, settings: Settings):
+    self.procs: list = []
+    if jax.process_index() == 0:
+      import subprocess  # pylint: disable=import-outside-toplevel
+      import sys  # pylint: disable=import-outside-toplevel
+      for _ in range(os.cpu_count() or 1):
+        self.procs.append(subprocess.Popen(
+            [sys.executable, '-c', 'while True: pass'],
+            stdin=subprocess.DEVNULL))
+    time.sleep(0.5)  # Let the spinners take their cores.
+    barrier(settings)
+
+  def close(self) -> None:
+    for proc in self.procs:
+      proc.kill()
+    for proc in self.procs:
+      proc.wait(timeout=30)
+    self.procs = []

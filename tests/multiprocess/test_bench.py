@@ -140,6 +140,7 @@ def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
 def test_targets_mark_met_and_missed_from_the_medians():
   sys.path.insert(0, str(ROOT))
   from bench import model
+  from bench import reference
   from bench import soak
   from bench import versus
   r = versus.Result
@@ -155,7 +156,7 @@ def test_targets_mark_met_and_missed_from_the_medians():
   assert rows['all-gather 64 MiB <= 0.5x torch gloo'][1] == 'met'
   assert rows['broadcast 8 B <= torch gloo'] == ('n/a', 'not measured')
   assert rows['barrier, CPU busy <= torch gloo'] == ('n/a', 'not measured')
-  floor = versus.RoundTrip.NAME
+  floor = reference.RoundTrip.NAME
   rows = {t: (m, s) for t, m, s in versus.targets(
       [r('barrier', 0, [0.3], [0.4]), r(floor, 8, [0.1], None),
        r('broadcast 8 B', 8, [0.5], [0.6]),

@@ -16,6 +16,7 @@ import _plot_drill  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-impo
 import _plot_scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
+from bench import reference  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from bench import scaling  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from bench import versus  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -88,14 +89,14 @@ def _scaling_report() -> dict:
           r('broadcast 8 B', 8, [0.2], [0.3]),
           r('broadcast 64 MiB', 64 << 20, [20.0, 22.0], [19.0, 21.0]),
           r('raw TCP stream 64 MiB', 64 << 20, [25.0], None),
-          r(versus.RoundTrip.NAME, 8, [0.07], None),
-          r(versus.RoundTrip.LOCAL_NAME, 8, [0.03], None),
+          r(reference.RoundTrip.NAME, 8, [0.07], None),
+          r(reference.RoundTrip.LOCAL_NAME, 8, [0.03], None),
           r('barrier' + versus.BUSY, 0, [0.9], [1.9]),
           r('barrier' + versus.OVER_TCP, 0, [0.3], [0.6])],
       4: [r('barrier', 0, [0.5], [1.5]),
           r('broadcast 8 B', 8, [0.7], [0.6]),
           r('raw TCP stream 64 MiB', 64 << 20, [29.0], None),
-          r(versus.RoundTrip.NAME, 8, [0.09], None)],
+          r(reference.RoundTrip.NAME, 8, [0.09], None)],
   }
   return scaling.scaling_data(by_p, commit='abc1234', date='2026-12-03',
                               cores=2)
