@@ -114,7 +114,7 @@ def _stored(local) -> set[tuple[str, int]]:
 # -- the folder format --------------------------------------------------------
 
 
-RUN = '0123456789abcdef'  # a run identity (folder.new_run())
+RUN = '0123456789abcdef'  # a run identity (run_identity.new())
 OTHER_RUN = 'fedcba9876543210'
 
 

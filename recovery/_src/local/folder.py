@@ -44,6 +44,7 @@ import numpy as np
 from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
 from recovery._src.local import private
+from recovery._src.local import run_identity
 from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
@@ -79,16 +80,6 @@ class StoredStep:
   folder: str
   manifest: dict[str, Any]
   entries: dict[EntryKey, Entry]
-
-
-def new_run() -> str:
-  """A fresh run identity: 16 random hex digits."""
-  return private.new_identity()
-
-
-def is_run(value: Any) -> bool:
-  """Whether `value` is a run identity (16 lowercase hex digits)."""
-  return isinstance(value, str) and private.IDENTITY.fullmatch(value) is not None
 
 
 def process_folder(local: str, process: int) -> str:
@@ -161,9 +152,9 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
     OSError: the write failed (e.g. the disk is full); nothing is left of it.
   """
   run = manifest.get('run')
-  if not is_run(run):
+  if not run_identity.is_run(run):
     raise ValueError(f'Local step {step} has run identity {run!r} in its '
-                     'manifest; a run identity is 16 hex digits (new_run()).')
+                     'manifest; a run identity is 16 hex digits (run_identity.new()).')
   own = _own(local, process)
   name = step_name(step, run)
   tmp = os.path.join(own, f'{name}{private.TMP}{private.new_identity()}')

@@ -29,7 +29,7 @@ from recovery._src.state.errors import CheckpointFolderError
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 # The local folder's identity: 16 random hex digits, one line.
 FOLDER_ID_FILE = '.recovery-local-disk'
-# An identity (the folder's, a run's: `folder.new_run`): 16 random hex digits.
+# An identity (the folder's, a run's: `run_identity.new`): 16 random hex digits.
 IDENTITY = re.compile(r'[0-9a-f]{16}')
 # A temporary name's infix (this module's identity file, `folder`'s steps in
 # writing).

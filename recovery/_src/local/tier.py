@@ -17,7 +17,7 @@ thread; the training step only waits for the (collective) consistency check,
 the copy to host memory (made before `save` returns, so the caller may update
 its arrays in place at once) and the peer exchange.
 
-Local steps belong to a run: each carries the run's identity (`RUN_FILE`),
+Local steps belong to a run: each carries the run's identity (`run_identity`),
 and a run restores, prunes and replaces only its own steps.
 
 A restore gathers every host's list of committed local steps and the blocks
@@ -38,54 +38,17 @@ import numpy as np
 import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
-from multihost.lowlevel import write_atomic
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
 from recovery._src.local import private
 from recovery._src.local import restore as _local_restore
+from recovery._src.local import run_identity
 from recovery._src.local.layout import HOST_ID_VARIABLE as HOST_ID_VARIABLE
 from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
 from recovery._src.state.errors import CheckpointFolderError
 from recovery._src.state.state import TransitionState
-
-# The run's identity, in the checkpoint folder: drawn at a fresh start (or
-# when missing), kept across restarts, written into every local step's
-# manifest and folder name. Restore, keep-N and a re-save of a step act only
-# on this run's steps, so a step this run did not write is never taken: one
-# an earlier run of the folder left on a host that this run's fresh start
-# did not reach, another run's in a shared local folder, one copied in. An
-# authenticated manifest (a MAC) would need a key that a restarted run finds
-# and a planter does not, i.e. kept where this identity is kept; and the
-# local folder is owner-only (`private.check_private`), so no other user can
-# plant a step there at all. The identity is the simpler of the two, and as
-# sound.
-RUN_FILE = '.recovery-local-run'
-
-
-def _read_run(directory: str) -> str | None:
-  """The run identity kept in checkpoint folder `directory`, if a valid one."""
-  try:
-    fd = os.open(os.path.join(directory, RUN_FILE),
-                 os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd) as f:
-      run = f.read(64).strip()
-  except (OSError, UnicodeDecodeError):
-    return None
-  return run if folder.is_run(run) else None
-
-
-def _write_run(directory: str, run: str) -> str | None:
-  """Keeps `run` as the identity of checkpoint folder `directory`'s run; None, or the error."""
-  path = os.path.join(directory, RUN_FILE)
-  try:
-    write_atomic(path, run + '\n', mode=0o600)
-  except OSError as e:
-    return (f'Cannot write the run identity of the local tier to {path} '
-            f'({e.strerror or e}). The checkpoint folder must be writable '
-            'by this user.')
-  return None
 
 
 def _raise_agreed(errors: list[str | None], what: str) -> None:
@@ -145,9 +108,9 @@ class LocalTier:
     except CheckpointFolderError as e:
       error = str(e)
     if self.me == 0:  # Holds the checkpoint folder's lock.
-      stored, fresh = _read_run(directory), folder.new_run()
+      stored, fresh = run_identity.read(directory), run_identity.new()
       if stored is None:  # A new folder (or one of an older version).
-        error = error or _write_run(directory, fresh)
+        error = error or run_identity.write(directory, fresh)
       runs = (stored or fresh, fresh)
     # Who shares a local folder is what the folder says (its identity), not
     # the hostname: hostnames repeat across containers and namespaces with
@@ -336,7 +299,7 @@ class LocalTier:
     """
     error = None
     if self.me == 0:
-      error = _write_run(self.directory, self._fresh_run)
+      error = run_identity.write(self.directory, self._fresh_run)
     _raise_agreed(multihost.allgather_object(error),
                   'Starting a fresh local tier')
     self.run = self._fresh_run
