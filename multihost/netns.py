@@ -74,6 +74,11 @@ def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
   try:
     done = subprocess.run(argv, capture_output=True, text=True,
                           timeout=_CMD_TIMEOUT)
+  except FileNotFoundError as e:
+    raise HostsError(
+        f'`{argv[0]}` is not on PATH ({os.environ.get("PATH", "")}): install '
+        'iproute2 (it has ip and tc), or put the folder that holds it (e.g. '
+        '/usr/sbin) on PATH.') from e
   except subprocess.TimeoutExpired as e:
     raise HostsError(f'`{" ".join(argv)}` did not finish within '
                      f'{_CMD_TIMEOUT} s.') from e
@@ -348,9 +353,16 @@ class SimulatedHosts:
     """Delays every packet to or from host i by `ms` (0 removes the delay).
 
     Raises:
-      HostsError: the kernel has no `sch_netem` (the message says so).
+      HostsError: no `tc` on PATH, or the kernel has no `sch_netem` (the
+        message says which).
     """
     self._check(i)
+    if shutil.which('tc') is None:
+      raise HostsError(
+          f'{self.name}: cannot delay host {i}: `tc` is not on PATH (iproute2\'s '
+          'tc and the kernel\'s sch_netem simulate delays); delays cannot be '
+          'simulated here, only cuts. Put the folder that holds tc (e.g. '
+          '/usr/sbin) on PATH.')
     ends = [(self.switch, self._port(i)), (self.namespace(i), 'eth0')]
     for ns, dev in ends:
       if ms <= 0:
