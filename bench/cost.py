@@ -31,16 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
-import time
 
 import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import reference  # noqa: E402  pylint: disable=g-import-not-at-top
+from bench import harness  # noqa: E402  pylint: disable=g-import-not-at-top
+from bench import reference  # noqa: E402
 from bench.harness import Settings  # noqa: E402
 import multihost  # noqa: E402
 from multihost._src.transport.tcp import frames  # noqa: E402
@@ -88,17 +87,6 @@ class FramedRoundTrip:
         s.close()
 
 
-def _sample(fn, calls: int) -> tuple[float, float, float]:
-  """(wall ms, CPU ms, voluntary switches) per call of `calls` back-to-back calls."""
-  multihost.sync_global_devices('cost')
-  switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-  cpu, wall = time.process_time(), time.perf_counter()
-  for _ in range(calls):
-    fn()
-  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-  switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches
-  return wall / calls * 1e3, cpu / calls * 1e3, switches / calls
-
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -134,7 +122,7 @@ def main() -> None:
   samples = np.zeros((args.rounds, len(cases), 3))
   for r in range(args.rounds):
     for c, (_, fn) in enumerate(cases):
-      samples[r, c] = _sample(fn, args.calls)
+      samples[r, c] = harness.usage_per_call(fn, args.calls, settings)
   for ref in (floor, timed, framed):
     ref.close()
   every = multihost.process_allgather(samples)  # (process, round, case, 3)

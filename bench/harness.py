@@ -10,6 +10,7 @@ from collections.abc import Callable
 import dataclasses
 import gc
 import itertools
+import resource
 import statistics
 import time
 from typing import Any
@@ -54,6 +55,23 @@ def barrier(settings: Settings) -> None:
   if jax.process_count() > 1:
     lowlevel.wait_at_barrier(f'multihost-bench/{next(_barrier_ids)}',
                              settings.timeout)
+
+
+def usage_per_call(fn: Callable[[], Any], calls: int,
+                   settings: Settings) -> tuple[float, float, float]:
+  """(wall ms, CPU ms, voluntary context switches) per call of `calls` back-to-back calls of `fn` on this process, after a barrier.
+
+  CPU is `time.process_time` (every thread of the process); the switches
+  are its sleeps (waits for a peer).
+  """
+  barrier(settings)
+  switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+  cpu, wall = time.process_time(), time.perf_counter()
+  for _ in range(calls):
+    fn()
+  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+  switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches
+  return wall / calls * 1e3, cpu / calls * 1e3, switches / calls
 
 
 def _status(field: str) -> int | None:

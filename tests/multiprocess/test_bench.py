@@ -208,3 +208,29 @@ def test_cost_times_every_layer_from_the_round_trip_up(tmp_path):
   assert any(max(row['sleeps']) > 0 for row in report['rows'][:3]), report
   for case in COST_CASES:
     assert f'| {case} | ' in result.outputs[0], case
+
+
+def test_cpu_share_sums_every_process_s_cpu_per_call_at_three(tmp_path):
+  out = tmp_path / 'cpu.json'
+  result = launch.launch(
+      [sys.executable, str(ROOT / 'bench' / 'cpu_share.py'), '--calls=5',
+       '--rounds=2', '--no-torch', '--ops=barrier,broadcast,all-gather',
+       '--sizes=8,1MiB', f'--json={out}'],
+      num_processes=3, devices_per_process=1, timeout=90, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  report = json.loads(out.read_text())
+  assert report['processes'] == 3, report
+  names = [row['case'] for row in report['rows']]
+  assert names == ['barrier', 'broadcast 8 B', 'all-gather 8 B',
+                   'broadcast 1 MiB', 'all-gather 1 MiB'], names
+  for row in report['rows']:
+    assert row['side'] == 'ours', row  # (--no-torch)
+    _positive(row, 'wall_ms')
+    assert len(row['cpu_ms']) == len(row['sleeps']) == 3, row
+    assert all(cpu > 0 for cpu in row['cpu_ms']), row
+    assert math.isclose(row['cpu_total_ms'], sum(row['cpu_ms'])), row
+    assert f"| {row['case']} | ours | " in result.outputs[0], row
+  # Moving a MiB costs every process more CPU than moving 8 bytes.
+  by_case = {row['case']: row for row in report['rows']}
+  assert (by_case['broadcast 1 MiB']['cpu_total_ms']
+          > by_case['broadcast 8 B']['cpu_total_ms']), by_case

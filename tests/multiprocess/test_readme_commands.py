@@ -51,6 +51,9 @@ NOT_RUN = {
     'bench/cost.py': 'a measurement: 9 rounds of 6 cases of 2000 calls, '
                      'about 15 s; tests/multiprocess/test_bench.py runs it '
                      'with fewer calls',
+    'bench/cpu_share.py': 'a measurement: 9 rounds at P=8 with torch gloo '
+                          'beside, about a minute; tests/multiprocess/'
+                          'test_bench.py runs it at 3 processes',
     'bench/compile_cache.py': 'a measurement: a 400-layer model whose '
                               'compiles take 25-35 s per process and attempt',
     '--width=8388608': 'a synopsis ([--local_checkpoint_dir=...] is '
