@@ -87,7 +87,6 @@ class FramedRoundTrip:
         s.close()
 
 
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--calls', type=int, default=2000,

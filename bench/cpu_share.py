@@ -34,7 +34,6 @@ import multihost  # noqa: E402
 MiB = 1 << 20
 
 
-
 def _cases(dist, ops: list[str], sizes: list[int]) -> list[tuple[str, object,
                                                                  object]]:
   """(name, ours, torch's or None) for each op and size."""
