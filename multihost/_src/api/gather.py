@@ -89,18 +89,17 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
     payloads, headers = None, agree.agree(
         header, timeout=timeout).headers
   if headers is None:
-    if inline and not has_global:  # Equal sizes: the rows, in one
-      rows = np.frombuffer(bytearray().join(payloads),  # (writable) copy.
-                           np.uint8).reshape(count, size)
-    elif inline:
-      received = [np.frombuffer(p, np.uint8) for p in payloads]
-    else:
+    if not inline:
       rows = choice.allgather(_leaves.pack(parts, copy=False), sizes,
                                    op=op, timeout=timeout)
-      received = [rows[p, :n] for p, n in enumerate(sizes)]
     if not has_global:
+      if inline:  # Equal sizes: the rows, joined in one (writable) copy.
+        rows = np.frombuffer(bytearray().join(payloads),
+                             np.uint8).reshape(count, size)
       return treedef.unflatten(_leaves.stacked_views(rows, specs,
                                                      tiled=tiled))
+    received = ([np.frombuffer(p, np.uint8) for p in payloads] if inline
+                else [rows[p, :n] for p, n in enumerate(sizes)])
     all_shards = [[None if layout is None else layout[p]
                    for layout in layouts] for p in range(count)]
   else:
