@@ -257,18 +257,35 @@ class RoundTrip:
 
 
 class BusyCores:
-  """One spinning process per core on this machine (started by process 0 only), for the rows with the CPU busy.
+  """One spinning process per core on this machine, for the rows with the CPU busy (a one-machine run).
 
-  Every process of a one-machine run shares those cores, so one set of
-  spinners is enough; `close` ends them (by their own process ids).
+  `placement` says whose children the spinners are. 'every_process' (the
+  default): each controller starts its share (core k's spinner is process
+  k mod P's), as a training host's own compute and data loading are its
+  controller's. 'process_0': process 0 starts them all. With the kernel's
+  autogroup on (Linux's default; /proc/sys/kernel/sched_autogroup_enabled),
+  the scheduler shares the cores fairly between sessions first, and the
+  launcher starts every controller in a session of its own: spinners
+  that are all process 0's children share its session, so they contend
+  with process 0 alone while the other processes run as on an idle
+  machine. `close` ends them (by their own process ids).
   """
 
-  def __init__(self, settings: Settings):
+  PLACEMENTS = ('every_process', 'process_0')
+
+  def __init__(self, settings: Settings, placement: str = 'every_process'):
+    if placement not in self.PLACEMENTS:
+      raise ValueError(f'BusyCores: placement {placement!r} is not one of '
+                       f'{self.PLACEMENTS}.')
     self.procs: list = []
-    if jax.process_index() == 0:
+    cores = os.cpu_count() or 1
+    me, count = jax.process_index(), jax.process_count()
+    mine = (len(range(me, cores, count)) if placement == 'every_process'
+            else cores if me == 0 else 0)
+    if mine:
       import subprocess  # pylint: disable=import-outside-toplevel
       import sys  # pylint: disable=import-outside-toplevel
-      for _ in range(os.cpu_count() or 1):
+      for _ in range(mine):
         self.procs.append(subprocess.Popen(
             [sys.executable, '-c', 'while True: pass'],
             stdin=subprocess.DEVNULL))

@@ -124,13 +124,15 @@ def _per_call(fn: Callable[[], Any], calls: int, settings: Settings) -> float:
 
 def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
         sizes=SIZES, busy: bool = False,
+        busy_placement: str = 'every_process',
         say: Callable[..., None] = print) -> list[Result]:
   """Times every case in `rounds` interleaved rounds; every process returns the results.
 
   Collective: every process must call this, in the same order. With
   `busy`, one spinning process per core runs beside both sides while they
-  are timed (a training host's cores are rarely idle), and every case's
-  name ends in ' (CPU busy)'.
+  are timed (a training host's cores are rarely idle; `busy_placement`:
+  whose children they are, see `BusyCores`), and every case's name ends in
+  ' (CPU busy)'.
   """
   dist = harness.torch_group(settings)
   several = jax.process_count() > 1
@@ -149,7 +151,7 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
           fn()
           fn()
     if busy:
-      spinners = BusyCores(settings)
+      spinners = BusyCores(settings, busy_placement)
     ours: dict[str, list[float]] = {c.name: [] for c in cases}
     theirs: dict[str, list[float]] = {c.name: [] for c in cases}
     for r in range(rounds):

@@ -54,7 +54,8 @@ The comparison and soak:
   The raw stream and an 8-byte Python ping-pong (the round trip a barrier
   cannot beat) are timed in the same rounds. `--versus_busy` times the
   cases up to 1 MiB again with one spinning process per core beside both
-  sides.
+  sides (`--versus_busy_placement`: every process starts its share, or
+  process 0 all of them).
 * `--soak=CALLS`: mixed collectives back to back, every process's RSS,
   open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
 * `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
@@ -179,6 +180,12 @@ _VERSUS_BUSY = flags.DEFINE_boolean(
     'versus_busy', False, 'After --versus, its cases of 1 MiB and less again '
     'with one spinning process per core beside both sides (names end in '
     '"(CPU busy)").')
+_VERSUS_BUSY_PLACEMENT = flags.DEFINE_enum(
+    'versus_busy_placement', 'every_process', reference.BusyCores.PLACEMENTS,
+    '--versus_busy: whose children the spinners are. every_process: each '
+    'process starts its share (as a host\'s compute is its controller\'s); '
+    'process_0: process 0 starts them all, which with the kernel\'s '
+    'autogroup (one fair share per session) contends with process 0 alone.')
 _SOAK = flags.DEFINE_integer(
     'soak', 0, 'Mixed collectives to run back to back, reporting every '
     'process\'s RSS, fds and threads along the way. 0: skip.', lower_bound=0)
@@ -328,6 +335,7 @@ def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
       sizes = [n for n in (parse_size(s) for s in _VERSUS_SIZES.value)
                if n <= versus.MiB]
       results += versus.run(_VERSUS.value, settings, sizes=sizes, busy=True,
+                            busy_placement=_VERSUS_BUSY_PLACEMENT.value,
                             say=say)
     out += [r.to_json() for r in results]
     say(versus.render(results))

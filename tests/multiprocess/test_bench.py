@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -234,3 +235,42 @@ def test_cpu_share_sums_every_process_s_cpu_per_call_at_three(tmp_path):
   by_case = {row['case']: row for row in report['rows']}
   assert (by_case['broadcast 1 MiB']['cpu_total_ms']
           > by_case['broadcast 8 B']['cpu_total_ms']), by_case
+
+
+_BUSY_PROGRAM = '''
+import os, sys
+sys.path.insert(0, {root!r})
+import jax
+import multihost
+multihost.initialize()
+from bench.harness import Settings
+from bench.reference import BusyCores
+busy = BusyCores(Settings(timeout=30), {placement!r})
+try:
+  sessions = sorted({{os.getsid(p.pid) for p in busy.procs}})
+  print(f'BUSY p{{jax.process_index()}} spinners={{len(busy.procs)}} '
+        f'own_session={{sessions == [os.getsid(0)]}}', flush=True)
+finally:
+  busy.close()
+'''
+
+
+def test_busy_cores_spin_beside_every_process_or_process_0_alone(tmp_path):
+  # The kernel shares the cores between sessions first (autogroup), and
+  # the launcher gives every controller its own: each process's spinners
+  # are its children, in its session, one per core in all.
+  cores = os.cpu_count() or 1
+  for placement, want in (('every_process',
+                           [len(range(p, cores, 2)) for p in (0, 1)]),
+                          ('process_0', [cores, 0])):
+    program = tmp_path / f'{placement}.py'
+    program.write_text(_BUSY_PROGRAM.format(root=str(ROOT),
+                                            placement=placement))
+    result = launch.launch([sys.executable, str(program)], num_processes=2,
+                           devices_per_process=1, timeout=55, cwd=ROOT)
+    assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+    for p in (0, 1):
+      line = next(x for x in result.outputs[p].splitlines() if 'BUSY' in x)
+      assert f'spinners={want[p]} ' in line, (placement, line)
+      if want[p]:
+        assert 'own_session=True' in line, (placement, line)
