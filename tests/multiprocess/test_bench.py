@@ -245,13 +245,15 @@ import multihost
 multihost.initialize()
 from bench.harness import Settings
 from bench.reference import BusyCores
-busy = BusyCores(Settings(timeout=30), {placement!r})
-try:
-  sessions = sorted({{os.getsid(p.pid) for p in busy.procs}})
-  print(f'BUSY p{{jax.process_index()}} spinners={{len(busy.procs)}} '
-        f'own_session={{sessions == [os.getsid(0)]}}', flush=True)
-finally:
-  busy.close()
+for placement in BusyCores.PLACEMENTS:
+  busy = BusyCores(Settings(timeout=30), placement)
+  try:
+    sessions = sorted({{os.getsid(p.pid) for p in busy.procs}})
+    print(f'BUSY {{placement}} p{{jax.process_index()}} '
+          f'spinners={{len(busy.procs)}} '
+          f'own_session={{sessions == [os.getsid(0)]}}', flush=True)
+  finally:
+    busy.close()
 '''
 
 
@@ -260,17 +262,17 @@ def test_busy_cores_spin_beside_every_process_or_process_0_alone(tmp_path):
   # the launcher gives every controller its own: each process's spinners
   # are its children, in its session, one per core in all.
   cores = os.cpu_count() or 1
+  program = tmp_path / 'busy.py'
+  program.write_text(_BUSY_PROGRAM.format(root=str(ROOT)))
+  result = launch.launch([sys.executable, str(program)], num_processes=2,
+                         devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
   for placement, want in (('every_process',
                            [len(range(p, cores, 2)) for p in (0, 1)]),
                           ('process_0', [cores, 0])):
-    program = tmp_path / f'{placement}.py'
-    program.write_text(_BUSY_PROGRAM.format(root=str(ROOT),
-                                            placement=placement))
-    result = launch.launch([sys.executable, str(program)], num_processes=2,
-                           devices_per_process=1, timeout=55, cwd=ROOT)
-    assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
     for p in (0, 1):
-      line = next(x for x in result.outputs[p].splitlines() if 'BUSY' in x)
-      assert f'spinners={want[p]} ' in line, (placement, line)
+      line = next(x for x in result.outputs[p].splitlines()
+                  if f'BUSY {placement} ' in x)
+      assert f'spinners={want[p]} ' in line, line
       if want[p]:
-        assert 'own_session=True' in line, (placement, line)
+        assert 'own_session=True' in line, line
