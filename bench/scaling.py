@@ -43,6 +43,30 @@ def _run(processes: int, args: list[str], timeout: float,
       return [json.loads(line) for line in f]
 
 
+def alone(processes: int, args: list[str], *, launches: int,
+          timeout: float) -> list[versus.Result]:
+  """Each compared case with each side alone: `launches` launches of ours (torch not imported) and as many of torch gloo's, alternating (ours first, then torch first, ...).
+
+  Named `versus.ALONE`; a side's times are its launches' medians (so its
+  median is over launches). Ours and torch share no process, as in the
+  issue's own harness; in the same processes (`versus.run`'s default)
+  each side's calls ran beside the other's threads, sockets and caches.
+  """
+  times: dict[str, dict[str, list[float]]] = {}
+  sizes: dict[str, int] = {}
+  for k in range(launches):
+    for side in ('ours', 'torch') if k % 2 == 0 else ('torch', 'ours'):
+      for r in _results(_run(processes, [*args, f'--versus_side={side}'],
+                             timeout)):
+        ms = r.ours_ms if side == 'ours' else r.torch_ms
+        if ms is not None:
+          times.setdefault(r.name, {'ours': [], 'torch': []})[side].append(ms)
+          sizes[r.name] = r.nbytes
+  return [versus.Result(name + versus.ALONE, sizes[name], t['ours'],
+                        t['torch'])
+          for name, t in times.items() if t['ours'] and t['torch']]
+
+
 def _results(rows: list[dict]) -> list[versus.Result]:
   return [versus.Result(r['op'], r['payload_bytes'], r['ours_times_ms'],
                         r['torch_times_ms'])
@@ -91,7 +115,8 @@ def scaling_data(by_p: dict[int, list[versus.Result]], **about) -> dict:
   """What `bin/plot.py --scaling` draws: `about` (the run: commit, date, cores, ...) and a list `rows`, one per case and P.
 
   A row: `processes`, `op`, `payload_bytes`, `busy` (a CPU-busy case),
-  `ours_ms` and `torch_ms` (medians over rounds, 4 significant digits;
+  `ours_ms` and `torch_ms` (medians over rounds, over launches for the
+  `versus.ALONE` rows; 4 significant digits;
   torch_ms None for ours alone: the raw stream and the round trip) and
   `rounds`. The per-round times are left out.
   """
@@ -104,12 +129,14 @@ def scaling_data(by_p: dict[int, list[versus.Result]], **about) -> dict:
 
 def report(path: str, *, rounds: int, soak_calls: int,
            processes: tuple[int, ...] = (2, 4, 8),
-           small_at: int = 8) -> str:
+           small_at: int = 8, alone_launches: int = 2) -> str:
   """Runs every part, writes the markdown report to `path`, returns it.
 
   The P-scaling data go to `data_path(path)` (see `scaling_data`). At
   P >= `small_at` the 64 MiB cases are left out (memory and time on
-  this machine's cores); the scaling table marks them '–'.
+  this machine's cores); the scaling table marks them '–'. At P > 2 the
+  cases up to 1 MiB are also timed with each side alone (`alone`,
+  `alone_launches` launches of each; 0: not).
   """
   by_p: dict[int, list[versus.Result]] = {}
   soak_rows = None
@@ -131,6 +158,9 @@ def report(path: str, *, rounds: int, soak_calls: int,
     by_p[p] += [versus.Result(r.name + versus.OVER_TCP, r.nbytes, r.ours,
                               r.torch)
                 for r in _results(tcp) if r.torch]
+    if p > 2 and alone_launches:
+      by_p[p] += alone(p, [args[0], '--versus_sizes=8,1MiB'],
+                       launches=alone_launches, timeout=3600)
     if p == 2:
       soak_rows = [r for r in rows if r.get('kind') == 'soak'] or None
   about = {
@@ -161,6 +191,10 @@ def report(path: str, *, rounds: int, soak_calls: int,
   parts += ['', '### P-scaling (ms per call; P=4 and P=8 run '
             f'oversubscribed on {about["cores"]} cores)', '',
             scaling_table(by_p), '',
+            f'Rows ending "{versus.ALONE.strip()}": each side in launches of '
+            'its own (torch not imported in ours), alternating, medians over '
+            'launches; the other rows: both sides in the same processes, '
+            'interleaved rounds.', '',
             f'The data (medians per case and P): `{data}`; '
             f'`python bin/plot.py --scaling={data} --out=scaling.png` '
             'draws them against P.',

@@ -31,11 +31,11 @@ MiB = 1 << 20
 
 @dataclasses.dataclass
 class Case:
-  """One collective on both sides (torch None: ours alone)."""
+  """One collective on both sides (torch None: ours alone; ours None: torch's alone, `run`'s side='torch')."""
   name: str
   nbytes: int
   calls: int  # back-to-back calls per round and side
-  ours: Callable[[], Any]
+  ours: Callable[[], Any] | None
   torch: Callable[[], Any] | None = None
 
 
@@ -48,8 +48,8 @@ class Result:
   torch: list[float] | None
 
   @property
-  def ours_ms(self) -> float:
-    return statistics.median(self.ours)
+  def ours_ms(self) -> float | None:
+    return statistics.median(self.ours) if self.ours else None
 
   @property
   def torch_ms(self) -> float | None:
@@ -67,27 +67,35 @@ BUSY = ' (CPU busy)'
 # Ours with $MULTIHOST_LOCAL_LINKS=0: every link over TCP, as between
 # processes on different hosts (`bench/scaling.py` runs it too).
 OVER_TCP = ' (links over TCP)'
+# Each side alone in launches of its own that alternate (`bench.scaling`).
+ALONE = ' (each side alone)'
+# `run`'s side: both in the same processes (interleaved rounds), or one
+# alone (torch not even imported for 'ours'); `bench.scaling` alternates
+# launches of each alone.
+SIDES = ('both', 'ours', 'torch')
 
 
 def build_cases(dist, refs: list, sizes=SIZES) -> list[Case]:
-  """The compared cases, ours and torch's on the same payloads."""
-  import torch  # pylint: disable=import-outside-toplevel,g-import-not-at-top
+  """The compared cases, ours and torch's (with `dist`, else None) on the same payloads."""
   me, count = jax.process_index(), jax.process_count()
   cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'),
                 dist and dist.barrier)]
   for n in sizes:
     calls = 20 if n <= MiB else 2
     x = np.full(max(1, n // 4), me, np.float32)
-    t = torch.full((max(1, n // 4),), float(me))
-    outs = [torch.empty_like(t) for _ in range(count)]
+    bcast = gather = None
+    if dist is not None:
+      import torch  # pylint: disable=import-outside-toplevel,g-import-not-at-top
+      t = torch.full((max(1, n // 4),), float(me))
+      outs = [torch.empty_like(t) for _ in range(count)]
+      bcast = lambda t=t: dist.broadcast(t, 0)  # noqa: E731
+      gather = lambda t=t, outs=outs: dist.all_gather(outs, t)  # noqa: E731
     cases.append(Case(
         f'broadcast {harness.format_size(n)}', n, calls,
-        lambda x=x: multihost.broadcast_one_to_all(x),
-        dist and (lambda t=t: dist.broadcast(t, 0))))
+        lambda x=x: multihost.broadcast_one_to_all(x), bcast))
     cases.append(Case(
         f'all-gather {harness.format_size(n)}', n, calls,
-        lambda x=x: multihost.process_allgather(x),
-        dist and (lambda t=t, outs=outs: dist.all_gather(outs, t))))
+        lambda x=x: multihost.process_allgather(x), gather))
   small = {'step': 7, 'loss': 0.25, 'host': f'h{me}'}
   gathered = [None] * count
   cases.append(Case(
@@ -124,7 +132,7 @@ def _per_call(fn: Callable[[], Any], calls: int, settings: Settings) -> float:
 
 def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
         sizes=SIZES, busy: bool = False,
-        busy_placement: str = 'every_process',
+        busy_placement: str = 'every_process', side: str = 'both',
         say: Callable[..., None] = print) -> list[Result]:
   """Times every case in `rounds` interleaved rounds; every process returns the results.
 
@@ -132,19 +140,24 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
   `busy`, one spinning process per core runs beside both sides while they
   are timed (a training host's cores are rarely idle; `busy_placement`:
   whose children they are, see `BusyCores`), and every case's name ends in
-  ' (CPU busy)'.
+  ' (CPU busy)'. `side` (`SIDES`): 'ours' times ours alone (torch is not
+  imported; the raw streams and round trips too), 'torch' torch gloo's
+  alone (a Result's other side is empty).
   """
-  dist = harness.torch_group(settings)
+  if side not in SIDES:
+    raise ValueError(f'side={side!r}: choose one of {SIDES}.')
+  dist = harness.torch_group(settings) if side != 'ours' else None
+  if side == 'torch' and dist is None:
+    raise RuntimeError('versus side=torch: torch is not importable on every '
+                       'process; pip install torch==2.13.0 (CPU) to compare.')
   several = jax.process_count() > 1
-  refs = _make_references(settings, raw_bytes) if several else []
+  refs = (_make_references(settings, raw_bytes)
+          if several and side != 'torch' else [])
   spinners = None
   try:
-    try:
-      import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except ImportError:
-      dist = None
-    cases = (build_cases(dist, refs, sizes) if dist is not None
-             else _cases_without_torch(refs, sizes))
+    cases = build_cases(dist, refs, sizes)
+    if side == 'torch':
+      cases = [dataclasses.replace(c, ours=None) for c in cases if c.torch]
     for case in cases:  # Warm-up: connections, compiles, caches.
       for fn in (case.ours, case.torch):
         if fn is not None:
@@ -159,9 +172,9 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
         sides = [('ours', case.ours), ('torch', case.torch)]
         if r % 2:
           sides.reverse()
-        for side, fn in sides:
+        for who, fn in sides:
           if fn is not None:
-            (ours if side == 'ours' else theirs)[case.name].append(
+            (ours if who == 'ours' else theirs)[case.name].append(
                 _per_call(fn, case.calls, settings))
       say(f'versus: round {r + 1} of {rounds} done')
     results = []
@@ -181,28 +194,16 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
       dist.destroy_process_group()
 
 
-def _cases_without_torch(refs: list, sizes) -> list[Case]:
-  me = jax.process_index()
-  cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'))]
-  for n in sizes:
-    x = np.full(max(1, n // 4), me, np.float32)
-    calls = 20 if n <= MiB else 2
-    cases.append(Case(f'broadcast {harness.format_size(n)}', n, calls,
-                      lambda x=x: multihost.broadcast_one_to_all(x)))
-    cases.append(Case(f'all-gather {harness.format_size(n)}', n, calls,
-                      lambda x=x: multihost.process_allgather(x)))
-  return cases + _references(refs)
-
-
 def render(results: list[Result]) -> str:
   """The side-by-side table (medians of rounds, ms per call)."""
   f = _fmt
   lines = ['| case | ours ms | torch gloo ms | ours / torch | rounds |',
            '|---|---|---|---|---|']
   for r in results:
-    ratio = r.ours_ms / r.torch_ms if r.torch_ms else None
+    ratio = (r.ours_ms / r.torch_ms
+             if r.torch_ms and r.ours_ms is not None else None)
     lines.append(f'| {r.name} | {f(r.ours_ms)} | {f(r.torch_ms)} | '
-                 f'{f(ratio, 3)} | {len(r.ours)} |')
+                 f'{f(ratio, 3)} | {max(len(r.ours), len(r.torch or []))} |')
   return '\n'.join(lines)
 
 
@@ -273,7 +274,7 @@ def targets(results: list[Result], soak_rows: list[dict] | None = None
     base = None
     if other is not None:
       base = other.torch_ms if against == 'torch' else other.ours_ms
-    if mine is None or base is None:
+    if mine is None or mine.ours_ms is None or base is None:
       rows.append((label, 'n/a', 'not measured'))
       continue
     ratio = mine.ours_ms / base

@@ -21,6 +21,9 @@ OVER_TCP, OURS_TCP = ' (links over TCP)', 'multihost, links over TCP'
 ROUND_TRIP, FLOOR = 'round trip', 'one TCP round trip (the floor)'
 LOCAL, FLOOR_LOCAL = 'local socket', 'one local-socket round trip'
 RAW_STREAM, STREAM = 'raw TCP stream', 'raw TCP stream, process 0 -> 1'
+# Each side alone in launches of its own (bench/versus.py's ALONE rows).
+ALONE = ' (each side alone)'
+OURS_ALONE, TORCH_ALONE = 'multihost alone', 'torch gloo alone'
 # The round trip is drawn on the panels of calls up to this many bytes (a
 # latency floor; a 64 MiB call is bound by bandwidth instead).
 FLOOR_UP_TO = 1 << 20
@@ -44,9 +47,9 @@ def read_json(path: str,
 def scaling_series(data: dict) -> dict[str, dict[str, list]]:
   """{case: {series: [(P, median ms), ...]}}, cases in the report's order, from what `bench/scaling.py` writes.
 
-  Each compared case gets ours and torch gloo's medians, and ours with
-  every link over TCP where the report has it; the CPU-busy rows (P=2
-  alone) are left out. The round trips (TCP, local socket) are added, as
+  Each compared case gets ours and torch gloo's medians, ours with
+  every link over TCP and each side alone (its own launches) where the
+  report has them; the CPU-busy rows (P=2 alone) are left out. The round trips (TCP, local socket) are added, as
   the floor, to every case of up to `FLOOR_UP_TO` bytes, and the raw TCP
   stream to the broadcast of its size. A case missing at some P (64 MiB at P=8) has no
   point there.
@@ -55,12 +58,17 @@ def scaling_series(data: dict) -> dict[str, dict[str, list]]:
   sizes: dict[str, int] = {}
   floor, local_floor, streams = [], [], collections.defaultdict(list)
   tcp = collections.defaultdict(list)
+  alone = collections.defaultdict(lambda: {OURS_ALONE: [], TORCH_ALONE: []})
   for r in data.get('rows', []):
     if r.get('busy') or r.get('ours_ms') is None:
       continue
     p, op, ms = int(r['processes']), r['op'], r['ours_ms']
     size = int(r.get('payload_bytes') or 0)
-    if r.get('torch_ms') is not None and op.endswith(OVER_TCP):
+    if r.get('torch_ms') is not None and op.endswith(ALONE):
+      base = alone[op[:-len(ALONE)]]
+      base[OURS_ALONE].append((p, ms))
+      base[TORCH_ALONE].append((p, r['torch_ms']))
+    elif r.get('torch_ms') is not None and op.endswith(OVER_TCP):
       base = op[:-len(OVER_TCP)]
       tcp[base].append((p, ms))
     elif r.get('torch_ms') is not None:
@@ -75,6 +83,8 @@ def scaling_series(data: dict) -> dict[str, dict[str, list]]:
   for op, series in cases.items():
     if tcp.get(op):
       series[OURS_TCP] = tcp[op]
+    if op in alone:
+      series.update(alone[op])
     if floor and sizes[op] <= FLOOR_UP_TO:
       series[FLOOR] = floor
     if local_floor and sizes[op] <= FLOOR_UP_TO:
@@ -104,7 +114,8 @@ def scaling_title(data: dict) -> str:
 # Each series' look on every panel: (colour, line and marker style).
 _SCALING_STYLE = {OURS: ('C0', '-o'), OURS_TCP: ('C0', '--x'),
                   TORCH: ('C1', '-s'), FLOOR: ('grey', '--'),
-                  FLOOR_LOCAL: ('grey', ':'), STREAM: ('C2', ':^')}
+                  FLOOR_LOCAL: ('grey', ':'), STREAM: ('C2', ':^'),
+                  OURS_ALONE: ('C0', ':D'), TORCH_ALONE: ('C1', ':v')}
 
 
 def _plain_log_labels(ticker, *, minor: bool):

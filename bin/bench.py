@@ -55,11 +55,13 @@ The comparison and soak:
   cannot beat) are timed in the same rounds. `--versus_busy` times the
   cases up to 1 MiB again with one spinning process per core beside both
   sides (`--versus_busy_placement`: every process starts its share, or
-  process 0 all of them).
+  process 0 all of them). `--versus_side=ours` (or `torch`) times one side
+  alone, the other not even imported.
 * `--soak=CALLS`: mixed collectives back to back, every process's RSS,
   open fds and threads at 1, 10, 25, 50, 75 and 100% of the calls.
 * `--report=FILE`, run without the launcher: `--versus` at P=2, 4 and 8
-  (P > 2 oversubscribes the cores; at P=2 also with the CPU busy), the
+  (P > 2 oversubscribes the cores; at P=2 also with the CPU busy; at P > 2
+  also each side alone, in launches of its own that alternate), the
   soak at P=2, and the model of
   messages and rounds at P=1024 and 4096, as one markdown file, with the
   P-scaling data beside it (/tmp/bench_report.json; `bin/plot.py --scaling`
@@ -186,6 +188,11 @@ _VERSUS_BUSY_PLACEMENT = flags.DEFINE_enum(
     'process starts its share (as a host\'s compute is its controller\'s); '
     'process_0: process 0 starts them all, which with the kernel\'s '
     'autogroup (one fair share per session) contends with process 0 alone.')
+_VERSUS_SIDE = flags.DEFINE_enum(
+    'versus_side', 'both', versus.SIDES,
+    '--versus: both (ours and torch gloo in the same processes, interleaved '
+    'rounds), or one alone: ours (torch not imported) or torch. '
+    '`--report` alternates launches of each alone at P > 2.')
 _SOAK = flags.DEFINE_integer(
     'soak', 0, 'Mixed collectives to run back to back, reporting every '
     'process\'s RSS, fds and threads along the way. 0: skip.', lower_bound=0)
@@ -330,7 +337,7 @@ def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
   if _VERSUS.value:
     results = versus.run(_VERSUS.value, settings,
                          sizes=[parse_size(s) for s in _VERSUS_SIZES.value],
-                         say=say)
+                         side=_VERSUS_SIDE.value, say=say)
     if _VERSUS_BUSY.value:
       sizes = [n for n in (parse_size(s) for s in _VERSUS_SIZES.value)
                if n <= versus.MiB]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -136,6 +137,39 @@ def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
   assert '| soak: fds constant (calls 20 -> 200) |' in text, text[-3000:]
   # 64 MiB was not run: its targets say so rather than met or missed.
   assert '| broadcast 64 MiB <= torch gloo | n/a | not measured |' in text
+
+
+def test_versus_times_one_side_alone(tmp_path):
+  """--versus_side=ours times ours without torch; =torch times torch gloo's alone (or says torch is missing)."""
+  def run(side):
+    out = tmp_path / f'{side}.jsonl'
+    result = launch.launch(
+        [sys.executable, BENCH, '--ops=', '--versus=2', '--versus_sizes=8',
+         f'--versus_side={side}', '--nomemory', f'--json={out}'],
+        num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+    rows = ([json.loads(line) for line in out.read_text().splitlines()]
+            if out.exists() else [])
+    return result, {r['op']: r for r in rows if r['kind'] == 'versus'}
+
+  result, ours = run('ours')
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  assert {'barrier', 'broadcast 8 B', 'raw TCP stream 64 MiB'} <= set(ours)
+  for row in ours.values():
+    assert len(row['ours_times_ms']) == 2 and row['torch_times_ms'] is None, row
+  result, torch = run('torch')
+  if importlib.util.find_spec('torch') is None:
+    assert not result.ok, result.summary
+    assert 'torch is not importable on every process' in result.outputs[0], (
+        result.outputs[0][-3000:])
+    return
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  # Only the compared cases: the raw streams and round trips are ours.
+  assert set(torch) == {'barrier', 'broadcast 8 B', 'all-gather 8 B',
+                        'all-gather of a small object',
+                        'broadcast of a 1 KiB object'}, torch
+  for row in torch.values():
+    assert row['ours_times_ms'] == [] and row['ours_ms'] is None, row
+    assert len(row['torch_times_ms']) == 2 and row['torch_ms'] > 0, row
 
 
 def test_targets_mark_met_and_missed_from_the_medians():

@@ -135,23 +135,43 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
 
 
 def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
+  launches = []
+
   def bench_rows(processes, args, timeout, env=None):  # --versus, faked
-    del args, timeout
+    del timeout
+    side = next((a.split('=', 1)[1] for a in args
+                 if a.startswith('--versus_side=')), 'both')
+    launches.append((processes, side))
     # The run with every link over TCP: twice the time, here.
     slower = 2 if env else 1
+    ours = [0.1 * processes * slower, 0.3 * slower]
+    torch = [0.5 * processes]
+    # Each side alone: its n-th launch at this P takes n times as long.
+    n = launches.count((processes, side))
+    if side == 'ours':
+      ours, torch = [0.1 * processes * n], None
+    elif side == 'torch':
+      ours, torch = [], [0.4 * processes * n]
     return [{'kind': 'versus', 'op': 'barrier', 'payload_bytes': 0,
-             'processes': processes,
-             'ours_times_ms': [0.1 * processes * slower, 0.3 * slower],
-             'torch_times_ms': [0.5 * processes]}]
+             'processes': processes, 'ours_times_ms': ours,
+             'torch_times_ms': torch}]
   monkeypatch.setattr(scaling, '_run', bench_rows)
   text = scaling.report(str(tmp_path / 'r.md'), rounds=3, soak_calls=0)
   data = _plot_scaling.read_json(str(tmp_path / 'r.json'))
   assert f'`{tmp_path / "r.json"}`' in text
   assert data['cores'] and data['command'].endswith('--report_soak=0')
+  # At P > 2 each side alone too, in launches that alternate; a side's
+  # median is over its launches.
+  assert [s for p, s in launches if p == 2] == ['both', 'both']
+  assert [s for p, s in launches if p == 4] == [
+      'both', 'both', 'ours', 'torch', 'torch', 'ours']
+  assert '| barrier (each side alone) | – | – | 0.60 | 2.40 | 1.20 | 4.80 |' in text
   assert _plot_scaling.scaling_series(data) == {'barrier': {
       _plot_scaling.OURS: [(2, 0.25), (4, 0.35), (8, 0.55)],
       _plot_scaling.TORCH: [(2, 1.0), (4, 2.0), (8, 4.0)],
-      _plot_scaling.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)]}}
+      _plot_scaling.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)],
+      _plot_scaling.OURS_ALONE: [(4, 0.6), (8, 1.2)],
+      _plot_scaling.TORCH_ALONE: [(4, 2.4), (8, 4.8)]}}
 
 
 def _drill() -> dict:
