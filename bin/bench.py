@@ -343,7 +343,7 @@ def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
                if n <= versus.MiB]
       results += versus.run(_VERSUS.value, settings, sizes=sizes, busy=True,
                             busy_placement=_VERSUS_BUSY_PLACEMENT.value,
-                            say=say)
+                            side=_VERSUS_SIDE.value, say=say)
     out += [r.to_json() for r in results]
     say(versus.render(results))
   soak_rows = []
