@@ -51,9 +51,8 @@ def scaling_series(data: dict) -> dict[str, dict[str, list]]:
   link over TCP and each side alone (its own launches) where the report
   has them; the CPU-busy rows (P=2 alone) are left out. The round trips
   (TCP, local socket) are added, as the floor, to every case of up to
-  `FLOOR_UP_TO` bytes, and the raw TCP
-  stream to the broadcast of its size. A case missing at some P (64 MiB at P=8) has no
-  point there.
+  `FLOOR_UP_TO` bytes, and the raw TCP stream to the broadcast of its
+  size. A case missing at some P (64 MiB at P=8) has no point there.
   """
   cases: dict[str, dict[str, list]] = {}
   sizes: dict[str, int] = {}
