@@ -311,7 +311,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         body = {p: v for p, v in entries.items()
                 if (p != dst if star else (dst - p) % count >= step)}
         body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
-        out.sock.settimeout(sockets.SLICE_S)
+        sockets.set_timeout(out.sock, sockets.SLICE_S)
         if len(body) <= sockets.DIRECT_BYTES and sender is None:
           sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
           if (eager is not None and started is None and not differs
@@ -326,7 +326,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         link = links.get(src)
         if link is None:  # (at 2 processes the peer sent to is this one)
           link = links[src] = plane.conn(src, wait.deadline, op)
-          link.sock.settimeout(sockets.SLICE_S)
+          sockets.set_timeout(link.sock, sockets.SLICE_S)
         got_digest, got_flags, got_timeout, got = _decode(
             _receive(link, call, src, wait), count)
         differs = (differs or bool(got_flags & _DIFFERS)

@@ -43,8 +43,8 @@ def failed(plane: _tcp_link.Plane,
 
 def arm(link: _tcp_link.Link, deadline: float) -> None:
   """Sets `link`'s socket timeout for a transfer: one slice, or what is left before `deadline` if less."""
-  link.sock.settimeout(
-      max(min(deadline - time.monotonic(), sockets.SLICE_S), 0.001))
+  sockets.set_timeout(
+      link.sock, max(min(deadline - time.monotonic(), sockets.SLICE_S), 0.001))
 
 
 def segments(head: bytes, parts: list[np.ndarray]) -> list:

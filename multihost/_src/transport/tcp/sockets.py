@@ -64,6 +64,12 @@ def tune(conn: socket.socket) -> None:
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER)
 
 
+def set_timeout(conn: socket.socket, seconds: float) -> None:
+  """`conn.settimeout(seconds)`, skipped when `conn` has that timeout already (each setting is a system call)."""
+  if conn.gettimeout() != seconds:
+    conn.settimeout(seconds)
+
+
 def recv_exact(conn: socket.socket, n: int,
                 deadline: Deadline | None = None) -> bytes:
   buf = bytearray(n)
