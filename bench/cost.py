@@ -14,8 +14,8 @@ for the peer). The cases, each one layer on the one before:
    timeout, as our links' sockets have (Python polls before each read);
 3. `framed round trip`: that with our frame header on each message (a
    frame number and a keyed BLAKE2b MAC, made and checked by
-   `transport.tcp.frames.Link`; the header and the body read apart, through
-   `transport.tcp.sockets`);
+   `transport.tcp.frames.Link`, read as the links read: the header's read
+   also takes the body when it has come, `Link.take`);
 4. `barrier`: `multihost.sync_global_devices` (one agreement over the
    links: call numbering, the flight record, the deadlines and liveness
    checks, the agreement's digest and frame);
@@ -70,7 +70,7 @@ class FramedRoundTrip:
 
   def _take(self) -> None:
     self.link.read_frame(self.call, 8, 'cost', 1 - self.pid)
-    sockets.recv_exact(self.link.sock, 8)
+    self.link.take(8)
 
   def __call__(self) -> None:
     self.call += 1

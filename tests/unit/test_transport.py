@@ -93,3 +93,41 @@ def test_a_large_tcp_read_wakes_per_lowat_bytes_and_gets_its_tail():
   assert took < 5, took  # The tail did not wait for more bytes.
   # 64 pieces of 64 KiB: one wake-up each without SO_RCVLOWAT.
   assert reader.calls <= n // sockets.LOWAT_BYTES + 4, reader.calls
+
+
+def test_a_link_reads_ahead_and_returns_every_byte_in_order():
+  """`frames.Link`: a small frame's header read also takes its body and the next frame's start (one read); the next reads return those bytes first, in order, then the socket's; bytes read ahead count as an open link after the peer closed."""
+  from multihost._src.runtime.deadline import Deadline
+  from multihost._src.transport.tcp import frames
+  a, b = socket.socketpair()
+  try:
+    for s in (a, b):
+      s.settimeout(0.25)  # as the links' sockets are
+    sender = frames.Link(a, b'k' * 32, b'j' * 32)
+    reader = frames.Link(b, b'j' * 32, b'k' * 32)
+    payload = np.random.default_rng(0).integers(
+        0, 256, 3 * frames.AHEAD + 5, dtype=np.uint8)
+    # An agreement-sized frame, then a data frame larger than AHEAD.
+    a.sendall(sender.frame(1, 29) + bytes(range(29))
+              + sender.frame(2, len(payload)) + payload.tobytes())
+    deadline = Deadline('test', time.monotonic() + 5)
+    assert reader.check(reader.take(frames.FRAME_SIZE, deadline), 'test',
+                        0) == (1, 29)
+    # The body and the next header came with that one read.
+    assert reader._end - reader._at >= 29 + frames.FRAME_SIZE
+    assert reader.take(29, deadline) == bytes(range(29))
+    reader.read_frame(2, len(payload), 'test', 0, deadline)
+    got = np.empty_like(payload)
+    reader.recv_into(memoryview(got), deadline)
+    np.testing.assert_array_equal(got, payload)
+    assert reader._at == reader._end == 0
+    # Bytes read ahead are the peer's: the link is open while they last.
+    a.sendall(sender.frame(3, 4) + b'tail')
+    a.close()
+    reader.read_frame(3, 4, 'test', 0, deadline)
+    assert reader.open_at_peer()
+    assert reader.take(4, deadline) == b'tail'
+    assert not reader.open_at_peer()
+  finally:
+    a.close()
+    b.close()

@@ -244,15 +244,15 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
   m = wait.m
   deadline = waiting.Due(wait, idle=wait.slice)
   while True:
-    got_call, length = link.check(
-        sockets.recv_exact(link.sock, frames.FRAME_SIZE, deadline), m.op, peer)
+    got_call, length = link.check(link.take(frames.FRAME_SIZE, deadline),
+                                  m.op, peer)
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
       # too late to (`tcp.eager.Eager`).
       payload.drop(link, length, waiting.Due(wait))
       continue
-    body = sockets.recv_exact(link.sock, length, deadline)
+    body = link.take(length, deadline)
     if got_call & AGREE_BIT and got_call < call:
       continue  # A frame of a call this process gave up (a latecomer's).
     if got_call != call:

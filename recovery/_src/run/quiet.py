@@ -43,6 +43,9 @@ _SAID_BY_ALL = ('multihost failure watchdog started',
 # The same of warnings: a fact of the shared checkpoint folder.
 _WARNED_BY_ALL = ('holds uncommitted (partial) saves',)
 _OTHER_PROCESS = re.compile(r'^\[process=([1-9]\d*)\] ')
+# asyncio's "<Task, Future or a subclass> exception was never retrieved".
+_NEVER_RETRIEVED = re.compile(
+    r'\w*(Task|Future) exception was never retrieved')
 # Set once the filters and hook are in (process-wide hooks, installed once).
 _INSTALLED = threading.Event()
 
@@ -81,10 +84,9 @@ def _keep(record) -> bool:
   # After one read of a damaged checkpoint failed, Orbax stops waiting for
   # the others; their TensorStore errors (the same damage, already reported
   # as a CheckpointError) are then logged as never retrieved, one per leaf
-  # (as a Task's or a bare Future's, depending on which awaited it).
-  if record.name == 'asyncio' and msg.startswith(
-      ('Task exception was never retrieved',
-       'Future exception was never retrieved')):
+  # (as a Task's, a bare Future's or asyncio.gather's _GatheringFuture's,
+  # depending on which awaited it: asyncio names the class).
+  if record.name == 'asyncio' and _NEVER_RETRIEVED.match(msg):
     error = record.exc_info[1] if record.exc_info else None
     if error is not None and 'tensorstore_spec' in str(error):
       return False
@@ -118,10 +120,11 @@ def quiet_third_party_noise() -> None:
   nothing more. Dropped: Orbax's "Given directory is read only" and its
   "Reached preemption sync point" (the loop logs the stop), JAX's INFO that
   a TPU backend is absent, and after a failed read of a damaged checkpoint
-  (reported as a `CheckpointError`) asyncio's "Task (or Future) exception
-  was never retrieved" and TensorStore's "RuntimeError: Event loop is closed" for the
-  reads still in flight; JAX's INFO lines as it connects a process
-  ("visible devices", "Connecting to"), and on processes other than 0 the
+  (reported as a `CheckpointError`) asyncio's "Task (or Future, or
+  _GatheringFuture) exception was never retrieved" and TensorStore's
+  "RuntimeError: Event loop is closed" for the reads still in flight;
+  JAX's INFO lines as it connects a process ("visible devices",
+  "Connecting to"), and on processes other than 0 the
   INFO lines every process logs alike (the failure watchdog and
   jax.distributed started, resuming from and restored a step) and the
   warning that the checkpoint folder holds partial saves: process 0's

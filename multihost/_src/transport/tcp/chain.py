@@ -146,10 +146,10 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
       payload.arm(up, deadline)
       up.read_frame(call, n, op, prev, watch)
       if down is None:  # The end of the chain: one read into the result.
-        sockets.recv_into(up.sock, view, watch)
+        up.recv_into(view, watch)
       for at in range(0, n if down is not None else 0, payload.CHUNK):
         chunk = view[at:at + payload.CHUNK]
-        sockets.recv_into(up.sock, chunk, watch)
+        up.recv_into(chunk, watch)
         sender.send(down.sock, chunk)
     if sender is not None:
       peer = nxt
@@ -195,7 +195,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
         blocks[me][:] = mine
         copied = True
       up.read_frame(call, sizes[in_block], op, prev, watch)
-      sockets.recv_into(up.sock, memoryview(blocks[in_block]), watch)
+      up.recv_into(memoryview(blocks[in_block]), watch)
       if sender.error is not None:
         raise sender.error
     if not copied:

@@ -27,21 +27,34 @@ _FRAME = struct.Struct('<QQQ')
 
 FRAME_SIZE = _FRAME.size + _MAC
 
-
-def _frame_mac(key: bytes, head: bytes) -> bytes:
-  return hashlib.blake2b(head, key=key, digest_size=_MAC).digest()
+# What a frame header's read also takes when it has come, at most: a small
+# frame's body, or the start of the next frame or of a data frame's
+# payload. It is kept for the link's next reads (`Link.take`,
+# `Link.recv_into`): a small frame is then one system call, not two.
+AHEAD = 4096
 
 
 class Link:
-  """An authenticated connection: its socket and a MAC key per direction."""
+  """An authenticated connection: its socket and a MAC key per direction.
+
+  Every read of a link's bytes goes through `take` or `recv_into`: a read
+  may take bytes ahead (`AHEAD`), which the next reads return first.
+  """
 
   __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll',
-               'owed')
+               'owed', '_send_mac', '_recv_mac', '_ahead', '_at', '_end')
 
   def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
     self.sock = sock
     self.send_key = send_key
     self.recv_key = recv_key
+    # Keyed once: each frame's MAC copies these (the key's block is
+    # compressed once per link, not once per frame).
+    self._send_mac = hashlib.blake2b(key=send_key, digest_size=_MAC)
+    self._recv_mac = hashlib.blake2b(key=recv_key, digest_size=_MAC)
+    self._ahead = bytearray(FRAME_SIZE + AHEAD)
+    self._at = 0  # bytes read ahead: _ahead[_at:_end]
+    self._end = 0
     self.sent = 0
     self.received = 0
     self.poll = select.poll()  # for `transport.tcp.sockets.open_at_peer`
@@ -55,20 +68,60 @@ class Link:
     """The next frame header to send (the caller sends frames in this order)."""
     head = _FRAME.pack(call, length, self.sent)
     self.sent += 1
-    return head + _frame_mac(self.send_key, head)
+    mac = self._send_mac.copy()
+    mac.update(head)
+    return head + mac.digest()
 
   def read_frame(self, call: int, length: int, op: str, peer: int,
                  deadline: Deadline | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = self.check(sockets.recv_exact(self.sock, FRAME_SIZE, deadline), op,
-                     peer)
+    got = self.check(self.take(FRAME_SIZE, deadline), op, peer)
     if got != (call, length):
       raise failures.out_of_step(op, peer, got, (call, length))
+
+  def take(self, n: int, deadline: Deadline | None = None) -> bytes:
+    """The link's next `n` bytes; a read for them also takes what else has come, up to `AHEAD` more, for the next reads."""
+    at, end = self._at, self._end
+    if end - at < n:
+      if n > len(self._ahead):
+        out = bytearray(n)
+        self.recv_into(memoryview(out), deadline)
+        return bytes(out)
+      if at:  # The bytes left to the buffer's start: room for the rest.
+        self._ahead[:end - at] = self._ahead[at:end]
+        end -= at
+        at = 0
+      end += sockets.recv_some(self.sock, memoryview(self._ahead)[end:],
+                               n - end, deadline)
+    out = bytes(self._ahead[at:at + n])
+    at += n
+    self._at, self._end = (0, 0) if at == end else (at, end)
+    return out
+
+  def recv_into(self, view: memoryview,
+                deadline: Deadline | None = None) -> None:
+    """Fills `view` with the link's next bytes: first those read ahead, then from the socket (`sockets.recv_into`)."""
+    at, end = self._at, self._end
+    if at < end:
+      k = min(end - at, len(view))
+      view[:k] = self._ahead[at:at + k]
+      at += k
+      self._at, self._end = (0, 0) if at == end else (at, end)
+      if k == len(view):
+        return
+      view = view[k:]
+    sockets.recv_into(self.sock, view, deadline)
+
+  def open_at_peer(self) -> bool:
+    """Whether the peer has not closed the link (bytes read ahead, or waiting, count as open: see `sockets.open_at_peer`)."""
+    return self._at < self._end or sockets.open_at_peer(self.sock, self.poll)
 
   def check(self, got: bytes, op: str, peer: int) -> tuple[int, int]:
     """(call, length) of the frame header `got`, the next due; raises unless authentic and in order."""
     head, mac = got[:_FRAME.size], got[_FRAME.size:]
-    want_mac = _frame_mac(self.recv_key, head)
+    want = self._recv_mac.copy()
+    want.update(head)
+    want_mac = want.digest()
     if not hmac.compare_digest(mac, want_mac):
       raise failures.forged_frame(op, peer, 'failed authentication')
     got_call, got_length, number = _FRAME.unpack(head)

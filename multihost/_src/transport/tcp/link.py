@@ -177,7 +177,7 @@ class Plane:
     key = _key(peer, lane)
     with self.lock:
       link = self.conns.get(key)
-      if link is not None and not sockets.open_at_peer(link.sock, link.poll):
+      if link is not None and not link.open_at_peer():
         del self.conns[key]  # The peer dropped it after a failed transfer.
         sockets.close(link.sock)
         link = None

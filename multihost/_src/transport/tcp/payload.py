@@ -137,5 +137,5 @@ def drop(link: _tcp_link.Link, length: int, watch: Deadline) -> None:
   scratch = memoryview(bytearray(min(length, CHUNK)))
   while length:
     n = min(length, len(scratch))
-    sockets.recv_into(link.sock, scratch[:n], watch)
+    link.recv_into(scratch[:n], watch)
     length -= n

@@ -173,6 +173,30 @@ def recv_into(conn: socket.socket, view: memoryview,
         pass
 
 
+def recv_some(conn: socket.socket, view: memoryview, least: int,
+              deadline: Deadline | None = None) -> int:
+  """Reads at least `least` bytes into `view`, and what else has come up to its end; returns the bytes read.
+
+  As `recv_into`: what has come is read with one plain read, and the
+  watched slices wait only for the rest.
+  """
+  got = 0
+  if _unpolled(conn):
+    try:
+      got = os.readv(conn.fileno(), [view])
+    except (BlockingIOError, InterruptedError):
+      got = 0
+    else:
+      if got == 0:
+        raise ConnectionResetError('the peer closed the connection')
+  while got < least:
+    k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
+    if k == 0:
+      raise ConnectionResetError('the peer closed the connection')
+    got += k
+  return got
+
+
 def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
   """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
   view = memoryview(view).cast('B')

@@ -66,7 +66,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
       up = plane.conn(peer, deadline, op)
       payload.arm(up, deadline)
       up.read_frame(call, n, op, peer, watch)
-      sockets.recv_into(up.sock, memoryview(out), watch)
+      up.recv_into(memoryview(out), watch)
     target = out if parent is None else None  # (the source copies once)
     for child in children:
       peer = (child + source) % count
