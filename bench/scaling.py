@@ -188,8 +188,12 @@ def report(path: str, *, rounds: int, soak_calls: int,
     parts += ['', f'### Soak at P=2 ({soak_rows[-1]["calls"]} mixed calls; '
               'process 0 hosts the coordination service)', '',
               soak.render(soak_rows)]
-  parts += ['', '### P-scaling (ms per call; P=4 and P=8 run '
-            f'oversubscribed on {about["cores"]} cores)', '',
+  cores = about['cores']
+  over = [p for p in sorted(by_p) if p > 2 and (cores is None or p > cores)]
+  parts += ['', '### P-scaling (ms per call; '
+            + (f'P={" and P=".join(map(str, over))} run oversubscribed on '
+               if over else 'a core per process at every P: ')
+            + f'{cores} cores)', '',
             scaling_table(by_p), '',
             f'Rows ending "{versus.ALONE.strip()}": each side in launches of '
             'its own (torch not imported in ours), alternating, medians over '

@@ -156,10 +156,13 @@ def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
              'processes': processes, 'ours_times_ms': ours,
              'torch_times_ms': torch}]
   monkeypatch.setattr(scaling, '_run', bench_rows)
+  monkeypatch.setattr(scaling.os, 'cpu_count', lambda: 2)
   text = scaling.report(str(tmp_path / 'r.md'), rounds=3, soak_calls=0)
   data = _plot_scaling.read_json(str(tmp_path / 'r.json'))
   assert f'`{tmp_path / "r.json"}`' in text
   assert data['cores'] and data['command'].endswith('--report_soak=0')
+  assert ('### P-scaling (ms per call; P=4 and P=8 run oversubscribed on 2 '
+          'cores)') in text
   # At P > 2 each side alone too, in launches that alternate; a side's
   # median is over its launches.
   assert [s for p, s in launches if p == 2] == ['both', 'both']
@@ -172,6 +175,11 @@ def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
       _plot_scaling.OURS_TCP: [(2, 0.5), (4, 0.7), (8, 1.1)],
       _plot_scaling.OURS_ALONE: [(4, 0.6), (8, 1.2)],
       _plot_scaling.TORCH_ALONE: [(4, 2.4), (8, 4.8)]}}
+  # With a core per process, the title says so.
+  monkeypatch.setattr(scaling.os, 'cpu_count', lambda: 16)
+  text = scaling.report(str(tmp_path / 'r16.md'), rounds=3, soak_calls=0)
+  assert ('### P-scaling (ms per call; a core per process at every P: 16 '
+          'cores)') in text
 
 
 def _drill() -> dict:

@@ -131,6 +131,23 @@ def _unpolled(conn) -> bool:
   return isinstance(conn, socket.socket) and conn.gettimeout() is not None
 
 
+def _read_ready(conn: socket.socket, view: memoryview) -> int:
+  """The bytes already come into `view`, read with one plain read (no poll): 0 when none has, or `conn` is not `_unpolled`.
+
+  Raises:
+    ConnectionResetError: the peer closed the connection.
+  """
+  if not view or not _unpolled(conn):
+    return 0
+  try:
+    got = os.readv(conn.fileno(), [view])
+  except (BlockingIOError, InterruptedError):
+    return 0
+  if got == 0:
+    raise ConnectionResetError('the peer closed the connection')
+  return got
+
+
 def recv_into(conn: socket.socket, view: memoryview,
                deadline: Deadline | None = None) -> None:
   """Fills `view`; with a `deadline`, in watched slices (`_watched`).
@@ -142,15 +159,7 @@ def recv_into(conn: socket.socket, view: memoryview,
   of at least LOWAT_BYTES (SO_RCVLOWAT, reset to 1 after); a peer that
   closes or resets still wakes the reader at once.
   """
-  got = 0
-  if view and _unpolled(conn):
-    try:
-      got = os.readv(conn.fileno(), [view])
-    except (BlockingIOError, InterruptedError):
-      got = 0
-    else:
-      if got == 0:
-        raise ConnectionResetError('the peer closed the connection')
+  got = _read_ready(conn, view)
   lowat = 0
   if (len(view) - got >= LOWAT_FROM and isinstance(conn, socket.socket)
       and conn.family in (socket.AF_INET, socket.AF_INET6)):
@@ -180,15 +189,7 @@ def recv_some(conn: socket.socket, view: memoryview, least: int,
   As `recv_into`: what has come is read with one plain read, and the
   watched slices wait only for the rest.
   """
-  got = 0
-  if _unpolled(conn):
-    try:
-      got = os.readv(conn.fileno(), [view])
-    except (BlockingIOError, InterruptedError):
-      got = 0
-    else:
-      if got == 0:
-        raise ConnectionResetError('the peer closed the connection')
+  got = _read_ready(conn, view)
   while got < least:
     k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
     if k == 0:
