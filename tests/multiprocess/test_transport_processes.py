@@ -26,6 +26,15 @@ def test_large_payloads_over_each_transport(transport, lanes, count):
     assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
 
 
+@pytest.mark.parametrize('count', [2, 3])
+def test_a_source_with_a_spare_core_copies_its_result_aside(count):
+  """With `Plane.spare_cores` a broadcast's source copies its own result on the copier thread (at 2 processes down the chain, at 3 down the tree): the same results everywhere, the source's its own."""
+  result = launch.launch(program('source_copy_aside'), num_processes=count,
+                         devices_per_process=1, timeout=120)
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert all('COPY-ASIDE OK' in out for out in result.outputs)
+
+
 def test_a_blocked_data_plane_port_says_how_to_get_through():
   # Process 1's data-plane port refuses connections (see the program). The
   # processes leave after the error within the watchdog's detection bound:

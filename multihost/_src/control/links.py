@@ -92,6 +92,9 @@ _DIFFERS = 1
 # process handling more than one message a round) wins, and at 2
 # processes they take one hop where a star takes two.
 STAR_MIN, STAR_MAX = 3, 8
+# At most this many processes read every process's address record at the
+# links' setup (for the star, and for `Plane.spare_cores`).
+HOSTS_READ_MAX = 64
 # Each process's link-setup outcome: 'call|ok' or 'call|failed', MAC'd.
 _RECORDS = 'multihost/links/'
 
@@ -132,11 +135,10 @@ def _steps(me: int, count: int, star: bool,
   return rounds
 
 
-def _star(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str,
-          deadline: float) -> bool:
+def _star(rt: runtime.Runtime, hosts: list[str] | None) -> bool:
   """Whether calls agree in a star: STAR_MIN to STAR_MAX processes, all on one host (the same answer on every process, from the same records)."""
-  return (STAR_MIN <= rt.count <= STAR_MAX
-          and len(set(plane.hosts(op, deadline))) == 1)
+  return (hosts is not None and STAR_MIN <= rt.count <= STAR_MAX
+          and len(set(hosts)) == 1)
 
 
 def prepare(rt: runtime.Runtime, op: str, call: int) -> None:
@@ -193,7 +195,13 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   """Opens the links of the rounds (on the setup thread)."""
   deadline = time.monotonic() + SETUP_S
   try:
-    plane.star = _star(rt, plane, op, deadline)
+    # Every process's host, from the address records (one read each, so
+    # only for a job of at most HOSTS_READ_MAX processes).
+    hosts = (plane.hosts(op, deadline) if rt.count <= HOSTS_READ_MAX
+             else None)
+    plane.star = _star(rt, hosts)
+    plane.spare_cores = hosts is not None and payload.cores() > hosts.count(
+        hosts[rt.index])
     peers = {p for pair in _steps(rt.index, rt.count, plane.star)
              for p in pair if p is not None}
     # Connect first, then await the lower-numbered peers' connections: a

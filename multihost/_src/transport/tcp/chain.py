@@ -69,20 +69,28 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   plane = _tcp_link.get_plane(op, deadline)
   call = plane.seq
   rank = (plane.me - source) % plane.count
-  out = buffers.take(length) if rank > 0 or source_result else None
+  eager = eager if eager and eager.link else None
+  if eager is not None and eager.copying is not None:
+    # The source's result is being copied on the copier thread.
+    result = eager.out
+    out = None
+  else:
+    out = result = (buffers.take(length) if rank > 0 or source_result
+                    else None)
   ranges = payload.stripes(length, plane.lanes)
   pieces = [None] * len(ranges) if rank > 0 else payload.pieces(parts, ranges)
   if tree.carries(plane.count, length):
     tree.broadcast(plane, call, source, length, pieces[0], out, op,
-                   deadline, eager if eager and eager.link else None)
-    return out
+                   deadline, eager)
+    _copied(eager, deadline)
+    return result
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
       _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
       deadline, True)) for lane in range(1, len(ranges))]
   error = None
   try:
     _chain(plane, 0, call, source, ranges[0], pieces[0], out, op, deadline,
-           len(ranges) > 1, eager if eager and eager.link else None)
+           len(ranges) > 1, eager)
   except errors.MultihostError as e:
     error = e  # The links are closed: the other lanes end within a slice.
   for job in jobs:
@@ -92,7 +100,17 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     if not isinstance(error, errors.MultihostError):
       raise payload.failed(plane, None, op, source, error) from error
     raise error
-  return out
+  _copied(eager, deadline)
+  return result
+
+
+def _copied(eager: _eager.Eager | None, deadline: float) -> None:
+  """Waits for the source's own result, where its copier thread makes it (`tcp.eager.Eager`)."""
+  if eager is None or eager.copying is None:
+    return
+  error = eager.copying.wait(deadline)
+  if error is not None:  # (a local failure: the links are as they were)
+    raise error
 
 
 def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,

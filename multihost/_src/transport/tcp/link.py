@@ -77,6 +77,11 @@ class Plane:
     self.lanes = settings.tcp_lanes()
     self.lane_threads = [sockets.Lane(f'multihost-transport-lane-{k}')
                          for k in range(1, self.lanes)]
+    # Whether this process's host has more cores than processes of this
+    # job (set at the links' setup, `control.links`); then a broadcast's
+    # source copies its own result on `copier` (`tcp.eager.Eager`).
+    self.spare_cores = False
+    self.copier = sockets.Lane('multihost-transport-copy')
     self.acceptor = handshake.Acceptor(me=self.me, job=self.job,
                                        secret=self.secret, lock=self.lock,
                                        on_link=self._accepted)
@@ -291,7 +296,7 @@ def close_plane(plane: Plane) -> None:
   """Closes the listener and every link (its accept thread then ends)."""
   break_plane(plane, None)
   plane.sends.stop()
-  for lane in plane.lane_threads:
+  for lane in (*plane.lane_threads, plane.copier):
     lane.stop()
   for listener in (plane.listener, plane.local_listener):
     if listener is None:

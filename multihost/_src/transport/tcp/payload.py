@@ -8,6 +8,7 @@ one way a transfer over the links ends on an error.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -97,6 +98,23 @@ def send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
         skip = max(skip - len(piece), 0)
         out[offset:offset + len(body)] = np.frombuffer(body, np.uint8)
         offset += len(body)
+
+
+def copy_into(out: np.ndarray, parts: list[np.ndarray]) -> None:
+  """Copies `parts` (C-contiguous arrays), one after another, into the bytes of `out`."""
+  offset = 0
+  for part in parts:
+    view = part.reshape(-1).view(np.uint8)
+    out[offset:offset + len(view)] = view
+    offset += len(view)
+
+
+def cores() -> int:
+  """The cores this process may run on."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
 
 
 def stripes(length: int, lanes: int) -> list[tuple[int, int]]:

@@ -1,0 +1,47 @@
+"""A broadcast source whose host has a core to spare copies its own result on the plane's copier thread: the results, on every process, with and without; prints COPY-ASIDE OK.
+
+`Plane.spare_cores` is set here by hand (this machine may have as many
+cores as processes), once the links are up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import multihost
+from multihost._src.control import links
+from multihost._src.runtime import runtime
+from multihost._src.transport.tcp import eager
+
+
+def main() -> None:
+  multihost.initialize()
+  import jax  # noqa: PLC0415 (after initialize)
+  me = jax.process_index()
+  rt = runtime.current()
+  while not links.usable(rt):
+    multihost.sync_global_devices('links')
+  plane = rt.plane
+  for spare in (False, True):
+    plane.spare_cores = spare
+    for size in (eager.ASIDE_FROM - 4, eager.ASIDE_FROM, 1 << 20, 3 << 20):
+      mine = (np.arange(size // 4, dtype=np.float32) * 3 + size + spare
+              if me == 0 else np.zeros(size // 4, np.float32))
+      want = np.arange(size // 4, dtype=np.float32) * 3 + size + spare
+      for _ in range(3):  # (results come from the pool again)
+        got = multihost.broadcast_one_to_all({'a': mine, 'b': np.int8(me)})
+        np.testing.assert_array_equal(got['a'], want, err_msg=str(size))
+        assert got['b'] == 0, got['b']
+        if me == 0:
+          assert not np.shares_memory(got['a'], mine)
+          mine[:4] = -1  # The source's result is its own.
+          assert got['a'][0] == want[0]
+          mine[:4] = want[:4]
+    used = plane.copier.thread is not None
+    # Only the source copies aside, and only where a core is spare.
+    assert used == (spare and me == 0), (spare, me, used)
+  print('COPY-ASIDE OK', flush=True)
+
+
+if __name__ == '__main__':
+  main()
