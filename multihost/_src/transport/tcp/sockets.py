@@ -319,6 +319,10 @@ class Lane:
       except BaseException as e:  # noqa: BLE001  Handed to the caller.
         job.error = e
       job.done.set()
+      # Not held while waiting for the next job: a job's arguments (a
+      # result being copied, say) go back to the pool once their caller
+      # lets go.
+      fn = job = None
 
   def stop(self) -> None:
     self.jobs.put((None, None))
