@@ -53,8 +53,9 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   same `length` and `source`; the source passes its parts (C-contiguous
   arrays, `length` bytes in all), the others None. The source sends from
   the parts themselves; its own result (a packed copy, made piece by piece
-  behind the sends) is None with `source_result=False`. Receivers read
-  straight into the result.
+  behind the sends, or beside them on the plane's copier thread where its
+  host has a core to spare: `tcp.eager.Eager`) is None with
+  `source_result=False`. Receivers read straight into the result.
 
   A payload of one stripe among 3 processes or more goes down a binomial
   tree (`tcp.tree`). A payload of `payload.STRIPE_BYTES` or more is cut
