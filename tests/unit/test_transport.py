@@ -131,3 +131,32 @@ def test_a_link_reads_ahead_and_returns_every_byte_in_order():
   finally:
     a.close()
     b.close()
+
+
+def test_a_link_read_that_times_out_keeps_what_came_for_the_next():
+  """A header read that times out with part of the frame read ahead (the link stays for the next call): the next read still returns the frame whole and in order."""
+  from multihost._src.runtime.deadline import Deadline
+  from multihost._src.transport.tcp import frames
+  a, b = socket.socketpair()
+  try:
+    for s in (a, b):
+      s.settimeout(0.05)
+    sender = frames.Link(a, b'k' * 32, b'j' * 32)
+    reader = frames.Link(b, b'j' * 32, b'k' * 32)
+    first = sender.frame(1, 4) + b'body'
+    second = sender.frame(2, 3) + b'xyz'
+    # A frame, and the first 10 bytes of the next one behind it.
+    a.sendall(first + second[:10])
+    soon = Deadline('test', time.monotonic() + 5)
+    reader.read_frame(1, 4, 'test', 0, soon)
+    assert reader.take(4, soon) == b'body'
+    # 4 more bytes come; the rest of the header does not, in time.
+    a.sendall(second[10:14])
+    with pytest.raises(TimeoutError):
+      reader.take(frames.FRAME_SIZE, Deadline('test', time.monotonic() + 0.2))
+    a.sendall(second[14:])
+    reader.read_frame(2, 3, 'test', 0, soon)
+    assert reader.take(3, soon) == b'xyz'
+  finally:
+    a.close()
+    b.close()

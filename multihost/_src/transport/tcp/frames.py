@@ -89,10 +89,15 @@ class Link:
         return bytes(out)
       if at:  # The bytes left to the buffer's start: room for the rest.
         self._ahead[:end - at] = self._ahead[at:end]
-        end -= at
-        at = 0
-      end += sockets.recv_some(self.sock, memoryview(self._ahead)[end:],
-                               n - end, deadline)
+        at, end = 0, end - at
+        self._at, self._end = at, end
+      view = memoryview(self._ahead)
+      while end < n:
+        # Kept as they come: a read that times out (the link stays for the
+        # next call) leaves every byte that came in its place.
+        end += sockets.recv_some(self.sock, view[end:], 1, deadline,
+                                 idle=not end)
+        self._end = end
     out = bytes(self._ahead[at:at + n])
     at += n
     self._at, self._end = (0, 0) if at == end else (at, end)

@@ -183,15 +183,16 @@ def recv_into(conn: socket.socket, view: memoryview,
 
 
 def recv_some(conn: socket.socket, view: memoryview, least: int,
-              deadline: Deadline | None = None) -> int:
+              deadline: Deadline | None = None, *, idle: bool = True) -> int:
   """Reads at least `least` bytes into `view`, and what else has come up to its end; returns the bytes read.
 
   As `recv_into`: what has come is read with one plain read, and the
-  watched slices wait only for the rest.
+  watched slices wait only for the rest; `idle=False` says part of the
+  message came before (the deadline's idle step then no longer runs).
   """
   got = _read_ready(conn, view)
   while got < least:
-    k = _watched(conn.recv_into, view[got:], deadline, idle=not got)
+    k = _watched(conn.recv_into, view[got:], deadline, idle=idle and not got)
     if k == 0:
       raise ConnectionResetError('the peer closed the connection')
     got += k
