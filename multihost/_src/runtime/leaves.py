@@ -163,13 +163,18 @@ def pack(values: list[np.ndarray], pad_to: int = 0, *,
     return values[0].reshape(-1).view(np.uint8)
   out = np.empty(max(total, pad_to), np.uint8)
   out[total:] = 0
+  pack_into(out, values)
+  return out
+
+
+def pack_into(out: np.ndarray, values: list[np.ndarray]) -> None:
+  """Writes the raw bytes of `values`, one after another, into uint8 `out` (at least as long)."""
   offset = 0
   for v in values:
     n = v.nbytes
     if n:
       out[offset:offset + n] = v.reshape(-1).view(np.uint8)
     offset += n
-  return out
 
 
 def packed_bytes(values: list[np.ndarray]) -> bytes:

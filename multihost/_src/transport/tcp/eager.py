@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 
+from multihost._src.runtime import leaves
 from multihost._src.transport import buffers
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
@@ -72,7 +73,7 @@ class Eager:
       # First, so that the copy runs while this thread sends.
       self.out = buffers.take(self.length)
       self.copying = plane.copier.run(
-          functools.partial(payload.copy_into, self.out, self.parts))
+          functools.partial(leaves.pack_into, self.out, self.parts))
     a, b = ranges[0]
     head = link.frame(_tcp_link.transfer_id(plane), b - a)
     piece = payload.pieces(self.parts, ranges)[0]

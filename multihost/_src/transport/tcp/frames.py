@@ -95,7 +95,7 @@ class Link:
       while end < n:
         # Kept as they come: a read that times out (the link stays for the
         # next call) leaves every byte that came in its place.
-        end += sockets.recv_some(self.sock, view[end:], 1, deadline,
+        end += sockets.recv_some(self.sock, view[end:], deadline,
                                  idle=not end)
         self._end = end
     out = bytes(self._ahead[at:at + n])

@@ -100,15 +100,6 @@ def send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
         offset += len(body)
 
 
-def copy_into(out: np.ndarray, parts: list[np.ndarray]) -> None:
-  """Copies `parts` (C-contiguous arrays), one after another, into the bytes of `out`."""
-  offset = 0
-  for part in parts:
-    view = part.reshape(-1).view(np.uint8)
-    out[offset:offset + len(view)] = view
-    offset += len(view)
-
-
 def cores() -> int:
   """The cores this process may run on."""
   try:

@@ -182,20 +182,17 @@ def recv_into(conn: socket.socket, view: memoryview,
         pass
 
 
-def recv_some(conn: socket.socket, view: memoryview, least: int,
+def recv_some(conn: socket.socket, view: memoryview,
               deadline: Deadline | None = None, *, idle: bool = True) -> int:
-  """Reads at least `least` bytes into `view`, and what else has come up to its end; returns the bytes read.
+  """Reads what has come into `view`, waiting in watched slices for at least a byte; returns the bytes read.
 
-  As `recv_into`: what has come is read with one plain read, and the
-  watched slices wait only for the rest; `idle=False` says part of the
-  message came before (the deadline's idle step then no longer runs).
+  `idle=False` says part of the message came before (the deadline's idle
+  step then no longer runs between the slices, as in `recv_into`).
   """
-  got = _read_ready(conn, view)
-  while got < least:
-    k = _watched(conn.recv_into, view[got:], deadline, idle=idle and not got)
-    if k == 0:
-      raise ConnectionResetError('the peer closed the connection')
-    got += k
+  got = _read_ready(conn, view) or _watched(conn.recv_into, view, deadline,
+                                            idle=idle)
+  if got == 0:
+    raise ConnectionResetError('the peer closed the connection')
   return got
 
 
