@@ -11,18 +11,24 @@ from multihost import env as env_lib
 from multihost import launch
 
 
-# At 5 processes a broadcast of one stripe (3 MiB) goes down a binomial
-# tree with processes in its middle (at 3 the source sends to both).
-@pytest.mark.parametrize('transport,lanes,count', [
-    ('tcp', '', 3), ('tcp', '3', 3), ('device', '', 3), ('tcp', '', 5)])
-def test_large_payloads_over_each_transport(transport, lanes, count):
+# With local links (one host) the broadcasts go through the source's stage;
+# without, at 5 processes a broadcast of one stripe (3 MiB) goes down a
+# binomial tree with processes in its middle (at 3 the source sends to
+# both), and larger ones down the lanes' chains.
+@pytest.mark.parametrize('transport,lanes,count,local', [
+    ('tcp', '', 3, '1'), ('tcp', '3', 3, '0'), ('device', '', 3, '1'),
+    ('tcp', '', 5, '1'), ('tcp', '', 5, '0')])
+def test_large_payloads_over_each_transport(transport, lanes, count, local):
   result = launch.launch(program('bulk_transfers'), num_processes=count,
                          devices_per_process=1, timeout=120,
                          env={env_lib.TRANSPORT: transport,
-                              env_lib.TCP_LANES: lanes})
+                              env_lib.TCP_LANES: lanes,
+                              env_lib.LOCAL_LINKS: local})
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert all('TRANSPORT OK' in out for out in result.outputs)
-  if transport == 'tcp':
+  if transport == 'tcp' and local == '1':
+    assert all(f'STAGED {count - 1} links' in out for out in result.outputs)
+  elif transport == 'tcp':
     assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
 
 
@@ -51,7 +57,7 @@ def test_a_blocked_data_plane_port_says_how_to_get_through():
 @pytest.mark.parametrize('local', ['on', '0'])
 def test_processes_on_one_host_link_over_local_sockets_unless_turned_off(
     local):
-  """Real controllers on one host: every link (both lanes) is a Unix domain socket; with $MULTIHOST_LOCAL_LINKS=0, TCP."""
+  """Real controllers on one host: every link (both lanes) is a Unix domain socket, and lane 0's holds the peer's stage; with $MULTIHOST_LOCAL_LINKS=0, TCP and no stage."""
   env = {} if local == 'on' else {env_lib.LOCAL_LINKS: local}
   result = launch.launch(program('link_families'), num_processes=2,
                          devices_per_process=1, timeout=120, env=env)
@@ -61,6 +67,8 @@ def test_processes_on_one_host_link_over_local_sockets_unless_turned_off(
     families = json.loads(out.split('FAMILIES ', 1)[1].splitlines()[0])
     peer = 1 - me
     assert families == {str(peer): want, str((peer, 1)): want}, families
+    stages = json.loads(out.split('STAGES ', 1)[1].splitlines()[0])
+    assert stages == {str(peer): local == 'on', str((peer, 1)): False}, stages
 
 
 def test_lanes_that_differ_are_a_consistency_error_at_once():

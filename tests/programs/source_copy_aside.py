@@ -1,7 +1,9 @@
 """A broadcast source whose host has a core to spare copies its own result on the plane's copier thread: the results, on every process, with and without; prints COPY-ASIDE OK.
 
 `Plane.spare_cores` is set here by hand (this machine may have as many
-cores as processes), once the links are up.
+cores as processes), once the links are up, and `Plane.one_host` turned
+off (these processes share a host: their broadcasts would go through the
+source's stage, `transport.tcp.shared`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main() -> None:
   while not links.usable(rt):
     multihost.sync_global_devices('links')
   plane = rt.plane
+  plane.one_host = False  # (on every process: no broadcast via the stage)
   for spare in (False, True):
     plane.spare_cores = spare
     for size in (eager.ASIDE_FROM - 4, eager.ASIDE_FROM, 1 << 20, 3 << 20):

@@ -197,9 +197,12 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   try:
     # Every process's host, from the address records (one read each, so
     # only for a job of at most HOSTS_READ_MAX processes).
-    hosts = (plane.hosts(op, deadline) if rt.count <= HOSTS_READ_MAX
-             else None)
+    records = (plane.hosts(op, deadline) if rt.count <= HOSTS_READ_MAX
+               else None)
+    hosts = None if records is None else [host for host, _ in records]
     plane.star = _star(rt, hosts)
+    plane.one_host = (hosts is not None and len(set(hosts)) == 1
+                      and all(local for _, local in records))
     plane.spare_cores = hosts is not None and payload.cores() > hosts.count(
         hosts[rt.index])
     peers = {p for pair in _steps(rt.index, rt.count, plane.star)

@@ -30,6 +30,7 @@ from multihost._src.transport import interface
 from multihost._src.transport.tcp import chain
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link
+from multihost._src.transport.tcp import shared
 
 # On GPU/TPU backends, payloads larger than this use a device collective.
 DEVICE_BYTES = 1 << 20
@@ -86,7 +87,9 @@ def carries_small_payloads() -> bool:
 
 def early_stripe(parts: list[np.ndarray], length: int) -> _eager.Eager | None:
   """A broadcast source's first stripe, to send during the agreement (`tcp.eager.Eager`), where its payload moves over TCP and calls agree over the links; else None."""
-  if transport(length) != 'tcp' or not link.agreeing(runtime.current()):
+  rt = runtime.current()
+  if (transport(length) != 'tcp' or not link.agreeing(rt)
+      or shared.carries(rt.plane, length)):  # (the stage: after the agreement)
     return None
   return _eager.Eager(parts, length)
 

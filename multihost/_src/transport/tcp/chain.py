@@ -33,6 +33,7 @@ from multihost._src.transport import buffers
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
+from multihost._src.transport.tcp import shared
 from multihost._src.transport.tcp import sockets
 from multihost._src.transport.tcp import tree
 
@@ -70,6 +71,10 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   plane = _tcp_link.get_plane(op, deadline)
   call = plane.seq
   rank = (plane.me - source) % plane.count
+  if shared.carries(plane, length):
+    out = (buffers.take(length) if rank > 0 or source_result else None)
+    shared.broadcast(plane, call, source, length, parts, out, op, deadline)
+    return out
   eager = eager if eager and eager.link else None
   if eager is not None and eager.copying is not None:
     # The source's result is being copied on the copier thread.

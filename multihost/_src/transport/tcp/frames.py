@@ -42,7 +42,8 @@ class Link:
   """
 
   __slots__ = ('sock', 'send_key', 'recv_key', 'sent', 'received', 'poll',
-               'owed', '_send_mac', '_recv_mac', '_ahead', '_at', '_end')
+               'owed', 'shared', '_send_mac', '_recv_mac', '_ahead', '_at',
+               '_end')
 
   def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
     self.sock = sock
@@ -63,6 +64,9 @@ class Link:
     # timeout (`transport.tcp.eager.Eager.defer`): sent before anything else
     # (`Plane.conn`).
     self.owed: list[memoryview] | None = None
+    # The peer's stage, where both sides of a local link passed theirs
+    # (`transport.tcp.shared`); else None.
+    self.shared = None
 
   def frame(self, call: int, length: int) -> bytes:
     """The next frame header to send (the caller sends frames in this order)."""

@@ -32,10 +32,11 @@ from multihost._src.runtime import settings
 from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import local as _local
+from multihost._src.transport.tcp import stage as _stage
 from multihost._src.transport.tcp import sockets
 
 _HELLO = struct.Struct('<4sIIB16s')
-_MAGIC = b'MHT3'
+_MAGIC = b'MHT4'
 _NONCE = 16
 _ACCEPTED = b'\x01'
 _PROOF = hashlib.sha256().digest_size
@@ -51,8 +52,8 @@ def _nonces(connector: bytes, acceptor: bytes, lane: int) -> bytes:
 
 
 def connect(conn: socket.socket, *, me: int, peer: int, lane: int,
-            job: bytes, secret: bytes, where: str,
-            prefix: str) -> frames.Link:
+            job: bytes, secret: bytes, where: str, prefix: str,
+            stage: _stage.Stage | None = None) -> frames.Link:
   """The connector's half on the open `conn` to the higher-numbered `peer`: the link, once both sides proved the job secret.
 
   Raises:
@@ -76,8 +77,16 @@ def connect(conn: socket.socket, *, me: int, peer: int, lane: int,
     raise errors.MultihostError(
         f'{prefix} process {peer} at {where} did not accept the handshake.')
   sockets.tune(conn)
-  return frames.Link(conn, *auth.link_keys(secret, job, me, peer, nonces,
+  link = frames.Link(conn, *auth.link_keys(secret, job, me, peer, nonces,
                                            connector=True))
+  if conn.family == socket.AF_UNIX and lane == 0:
+    try:
+      link.shared = _stage.exchange(conn, stage)
+    except ValueError as e:
+      raise errors.MultihostError(
+          f'{prefix} process {peer} at {where} did not pass a stage: {e}.'
+      ) from e
+  return link
 
 
 class Acceptor:
@@ -86,8 +95,10 @@ class Acceptor:
   def __init__(self, *, me: int, job: bytes, secret: bytes,
                lock: threading.Condition,
                on_link: collections.abc.Callable[[int, int, frames.Link],
-                                                 None]):
+                                                 None],
+               stage: _stage.Stage | None = None):
     self.me = me
+    self.stage = stage  # passed to local peers (`tcp.stage.exchange`)
     self.job = job
     self.secret = secret
     self.lock = lock
@@ -161,10 +172,13 @@ class Acceptor:
         if self.pending.pop(conn, None) is None:
           return  # cut as the oldest pending one meanwhile
         conn.sendall(_ACCEPTED)
-        sockets.tune(conn)
-        self.on_link(peer, lane, frames.Link(
-            conn, *auth.link_keys(self.secret, self.job, peer, self.me,
-                                  nonces, connector=False)))
+      sockets.tune(conn)
+      link = frames.Link(conn, *auth.link_keys(
+          self.secret, self.job, peer, self.me, nonces, connector=False))
+      if conn.family == socket.AF_UNIX and lane == 0:
+        link.shared = _stage.exchange(conn, self.stage)  # (within deadline)
+      with self.lock:
+        self.on_link(peer, lane, link)
         keep = True
     except (OSError, struct.error, ValueError):
       pass

@@ -38,6 +38,7 @@ from multihost._src.transport.tcp import errors as _tcp_errors
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import handshake
 from multihost._src.transport.tcp import local as _local
+from multihost._src.transport.tcp import stage as _stage
 from multihost._src.transport.tcp import sockets
 
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
@@ -82,9 +83,16 @@ class Plane:
     # source copies its own result on `copier` (`tcp.eager.Eager`).
     self.spare_cores = False
     self.copier = sockets.Lane('multihost-transport-copy')
+    # Whether every process publishes this host and a local socket (set at
+    # the links' setup, `control.links`): then large broadcasts go through
+    # the source's stage, which local links pass at their handshake
+    # (`tcp.shared`, `tcp.stage`).
+    self.one_host = False
+    self.stage = _stage.Stage.make() if settings.local_links() else None
     self.acceptor = handshake.Acceptor(me=self.me, job=self.job,
                                        secret=self.secret, lock=self.lock,
-                                       on_link=self._accepted)
+                                       on_link=self._accepted,
+                                       stage=self.stage)
     host = auth.local_host(rt)
     self.listener = socket.socket(sockets.family(host), socket.SOCK_STREAM)
     self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,14 +124,14 @@ class Plane:
     self.conns[_key(peer, lane)] = link
     self.lock.notify_all()
 
-  def hosts(self, op: str, deadline: float) -> list[str]:
-    """Every process's host, as its authenticated address record says (one read per process).
+  def hosts(self, op: str, deadline: float) -> list[tuple[str, str]]:
+    """Every process's (host, local socket name), as its authenticated address record says (one read per process); the name is '' where local links are off.
 
     Raises:
       MultihostError: a record failed authentication.
       Exception: the service did not return a record by `deadline`.
     """
-    return [self._address(p, max(deadline - time.monotonic(), 0.001), op)[0]
+    return [self._address(p, max(deadline - time.monotonic(), 0.001), op)[::2]
             for p in range(self.count)]
 
   def _address(self, peer: int, remaining: float,
@@ -172,7 +180,7 @@ class Plane:
     try:
       return handshake.connect(conn, me=self.me, peer=peer, lane=lane,
                                job=self.job, secret=self.secret, where=where,
-                               prefix=self.rt.prefix)
+                               prefix=self.rt.prefix, stage=self.stage)
     except BaseException:
       sockets.close(conn)
       raise
@@ -306,3 +314,5 @@ def close_plane(plane: Plane) -> None:
     except OSError:
       pass
     sockets.close(listener)
+  if plane.stage is not None:
+    plane.stage.close()

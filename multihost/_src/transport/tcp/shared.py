@@ -1,0 +1,123 @@
+"""Data plane: a broadcast among processes of one host through the source's stage (`tcp.stage`), which its peers map read-only.
+
+Why: over a local socket each hop copies the payload twice (into the
+kernel and out) and a tree forwards it once per level, so at P processes
+on one host a broadcast moves 2(P - 1) copies through the cores the
+processes share. Here the source copies each piece of the payload once
+into its stage and every receiver copies it out at once: P copies in
+all, and no hop waits for another (docs/performance.md measures it).
+
+The transfer (`broadcast`), once the call agreed: the payload goes in
+pieces of `stage.SLOT_BYTES` through the stage's two slots in turn. For
+each piece the source waits until every receiver released the slot's
+last piece, copies the piece in, and sends each receiver an empty frame
+of the call (MAC'd as every frame: the receiver knows which bytes each
+piece holds from the payload's length alone); each receiver copies the
+piece out and answers an empty frame. A receiver whose link has no
+`shared` stage (a TCP link after all, or a side without a stage: the same
+answer at both ends) gets the payload as one data frame. Every wait is
+bounded by the call's deadline, and a peer that dies closes its link,
+which raises at once, as for every transfer.
+
+Used for a broadcast of at least `SHARED_FROM` bytes whose processes all
+publish one host, once calls agree over the links (`carries`: the same
+answer on every process).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from multihost._src.runtime import errors
+from multihost._src.runtime.deadline import Deadline
+from multihost._src.transport.tcp import payload
+from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp.stage import SLOT_BYTES
+
+# A broadcast of at least this many bytes among processes of one host
+# goes through the stage (`carries`).
+SHARED_FROM = 256 << 10
+
+
+def carries(plane, length: int) -> bool:
+  """Whether a broadcast of `length` bytes goes through the source's stage: at least `SHARED_FROM` bytes, every process on one host, calls agreeing over the links (the same answer on every process)."""
+  return length >= SHARED_FROM and plane.one_host and plane.agrees
+
+
+def _pieces(length: int) -> list[tuple[int, int]]:
+  """(start, stop) of each piece of a payload of `length` bytes; piece k goes through slot k % 2."""
+  return [(a, min(a + SLOT_BYTES, length))
+          for a in range(0, length, SLOT_BYTES)]
+
+
+def broadcast(plane, call: int, source: int, length: int,
+              parts: list[np.ndarray] | None, out: np.ndarray | None,
+              op: str, deadline: float) -> None:
+  """Moves the source's `length` bytes into `out` on every process (see the module docstring).
+
+  The source passes its `parts` (C-contiguous arrays) and its own result
+  `out` (or None); every other process its result `out`.
+  """
+  watch = Deadline(op, deadline, plane.rt.watchdog)
+  if plane.me == source:
+    _send(plane, call, length, parts, out, op, deadline, watch)
+  else:
+    _receive(plane, call, source, length, out, op, deadline, watch)
+
+
+def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
+  """The source's half: each piece into the stage, a frame to each receiver, its acknowledgements before the slot is used again."""
+  peers = [p for p in range(plane.count) if p != plane.me]
+  views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
+  stage = plane.stage.array
+  peer = peers[0]
+  try:
+    links = {}
+    for peer in peers:
+      links[peer] = link = plane.conn(peer, deadline, op)
+      payload.arm(link, deadline)
+    staged = [p for p in peers if links[p].shared is not None]
+    for peer in peers:  # (a TCP link after all: the bytes themselves)
+      if links[peer].shared is None:
+        link = links[peer]
+        sockets.send_all(link.sock, link.frame(call, length), watch)
+        for view in views:
+          sockets.send_all(link.sock, view, watch)
+    pieces = _pieces(length)
+    for k, (start, stop) in enumerate(pieces):
+      slot = (k % 2) * SLOT_BYTES
+      if k >= 2:
+        for peer in staged:  # the slot's last piece is released
+          links[peer].read_frame(call, 0, op, peer, watch)
+      at = slot
+      for view in payload.cut(views, start, stop):
+        stage[at:at + len(view)] = np.frombuffer(view, np.uint8)
+        at += len(view)
+      for peer in staged:
+        sockets.send_all(links[peer].sock, links[peer].frame(call, 0), watch)
+      if out is not None:
+        out[start:stop] = stage[slot:slot + stop - start]
+    for k in range(max(len(pieces) - 2, 0), len(pieces)):
+      for peer in staged:
+        links[peer].read_frame(call, 0, op, peer, watch)
+  except (OSError, TimeoutError, errors.MultihostError) as e:
+    raise payload.failed(plane, None, op, peer, e) from e
+
+
+def _receive(plane, call, source, length, out, op, deadline, watch) -> None:
+  """A receiver's half: each piece out of the source's stage, then a frame that releases its slot."""
+  try:
+    link = plane.conn(source, deadline, op)
+    payload.arm(link, deadline)
+    if link.shared is None:
+      link.read_frame(call, length, op, source, watch)
+      link.recv_into(memoryview(out), watch)
+      return
+    stage = link.shared.array
+    for k, (start, stop) in enumerate(_pieces(length)):
+      slot = (k % 2) * SLOT_BYTES
+      link.read_frame(call, 0, op, source, watch)
+      out[start:stop] = stage[slot:slot + stop - start]
+      sockets.send_all(link.sock, link.frame(call, 0), watch)
+  except (OSError, TimeoutError, errors.MultihostError) as e:
+    raise payload.failed(plane, None, op, source, e) from e
