@@ -86,10 +86,14 @@ def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
     # nothing over two.
     (2, 'allgather', 'small', 1, 'tcp'),
     (3, 'broadcast', 'small', 2, 'tcp'),
-    # A 16 MiB broadcast over TCP, in stripes over two lanes: the victim is
-    # the middle of the chain, so the kill lands in a lane thread's reads
-    # and forwards on both sides of it.
+    # A 16 MiB broadcast on one host, through the source's stage: the kill
+    # lands in the victim's copies and releases, and in the source's wait
+    # for them.
     (3, 'broadcast', 'big', 1, 'tcp'),
+    # The same over TCP links (no stage), in stripes over two lanes: the
+    # victim is the middle of the chain, so the kill lands in a lane
+    # thread's reads and forwards on both sides of it.
+    (3, 'broadcast', 'big', 1, 'tcp-links'),
     # Device collectives over gloo. At P=4, killing 2 leaves process 0, which
     # is not its ring neighbour, blocked in gloo with no error of its own.
     (2, 'broadcast', 'big', 1, 'device'),
@@ -97,8 +101,12 @@ def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
 ])
 def test_sigkill_of_a_peer_raises_on_every_survivor(num_processes, mode, size,
                                                     victim, transport):
+  env = {multihost.env.TRANSPORT: transport.removesuffix('-links')}
+  if transport == 'tcp-links':
+    env[multihost.env.LOCAL_LINKS] = '0'
+  transport = env[multihost.env.TRANSPORT]
   with _start(num_processes, mode, size, sleeper=victim,
-              extra_env={multihost.env.TRANSPORT: transport}) as cluster:
+              extra_env=env) as cluster:
     _wait_all(cluster, 'READY', range(num_processes))
     for i in range(num_processes):
       assert f'TRANSPORT {transport}' in cluster.outputs[i], i

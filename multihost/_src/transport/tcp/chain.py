@@ -4,7 +4,9 @@ Why not a device collective: on CPU, JAX's gloo collectives move bytes
 several times slower than plain TCP between the same processes (see
 bench/README.md). The payloads of `broadcast_one_to_all`,
 `process_allgather` and the object collectives are host values (numpy in,
-numpy out), so they go host to host: for broadcast a binomial tree when the
+numpy out), so they go host to host: for broadcast among processes that
+all run on one host, from `shared.SHARED_FROM` bytes, through the source's
+stage (`tcp.shared`); otherwise a binomial tree when the
 payload is one stripe (below `payload.STRIPE_BYTES`) and there are 3 processes or
 more (ceil(log2 P) hops where a chain takes P - 1), else a pipelined
 chain per stripe (memory and source traffic do not grow with the process
@@ -13,7 +15,7 @@ device collective instead (e.g. where peers cannot open TCP connections to
 each other).
 
 This module chooses the algorithm and holds the chain and the ring; the
-tree is `tcp.tree`'s, how a payload is framed, cut and sent
+stage's broadcast is `tcp.shared`'s, the tree `tcp.tree`'s, how a payload is framed, cut and sent
 `tcp.payload`'s, the source's early stripe `tcp.eager`'s, the links they
 run on `tcp.link`'s and their socket I/O `tcp.sockets`'s. Every socket
 wait is bounded by the collective's timeout; a peer that dies closes its
@@ -48,7 +50,7 @@ def first_peer(plane: _tcp_link.Plane, length: int) -> int:
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
               eager: _eager.Eager | None = None) -> np.ndarray | None:
-  """Returns the source's `length` bytes on every process (a binomial tree, or a pipelined chain per lane).
+  """Returns the source's `length` bytes on every process (through the source's stage on one host, a binomial tree, or a pipelined chain per lane).
 
   Collective: every process must call this, in the same order, with the
   same `length` and `source`; the source passes its parts (C-contiguous
@@ -58,8 +60,10 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   host has a core to spare: `tcp.eager.Eager`) is None with
   `source_result=False`. Receivers read straight into the result.
 
-  A payload of one stripe among 3 processes or more goes down a binomial
-  tree (`tcp.tree`). A payload of `payload.STRIPE_BYTES` or more is cut
+  Among processes of one host a payload of `shared.SHARED_FROM` bytes or
+  more goes through the source's stage (`tcp.shared`). Otherwise a payload
+  of one stripe among 3 processes or more goes down a binomial tree
+  (`tcp.tree`). A payload of `payload.STRIPE_BYTES` or more is cut
   into one stripe per lane (`Plane.lanes` connections per pair of processes), each moving down its
   own chain at once: the first on the calling thread, the others on the
   plane's lane threads. One TCP stream is limited by the one core that

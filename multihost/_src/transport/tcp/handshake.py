@@ -32,8 +32,8 @@ from multihost._src.runtime import settings
 from multihost._src.transport.tcp import auth
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import local as _local
-from multihost._src.transport.tcp import stage as _stage
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import stage as _stage
 
 _HELLO = struct.Struct('<4sIIB16s')
 _MAGIC = b'MHT4'

@@ -38,8 +38,8 @@ from multihost._src.transport.tcp import errors as _tcp_errors
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import handshake
 from multihost._src.transport.tcp import local as _local
-from multihost._src.transport.tcp import stage as _stage
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import stage as _stage
 
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
 

@@ -20,8 +20,10 @@ bounded by the call's deadline, and a peer that dies closes its link,
 which raises at once, as for every transfer.
 
 Used for a broadcast of at least `SHARED_FROM` bytes whose processes all
-publish one host, once calls agree over the links (`carries`: the same
-answer on every process).
+publish one host and a local socket, once calls agree over the links
+(`carries`: the same answer on every process). The source's own result
+is a copy of each piece out of its stage, made while the receivers copy
+theirs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ SHARED_FROM = 256 << 10
 
 
 def carries(plane, length: int) -> bool:
-  """Whether a broadcast of `length` bytes goes through the source's stage: at least `SHARED_FROM` bytes, every process on one host, calls agreeing over the links (the same answer on every process)."""
+  """Whether a broadcast of `length` bytes goes through the source's stage: at least `SHARED_FROM` bytes, every process on one host with local links (`Plane.one_host`), calls agreeing over the links (the same answer on every process)."""
   return length >= SHARED_FROM and plane.one_host and plane.agrees
 
 
@@ -97,7 +99,7 @@ def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
         sockets.send_all(links[peer].sock, links[peer].frame(call, 0), watch)
       if out is not None:
         out[start:stop] = stage[slot:slot + stop - start]
-    for k in range(max(len(pieces) - 2, 0), len(pieces)):
+    for _ in range(min(len(pieces), 2)):  # the last pieces' releases
       for peer in staged:
         links[peer].read_frame(call, 0, op, peer, watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:

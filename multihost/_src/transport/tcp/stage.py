@@ -3,10 +3,13 @@
 Each process with local links makes one stage at its plane's start:
 `STAGE_BYTES` of a memfd (pages are used only when written), sealed so
 that nobody can shrink or grow it (a peer's read never finds its mapping
-cut short). A local link's handshake passes each side's stage to the
+cut short) nor write it but through the mapping its process made before
+sealing it. A local link's handshake passes each side's stage to the
 other over the authenticated socket (SCM_RIGHTS), as a descriptor opened
 read-only: only the job's proven processes on this host map it, and none
-can write it. `transport.tcp.shared` broadcasts through it.
+can write it (not even through a descriptor opened again read-write).
+`transport.tcp.shared` broadcasts through it. Linux 5.1 or later (the
+seals); elsewhere a process has no stage, and its links none.
 """
 
 from __future__ import annotations
@@ -22,8 +25,13 @@ import numpy as np
 # turn (`transport.tcp.shared`).
 SLOT_BYTES = 4 << 20
 STAGE_BYTES = 2 * SLOT_BYTES
+# Nobody may shrink or grow a stage, nor write it but through the mapping
+# its process made before sealing it (F_SEAL_FUTURE_WRITE, Linux 5.1: a
+# peer that opens its descriptor again read-write, through /proc, can
+# neither write nor map it writable). Python names it from 3.12 on.
 _SEALS = (getattr(fcntl, 'F_SEAL_SHRINK', 0) | getattr(fcntl, 'F_SEAL_GROW', 0)
-          | getattr(fcntl, 'F_SEAL_SEAL', 0))  # (Linux's)
+          | getattr(fcntl, 'F_SEAL_SEAL', 0)
+          | getattr(fcntl, 'F_SEAL_FUTURE_WRITE', 0x10))
 _HAS = b'\x01'  # a handshake's stage message: a descriptor comes with it
 _NONE = b'\x00'
 
@@ -36,8 +44,8 @@ class Stage:
                          os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
       os.ftruncate(fd, STAGE_BYTES)
-      fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
       self.memory = mmap.mmap(fd, STAGE_BYTES)
+      fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # (after the mapping)
       # A description of its own, read-only: what peers get.
       self.shared_fd = os.open(f'/proc/self/fd/{fd}',
                                os.O_RDONLY | os.O_CLOEXEC)
@@ -49,6 +57,7 @@ class Stage:
   def make(cls) -> Stage | None:
     """A new stage, or None where this system cannot make one (not Linux, no memfd, no /proc)."""
     if not hasattr(os, 'memfd_create') or not hasattr(fcntl, 'F_ADD_SEALS'):
+      # (Not Linux. An older kernel refuses the seals: OSError below.)
       return None
     try:
       return cls()
