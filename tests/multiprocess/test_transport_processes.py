@@ -32,6 +32,14 @@ def test_large_payloads_over_each_transport(transport, lanes, count, local):
     assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
 
 
+def test_a_process_without_a_stage_gets_the_bytes_themselves():
+  """On one host, process 1 cannot make a stage: its links hold none, the others' do, and broadcasts from every source (one piece, and three of an odd size) still return the source's bytes everywhere."""
+  result = launch.launch(program('stage_missing'), num_processes=3,
+                         devices_per_process=1, timeout=120)
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert all('STAGE-MISSING OK' in out for out in result.outputs)
+
+
 @pytest.mark.parametrize('count', [2, 3])
 def test_a_source_with_a_spare_core_copies_its_result_aside(count):
   """With `Plane.spare_cores` a broadcast's source copies its own result on the copier thread (at 2 processes down the chain, at 3 down the tree): the same results everywhere, the source's its own."""

@@ -31,28 +31,30 @@ from __future__ import annotations
 import numpy as np
 
 from multihost._src.runtime import errors
+from multihost._src.runtime import leaves
 from multihost._src.runtime.deadline import Deadline
+from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
-from multihost._src.transport.tcp.stage import SLOT_BYTES
+from multihost._src.transport.tcp import stage as _stage
 
 # A broadcast of at least this many bytes among processes of one host
 # goes through the stage (`carries`).
 SHARED_FROM = 256 << 10
 
 
-def carries(plane, length: int) -> bool:
+def carries(plane: _tcp_link.Plane, length: int) -> bool:
   """Whether a broadcast of `length` bytes goes through the source's stage: at least `SHARED_FROM` bytes, every process on one host with local links (`Plane.one_host`), calls agreeing over the links (the same answer on every process)."""
   return length >= SHARED_FROM and plane.one_host and plane.agrees
 
 
 def _pieces(length: int) -> list[tuple[int, int]]:
   """(start, stop) of each piece of a payload of `length` bytes; piece k goes through slot k % 2."""
-  return [(a, min(a + SLOT_BYTES, length))
-          for a in range(0, length, SLOT_BYTES)]
+  return [(a, min(a + _stage.SLOT_BYTES, length))
+          for a in range(0, length, _stage.SLOT_BYTES)]
 
 
-def broadcast(plane, call: int, source: int, length: int,
+def broadcast(plane: _tcp_link.Plane, call: int, source: int, length: int,
               parts: list[np.ndarray] | None, out: np.ndarray | None,
               op: str, deadline: float) -> None:
   """Moves the source's `length` bytes into `out` on every process (see the module docstring).
@@ -67,11 +69,12 @@ def broadcast(plane, call: int, source: int, length: int,
     _receive(plane, call, source, length, out, op, deadline, watch)
 
 
-def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
-  """The source's half: each piece into the stage, a frame to each receiver, its acknowledgements before the slot is used again."""
+def _send(plane: _tcp_link.Plane, call: int, length: int,
+          parts: list[np.ndarray], out: np.ndarray | None, op: str,
+          deadline: float, watch: Deadline) -> None:
+  """The source's half: each piece into the stage, a frame to each receiver, and their releases before a slot takes another piece."""
   peers = [p for p in range(plane.count) if p != plane.me]
   views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
-  stage = plane.stage.array
   peer = peers[0]
   try:
     links = {}
@@ -79,15 +82,20 @@ def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
       links[peer] = link = plane.conn(peer, deadline, op)
       payload.arm(link, deadline)
     staged = [p for p in peers if links[p].shared is not None]
-    for peer in peers:  # (a TCP link after all: the bytes themselves)
+    for peer in peers:  # (no stage on that link: the bytes themselves)
       if links[peer].shared is None:
         link = links[peer]
         sockets.send_all(link.sock, link.frame(call, length), watch)
         for view in views:
           sockets.send_all(link.sock, view, watch)
+    if not staged:
+      if out is not None:
+        leaves.pack_into(out, parts)
+      return
+    stage = plane.stage.array  # (a link holds a stage only if this has one)
     pieces = _pieces(length)
     for k, (start, stop) in enumerate(pieces):
-      slot = (k % 2) * SLOT_BYTES
+      slot = (k % 2) * _stage.SLOT_BYTES
       if k >= 2:
         for peer in staged:  # the slot's last piece is released
           links[peer].read_frame(call, 0, op, peer, watch)
@@ -97,7 +105,7 @@ def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
         at += len(view)
       for peer in staged:
         sockets.send_all(links[peer].sock, links[peer].frame(call, 0), watch)
-      if out is not None:
+      if out is not None:  # while the receivers copy theirs
         out[start:stop] = stage[slot:slot + stop - start]
     for _ in range(min(len(pieces), 2)):  # the last pieces' releases
       for peer in staged:
@@ -106,7 +114,9 @@ def _send(plane, call, length, parts, out, op, deadline, watch) -> None:
     raise payload.failed(plane, None, op, peer, e) from e
 
 
-def _receive(plane, call, source, length, out, op, deadline, watch) -> None:
+def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
+             out: np.ndarray, op: str, deadline: float,
+             watch: Deadline) -> None:
   """A receiver's half: each piece out of the source's stage, then a frame that releases its slot."""
   try:
     link = plane.conn(source, deadline, op)
@@ -117,7 +127,7 @@ def _receive(plane, call, source, length, out, op, deadline, watch) -> None:
       return
     stage = link.shared.array
     for k, (start, stop) in enumerate(_pieces(length)):
-      slot = (k % 2) * SLOT_BYTES
+      slot = (k % 2) * _stage.SLOT_BYTES
       link.read_frame(call, 0, op, source, watch)
       out[start:stop] = stage[slot:slot + stop - start]
       sockets.send_all(link.sock, link.frame(call, 0), watch)

@@ -10,6 +10,11 @@ read-only: only the job's proven processes on this host map it, and none
 can write it (not even through a descriptor opened again read-write).
 `transport.tcp.shared` broadcasts through it. Linux 5.1 or later (the
 seals); elsewhere a process has no stage, and its links none.
+
+Memory: the pages a stage's owner wrote stay with it (shared memory: the
+owner's RSS counts them, and its peers' once they read them), at most
+`STAGE_BYTES` a process, and none for a process that never was the source
+of a broadcast through it.
 """
 
 from __future__ import annotations
