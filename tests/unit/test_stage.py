@@ -78,7 +78,7 @@ def test_a_side_without_a_stage_makes_both_answers_none():
 
 
 def test_a_descriptor_that_is_not_a_stage_is_refused():
-  """A peer that passes another memfd (unsealed, or of another size) is refused with ValueError, and nothing is mapped."""
+  """A peer that passes another memfd (unsealed), a pipe, or an unknown message is refused with ValueError, and nothing is mapped."""
   stage = stage_lib.Stage()
   a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
   a.settimeout(5)
@@ -90,6 +90,15 @@ def test_a_descriptor_that_is_not_a_stage_is_refused():
     with pytest.raises(ValueError, match='not a stage: size 8388608, seals'):
       stage_lib.exchange(a, stage)
     b.recv(1)  # (what the refusing side sent)
+    read, write = os.pipe()
+    try:
+      socket.send_fds(b, [b'\x01'], [read])
+      with pytest.raises(ValueError, match='not a stage'):
+        stage_lib.exchange(a, stage)
+    finally:
+      os.close(read)
+      os.close(write)
+    b.recv(1)
     socket.send_fds(b, [b'\x02'], [])
     with pytest.raises(ValueError, match='not a stage message'):
       stage_lib.exchange(a, stage)

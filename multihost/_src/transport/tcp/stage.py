@@ -88,7 +88,11 @@ class PeerStage:
       ValueError: `fd` is not a stage (its size or seals are not a stage's).
     """
     try:
-      seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+      try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+      except OSError as e:  # (not a memfd: a pipe, a socket, a file)
+        raise ValueError(
+            f'the peer passed a descriptor that is not a stage ({e})') from e
       size = os.fstat(fd).st_size
       if seals & _SEALS != _SEALS or size != STAGE_BYTES:
         raise ValueError(
