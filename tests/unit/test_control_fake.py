@@ -474,3 +474,24 @@ def test_every_header_carries_the_shared_settings(monkeypatch):
                                    'MULTIHOST_TRANSPORT': 'unset'}
   monkeypatch.setenv(multihost.env.TCP_LANES, '2')
   assert Header('sync_global_devices').agreement() != header.agreement()
+
+
+def test_agreement_digests_are_remembered_within_a_bound():
+  """A header's digest is looked up once made (the same bytes as made anew), headers with a list inside (global layouts) still get theirs, and the remembered digests never pass their bound."""
+  agree._DIGESTS.clear()
+  header = Header('broadcast_one_to_all', tree='PyTreeDef(*)', paths=('a',),
+                  default_source=True)
+  first = header.agreement()
+  assert header.agreement() == first == agree._digest(next(iter(
+      agree._DIGESTS)))
+  assert len(agree._DIGESTS) == 1
+  layouts = Header('process_allgather', layouts=([((0, 4),)],), tiled=True)
+  assert layouts.agreement() == layouts.agreement() != first
+  assert len(agree._DIGESTS) == 1  # (not hashable: made each time)
+  names = set()
+  for i in range(3 * agree._DIGESTS_MAX):
+    names.add(Header('sync_global_devices', name=str(i)).agreement())
+    assert len(agree._DIGESTS) <= agree._DIGESTS_MAX
+  assert len(names) == 3 * agree._DIGESTS_MAX  # every name its own digest
+  assert Header('broadcast_one_to_all', tree='PyTreeDef(*)', paths=('a',),
+                default_source=True).agreement() == first

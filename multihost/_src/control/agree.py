@@ -76,13 +76,32 @@ class Header:
     # A global leaf's digests are of this process's shards, which differ by
     # process by design: the caller compares them after the exchange.
     digests = [d if isinstance(d, bytes) else None for d in self.digests]
-    what = (self.op, self.tree, self.paths, specs, self.name,
-            self.default_source, self.tiled, self.layouts, digests,
+    what = (self.op, self.tree, self.paths, tuple(specs), self.name,
+            self.default_source, self.tiled, self.layouts, tuple(digests),
             self.settings)
-    # repr of plain tuples, not the wire codec or dataclass reprs: the digest
-    # is only compared, never decoded, and this is deterministic and
-    # cheaper (it is on every call's fast path).
-    return hashlib.sha256(repr(what).encode()).digest()[:16]
+    try:
+      digest = _DIGESTS.get(what)
+    except TypeError:  # (a list inside: global leaves' layouts)
+      return _digest(what)
+    if digest is None:
+      if len(_DIGESTS) >= _DIGESTS_MAX:
+        _DIGESTS.clear()
+      digest = _DIGESTS[what] = _digest(what)
+    return digest
+
+
+# The digests of the last calls' agreements (`Header.agreement`): a
+# training loop makes the same few calls, and a digest costs 4 us to make
+# and a tenth of that to look up. Bounded: cleared when full.
+_DIGESTS: dict[tuple, bytes] = {}
+_DIGESTS_MAX = 256
+
+
+def _digest(what: tuple) -> bytes:
+  # repr of plain tuples, not the wire codec or dataclass reprs: the digest
+  # is only compared, never decoded, and this is deterministic and
+  # cheaper (it is on every call's fast path).
+  return hashlib.sha256(repr(what).encode()).digest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
