@@ -197,8 +197,8 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
   try:
     # Every process's host, from the address records (one read each, so
     # only for a job of at most HOSTS_READ_MAX processes).
-    records = (plane.hosts(op, deadline) if rt.count <= HOSTS_READ_MAX
-               else None)
+    records = (plane.host_records(op, deadline)
+               if rt.count <= HOSTS_READ_MAX else None)
     hosts = None if records is None else [host for host, _ in records]
     plane.star = _star(rt, hosts)
     plane.one_host = (hosts is not None and len(set(hosts)) == 1

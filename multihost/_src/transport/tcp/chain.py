@@ -15,9 +15,10 @@ device collective instead (e.g. where peers cannot open TCP connections to
 each other).
 
 This module chooses the algorithm and holds the chain and the ring; the
-stage's broadcast is `tcp.shared`'s, the tree `tcp.tree`'s, how a payload is framed, cut and sent
-`tcp.payload`'s, the source's early stripe `tcp.eager`'s, the links they
-run on `tcp.link`'s and their socket I/O `tcp.sockets`'s. Every socket
+stage's broadcast is `tcp.shared`'s, the tree `tcp.tree`'s, how a
+payload is framed, cut and sent `tcp.payload`'s, the source's early
+stripe `tcp.eager`'s, the links they run on `tcp.link`'s and their
+socket I/O `tcp.sockets`'s. Every socket
 wait is bounded by the collective's timeout; a peer that dies closes its
 sockets, which raises here at once.
 """

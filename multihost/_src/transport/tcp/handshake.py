@@ -56,9 +56,13 @@ def connect(conn: socket.socket, *, me: int, peer: int, lane: int,
             stage: _stage.Stage | None = None) -> frames.Link:
   """The connector's half on the open `conn` to the higher-numbered `peer`: the link, once both sides proved the job secret.
 
+  On a local link (lane 0) both sides then pass their `stage`
+  (`tcp.stage.exchange`): the link's `shared` is the peer's.
+
   Raises:
-    MultihostError: the listener at `where` did not prove the secret, or
-      did not accept (the message says what to check).
+    MultihostError: the listener at `where` did not prove the secret, did
+      not accept, or passed a descriptor that is not a stage (the message
+      says what to check).
     OSError: the connection failed or was cut.
   """
   nonce = secrets.token_bytes(_NONCE)

@@ -124,7 +124,8 @@ class Plane:
     self.conns[_key(peer, lane)] = link
     self.lock.notify_all()
 
-  def hosts(self, op: str, deadline: float) -> list[tuple[str, str]]:
+  def host_records(self, op: str,
+                   deadline: float) -> list[tuple[str, str]]:
     """Every process's (host, local socket name), as its authenticated address record says (one read per process); the name is '' where local links are off.
 
     Raises:
