@@ -78,7 +78,7 @@ def test_a_side_without_a_stage_makes_both_answers_none():
 
 
 def test_a_descriptor_that_is_not_a_stage_is_refused():
-  """A peer that passes another memfd (unsealed), a pipe, or an unknown message is refused with ValueError, and nothing is mapped."""
+  """A peer that passes another memfd (unsealed), a pipe, an unknown message, or a stage's message without its descriptor is refused with ValueError, and nothing is mapped."""
   stage = stage_lib.Stage()
   a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
   a.settimeout(5)
@@ -101,6 +101,10 @@ def test_a_descriptor_that_is_not_a_stage_is_refused():
     b.recv(1)
     socket.send_fds(b, [b'\x02'], [])
     with pytest.raises(ValueError, match='not a stage message'):
+      stage_lib.exchange(a, stage)
+    b.recv(1)
+    b.sendall(b'\x01')  # a stage's message whose descriptor did not come
+    with pytest.raises(ValueError, match='with 0 descriptors'):
       stage_lib.exchange(a, stage)
   finally:
     os.close(other)

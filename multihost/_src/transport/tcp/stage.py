@@ -117,10 +117,16 @@ def exchange(conn: socket.socket, stage: Stage | None) -> PeerStage | None:
   message, fds, _, _ = socket.recv_fds(conn, 1, 1)
   if not message:
     raise ConnectionResetError('the peer closed the connection')
-  if message != _HAS or len(fds) != 1 or stage is None:
+  if message not in (_HAS, _NONE) or (message == _HAS) != (len(fds) == 1):
     for fd in fds:
       os.close(fd)
-    if message not in (_HAS, _NONE):
-      raise ValueError(f'not a stage message: {message!r}')
+    # (A stage's message whose descriptor did not come, as when this
+    # process is out of descriptors: refused, so that both ends of a link
+    # always give the same answer.)
+    raise ValueError(f'not a stage message: {message!r} with {len(fds)} '
+                     'descriptors')
+  if message == _NONE or stage is None:
+    for fd in fds:
+      os.close(fd)
     return None
   return PeerStage(fds[0])
