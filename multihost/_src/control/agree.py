@@ -91,8 +91,9 @@ class Header:
 
 
 # The digests of the last calls' agreements (`Header.agreement`): a
-# training loop makes the same few calls, and a digest costs 4 us to make
-# and a tenth of that to look up. Bounded: cleared when full.
+# training loop makes the same few calls, and `agreement` took 3.4 us a
+# call making the digest, 1.3 looking it up (timeit). Bounded: cleared
+# when full.
 _DIGESTS: dict[tuple, bytes] = {}
 _DIGESTS_MAX = 256
 
