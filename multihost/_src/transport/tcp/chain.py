@@ -77,7 +77,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   call = plane.seq
   rank = (plane.me - source) % plane.count
   if shared.carries(plane, length):
-    out = (buffers.take(length) if rank > 0 or source_result else None)
+    out = buffers.take(length) if rank > 0 or source_result else None
     shared.broadcast(plane, call, source, length, parts, out, op, deadline)
     return out
   eager = eager if eager and eager.link else None

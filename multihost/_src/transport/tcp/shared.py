@@ -83,11 +83,10 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
       payload.arm(link, deadline)
     staged = [p for p in peers if links[p].shared is not None]
     for peer in peers:  # (no stage on that link: the bytes themselves)
-      if links[peer].shared is None:
-        link = links[peer]
-        sockets.send_all(link.sock, link.frame(call, length), watch)
-        for view in views:
-          sockets.send_all(link.sock, view, watch)
+      link = links[peer]
+      if link.shared is None:
+        for segment in payload.segments(link.frame(call, length), parts):
+          sockets.send_all(link.sock, segment, watch)
     if not staged:
       if out is not None:
         leaves.pack_into(out, parts)
