@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 
 from _helpers import program
 import pytest
@@ -38,6 +40,31 @@ def test_a_process_without_a_stage_gets_the_bytes_themselves():
                          devices_per_process=1, timeout=120)
   assert result.ok, result.summary + '\n'.join(result.outputs)
   assert all('STAGE-MISSING OK' in out for out in result.outputs)
+
+
+def test_a_receiver_frozen_in_a_staged_broadcast_times_out_every_other():
+  """On one host, process 1 freezes between copying a piece out of process 0's stage and releasing its slot: process 0 times out waiting for the release and names process 1 as not answering; process 2, waiting for the next piece, times out too; neither before the call's timeout nor long after. (Their exit then waits for the frozen process, killed by the test: not checked here.)"""
+  timeout = 4.0
+  with launch.Controllers(program('stage_stall', timeout), num_processes=3,
+                          env={env_lib.HEARTBEAT: '60'}, grace_period=5,
+                          kill_wait=1) as cluster:
+    for i in (0, 2):
+      assert cluster.wait_for_output(i, 'RAISED', timeout=120), (
+          cluster.outputs)
+    cluster.kill(1, signal.SIGKILL)
+    result = cluster.wait(60)
+  assert not result.timed_out, result.summary
+  for i, missing in ((0, 1), (2, 0)):
+    out = result.outputs[i]
+    m = re.search(r'RAISED CollectiveTimeoutError missing=\[(\d)\] '
+                  r'after=([\d.]+): (.*)', out)
+    assert m, out[-3000:]
+    assert int(m.group(1)) == missing, m.group(0)
+    # (process 0 then asks where process 1 is: 1.5 s more)
+    assert timeout <= float(m.group(2)) < timeout + 4.0, m.group(0)
+  assert 'Where they are: process 1: not answering' in result.outputs[0], (
+      result.outputs[0][-3000:])
+  assert 'COMPLETED' not in result.outputs[1], result.outputs[1][-3000:]
 
 
 @pytest.mark.parametrize('count', [2, 3])
