@@ -75,6 +75,7 @@ from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import threads
 
 # Agreement frames have this bit set in their call field; data frames count
 # transfers (`Plane.seq`) and never reach it.
@@ -203,7 +204,7 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
     plane.star = _star(rt, hosts)
     plane.one_host = (hosts is not None and len(set(hosts)) == 1
                       and all(local for _, local in records))
-    plane.spare_cores = hosts is not None and payload.cores() > hosts.count(
+    plane.spare_cores = hosts is not None and threads.cores() > hosts.count(
         hosts[rt.index])
     peers = {p for pair in _steps(rt.index, rt.count, plane.star)
              for p in pair if p is not None}
@@ -323,7 +324,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
                 if (p != dst if star else (dst - p) % count >= step)}
         body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
         sockets.set_timeout(out.sock, sockets.SLICE_S)
-        if len(body) <= sockets.DIRECT_BYTES and sender is None:
+        if len(body) <= threads.DIRECT_BYTES and sender is None:
           sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
           if (eager is not None and started is None and not differs
               and dst == to):  # Right behind its frame.

@@ -18,9 +18,9 @@ This module chooses the algorithm and holds the chain and the ring; the
 stage's broadcast is `tcp.shared`'s, the tree `tcp.tree`'s, how a
 payload is framed, cut and sent `tcp.payload`'s, the source's early
 stripe `tcp.eager`'s, the links they run on `tcp.link`'s and their
-socket I/O `tcp.sockets`'s. Every socket
-wait is bounded by the collective's timeout; a peer that dies closes its
-sockets, which raises here at once.
+socket I/O `tcp.sockets`'s, the threads they run on `tcp.threads`'s.
+Every socket wait is bounded by the collective's timeout; a peer that dies
+closes its sockets, which raises here at once.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import shared
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import threads
 from multihost._src.transport.tcp import tree
 
 
@@ -149,9 +150,9 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
   if nxt is not None and rank > 0:
     # A stripe of one chunk is read whole before any of it is forwarded:
     # a thread would have no read to overlap, only a handoff to add.
-    sender = (sockets.sender(watch, n, plane.sends)
+    sender = (threads.sender(watch, n, plane.sends)
               if lane == 0 and n > payload.CHUNK
-              else sockets.DirectSender(watch))
+              else threads.DirectSender(watch))
   peer = nxt if rank == 0 else prev
   target = None if out is None else out[start:stop]
   try:
@@ -206,7 +207,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   copied = False
   peer = prev
   watch = Deadline(op, deadline, plane.rt.watchdog)
-  sender = sockets.sender(watch, max(sizes), plane.sends)
+  sender = threads.sender(watch, max(sizes), plane.sends)
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)

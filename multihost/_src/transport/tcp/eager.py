@@ -11,6 +11,7 @@ from multihost._src.transport import buffers
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import threads
 
 # What a broadcast's source sends during the agreement (`Eager`), at most:
 # a small payload whole; of a large one only its start, so that the
@@ -63,7 +64,7 @@ class Eager:
     # The source's own result, being copied on the plane's copier thread
     # (`copying`), where `start` set that going; else None.
     self.out: np.ndarray | None = None
-    self.copying: sockets.Job | None = None
+    self.copying: threads.Job | None = None
 
   def start(self, plane: _tcp_link.Plane, link: _tcp_link.Link,
             to: int) -> None:

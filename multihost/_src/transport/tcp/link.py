@@ -40,6 +40,7 @@ from multihost._src.transport.tcp import handshake
 from multihost._src.transport.tcp import local as _local
 from multihost._src.transport.tcp import sockets
 from multihost._src.transport.tcp import stage as _stage
+from multihost._src.transport.tcp import threads
 
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
 
@@ -72,17 +73,17 @@ class Plane:
     self.lock = threading.Condition()
     self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
-    self.sends = sockets.SendThread()  # every transfer's background sends
+    self.sends = threads.SendThread()  # every transfer's background sends
     # The links per peer a large broadcast stripes over, and a thread for
     # each lane past the first (which runs on the calling thread).
     self.lanes = settings.tcp_lanes()
-    self.lane_threads = [sockets.Lane(f'multihost-transport-lane-{k}')
+    self.lane_threads = [threads.Lane(f'multihost-transport-lane-{k}')
                          for k in range(1, self.lanes)]
     # Whether this process's host has more cores than processes of this
     # job (set at the links' setup, `control.links`); then a broadcast's
     # source copies its own result on `copier` (`tcp.eager.Eager`).
     self.spare_cores = False
-    self.copier = sockets.Lane('multihost-transport-copy')
+    self.copier = threads.Lane('multihost-transport-copy')
     # Whether every process publishes this host and a local socket (set at
     # the links' setup, `control.links`): then large broadcasts go through
     # the source's stage, which local links pass at their handshake

@@ -8,7 +8,6 @@ one way a transfer over the links ends on an error.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import errors as tcp_errors
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import threads
 
 # Bytes a process reads before forwarding them down the chain,
 # and what the source sends before copying it into its own result.
@@ -33,7 +33,7 @@ ALL = 1 << 62
 
 
 def failed(plane: _tcp_link.Plane,
-           sender: sockets.Sender | sockets.DirectSender | None, op: str,
+           sender: threads.Sender | threads.DirectSender | None, op: str,
            peer: int, error: BaseException) -> errors.MultihostError:
   """Stops a failed transfer; returns the named error to raise."""
   if sender is not None:
@@ -98,14 +98,6 @@ def send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
         skip = max(skip - len(piece), 0)
         out[offset:offset + len(body)] = np.frombuffer(body, np.uint8)
         offset += len(body)
-
-
-def cores() -> int:
-  """The cores this process may run on."""
-  try:
-    return len(os.sched_getaffinity(0))
-  except (AttributeError, OSError):
-    return os.cpu_count() or 1
 
 
 def stripes(length: int, lanes: int) -> list[tuple[int, int]]:
