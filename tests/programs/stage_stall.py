@@ -4,7 +4,8 @@ The freeze is placed by wrapping, on process 1 only, the socket send with
 which `tcp.shared` releases a slot: so it lands inside the transfer, after
 the call agreed, every time. Process 0, the source, waits for that release
 before its third piece (argv[1]: the call's timeout in seconds); process 2
-waits for the third piece.
+waits for the third piece, with argv[2] seconds more: process 0 gives up
+first and closes its links, and process 2 must still raise in its own time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _freezing_send_all(sock, data, watch):
 
 
 def main() -> None:
-  timeout = float(sys.argv[1])
+  timeout, later = float(sys.argv[1]), float(sys.argv[2])
   multihost.initialize()
   import jax  # noqa: PLC0415 (after initialize)
   assert _links.wait_until_up('links'), 'the links were not set up'
@@ -43,6 +44,8 @@ def main() -> None:
   print('READY', flush=True)
   if me == 1:
     shared.sockets = types.SimpleNamespace(send_all=_freezing_send_all)
+  if me == 2:
+    timeout += later
   start = time.monotonic()
   try:
     multihost.broadcast_one_to_all(data, timeout=timeout)

@@ -210,14 +210,18 @@ class Watchdog:
           return
         self.cond.wait(remaining)
 
-  def failed_within_bound(self) -> tuple[int, ...]:
+  def failed_within_bound(self, until: float | None = None
+                          ) -> tuple[int, ...]:
     """After a broken connection: the processes gone, once the watchdog names them.
 
-    Waits up to `detection_bound()` (not at all without a running watchdog);
-    may return () if nobody is named by then.
+    Waits up to `detection_bound()` (not at all without a running watchdog),
+    and not past `until` (time.monotonic()) if given; may return () if
+    nobody is named by then.
     """
     deadline = time.monotonic() + (
         self.detection_bound() if self.running else 0.0)
+    if until is not None:
+      deadline = min(deadline, until)
     while not self.failed_processes() and time.monotonic() < deadline:
       time.sleep(0.05)
     failed = self.failed_processes()

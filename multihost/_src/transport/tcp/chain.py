@@ -110,7 +110,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     error = error or failed
   if error is not None:
     if not isinstance(error, errors.MultihostError):
-      raise payload.failed(plane, None, op, source, error) from error
+      raise payload.failed(plane, None, op, source, error,
+                           deadline=deadline) from error
     raise error
   _copied(eager, deadline)
   return result
@@ -186,7 +187,8 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
       sender, done = None, sender
       done.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
-    raise payload.failed(plane, sender, op, peer, e) from e
+    raise payload.failed(plane, sender, op, peer, e,
+                         deadline=deadline) from e
 
 
 def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
@@ -234,7 +236,8 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
     sender, done = None, sender
     done.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
-    raise payload.failed(plane, sender, op, peer, e) from e
+    raise payload.failed(plane, sender, op, peer, e,
+                         deadline=deadline) from e
   return rows
 
 

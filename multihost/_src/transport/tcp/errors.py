@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 import socket
+import time
 from typing import Protocol
 
 from multihost._src.runtime import errors
@@ -15,8 +16,8 @@ class Watched(Protocol):
 
   running: bool
 
-  def failed_within_bound(self) -> Iterable[int]:
-    """The processes seen gone, waiting up to the detection bound for one."""
+  def failed_within_bound(self, until: float | None = None) -> Iterable[int]:
+    """The processes seen gone, waiting up to the detection bound (and not past `until`) for one."""
     ...
 
 
@@ -47,8 +48,16 @@ def unreachable(op: str, peer: int, address: str, error: OSError,
 
 
 def peer_error(op: str, peer: int, error: BaseException, liveness: Watched, *,
-               waiting: bool = False) -> errors.MultihostError:
-  """A named error for a failed transfer with `peer`; `liveness` (the runtime's watchdog) names a dead process."""
+               waiting: bool = False,
+               deadline: float | None = None) -> errors.MultihostError:
+  """A named error for a failed transfer with `peer`; `liveness` (the runtime's watchdog) names a dead process.
+
+  A broken connection waits for the watchdog to name a dead process, up to
+  its detection bound, but not past the transfer's `deadline` (if given):
+  a peer that timed out itself closes its connections, and the processes
+  still waiting on it then time out in their own time too, not the
+  watchdog's.
+  """
   if isinstance(error, errors.MultihostError):
     return error
   if isinstance(error, Unreachable):
@@ -57,7 +66,12 @@ def peer_error(op: str, peer: int, error: BaseException, liveness: Watched, *,
     return failures.transfer_timeout(op, peer,
                                          'to send or receive its part')
   # The watchdog names the dead process within its bound; wait for it.
-  dead = list(liveness.failed_within_bound())
+  dead = list(liveness.failed_within_bound(until=deadline))
+  if not dead and deadline is not None and time.monotonic() >= deadline:
+    return failures.transfer_timeout(
+        op, peer, 'to send or receive its part (its connection broke: '
+        f'{type(error).__name__}: {error}; no process is known to have '
+        'failed: it may have timed out itself)')
   if not dead and liveness.running:  # every process is alive
     return failures.connection_cut(op, peer, error)
   return failures.connection_failure(op, peer, error, dead or [peer])

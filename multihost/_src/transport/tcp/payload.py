@@ -34,12 +34,14 @@ ALL = 1 << 62
 
 def failed(plane: _tcp_link.Plane,
            sender: threads.Sender | threads.DirectSender | None, op: str,
-           peer: int, error: BaseException) -> errors.MultihostError:
-  """Stops a failed transfer; returns the named error to raise."""
+           peer: int, error: BaseException, *,
+           deadline: float | None = None) -> errors.MultihostError:
+  """Stops a failed transfer; returns the named error to raise (waiting for the watchdog to name a dead process no later than the transfer's `deadline`: `tcp.errors.peer_error`)."""
   if sender is not None:
     sender.finish(time.monotonic() + 0.1)
   _tcp_link.break_plane(plane, error)
-  return tcp_errors.peer_error(op, peer, error, plane.rt.watchdog)
+  return tcp_errors.peer_error(op, peer, error, plane.rt.watchdog,
+                               deadline=deadline)
 
 
 def arm(link: _tcp_link.Link, deadline: float) -> None:

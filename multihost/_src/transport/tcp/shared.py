@@ -110,7 +110,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
       for peer in staged:
         links[peer].read_frame(call, 0, op, peer, watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:
-    raise payload.failed(plane, None, op, peer, e) from e
+    raise payload.failed(plane, None, op, peer, e, deadline=deadline) from e
 
 
 def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
@@ -131,4 +131,5 @@ def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
       out[start:stop] = stage[slot:slot + stop - start]
       sockets.send_all(link.sock, link.frame(call, 0), watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:
-    raise payload.failed(plane, None, op, source, e) from e
+    raise payload.failed(plane, None, op, source, e,
+                         deadline=deadline) from e

@@ -87,4 +87,4 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
                               target, watch)
       target = None
   except (OSError, TimeoutError, errors.MultihostError) as e:
-    raise payload.failed(plane, None, op, peer, e) from e
+    raise payload.failed(plane, None, op, peer, e, deadline=deadline) from e
