@@ -13,7 +13,12 @@ each piece the source waits until every receiver released the slot's
 last piece, copies the piece in, and sends each receiver an empty frame
 of the call (MAC'd as every frame: the receiver knows which bytes each
 piece holds from the payload's length alone); each receiver copies the
-piece out and answers an empty frame. A receiver whose link has no
+piece out and answers an empty frame, which releases the slot. The last
+two pieces are not released, and the source returns without waiting for
+the receivers to copy them: the next call that writes this stage is
+agreed first, and every process that agreed to it has returned from this
+one (a receiver returns only once its copies are done), so the slots are
+free again by then. A receiver whose link has no
 `shared` stage (a TCP link after all, or a side without a stage: the same
 answer at both ends) gets the payload as one data frame. Every wait is
 bounded by the call's deadline, and a peer that dies closes its link,
@@ -72,7 +77,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, length: int,
 def _send(plane: _tcp_link.Plane, call: int, length: int,
           parts: list[np.ndarray], out: np.ndarray | None, op: str,
           deadline: float, watch: Deadline) -> None:
-  """The source's half: each piece into the stage, a frame to each receiver, and their releases before a slot takes another piece."""
+  """The source's half: each piece into the stage, a frame to each receiver, and their releases before a slot takes another piece (the last two pieces are never released: see the module docstring)."""
   peers = [p for p in range(plane.count) if p != plane.me]
   views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
   peer = peers[0]
@@ -106,9 +111,6 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
         sockets.send_all(links[peer].sock, links[peer].frame(call, 0), watch)
       if out is not None:  # while the receivers copy theirs
         out[start:stop] = stage[slot:slot + stop - start]
-    for _ in range(min(len(pieces), 2)):  # the last pieces' releases
-      for peer in staged:
-        links[peer].read_frame(call, 0, op, peer, watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, None, op, peer, e, deadline=deadline) from e
 
@@ -116,7 +118,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
 def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
              out: np.ndarray, op: str, deadline: float,
              watch: Deadline) -> None:
-  """A receiver's half: each piece out of the source's stage, then a frame that releases its slot."""
+  """A receiver's half: each piece out of the source's stage, then (but for the last two) a frame that releases its slot."""
   try:
     link = plane.conn(source, deadline, op)
     payload.arm(link, deadline)
@@ -125,11 +127,13 @@ def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
       link.recv_into(memoryview(out), watch)
       return
     stage = link.shared.array
-    for k, (start, stop) in enumerate(_pieces(length)):
+    pieces = _pieces(length)
+    for k, (start, stop) in enumerate(pieces):
       slot = (k % 2) * _stage.SLOT_BYTES
       link.read_frame(call, 0, op, source, watch)
       out[start:stop] = stage[slot:slot + stop - start]
-      sockets.send_all(link.sock, link.frame(call, 0), watch)
+      if k + 2 < len(pieces):  # (the last two: see the module docstring)
+        sockets.send_all(link.sock, link.frame(call, 0), watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, None, op, source, e,
                          deadline=deadline) from e
