@@ -83,14 +83,25 @@ def connect(conn: socket.socket, *, me: int, peer: int, lane: int,
   sockets.tune(conn)
   link = frames.Link(conn, *auth.link_keys(secret, job, me, peer, nonces,
                                            connector=True))
-  if conn.family == socket.AF_UNIX and lane == 0:
-    try:
-      link.shared = _stage.exchange(conn, stage)
-    except ValueError as e:
-      raise errors.MultihostError(
-          f'{prefix} process {peer} at {where} did not pass a stage: {e}.'
-      ) from e
+  try:
+    link.shared = _peer_stage(conn, lane, stage)
+  except ValueError as e:
+    raise errors.MultihostError(
+        f'{prefix} process {peer} at {where} did not pass a stage: {e}.'
+    ) from e
   return link
+
+
+def _peer_stage(conn: socket.socket, lane: int,
+                stage: _stage.Stage | None) -> _stage.PeerStage | None:
+  """A link's `shared`: on a local link's lane 0 both sides pass their stage (`tcp.stage.exchange`) and this is the peer's; else None.
+
+  Raises:
+    OSError, ValueError: as `tcp.stage.exchange`.
+  """
+  if conn.family != socket.AF_UNIX or lane != 0:
+    return None
+  return _stage.exchange(conn, stage)
 
 
 class Acceptor:
@@ -179,8 +190,7 @@ class Acceptor:
       sockets.tune(conn)
       link = frames.Link(conn, *auth.link_keys(
           self.secret, self.job, peer, self.me, nonces, connector=False))
-      if conn.family == socket.AF_UNIX and lane == 0:
-        link.shared = _stage.exchange(conn, self.stage)  # (within deadline)
+      link.shared = _peer_stage(conn, lane, self.stage)  # (within deadline)
       with self.lock:
         self.on_link(peer, lane, link)
         keep = True

@@ -35,7 +35,7 @@ ALL = 1 << 62
 def failed(plane: _tcp_link.Plane,
            sender: threads.Sender | threads.DirectSender | None, op: str,
            peer: int, error: BaseException, *,
-           deadline: float | None = None) -> errors.MultihostError:
+           deadline: float) -> errors.MultihostError:
   """Stops a failed transfer; returns the named error to raise (waiting for the watchdog to name a dead process no later than the transfer's `deadline`: `tcp.errors.peer_error`)."""
   if sender is not None:
     sender.finish(time.monotonic() + 0.1)
