@@ -110,8 +110,13 @@ def _tree_input(op: str, leaves: int) -> dict[str, np.ndarray]:
 
 
 def build_cases(ops: list[str], sizes: list[int], leaves: int,
-                global_sizes: list[int], *, timeout: float) -> list[Case]:
-  """The comparison cases, in run order; ours get `timeout` seconds."""
+                global_sizes: list[int], *, timeout: float,
+                on_device: bool = False) -> list[Case]:
+  """The comparison cases, in run order; ours get `timeout` seconds.
+
+  `on_device`: the single-leaf cases' inputs are jax.Arrays on this
+  process's first local device (a GPU's memory, say) instead of numpy arrays.
+  """
   cases = []
   if 'sync_global_devices' in ops:
     cases.append(Case(
@@ -130,8 +135,12 @@ def build_cases(ops: list[str], sizes: list[int], leaves: int,
           lambda t=tree, f=theirs: f(t)))
     for n in sizes:
       x = _sized_input(op, n)
+      label = format_size(x.nbytes)
+      if on_device:
+        x = jax.device_put(x, jax.local_devices()[0])
+        label += f' on {x.device.platform}'
       cases.append(Case(
-          op, format_size(x.nbytes), x.nbytes, 1,
+          op, label, x.nbytes, 1,
           lambda x=x, f=ours: f(x, timeout=timeout),
           lambda x=x, f=theirs: f(x)))
   if 'global' in ops:

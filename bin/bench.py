@@ -110,6 +110,10 @@ _SIZES = flags.DEFINE_list(
 _LEAVES = flags.DEFINE_integer(
     'leaves', 100, 'Leaves of the many-leaf tree case (8 B each); 0: skip.',
     lower_bound=0)
+_INPUTS = flags.DEFINE_enum(
+    'inputs', 'host', ['host', 'device'],
+    "Where the single-leaf cases' arrays live: host (numpy arrays) or device "
+    "(jax.Arrays on this process's first local device, e.g. its GPU).")
 _GLOBAL_SIZES = flags.DEFINE_list(
     'global_sizes', ['1MiB', '64MiB'],
     'Total sizes of the global sharded array cases.')
@@ -278,7 +282,8 @@ def main(argv):
   rows: list[harness.Row] = []
   start = time.perf_counter()
   cases = collectives.build_cases(ops, sizes, _LEAVES.value, global_sizes,
-                                  timeout=settings.timeout)
+                                  timeout=settings.timeout,
+                                  on_device=_INPUTS.value == 'device')
   cases += collectives.build_extra_cases(
       ops, object_sizes=[parse_size(s) for s in _OBJECT_SIZES.value],
       skews=[float(s) for s in _SKEWS.value], timeout=settings.timeout,
