@@ -107,6 +107,26 @@ def test_an_output_mismatch_fails_the_run(tmp_path):
   assert '| **NO** |' in result.outputs[0], result.outputs[0][-3000:]
 
 
+def test_inputs_on_the_device_are_compared_as_on_the_host(tmp_path):
+  # --inputs=device: the arrays are jax.Arrays on each process's device (a
+  # CPU device here; bench/one_gpu.sh runs it with a GPU), on both sides.
+  out = tmp_path / 'b.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--inputs=device',
+       '--ops=broadcast_one_to_all,process_allgather', '--sizes=8,2MiB',
+       '--leaves=0', '--repeats=1', '--small_repeats=1', '--warmup=0',
+       '--nomemory', f'--json={out}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  compared = [(r['op'], r['payload'], r['outputs_equal']) for r in rows
+              if r.get('kind') == 'compare']
+  assert compared == [
+      (op, f'{size} on cpu', True)
+      for op in ('broadcast_one_to_all', 'process_allgather')
+      for size in ('8 B', '2 MiB')], compared
+
+
 def test_versus_and_soak_write_their_rows_and_the_targets(tmp_path):
   out = tmp_path / 'v.jsonl'
   result = launch.launch(
