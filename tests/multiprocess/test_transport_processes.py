@@ -70,7 +70,7 @@ def test_a_receiver_frozen_in_a_staged_broadcast_times_out_every_other():
 
 @pytest.mark.parametrize('count', [2, 3])
 def test_a_source_with_a_spare_core_copies_its_result_aside(count):
-  """With `Plane.spare_cores` a broadcast's source copies its own result on the copier thread (at 2 processes down the chain, at 3 down the tree): the same results everywhere, the source's its own."""
+  """With `Plane.spare_cores` a broadcast's source copies its own result on the copier thread (at 2 processes down the chain, at 3 down the tree, and through its stage at both): the same results everywhere, the source's its own."""
   result = launch.launch(program('source_copy_aside'), num_processes=count,
                          devices_per_process=1, timeout=120)
   assert result.ok, result.summary + '\n'.join(result.outputs)
