@@ -119,11 +119,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
 
 def _copied(eager: _eager.Eager | None, deadline: float) -> None:
   """Waits for the source's own result, where its copier thread makes it (`tcp.eager.Eager`)."""
-  if eager is None or eager.copying is None:
-    return
-  error = eager.copying.wait(deadline)
-  if error is not None:  # (a local failure: the links are as they were)
-    raise error
+  if eager is not None and eager.copying is not None:
+    eager.copying.join(deadline)  # (a local failure: the links are as they were)
 
 
 def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,

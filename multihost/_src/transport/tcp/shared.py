@@ -106,7 +106,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
     if out is not None and plane.spare_cores:  # beside the copies below
       copying = plane.copier.run(functools.partial(leaves.pack_into, out,
                                                    parts))
-      out = None
+      out = None  # (the copier's: the pieces below do not copy into it)
     stage = plane.stage.array  # (a link holds a stage only if this has one)
     pieces = _pieces(length)
     for k, (start, stop) in enumerate(pieces):
@@ -125,9 +125,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, None, op, peer, e, deadline=deadline) from e
   if copying is not None:
-    error = copying.wait(deadline)
-    if error is not None:  # (a local failure: the links are as they were)
-      raise error
+    copying.join(deadline)  # (a local failure: the links are as they were)
 
 
 def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,

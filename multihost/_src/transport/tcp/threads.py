@@ -109,6 +109,12 @@ class Job:
       return TimeoutError('a lane of the transfer did not finish in time')
     return self.error
 
+  def join(self, deadline: float) -> None:
+    """Waits for the job; raises what it raised, or TimeoutError at `deadline`."""
+    error = self.wait(deadline)
+    if error is not None:
+      raise error
+
 
 class Sender:
   """One call's sends, queued on a `SendThread` and sent in order."""
