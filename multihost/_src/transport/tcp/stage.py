@@ -117,16 +117,16 @@ def exchange(conn: socket.socket, stage: Stage | None) -> PeerStage | None:
   message, fds, _, _ = socket.recv_fds(conn, 1, 1)
   if not message:
     raise ConnectionResetError('the peer closed the connection')
-  if message not in (_HAS, _NONE) or (message == _HAS) != (len(fds) == 1):
+  # (A stage's message whose descriptor did not come, as when this process
+  # is out of descriptors, is refused, so that both ends of a link always
+  # give the same answer.)
+  valid = message in (_HAS, _NONE) and (message == _HAS) == (len(fds) == 1)
+  if not valid or stage is None:  # (no descriptor kept)
     for fd in fds:
       os.close(fd)
-    # (A stage's message whose descriptor did not come, as when this
-    # process is out of descriptors: refused, so that both ends of a link
-    # always give the same answer.)
+  if not valid:
     raise ValueError(f'not a stage message: {message!r} with {len(fds)} '
                      'descriptors')
   if message == _NONE or stage is None:
-    for fd in fds:
-      os.close(fd)
     return None
   return PeerStage(fds[0])
