@@ -18,7 +18,8 @@ from multihost import launch
 # binomial tree with processes in its middle (at 3 the source sends to
 # both), and larger ones down the lanes' chains.
 @pytest.mark.parametrize('transport,lanes,count,local', [
-    ('tcp', '', 3, '1'), ('tcp', '3', 3, '0'), ('device', '', 3, '1'),
+    ('tcp', '', 2, '1'), ('tcp', '', 3, '1'), ('tcp', '3', 3, '0'),
+    ('device', '', 3, '1'),
     ('tcp', '', 5, '1'), ('tcp', '', 5, '0')])
 def test_large_payloads_over_each_transport(transport, lanes, count, local):
   result = launch.launch(program('bulk_transfers'), num_processes=count,
