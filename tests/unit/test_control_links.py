@@ -14,6 +14,7 @@ import re
 import socket
 import threading
 import time
+import types
 
 import fake_coordination as fake
 import pytest
@@ -45,9 +46,11 @@ def _started(count):
 
 @pytest.fixture(params=['star', 'rounds'])
 def shape(request, monkeypatch):
-  """Each test twice: the processes (all on this host) agree in a star at process 0 from 3 processes on, as on one host; or in the dissemination rounds, as between hosts."""
+  """Each test twice: the processes (all on this host) agree in a star at process 0 from 3 processes on, as on one host with fewer cores than processes; or in the dissemination rounds, as between hosts."""
   if request.param == 'rounds':
     monkeypatch.setattr(links, 'STAR_MIN', 1 << 30)
+  else:
+    monkeypatch.setattr(links, 'host_cores', lambda: 1)
   return request.param
 
 
@@ -335,3 +338,15 @@ def test_calls_spaced_within_their_timeout_leave_no_outcome_record(job):
     assert [out for out, _ in results] == [agree.Agreement(True)] * 2
   assert not [k for k in service.store if k.endswith('.outcome')], sorted(
       service.store)
+
+
+def test_one_host_agrees_in_a_star_only_with_no_more_cores_than_processes(
+    monkeypatch):
+  rt = types.SimpleNamespace(count=4)
+  monkeypatch.setattr(links, 'host_cores', lambda: 4)
+  assert links._star(rt, ['h'] * 4)
+  assert not links._star(rt, ['a', 'b', 'a', 'b'])  # two hosts: rounds
+  assert not links._star(rt, None)  # hosts unread
+  monkeypatch.setattr(links, 'host_cores', lambda: 16)  # a core each: rounds
+  assert not links._star(rt, ['h'] * 4)
+  assert not links._star(types.SimpleNamespace(count=2), ['h'] * 2)
