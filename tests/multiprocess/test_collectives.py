@@ -319,6 +319,13 @@ def test_object_collectives(topology):
   assert got == config
   assert multihost.allgather_object({'p': pid}) == [{'p': p} for p in range(count)]
   assert multihost.broadcast_object(pid, is_source=pid == 1) == 1
+  # The default source beside explicit is_source=False elsewhere: the
+  # default's shortcut cannot prove agreement, and the headers decide.
+  assert multihost.broadcast_object(
+      [pid, 'x' * 70_000] if pid == 0 else None,
+      is_source=None if pid == 0 else False) == [0, 'x' * 70_000]
+  assert multihost.broadcast_object(('small', pid), is_source=(
+      None if pid == 0 else False)) == ('small', 0)
 
 
 @topologies

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -123,9 +124,10 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
 
   Collective: every process must call this, in the same order.
 
-  Any picklable value of any size: small ones travel through the
-  coordination service, large ones through one device broadcast. The source
-  gets its own `obj` back; the others get an unpickled copy.
+  Any picklable value of any size: pickled, up to 64 KiB it travels with
+  the call's agreement, larger in one broadcast of the data plane; either
+  way sealed with the job secret and checked before it is unpickled. The
+  source gets its own `obj` back; the others get an unpickled copy.
 
   Args:
     obj: the value (ignored on processes that are not the source).
@@ -138,7 +140,8 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   """
   op = 'broadcast_object'
   timeout = process.resolve_timeout(timeout)
-  if is_source is None:
+  default_source = is_source is None
+  if default_source:
     is_source = process.process_index() == 0
   if process.process_count() == 1:
     if not is_source:
@@ -148,24 +151,64 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
     return obj
   data = objects.dumps(obj) if is_source else b''
   inline = is_source and len(data) <= agree.INLINE_BYTES
+  seal = objects.seal(op, data, timeout) if is_source else b''
   header = agree.Header(op, size=len(data),
-                                 payload=data if inline else None,
-                                 is_source=bool(is_source),
-                                 seal=objects.seal(op, data, timeout)
-                                 if is_source else b'')
-  headers = agree.full_exchange(header, timeout=timeout)
-  source = _one_source([h.is_source for h in headers], op)
-  objects.check_size(op, source, headers[source].size)
-  payload = headers[source].payload
+                        payload=data if inline else None,
+                        default_source=default_source,
+                        is_source=bool(is_source), seal=seal)
+  if default_source:
+    # Every process knows process 0 is the source: one agreement, and only
+    # its size, seal and inline bytes to read (no header of every process
+    # to exchange and decode, as with explicit sources).
+    record, headers = agree.agree_and_read_one(
+        header, 0, timeout=timeout,
+        publish=_object_record(header) if is_source else None)
+    if headers is None:
+      source = 0
+      size, seal, payload = _read_object_record(op, record)
+  else:
+    headers = agree.full_exchange(header, timeout=timeout)
+  if headers is not None:
+    source = _one_source([h.is_source for h in headers], op)
+    size, seal, payload = (headers[source].size, headers[source].seal,
+                           headers[source].payload)
+  objects.check_size(op, source, size)
   if payload is None:
-    size = headers[source].size
     received = choice.broadcast(
         [np.frombuffer(data, np.uint8)] if is_source else None, size, source,
         op=op, timeout=timeout, source_result=False)
     payload = b'' if is_source else memoryview(received)
   if is_source:
     return obj
-  return objects.loads(op, source, payload, headers[source].seal, timeout)
+  return objects.loads(op, source, payload, seal, timeout)
+
+
+# broadcast_object's source's record on agreement: the object's size, its
+# seal's length, an inline flag, then the seal and the inline bytes.
+_OBJECT_RECORD = struct.Struct('<QHB')
+
+
+def _object_record(header: agree.Header) -> bytes:
+  inline = header.payload is not None
+  return b''.join((_OBJECT_RECORD.pack(header.size, len(header.seal), inline),
+                   header.seal, header.payload or b''))
+
+
+def _read_object_record(op: str,
+                        record: bytes) -> tuple[int, bytes, bytes | None]:
+  """(size, seal, inline bytes or None) of the source's `_object_record`."""
+  try:
+    size, sealed, inline = _OBJECT_RECORD.unpack_from(record)
+  except struct.error:
+    size = sealed = inline = None
+  start = _OBJECT_RECORD.size
+  if size is None or len(record) != start + sealed + (size if inline else 0):
+    raise errors.MultihostError(
+        f'{failures.prefix()} {op}: process 0\'s record of its object '
+        f'({len(record)} bytes) does not hold a size, a seal and its bytes; '
+        'every process must run the same version of multihost.')
+  seal = bytes(record[start:start + sealed])
+  return size, seal, bytes(record[start + sealed:]) if inline else None
 
 
 def _one_source(is_source: list[bool], op: str) -> int:

@@ -138,21 +138,25 @@ def agree(header: Header, *, timeout: float,
 
 
 def agree_and_read_one(header: Header, source: int, *, timeout: float,
+                       publish: bytes | None = None,
                        runtime: _runtime.Runtime | None = None
                        ) -> tuple[bytes | None, list[Header] | None]:
-  """`agree`, and on agreement the `source`'s inline payload.
+  """`agree`, and on agreement what the `source` shared: its `publish`, by default its header's inline payload.
 
-  Collective: every process must call this, in the same order.
+  Collective: every process must call this, in the same order. Only the
+  source's `publish` is read.
 
   Returns:
-    (the source's payload, None) when every header agreed (the source gets
-    its own); else (None, every process's header).
+    (what the source shared, None) when every header agreed (the source
+    gets its own); else (None, every process's header).
   """
   meeting = _meet(runtime, header.op)
   mine = meeting.me == source
+  if mine and publish is None:
+    publish = header.payload or b''
   if meeting.try_agreement(header.agreement(), timeout=timeout,
-                           publish=(header.payload or b'') if mine else None):
-    return (header.payload if mine else meeting.read_one(source)), None
+                           publish=publish if mine else None):
+    return (publish if mine else meeting.read_one(source)), None
   return None, _exchange_headers(meeting, header, timeout)
 
 
