@@ -113,10 +113,11 @@ def test_an_altered_message_is_refused_and_never_unpickled(_tampered):
     assert 'REFUSED' in out and 'failed authentication' in out, out
 
 
-# Altered so that nothing but the message's MAC tells: the size field or
-# the flag byte of process 0's message changed (it still decodes, the
-# object's seal checks), or its authentic message of the previous call put
-# under this call's key.
+# Altered so that the message's MAC tells first: its object's size field
+# (its bytes cut to match, so it still decodes; the seal would refuse it
+# later) or the flag byte of process 0's message changed (it still decodes,
+# the object's seal checks), or its authentic message of the previous call
+# put under this call's key.
 @pytest.mark.parametrize('mode', ['resized', 'flagged', 'moved'])
 def test_a_message_altered_consistently_is_refused(_tampered, mode):
   outs = _tamper(_tampered, mode)

@@ -8,8 +8,9 @@ leaves keys of later calls behind: give it last):
   planted  a key beside every process's own, holding a pickle that would
            create PLANTED_FILE if unpickled;
   altered  process 0's message replaced by garbage and that pickle;
-  resized  process 0's message with its size field changed: it still
-           decodes, and no check but the message's MAC sees the change;
+  resized  process 0's message with its object's size field changed and
+           its bytes cut to match: it still decodes, and the message's
+           MAC refuses it before anything else looks;
   flagged  process 0's message with its flag byte changed (direct to
            fell-back): it still decodes; only the MAC sees the change;
   moved    process 0's authentic message of the previous call put under
@@ -20,7 +21,7 @@ leaves keys of later calls behind: give it last):
 from __future__ import annotations
 
 import pickle
-import re
+import struct
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ import multihost
 from multihost import lowlevel
 
 _MAC = 16  # bytes before a control message's flag and body
+_RECORD = struct.Struct('<QHB')  # an object's record: see `resize`
 
 
 class Evil:
@@ -67,14 +69,16 @@ def replace_next_of_process_0(before: set[str], forge) -> None:
 
 
 def resize(stored: bytes) -> bytes:
-  """The stored message with its size field's last digit changed, old MAC."""
-  body = stored[_MAC:].decode()
-  size = re.search(r'"size":(\d+)', body)
-  assert size, body
-  digits = size.group(1)
-  other = digits[:-1] + str((int(digits[-1]) + 1) % 10)
-  body = body[:size.start(1)] + other + body[size.end(1):]
-  return stored[:_MAC] + body.encode()
+  """The stored message with its object's size field one less and its bytes cut to match (so it still decodes), old MAC.
+
+  The message's body (after the flag byte) is the object's record in the
+  agreement (`objects.record`): size, seal length, inline flag, seal, bytes.
+  """
+  body = stored[_MAC + 1:]
+  size, sealed, inline = _RECORD.unpack_from(body)
+  assert inline and len(body) == _RECORD.size + sealed + size, body
+  return (stored[:_MAC + 1] + _RECORD.pack(size - 1, sealed, inline)
+          + body[_RECORD.size:-1])
 
 
 def reflag(stored: bytes) -> bytes:

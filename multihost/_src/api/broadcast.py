@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
@@ -162,10 +161,10 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
     # to exchange and decode, as with explicit sources).
     record, headers = agree.agree_and_read_one(
         header, 0, timeout=timeout,
-        publish=_object_record(header) if is_source else None)
+        publish=objects.record(header) if is_source else None)
     if headers is None:
       source = 0
-      size, seal, payload = _read_object_record(op, record)
+      size, seal, payload = objects.read_record(op, source, record)
   else:
     headers = agree.full_exchange(header, timeout=timeout)
   if headers is not None:
@@ -181,34 +180,6 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
   if is_source:
     return obj
   return objects.loads(op, source, payload, seal, timeout)
-
-
-# broadcast_object's source's record on agreement: the object's size, its
-# seal's length, an inline flag, then the seal and the inline bytes.
-_OBJECT_RECORD = struct.Struct('<QHB')
-
-
-def _object_record(header: agree.Header) -> bytes:
-  inline = header.payload is not None
-  return b''.join((_OBJECT_RECORD.pack(header.size, len(header.seal), inline),
-                   header.seal, header.payload or b''))
-
-
-def _read_object_record(op: str,
-                        record: bytes) -> tuple[int, bytes, bytes | None]:
-  """(size, seal, inline bytes or None) of the source's `_object_record`."""
-  try:
-    size, sealed, inline = _OBJECT_RECORD.unpack_from(record)
-  except struct.error:
-    size = sealed = inline = None
-  start = _OBJECT_RECORD.size
-  if size is None or len(record) != start + sealed + (size if inline else 0):
-    raise errors.MultihostError(
-        f'{failures.prefix()} {op}: process 0\'s record of its object '
-        f'({len(record)} bytes) does not hold a size, a seal and its bytes; '
-        'every process must run the same version of multihost.')
-  seal = bytes(record[start:start + sealed])
-  return size, seal, bytes(record[start + sealed:]) if inline else None
 
 
 def _one_source(is_source: list[bool], op: str) -> int:

@@ -241,9 +241,11 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
 
   Collective: every process must call this, in the same order.
 
-  Any picklable value of any size (they may differ by process): small ones
-  travel through the coordination service, large ones through one device
-  all-gather. This process's own entry is `obj` itself.
+  Any picklable value of any size (they may differ by process): pickled,
+  each up to 64 KiB travels with the call's agreement; if any is larger,
+  all go in one all-gather of the data plane; sealed with the job secret
+  and checked before they are unpickled. This process's own entry is `obj`
+  itself.
 
   Args:
     obj: this process's value.
@@ -260,19 +262,26 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   data = objects.dumps(obj)
   inline = len(data) <= agree.INLINE_BYTES
   header = agree.Header(op, size=len(data),
-                                 payload=data if inline else None,
-                                 seal=objects.seal(op, data, timeout))
-  headers = agree.full_exchange(header, timeout=timeout)
-  me = _process.process_index()
-  for p, h in enumerate(headers):
-    objects.check_size(op, p, h.size)
-  if all(h.payload is not None for h in headers):
-    payloads = [h.payload for h in headers]
+                        payload=data if inline else None,
+                        seal=objects.seal(op, data, timeout))
+  # One agreement, and every process's size, seal and inline bytes (no
+  # header of every process exchanged and decoded, unless they differ).
+  records, headers = agree.agree_and_gather(header, timeout=timeout,
+                                            publish=objects.record(header))
+  if headers is None:
+    objs = [objects.read_record(op, p, r) for p, r in enumerate(records)]
   else:
-    sizes = [h.size for h in headers]
+    objs = [(h.size, h.seal, h.payload) for h in headers]
+  me = _process.process_index()
+  for p, (size, _, _) in enumerate(objs):
+    objects.check_size(op, p, size)
+  if all(payload is not None for _, _, payload in objs):
+    payloads = [payload for _, _, payload in objs]
+  else:
+    sizes = [size for size, _, _ in objs]
     rows = choice.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
-                                 timeout=timeout)
+                            timeout=timeout)
     payloads = [memoryview(rows[p, :n]) for p, n in enumerate(sizes)]
   return [obj if p == me else
-          objects.loads(op, p, b, headers[p].seal, timeout)
+          objects.loads(op, p, b, objs[p][1], timeout)
           for p, b in enumerate(payloads)]

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import pickle
 import secrets
+import struct
 from typing import Any
 
 from multihost import env
@@ -24,6 +25,9 @@ from multihost._src.runtime import failures
 from multihost._src.runtime import settings
 
 _NONCE = 16
+# An object's record in a call's agreement (`record`): its size, its
+# seal's length, whether its bytes follow, then the seal and the bytes.
+_RECORD = struct.Struct('<QHB')
 
 
 def dumps(obj: Any) -> bytes:
@@ -68,3 +72,27 @@ def loads(op: str, process: int, data, sealed: bytes | None,
         'Restart the job, and firewall the data-plane ports (see '
         'docs/trust.md, "Trust model").')
   return pickle.loads(data)
+
+
+def record(header) -> bytes:
+  """What a process shares of its object in the call's agreement: the size, seal and inline bytes of its `agree.Header` (where the header itself need not be exchanged)."""
+  inline = header.payload is not None
+  return b''.join((_RECORD.pack(header.size, len(header.seal), inline),
+                   header.seal, header.payload or b''))
+
+
+def read_record(op: str, process: int,
+                value) -> tuple[int, bytes, bytes | None]:
+  """(size, seal, inline bytes or None) of `process`'s `record`; raises if it holds none."""
+  try:
+    size, sealed, inline = _RECORD.unpack_from(value)
+  except struct.error:
+    size = sealed = inline = None
+  start = _RECORD.size
+  if size is None or len(value) != start + sealed + (size if inline else 0):
+    raise errors.MultihostError(
+        f'{failures.prefix()} {op}: process {process}\'s record of its '
+        f'object ({len(value)} bytes) does not hold a size, a seal and its '
+        'bytes; every process must run the same version of multihost.')
+  seal = bytes(value[start:start + sealed])
+  return size, seal, bytes(value[start + sealed:]) if inline else None
