@@ -319,6 +319,10 @@ def test_object_collectives(topology):
   assert got == config
   assert multihost.allgather_object({'p': pid}) == [{'p': p} for p in range(count)]
   assert multihost.broadcast_object(pid, is_source=pid == 1) == 1
+  last = count - 1  # an explicit source of a large object (data plane)
+  assert multihost.broadcast_object(
+      (pid, b'y' * 100_000) if pid == last else None,
+      is_source=pid == last) == (last, b'y' * 100_000)
   # The default source beside explicit is_source=False elsewhere: the
   # default's shortcut cannot prove agreement, and the headers decide.
   assert multihost.broadcast_object(
@@ -522,6 +526,8 @@ def test_broadcast_needs_exactly_one_source(topology):
     multihost.broadcast_one_to_all(np.ones(3), is_source=False)
   with pytest.raises(multihost.ConsistencyError, match='no process is the source'):
     multihost.broadcast_object('x', is_source=False)
+  with pytest.raises(multihost.ConsistencyError, match=r'processes \[0, 1\] are all the source'):
+    multihost.broadcast_object('x', is_source=pid in (0, 1))
   assert int(multihost.broadcast_one_to_all(np.int32(pid))) == 0
 
 

@@ -155,19 +155,27 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
                         payload=data if inline else None,
                         default_source=default_source,
                         is_source=bool(is_source), seal=seal)
+  # One agreement, and only the source's record of its object (size,
+  # seal, inline bytes) to read; no process's header is exchanged unless
+  # the calls differ. With the default source every process knows it is
+  # process 0; with explicit ones each shares whether it is the source,
+  # as `broadcast_one_to_all` does.
   if default_source:
-    # Every process knows process 0 is the source: one agreement, and only
-    # its size, seal and inline bytes to read (no header of every process
-    # to exchange and decode, as with explicit sources).
     record, headers = agree.agree_and_read_one(
         header, 0, timeout=timeout,
         publish=objects.record(header) if is_source else None)
-    if headers is None:
-      source = 0
-      size, seal, payload = objects.read_record(op, source, record)
+    source = 0
   else:
-    headers = agree.full_exchange(header, timeout=timeout)
-  if headers is not None:
+    records, headers = agree.agree_and_gather(
+        header, timeout=timeout,
+        publish=(_SOURCE + objects.record(header)) if is_source
+        else _NOT_SOURCE)
+    if records is not None:
+      source = _one_source([r[:1] == _SOURCE for r in records], op)
+      record = records[source][1:]
+  if headers is None:
+    size, seal, payload = objects.read_record(op, source, record)
+  else:
     source = _one_source([h.is_source for h in headers], op)
     size, seal, payload = (headers[source].size, headers[source].seal,
                            headers[source].payload)
