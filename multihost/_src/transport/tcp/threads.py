@@ -96,6 +96,19 @@ class Lane:
     self.jobs.put((None, None))
 
 
+def _waited(done: threading.Event, deadline: float,
+            what: str) -> TimeoutError | None:
+  """None once `done` is set; a TimeoutError naming `what` if `deadline` passes first."""
+  if not done.wait(max(deadline - time.monotonic(), 0.001)):
+    return TimeoutError(f'{what} did not finish in time')
+  return None
+
+
+def _raise(error: BaseException | None) -> None:
+  if error is not None:
+    raise error
+
+
 class Job:
   """A job on a `Lane`: set when it ended, with what it raised."""
 
@@ -105,15 +118,11 @@ class Job:
 
   def wait(self, deadline: float) -> BaseException | None:
     """What the job raised (None when it returned), or TimeoutError at `deadline`."""
-    if not self.done.wait(max(deadline - time.monotonic(), 0.001)):
-      return TimeoutError('a lane of the transfer did not finish in time')
-    return self.error
+    return _waited(self.done, deadline, 'a lane of the transfer') or self.error
 
   def join(self, deadline: float) -> None:
     """Waits for the job; raises what it raised, or TimeoutError at `deadline`."""
-    error = self.wait(deadline)
-    if error is not None:
-      raise error
+    _raise(self.wait(deadline))
 
 
 class Sender:
@@ -131,15 +140,11 @@ class Sender:
     """Waits until this call's sends are out; returns what sending raised."""
     done = threading.Event()
     self.jobs.put((self, None, done))
-    if not done.wait(max(deadline - time.monotonic(), 0.001)):
-      return TimeoutError('sending did not finish in time')
-    return self.error
+    return _waited(done, deadline, 'sending') or self.error
 
   def close(self, deadline: float) -> None:
     """Waits for the queued sends; raises what sending raised."""
-    error = self.finish(deadline)
-    if error is not None:
-      raise error
+    _raise(self.finish(deadline))
 
 
 class DirectSender:
