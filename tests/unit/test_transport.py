@@ -160,3 +160,94 @@ def test_a_link_read_that_times_out_keeps_what_came_for_the_next():
   finally:
     a.close()
     b.close()
+
+
+def _tcp_pair(send_buffer: int | None = None):
+  """(sender, reader, listener): a loopback TCP connection, both ends with the links' slice timeout."""
+  from multihost._src.transport.tcp import sockets
+  listener = socket.create_server(('127.0.0.1', 0))
+  sender = socket.create_connection(listener.getsockname())
+  if send_buffer is not None:
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+  reader, _ = listener.accept()
+  for s in (sender, reader):
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.settimeout(sockets.SLICE_S)
+  return sender, reader, listener
+
+
+def _read_all(reader: socket.socket, n: int, out: list, pause: float = 0.0):
+  got = bytearray()
+  while len(got) < n:
+    piece = reader.recv(min(n - len(got), 16 << 10))
+    if not piece:
+      break
+    got += piece
+    time.sleep(pause)
+  out.append(bytes(got))
+
+
+@pytest.mark.parametrize('already', [0, 7, 40, 40 + 5000, 40 + (1 << 20)])
+def test_a_sent_frame_arrives_whole_and_in_order_and_the_source_copies_it(
+    already):
+  """`payload.send_and_copy` of a frame header and a large part (the header goes out with the payload behind it, in one write), through a small send buffer: the reader gets every byte not sent before (`already`) in order, and the source's copy is the payload."""
+  from multihost._src.runtime.deadline import Deadline
+  from multihost._src.transport.tcp import payload
+  rng = np.random.default_rng(already)
+  head = rng.integers(0, 256, 40, np.uint8).tobytes()
+  parts = [rng.integers(0, 256, (1 << 20) + 3, np.uint8),
+           rng.integers(0, 256, 100, np.uint8)]
+  whole = head + b''.join(p.tobytes() for p in parts)
+  sender, reader, listener = _tcp_pair(send_buffer=16 << 10)
+  got: list = []
+  thread = threading.Thread(target=_read_all,
+                            args=(reader, len(whole) - already, got, 0.0005))
+  thread.start()
+  try:
+    out = np.zeros(len(whole) - len(head), np.uint8)
+    link = type('Link', (), {'sock': sender})()
+    payload.send_and_copy(link, payload.segments(head, parts), len(head),
+                          out, Deadline('test', time.monotonic() + 20),
+                          already)
+    thread.join(20)
+  finally:
+    for s in (sender, reader, listener):
+      s.close()
+  assert got and got[0] == whole[already:]
+  assert out.tobytes() == whole[len(head):]
+
+
+def test_send_ready_sends_a_prefix_without_waiting():
+  """`sockets.send_ready`: at most `limit` bytes, the start of the views in order; on a full buffer it returns what went (not waiting), and a blocking socket stays blocking."""
+  from multihost._src.transport.tcp import sockets
+  sender, reader, listener = _tcp_pair(send_buffer=16 << 10)
+  try:
+    views = [memoryview(b'h' * 40), memoryview(bytes(range(256)) * 4096)]
+    whole = b''.join(views)
+    assert sockets.send_ready(sender, views, 100) == 100
+    got = b''
+    while len(got) < 100:
+      got += reader.recv(100 - len(got))
+    assert got == whole[:100]
+    sender.settimeout(None)  # blocking: send_ready must not block
+    started = time.monotonic()
+    sent = sockets.send_ready(sender, [memoryview(whole)[100:]], 1 << 62)
+    assert time.monotonic() - started < 1
+    assert 0 < sent < len(whole) - 100  # the buffers filled
+    assert sender.gettimeout() is None
+  finally:
+    for s in (sender, reader, listener):
+      s.close()
+  # More views than one write takes (IOV_MAX is 1024 on Linux): a prefix.
+  sender, reader, listener = _tcp_pair()
+  try:
+    small = [memoryview(bytes([i % 256]) * 10) for i in range(1500)]
+    sent = sockets.send_ready(sender, small, 1 << 62)
+    assert 0 < sent <= 15000
+    got = b''
+    while len(got) < sent:
+      got += reader.recv(sent - len(got))
+    assert got == b''.join(small)[:sent]
+  finally:
+    for s in (sender, reader, listener):
+      s.close()

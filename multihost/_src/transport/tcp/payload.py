@@ -83,23 +83,32 @@ def send_and_copy(down: _tcp_link.Link, segments_: list, skip: int,
   process reading: a copy after the whole send would read the leaves from
   memory again and delay the source's return by all of it. The first
   `skip` bytes are the frame header, not payload; the first `already`
-  bytes were sent before (`Eager`), and are only copied.
+  bytes were sent before (`Eager`), and are only copied. A header in a
+  segment of its own goes out in one write with the piece behind it
+  (`sockets.send_views`): the reader wakes once for both.
   """
   offset = 0
+  head = None  # a frame header alone, sent with the piece behind it
   for segment in segments_:
     view = memoryview(segment).cast('B')
     for at in range(0, len(view), CHUNK):
       piece = view[at:at + CHUNK]
-      if already < len(piece):
-        sockets.send_all(down.sock, piece[already:], watch)
-        already = 0
-      else:
+      if already >= len(piece):
         already -= len(piece)
+      elif head is None and already == 0 and skip >= len(piece):
+        head = piece  # (holds no payload: nothing to copy)
+      else:
+        sockets.send_views(down.sock, [piece[already:]] if head is None
+                           else [head, piece[already:]], watch)
+        head = None
+        already = 0
       if out is not None:
         body = piece[skip:]
         skip = max(skip - len(piece), 0)
         out[offset:offset + len(body)] = np.frombuffer(body, np.uint8)
         offset += len(body)
+  if head is not None:  # (a frame without payload)
+    sockets.send_all(down.sock, head, watch)
 
 
 def stripes(length: int, lanes: int) -> list[tuple[int, int]]:

@@ -73,8 +73,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
       down = plane.conn(peer, deadline, op)
       payload.arm(down, deadline)
       if parent is not None:
-        sockets.send_all(down.sock, down.frame(call, n), watch)
-        sockets.send_all(down.sock, memoryview(out), watch)
+        sockets.send_views(down.sock, [down.frame(call, n), out], watch)
         continue
       if eager is not None and peer == eager.to:
         if down is not eager.link:  # (the links were closed meanwhile)
