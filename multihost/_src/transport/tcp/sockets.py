@@ -195,7 +195,11 @@ def recv_some(conn: socket.socket, view: memoryview,
 
 
 def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
-  """Sends all of `view` in watched slices (unlike `sendall`, resumable)."""
+  """Sends all of `view` in watched slices (unlike `sendall`, resumable).
+
+  (`send_views` of one view, without its list: an agreement's every frame
+  goes this way.)
+  """
   view = memoryview(view).cast('B')
   sent = 0
   if view and _unpolled(conn):  # (see `recv_into`)
@@ -203,8 +207,7 @@ def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
       sent = os.write(conn.fileno(), view)
     except (BlockingIOError, InterruptedError):
       sent = 0
-  while sent < len(view):
-    sent += _watched(conn.send, view[sent:], deadline)
+  _send_rest(conn, view, sent, deadline)
 
 
 # The most views one write takes (well below any system's IOV_MAX).
@@ -212,25 +215,28 @@ _WRITE_VIEWS = 512
 
 
 def send_views(conn: socket.socket, views: list, deadline: Deadline) -> None:
-  """Sends all of `views`, in order, as one write as far as the socket takes them (`send_all` for the rest).
+  """Sends all of `views`, in order: first in one write as far as the socket takes them, the rest in watched slices.
 
   A frame header sent on its own goes out as a segment of its own (no
   Nagle on a link), and wakes its reader for the header alone; sent with
   the payload behind it, the reader wakes once, for both.
   """
   views = [memoryview(v).cast('B') for v in views]
-  sent = 0
-  if _unpolled(conn):  # (see `recv_into`)
-    try:
-      sent = os.writev(conn.fileno(), views[:_WRITE_VIEWS])
-    except (BlockingIOError, InterruptedError):
-      sent = 0
+  # (See `recv_into`: a socket with a timeout is written once unpolled.)
+  sent = _write_now(conn, views) if _unpolled(conn) else 0
   for view in views:
     if sent >= len(view):
       sent -= len(view)
       continue
-    send_all(conn, view[sent:], deadline)
+    _send_rest(conn, view, sent, deadline)
     sent = 0
+
+
+def _send_rest(conn: socket.socket, view: memoryview, sent: int,
+               deadline: Deadline) -> None:
+  """Sends `view` from byte `sent` on, in watched slices."""
+  while sent < len(view):
+    sent += _watched(conn.send, view[sent:], deadline)
 
 
 def send_ready(conn: socket.socket, views: list[memoryview],
@@ -238,22 +244,29 @@ def send_ready(conn: socket.socket, views: list[memoryview],
   """Sends of `views`, in order, what `conn` takes without waiting, up to `limit` bytes, in one write; returns the bytes sent."""
   out, room = [], limit
   for view in views:
-    if room <= 0 or len(out) == _WRITE_VIEWS:
+    if room <= 0:
       break
     out.append(view[:room])
     room -= len(out[-1])
-  if not out:
-    return 0
   blocking = not _unpolled(conn)
   if blocking:
     conn.setblocking(False)
   try:
-    return os.writev(conn.fileno(), out)
-  except (BlockingIOError, InterruptedError):
-    return 0
+    return _write_now(conn, out)
   finally:
     if blocking:
       conn.setblocking(True)
+
+
+def _write_now(conn: socket.socket, views: list[memoryview]) -> int:
+  """One write of the start of `views` (at most `_WRITE_VIEWS` of them) on non-blocking `conn`; the bytes it took (0 when none)."""
+  views = [v for v in views[:_WRITE_VIEWS] if v]
+  if not views:
+    return 0
+  try:
+    return os.writev(conn.fileno(), views)
+  except (BlockingIOError, InterruptedError):
+    return 0
 
 
 def _watched(io, view, deadline: Deadline | None, *,
