@@ -39,6 +39,10 @@ def test_memory_is_used_again_only_after_the_last_view_is_gone():
   assert _address(third) == where and pool.idle_sizes() == []
   assert third.flags.writeable and third.dtype == np.uint8 and (
       third.shape == (MIB,))
+  # Nothing of a result stays behind once it is gone (calls do not grow it).
+  assert len(pool.lent) == 2
+  del second, third
+  assert not pool.lent and pool.idle_sizes() == [MIB, MIB]
 
 
 def test_the_pool_keeps_at_most_its_limit_dropping_the_largest_first():

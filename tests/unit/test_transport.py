@@ -121,9 +121,11 @@ def test_a_link_reads_ahead_and_returns_every_byte_in_order():
     reader.recv_into(memoryview(got), deadline)
     np.testing.assert_array_equal(got, payload)
     assert reader._at == reader._end == 0
+    assert reader.open_at_peer()  # nothing waiting, the peer's side open
     # Bytes read ahead are the peer's: the link is open while they last.
     a.sendall(sender.frame(3, 4) + b'tail')
     a.close()
+    assert reader.open_at_peer()  # (bytes waiting before the peer's close)
     reader.read_frame(3, 4, 'test', 0, deadline)
     assert reader.open_at_peer()
     assert reader.take(4, deadline) == b'tail'

@@ -48,6 +48,13 @@ def test_the_environment_variable_is_read_and_checked(monkeypatch):
   assert not choice.tcp_enabled()
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'TCP')
   assert choice.transport(BIG) == 'tcp'
+  monkeypatch.setenv('MULTIHOST_TRANSPORT', ' device ')
+  assert choice.transport(BIG) == 'device'
+  monkeypatch.setenv('MULTIHOST_TRANSPORT', '')  # empty: as if unset
+  assert choice.transport(8) == 'tcp'
+  monkeypatch.setenv('MULTIHOST_TRANSPORT', 'device')
+  monkeypatch.delenv('MULTIHOST_TRANSPORT')  # read anew at every call
+  assert choice.transport(BIG) == 'tcp'
   monkeypatch.setenv('MULTIHOST_TRANSPORT', 'nccl')
   with pytest.raises(ValueError, match='MULTIHOST_TRANSPORT.*nccl'):
     choice.transport(8)

@@ -37,11 +37,19 @@ def _get(name: str) -> str | None:
   data = getattr(os.environ, '_data', None)
   if isinstance(data, dict):
     try:
-      value = data.get(os.environ.encodekey(name))
+      key = _KEYS.get(name)
+      if key is None:
+        key = _KEYS[name] = os.environ.encodekey(name)
+      value = data.get(key)
       return None if value is None else os.environ.decodevalue(value)
     except AttributeError:
       pass
   return os.environ.get(name)
+
+
+# Each variable's name as os.environ's dict keys it (`_get`), encoded once:
+# the names are this module's few constants.
+_KEYS: dict[str, object] = {}
 
 
 def _text(name: str) -> str:
@@ -87,7 +95,10 @@ def timeout_is_set() -> bool:
 
 def transport() -> str | None:
   """$MULTIHOST_TRANSPORT: 'tcp' or 'device' forced for every payload, None when unset."""
-  value = _text(env.TRANSPORT).lower()
+  raw = _get(env.TRANSPORT)
+  if raw is None:  # (unset: every call asks)
+    return None
+  value = raw.strip().lower()
   if value not in ('', *TRANSPORTS):
     raise ValueError(
         f'${env.TRANSPORT}={value!r} is not a transport; use tcp, device, '

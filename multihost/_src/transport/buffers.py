@@ -40,12 +40,15 @@ class Pool:
 
   def __init__(self, limit: int | None = None):
     self._limit = limit  # bytes; None: read from the environment on first use
-    # Reentrant: a buffer can come back (its array's finalizer) from a
+    # Reentrant: a buffer can come back (its array's callback) from a
     # garbage collection that runs while this thread holds the lock.
     self.lock = threading.RLock()
     self.idle: collections.OrderedDict[int, mmap.mmap] = (
         collections.OrderedDict())
     self.idle_bytes = 0
+    # The buffers lent out, by id of the weak reference to the array lent:
+    # its callback gives the memory back once the array is gone (see `take`).
+    self.lent: dict[int, tuple[weakref.ref, mmap.mmap]] = {}
 
   @property
   def limit(self) -> int:
@@ -68,10 +71,19 @@ class Pool:
     if memory is None:
       memory = mmap.mmap(-1, size)
     # The array is the only exporter of `memory`; views of it keep it (not
-    # `memory`) as their base, so its finalizer runs once none is left.
+    # `memory`) as their base, so its weak reference's callback runs once
+    # none is left. (A weak reference kept here costs half of a
+    # weakref.finalize, on every large result of every call.)
     array = np.frombuffer(memory, np.uint8, count=nbytes)
-    weakref.finalize(array, self._give_back, memory).atexit = False
+    ref = weakref.ref(array, self._gone)
+    self.lent[id(ref)] = (ref, memory)
     return array
+
+  def _gone(self, ref: weakref.ref) -> None:
+    """A lent array is gone: its memory goes back (`_give_back`)."""
+    lent = self.lent.pop(id(ref), None)
+    if lent is not None:
+      self._give_back(lent[1])
 
   def _give_back(self, memory: mmap.mmap) -> None:
     with self.lock:
@@ -84,7 +96,7 @@ class Pool:
         self.idle_bytes -= len(dropped)
         if dropped is not memory:
           dropped.close()
-        # else: the array being finalized still exports `memory`, which
+        # else: the array being collected still exports `memory`, which
         # is unmapped once that last reference goes.
 
   def idle_sizes(self) -> list[int]:

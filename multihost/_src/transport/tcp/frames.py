@@ -122,8 +122,18 @@ class Link:
     sockets.recv_into(self.sock, view, deadline)
 
   def open_at_peer(self) -> bool:
-    """Whether the peer has not closed the link (bytes read ahead, or waiting, count as open: see `sockets.open_at_peer`)."""
-    return self._at < self._end or sockets.open_at_peer(self.sock, self.poll)
+    """Whether the peer has not closed the link (bytes read ahead, or waiting, count as open: see `sockets.open_at_peer`).
+
+    The common cases are one poll of the link's socket: nothing to read, or
+    bytes waiting while the peer has not shut its side (as when its next
+    frame came before this call asked); the rest, a peek.
+    """
+    if self._at < self._end:
+      return True
+    events = self.poll.poll(0)
+    if not events or not events[0][1] & sockets.CLOSING:
+      return True
+    return sockets.open_at_peer(self.sock)
 
   def check(self, got: bytes, op: str, peer: int) -> tuple[int, int]:
     """(call, length) of the frame header `got`, the next due; raises unless authentic and in order."""

@@ -70,7 +70,10 @@ class Plane:
     self.setup: str | None = None
     self.setup_error = ''
     self.refused = False  # a process could not set its links up
-    self.lock = threading.Condition()
+    # `conns_lock` is `lock`'s own lock: `conn`, on every call's path, enters
+    # it without the Condition's Python-level wrapper.
+    self.conns_lock = threading.RLock()
+    self.lock = threading.Condition(self.conns_lock)
     self.connecting = threading.Lock()
     self.conns: dict[int, Link] = {}
     self.sends = threads.SendThread()  # every transfer's background sends
@@ -190,7 +193,7 @@ class Plane:
   def conn(self, peer: int, deadline: float, op: str, lane: int = 0) -> Link:
     """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it."""
     key = _key(peer, lane)
-    with self.lock:
+    with self.conns_lock:
       link = self.conns.get(key)
       if link is not None and not link.open_at_peer():
         del self.conns[key]  # The peer dropped it after a failed transfer.

@@ -92,23 +92,13 @@ def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
   return bytes(buf)
 
 
-# poll events that say the peer shut its side, or the connection failed.
-_CLOSING = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+# poll events that say the peer shut its side, or the connection failed
+# (`frames.Link.open_at_peer` polls for them before it peeks).
+CLOSING = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def open_at_peer(conn: socket.socket, poll: select.poll | None = None) -> bool:
-  """Whether the peer has not closed `conn` (bytes waiting count as open).
-
-  `poll` (registered for `conn`'s POLLIN and POLLRDHUP) makes the common
-  cases one call: nothing to read, or bytes waiting while the peer has not
-  shut its side (as when its next frame came before this call asked).
-  """
-  if poll is not None:
-    events = poll.poll(0)
-    if not events:  # Neither bytes nor EOF.
-      return True
-    if not events[0][1] & _CLOSING:  # Bytes, and no EOF behind them.
-      return True
+def open_at_peer(conn: socket.socket) -> bool:
+  """Whether the peer has not closed `conn`, by a peek (bytes waiting count as open)."""
   # Python waits for a socket with a timeout to be readable before its recv,
   # whatever the flags: peek with the socket non-blocking.
   timeout = conn.gettimeout()
