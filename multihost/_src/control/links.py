@@ -128,8 +128,8 @@ def _steps(me: int, count: int, star: bool,
   """
   if star:
     if me == 0:
-      order = (range(1, count) if first is None
-               else sorted(range(1, count), key=lambda p: p != first))
+      order = ([first, *(p for p in range(1, count) if p != first)]
+               if first in range(1, count) else range(1, count))
       return ([(None, p) for p in range(1, count)]
               + [(p, None) for p in order])
     return [(0, None), (None, 0)]
@@ -255,15 +255,15 @@ def _decode(body: bytes,
 
 
 def _receive(link: _tcp_link.Link, call: int, peer: int,
-             wait: waiting.Wait) -> bytes:
+             wait: waiting.Wait, deadline: waiting.Due) -> bytes:
   """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded.
 
-  While nothing of a frame has come, the wait's diagnosis runs between the
-  socket's slices (`waiting.Wait.slice`); once part of it came, its peer is in
-  this call, and only the watchdog and the deadline are checked.
+  `deadline` (one for all the call's reads) has the wait's diagnosis as
+  its idle step: while nothing of a frame has come, it runs between the
+  socket's slices (`waiting.Wait.slice`); once part of it came, its peer
+  is in this call, and only the watchdog and the deadline are checked.
   """
   m = wait.m
-  deadline = waiting.Due(wait, idle=wait.slice)
   while True:
     got_call, length = link.check(link.take(frames.FRAME_SIZE, deadline),
                                   m.op, peer)
@@ -313,11 +313,13 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   smallest = timeout  # the smallest timeout of the processes heard from
   wait = waiting.Wait(meeting, timeout)
   watch = waiting.Due(wait)
+  reads = waiting.Due(wait, idle=wait.slice)  # (see `_receive`)
   sender = None
   links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
   peer = me
   step = 1
   started = None  # the eager stripe this process started
+  everything = None  # in a star, all of `entries` encoded (see below)
   try:
     star = plane.star
     # The eager stripe goes right behind this process's frame to the peer
@@ -328,10 +330,15 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         peer = dst
         out = links.get(dst) or links.setdefault(
             dst, plane.conn(dst, wait.deadline, op))
-        # What `dst` does not know yet: in a star everything but its own.
-        body = {p: v for p, v in entries.items()
-                if (p != dst if star else (dst - p) % count >= step)}
-        body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
+        # What `dst` does not know yet: in a star everything but its own
+        # (so one message for all that published nothing, encoded once).
+        if star and dst not in entries:
+          body = everything = everything or _encode(
+              digest, _DIFFERS if differs else 0, smallest, entries)
+        else:
+          body = {p: v for p, v in entries.items()
+                  if (p != dst if star else (dst - p) % count >= step)}
+          body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
         sockets.set_timeout(out.sock, sockets.SLICE_S)
         if len(body) <= threads.DIRECT_BYTES and sender is None:
           sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
@@ -349,11 +356,12 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
           link = links[src] = plane.conn(src, wait.deadline, op)
           sockets.set_timeout(link.sock, sockets.SLICE_S)
         got_digest, got_flags, got_timeout, got = _decode(
-            _receive(link, call, src, wait), count)
+            _receive(link, call, src, wait, reads), count)
         differs = (differs or bool(got_flags & _DIFFERS)
                    or got_digest != digest)
         smallest = min(smallest, got_timeout)
         entries.update(got)
+        everything = None
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None

@@ -197,7 +197,8 @@ def send_all(conn: socket.socket, view, deadline: Deadline) -> None:
       sent = os.write(conn.fileno(), view)
     except (BlockingIOError, InterruptedError):
       sent = 0
-  _send_rest(conn, view, sent, deadline)
+  if sent < len(view):
+    _send_rest(conn, view, sent, deadline)
 
 
 # The most views one write takes (well below any system's IOV_MAX).
