@@ -164,6 +164,62 @@ def test_a_link_read_that_times_out_keeps_what_came_for_the_next():
     b.close()
 
 
+
+def test_a_data_frame_is_read_into_its_view_header_first_checked():
+  """`Link.read_frame_into`: a frame sent whole, one whose header came partly ahead or in pieces, each read into the view whole; a header that is not the one expected raises at once, not after waiting for a payload that will not come."""
+  import multihost  # noqa: F401  (its errors name the process)
+  from multihost._src.runtime import errors
+  from multihost._src.runtime.deadline import Deadline
+  from multihost._src.transport.tcp import frames
+  a, b = socket.socketpair()
+  try:
+    for s in (a, b):
+      s.settimeout(0.05)
+    sender = frames.Link(a, b'k' * 32, b'j' * 32)
+    reader = frames.Link(b, b'j' * 32, b'k' * 32)
+    soon = Deadline('test', time.monotonic() + 5)
+    payload = np.random.default_rng(1).integers(0, 256, 300_000, np.uint8)
+    got = np.zeros_like(payload)
+
+    def send_later(data: bytes, after: float) -> threading.Thread:
+      thread = threading.Thread(target=lambda: (time.sleep(after),
+                                                a.sendall(data)))
+      thread.start()
+      return thread
+
+    # Sent whole, while the reader waits (more than a socket buffer).
+    sending = send_later(sender.frame(1, len(payload)) + payload.tobytes(),
+                         0.02)
+    reader.read_frame_into(1, memoryview(got), 'test', 0, soon)
+    sending.join()
+    np.testing.assert_array_equal(got, payload)
+    # A small frame, then the next one's first 30 bytes, read ahead by
+    # `take`; its header's rest and its payload come later, in two pieces.
+    first = sender.frame(2, 2) + b'ok'
+    frame = sender.frame(3, 9) + b'123456789'
+    a.sendall(first + frame[:30])
+    reader.read_frame(2, 2, 'test', 0, soon)
+    assert reader.take(2, soon) == b'ok'
+    assert reader._end - reader._at == 30
+    sending = send_later(frame[30:45], 0.02)
+    later = send_later(frame[45:], 0.05)
+    small = bytearray(9)
+    reader.read_frame_into(3, memoryview(small), 'test', 0, soon)
+    sending.join()
+    later.join()
+    assert bytes(small) == b'123456789' and reader._at == reader._end == 0
+    # Not the call expected: raised once the header is in, the payload's
+    # 100 000 bytes never sent.
+    a.sendall(sender.frame(5, 100_000) + b'x' * 10)
+    start = time.monotonic()
+    with pytest.raises(errors.MultihostError, match='out of step'):
+      reader.read_frame_into(4, memoryview(bytearray(100_000)), 'test', 0,
+                             soon)
+    assert time.monotonic() - start < 1
+  finally:
+    a.close()
+    b.close()
+
 def _tcp_pair(send_buffer: int | None = None):
   """(sender, reader, listener): a loopback TCP connection, both ends with the links' slice timeout."""
   from multihost._src.transport.tcp import sockets

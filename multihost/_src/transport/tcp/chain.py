@@ -172,9 +172,10 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
         sender.send(down.sock, down.frame(call, n))
       up = plane.conn(prev, deadline, op, lane)
       payload.arm(up, deadline)
-      up.read_frame(call, n, op, prev, watch)
       if down is None:  # The end of the chain: one read into the result.
-        up.recv_into(view, watch)
+        up.read_frame_into(call, view, op, prev, watch)
+      else:
+        up.read_frame(call, n, op, prev, watch)
       for at in range(0, n if down is not None else 0, payload.CHUNK):
         chunk = view[at:at + payload.CHUNK]
         up.recv_into(chunk, watch)
@@ -223,8 +224,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
       if not copied:
         blocks[me][:] = mine
         copied = True
-      up.read_frame(call, sizes[in_block], op, prev, watch)
-      up.recv_into(memoryview(blocks[in_block]), watch)
+      up.read_frame_into(call, memoryview(blocks[in_block]), op, prev, watch)
       if sender.error is not None:
         raise sender.error
     if not copied:

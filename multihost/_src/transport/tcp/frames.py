@@ -107,19 +107,46 @@ class Link:
     self._at, self._end = (0, 0) if at == end else (at, end)
     return out
 
+  def read_frame_into(self, call: int, view: memoryview, op: str, peer: int,
+                      deadline: Deadline | None = None) -> None:
+    """Reads the next frame, its payload into `view` (`len(view)` bytes); raises unless its header is authentic and expected.
+
+    The header and the payload's start come in one read (a frame is sent
+    in one write, `sockets.send_views`), and the header is checked before
+    the rest is waited for. Only for a data frame: on an error the
+    transfer breaks the links, so bytes read of a frame cut short are not
+    kept for a next read (as `take` keeps them).
+    """
+    head = bytearray(FRAME_SIZE)
+    got = self._from_ahead(memoryview(head))
+    done = self._from_ahead(view) if got == FRAME_SIZE else 0
+    while got < FRAME_SIZE:
+      k = sockets.recv_some_into(self.sock, [memoryview(head)[got:], view],
+                                 deadline, idle=not got)
+      done = max(got + k - FRAME_SIZE, 0)
+      got = min(got + k, FRAME_SIZE)
+    frame = self.check(bytes(head), op, peer)
+    if frame != (call, len(view)):
+      raise failures.out_of_step(op, peer, frame, (call, len(view)))
+    if done < len(view):
+      sockets.recv_into(self.sock, view[done:], deadline)
+
   def recv_into(self, view: memoryview,
                 deadline: Deadline | None = None) -> None:
     """Fills `view` with the link's next bytes: first those read ahead, then from the socket (`sockets.recv_into`)."""
+    k = self._from_ahead(view)
+    if k < len(view):
+      sockets.recv_into(self.sock, view[k:], deadline)
+
+  def _from_ahead(self, view: memoryview) -> int:
+    """Copies into `view` what was read ahead, as far as it fills it; the bytes copied."""
     at, end = self._at, self._end
-    if at < end:
-      k = min(end - at, len(view))
+    k = min(end - at, len(view))
+    if k:
       view[:k] = self._ahead[at:at + k]
       at += k
       self._at, self._end = (0, 0) if at == end else (at, end)
-      if k == len(view):
-        return
-      view = view[k:]
-    sockets.recv_into(self.sock, view, deadline)
+    return k
 
   def open_at_peer(self) -> bool:
     """Whether the peer has not closed the link (bytes read ahead, or waiting, count as open: see `sockets.open_at_peer`).

@@ -119,16 +119,16 @@ def _unpolled(conn) -> bool:
   return isinstance(conn, socket.socket) and conn.gettimeout() is not None
 
 
-def _read_ready(conn: socket.socket, view: memoryview) -> int:
-  """The bytes already come into `view`, read with one plain read (no poll): 0 when none has, or `conn` is not `_unpolled`.
+def _read_ready(conn: socket.socket, views: list[memoryview]) -> int:
+  """The bytes already come into `views` (filled in order; the first one not empty, else nothing is read), read with one plain read (no poll): 0 when none has, or `conn` is not `_unpolled`.
 
   Raises:
     ConnectionResetError: the peer closed the connection.
   """
-  if not view or not _unpolled(conn):
+  if not views[0] or not _unpolled(conn):
     return 0
   try:
-    got = os.readv(conn.fileno(), [view])
+    got = os.readv(conn.fileno(), views)
   except (BlockingIOError, InterruptedError):
     return 0
   if got == 0:
@@ -147,7 +147,7 @@ def recv_into(conn: socket.socket, view: memoryview,
   of at least LOWAT_BYTES (SO_RCVLOWAT, reset to 1 after); a peer that
   closes or resets still wakes the reader at once.
   """
-  got = _read_ready(conn, view)
+  got = _read_ready(conn, [view])
   lowat = 0
   if (len(view) - got >= LOWAT_FROM and isinstance(conn, socket.socket)
       and conn.family in (socket.AF_INET, socket.AF_INET6)):
@@ -177,8 +177,19 @@ def recv_some(conn: socket.socket, view: memoryview,
   `idle=False` says part of the message came before (the deadline's idle
   step then no longer runs between the slices, as in `recv_into`).
   """
-  got = _read_ready(conn, view) or _watched(conn.recv_into, view, deadline,
-                                            idle=idle)
+  got = _read_ready(conn, [view]) or _watched(conn.recv_into, view, deadline,
+                                              idle=idle)
+  if got == 0:
+    raise ConnectionResetError('the peer closed the connection')
+  return got
+
+
+def recv_some_into(conn: socket.socket, views: list[memoryview],
+                   deadline: Deadline | None = None, *,
+                   idle: bool = True) -> int:
+  """`recv_some` into `views`, filled in order by one read (the first view not empty): a frame's header and its payload's start, say."""
+  got = _read_ready(conn, views) or _watched(
+      lambda v: conn.recvmsg_into(v)[0], views, deadline, idle=idle)
   if got == 0:
     raise ConnectionResetError('the peer closed the connection')
   return got

@@ -65,8 +65,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
       peer = (parent + source) % count
       up = plane.conn(peer, deadline, op)
       payload.arm(up, deadline)
-      up.read_frame(call, n, op, peer, watch)
-      up.recv_into(memoryview(out), watch)
+      up.read_frame_into(call, memoryview(out), op, peer, watch)
     target = out if parent is None else None  # (the source copies once)
     for child in children:
       peer = (child + source) % count
