@@ -95,16 +95,22 @@ def test_a_large_tcp_read_wakes_per_lowat_bytes_and_gets_its_tail():
   assert reader.calls <= n // sockets.LOWAT_BYTES + 4, reader.calls
 
 
+def _links(timeout: float):
+  """(a, b, sender, reader): a socket pair with `timeout`, and the two ends of one link over it (`frames.Link`, the keys mirrored)."""
+  from multihost._src.transport.tcp import frames
+  a, b = socket.socketpair()
+  for s in (a, b):
+    s.settimeout(timeout)
+  return (a, b, frames.Link(a, b'k' * 32, b'j' * 32),
+          frames.Link(b, b'j' * 32, b'k' * 32))
+
+
 def test_a_link_reads_ahead_and_returns_every_byte_in_order():
   """`frames.Link`: a small frame's header read also takes its body and the next frame's start (one read); the next reads return those bytes first, in order, then the socket's; bytes read ahead count as an open link after the peer closed."""
   from multihost._src.runtime.deadline import Deadline
   from multihost._src.transport.tcp import frames
-  a, b = socket.socketpair()
+  a, b, sender, reader = _links(0.25)  # as the links' sockets are
   try:
-    for s in (a, b):
-      s.settimeout(0.25)  # as the links' sockets are
-    sender = frames.Link(a, b'k' * 32, b'j' * 32)
-    reader = frames.Link(b, b'j' * 32, b'k' * 32)
     payload = np.random.default_rng(0).integers(
         0, 256, 3 * frames.AHEAD + 5, dtype=np.uint8)
     # An agreement-sized frame, then a data frame larger than AHEAD.
@@ -139,12 +145,8 @@ def test_a_link_read_that_times_out_keeps_what_came_for_the_next():
   """A header read that times out with part of the frame read ahead (the link stays for the next call): the next read still returns the frame whole and in order."""
   from multihost._src.runtime.deadline import Deadline
   from multihost._src.transport.tcp import frames
-  a, b = socket.socketpair()
+  a, b, sender, reader = _links(0.05)
   try:
-    for s in (a, b):
-      s.settimeout(0.05)
-    sender = frames.Link(a, b'k' * 32, b'j' * 32)
-    reader = frames.Link(b, b'j' * 32, b'k' * 32)
     first = sender.frame(1, 4) + b'body'
     second = sender.frame(2, 3) + b'xyz'
     # A frame, and the first 10 bytes of the next one behind it.
@@ -164,19 +166,13 @@ def test_a_link_read_that_times_out_keeps_what_came_for_the_next():
     b.close()
 
 
-
 def test_a_data_frame_is_read_into_its_view_header_first_checked():
   """`Link.read_frame_into`: a frame sent whole, one whose header came partly ahead or in pieces, each read into the view whole; a header that is not the one expected raises at once, not after waiting for a payload that will not come."""
   import multihost  # noqa: F401  (its errors name the process)
   from multihost._src.runtime import errors
   from multihost._src.runtime.deadline import Deadline
-  from multihost._src.transport.tcp import frames
-  a, b = socket.socketpair()
+  a, b, sender, reader = _links(0.05)
   try:
-    for s in (a, b):
-      s.settimeout(0.05)
-    sender = frames.Link(a, b'k' * 32, b'j' * 32)
-    reader = frames.Link(b, b'j' * 32, b'k' * 32)
     soon = Deadline('test', time.monotonic() + 5)
     payload = np.random.default_rng(1).integers(0, 256, 300_000, np.uint8)
     got = np.zeros_like(payload)
