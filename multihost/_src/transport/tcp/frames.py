@@ -99,7 +99,7 @@ class Link:
       while end < n:
         # Kept as they come: a read that times out (the link stays for the
         # next call) leaves every byte that came in its place.
-        end += sockets.recv_some(self.sock, view[end:], deadline,
+        end += sockets.recv_some(self.sock, [view[end:]], deadline,
                                  idle=not end)
         self._end = end
     out = bytes(self._ahead[at:at + n])
@@ -118,11 +118,12 @@ class Link:
     kept for a next read (as `take` keeps them).
     """
     head = bytearray(FRAME_SIZE)
-    got = self._from_ahead(memoryview(head))
+    into = memoryview(head)
+    got = self._from_ahead(into)
     done = self._from_ahead(view) if got == FRAME_SIZE else 0
     while got < FRAME_SIZE:
-      k = sockets.recv_some_into(self.sock, [memoryview(head)[got:], view],
-                                 deadline, idle=not got)
+      k = sockets.recv_some(self.sock, [into[got:], view], deadline,
+                            idle=not got)
       done = max(got + k - FRAME_SIZE, 0)
       got = min(got + k, FRAME_SIZE)
     frame = self.check(bytes(head), op, peer)

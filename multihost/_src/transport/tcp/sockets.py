@@ -170,26 +170,19 @@ def recv_into(conn: socket.socket, view: memoryview,
         pass
 
 
-def recv_some(conn: socket.socket, view: memoryview,
+def recv_some(conn: socket.socket, views: list[memoryview],
               deadline: Deadline | None = None, *, idle: bool = True) -> int:
-  """Reads what has come into `view`, waiting in watched slices for at least a byte; returns the bytes read.
+  """Reads what has come into `views` (filled in order by one read, the first not empty: a buffer, or a frame's header and its payload's start), waiting in watched slices for at least a byte; returns the bytes read.
 
   `idle=False` says part of the message came before (the deadline's idle
   step then no longer runs between the slices, as in `recv_into`).
   """
-  got = _read_ready(conn, [view]) or _watched(conn.recv_into, view, deadline,
-                                              idle=idle)
-  if got == 0:
-    raise ConnectionResetError('the peer closed the connection')
-  return got
-
-
-def recv_some_into(conn: socket.socket, views: list[memoryview],
-                   deadline: Deadline | None = None, *,
-                   idle: bool = True) -> int:
-  """`recv_some` into `views`, filled in order by one read (the first view not empty): a frame's header and its payload's start, say."""
-  got = _read_ready(conn, views) or _watched(
-      lambda v: conn.recvmsg_into(v)[0], views, deadline, idle=idle)
+  got = _read_ready(conn, views)
+  if not got:
+    got = (_watched(conn.recv_into, views[0], deadline, idle=idle)
+           if len(views) == 1 else
+           _watched(lambda v: conn.recvmsg_into(v)[0], views, deadline,
+                    idle=idle))
   if got == 0:
     raise ConnectionResetError('the peer closed the connection')
   return got
