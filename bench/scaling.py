@@ -141,7 +141,10 @@ def report(path: str, *, rounds: int, soak_calls: int,
   by_p: dict[int, list[versus.Result]] = {}
   soak_rows = None
   for p in processes:
-    args = [f'--versus={rounds if p == 2 else max(3, rounds // 3)}']
+    # As many rounds at every P: each case's median at P=4 and 8 is as
+    # steady as at P=2 (a third as many rounds let torch's 1 MiB broadcast
+    # at P=4 over TCP move from 0.94 to 1.49 ms between three runs).
+    args = [f'--versus={rounds}']
     if p >= small_at:
       args.append('--versus_sizes=8,1MiB')
     if p == 2:
@@ -198,7 +201,7 @@ def report(path: str, *, rounds: int, soak_calls: int,
             f'Rows ending "{versus.ALONE.strip()}": each side in launches of '
             'its own (torch not imported in ours), alternating, medians over '
             'launches; the other rows: both sides in the same processes, '
-            'interleaved rounds.', '',
+            f'medians of {rounds} interleaved rounds at every P.', '',
             f'The data (medians per case and P): `{data}`; '
             f'`python bin/plot.py --scaling={data} --out=scaling.png` '
             'draws them against P.',
