@@ -216,6 +216,7 @@ def test_a_data_frame_is_read_into_its_view_header_first_checked():
     a.close()
     b.close()
 
+
 def _tcp_pair(send_buffer: int | None = None):
   """(sender, reader, listener): a loopback TCP connection, both ends with the links' slice timeout."""
   from multihost._src.transport.tcp import sockets

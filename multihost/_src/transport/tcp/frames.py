@@ -79,7 +79,12 @@ class Link:
   def read_frame(self, call: int, length: int, op: str, peer: int,
                  deadline: Deadline | None = None) -> None:
     """Reads the next frame header; raises unless it is authentic and expected."""
-    got = self.check(self.take(FRAME_SIZE, deadline), op, peer)
+    self._expect(self.take(FRAME_SIZE, deadline), call, length, op, peer)
+
+  def _expect(self, head: bytes, call: int, length: int, op: str,
+              peer: int) -> None:
+    """Raises unless frame header `head` is authentic and is `call`'s, of `length` bytes."""
+    got = self.check(head, op, peer)
     if got != (call, length):
       raise failures.out_of_step(op, peer, got, (call, length))
 
@@ -126,9 +131,7 @@ class Link:
                             idle=not got)
       done = max(got + k - FRAME_SIZE, 0)
       got = min(got + k, FRAME_SIZE)
-    frame = self.check(bytes(head), op, peer)
-    if frame != (call, len(view)):
-      raise failures.out_of_step(op, peer, frame, (call, len(view)))
+    self._expect(bytes(head), call, len(view), op, peer)
     if done < len(view):
       sockets.recv_into(self.sock, view[done:], deadline)
 
