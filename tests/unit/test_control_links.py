@@ -17,15 +17,18 @@ import time
 import types
 
 import fake_coordination as fake
+import numpy as np
 import pytest
 
 from multihost._src.control import agree
 from multihost._src.control import links
 from multihost._src.runtime import errors
 from multihost._src.runtime import leaves
+from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import frames
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import tree
 
 Header = agree.Header
 
@@ -350,3 +353,115 @@ def test_one_host_agrees_in_a_star_only_with_no_more_cores_than_processes(
   monkeypatch.setattr(links, 'host_cores', lambda: 16)  # a core each: rounds
   assert not links._star(rt, ['h'] * 4)
   assert not links._star(types.SimpleNamespace(count=2), ['h'] * 2)
+
+
+_BYTES = 1 << 20  # a default-source broadcast's payload that goes down the tree
+
+
+def _tree_broadcast(rt, *, timeout=10.0, relayed=True, tree_='PyTreeDef(*)'):
+  """A default-source broadcast of _BYTES as `broadcast_one_to_all` makes it over the links: the agreement (process 0's early stripe started in it, and with `relayed` every process's `tree.Relay`), then the tree.
+
+  Returns (the agreement, the relay's `folded`, the bytes this process has).
+  """
+  op = 'broadcast_one_to_all'
+  source = rt.index == 0
+  data = (np.arange(_BYTES) % 251).astype(np.uint8)
+  relay = tree.Relay() if relayed else None
+  early = _eager.Eager([data], _BYTES) if source else None
+  outcome = agree.agree(
+      Header(op, tree=tree_, default_source=True, is_source=source,
+             size=_BYTES), timeout=timeout, runtime=rt, eager=early,
+      relay=relay)
+  if not outcome.agreed:
+    return outcome, None, None
+  deadline = time.monotonic() + timeout
+  plane = _tcp_link.get_plane(op, deadline, runtime=rt)
+  out = None if source else np.zeros(_BYTES, np.uint8)
+  early = early if early is not None and early.link else None
+  tree.broadcast(plane, plane.seq, 0, _BYTES, [data] if source else None,
+                 out, op, deadline, early, relay)
+  if early is not None and early.copying is not None:
+    early.copying.join(deadline)
+  return outcome, relay and relay.folded, data if source else out
+
+
+def _frames_sent(rt) -> int:
+  return sum(link.sent for link in rt.plane.conns.values())
+
+
+@pytest.mark.parametrize('job', [5, 8], indirect=True)
+def test_a_relayed_broadcast_s_payload_frames_are_its_answers(job):
+  """In a star, a default-source broadcast down the tree sends no answers: process 0 sends its children the payload alone, and each process reads its agreement from the payload's frame header."""
+  _, rts = job
+  count = len(rts)
+  want = (np.arange(_BYTES) % 251).astype(np.uint8)
+  for _ in range(3):
+    before = _frames_sent(rts[0])
+    results = fake.run(rts, _tree_broadcast)
+    for p, (out, _) in enumerate(results):
+      assert not isinstance(out, BaseException), f'process {p}: {out!r}'
+      agreement, folded, got = out
+      assert agreement.agreed
+      np.testing.assert_array_equal(got, want, err_msg=f'process {p}')
+      star = rts[0].plane.star
+      assert folded == (_BYTES if star and p else None), (p, folded)
+    children = tree.tree_peers(0, count)[1]
+    # Process 0's frames: the payload to each child (in a star), or its
+    # agreement rounds' and the payload's (log2 P rounds of the links).
+    sent = _frames_sent(rts[0]) - before
+    if rts[0].plane.star:
+      assert sent == len(children), sent
+    else:
+      assert sent == len(links._steps(0, count, False)) + len(children)
+
+
+@pytest.mark.parametrize('job', [8], indirect=True)
+@pytest.mark.parametrize('odd', [0, 4, 7])
+def test_a_difference_in_a_relayed_broadcast_reaches_every_process(job, odd):
+  """One process's call differs (here: no relay, another tree), at the tree's root, in its middle (4: parent of 5 and 6) or at a leaf: every process gets every header at once (no wait for an answer that is never sent), and the next call is in step."""
+  _, rts = job
+  results = fake.run(rts, lambda rt: _tree_broadcast(
+      rt, relayed=rt.index != odd,
+      tree_='PyTreeDef([*])' if rt.index == odd else 'PyTreeDef(*)'))
+  for p, (out, seconds) in enumerate(results):
+    assert not isinstance(out, BaseException), f'process {p}: {out!r}'
+    agreement, _, _ = out
+    assert not agreement.agreed, p
+    assert [h.tree for h in agreement.headers] == [
+        'PyTreeDef([*])' if q == odd else 'PyTreeDef(*)' for q in range(8)]
+    assert seconds < 5, (p, seconds)
+  results = fake.run(rts, _tree_broadcast)
+  assert all(out[0].agreed for out, _ in results), results
+
+
+@pytest.mark.parametrize('job', [8], indirect=True)
+def test_a_relayed_broadcast_with_differing_timeouts_passes_the_answer_down(
+    job):
+  """Processes that give different timeouts must all learn the smallest (for the call's outcome record): process 0 answers, and the answer goes down the tree, before the payload."""
+  _, rts = job
+  results = fake.run(rts, lambda rt: _tree_broadcast(
+      rt, timeout=9.0 if rt.index == 6 else 10.0))
+  want = (np.arange(_BYTES) % 251).astype(np.uint8)
+  for p, (out, _) in enumerate(results):
+    assert not isinstance(out, BaseException), f'process {p}: {out!r}'
+    agreement, folded, got = out
+    assert agreement.agreed and folded is None, (p, folded)
+    np.testing.assert_array_equal(got, want, err_msg=f'process {p}')
+
+
+@pytest.mark.parametrize('job', [8], indirect=True)
+def test_a_relayed_broadcast_names_a_missing_process(job):
+  """A process in the tree's middle stays away: every other process, its children too, raises the named timeout."""
+  _, rts = job
+
+  def call(rt):
+    if rt.index == 4:
+      return 'stays away'
+    return _tree_broadcast(rt, timeout=2.5)
+
+  results = fake.run(rts, call)
+  rest = [r for p, r in enumerate(results) if p != 4]
+  for e in _errors_of(rest, errors.CollectiveTimeoutError):
+    assert list(e.missing) == [4], e
+  for _, seconds in rest:
+    assert 2.5 <= seconds < 2.5 + 1.5

@@ -135,9 +135,13 @@ def test_the_early_stripe_goes_to_the_peer_the_transfer_sends_to_first(
   assert tree.carries(count, length) == (count > 2 and length
                                          < payload.STRIPE_BYTES)
   if count <= links.STAR_MAX:  # The star's center answers it first.
-    answers = [dst for dst, _ in links._steps(0, count, True, first)
-               if dst is not None]
+    answers = links._answers(0, count, 0, first)
     assert answers == [first] + [p for p in range(1, count) if p != first]
+    # Also where every other process takes its answer from its parent in
+    # the tree (a relayed broadcast's), then only the center's children.
+    relayed = links._answers(0, count, (1 << count) - 2, first)
+    assert relayed[0] == first
+    assert sorted(relayed) == sorted(tree.tree_peers(0, count)[1])
   else:  # The rounds send to it in one of theirs.
     assert (me + first) % count in [
         dst for dst, _ in links._steps(me, count, False)]

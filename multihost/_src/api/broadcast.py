@@ -85,7 +85,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   # the sources from the same records.
   payload = None
   source = 0
-  eager = None
+  eager = relay = None
   if not default_source:
     records, headers = agree.agree_and_gather(
         header, timeout=timeout,
@@ -101,8 +101,9 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     # The source's bytes start down the chain with its agreement frame:
     # every process knows process 0 is the source.
     eager = choice.early_stripe(values, size) if is_source else None
-    headers = agree.agree(header, timeout=timeout,
-                                   eager=eager).headers
+    relay = choice.relay(size)
+    headers = agree.agree(header, timeout=timeout, eager=eager,
+                          relay=relay).headers
   if headers is not None:
     source = _one_source([h.is_source for h in headers], op)
     agree.check_same_leaves(headers)
@@ -112,7 +113,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   else:
     buffer = choice.broadcast(values if is_source else None, size,
                                    source, op=op, timeout=timeout,
-                                   early=eager)
+                                   early=eager, relay=relay)
   return _leaves.rebuild(buffer, specs, treedef)
 
 

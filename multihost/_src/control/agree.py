@@ -122,16 +122,20 @@ _AGREED = Agreement(agreed=True)
 
 
 def agree(header: Header, *, timeout: float,
-          runtime: _runtime.Runtime | None = None, eager=None) -> Agreement:
+          runtime: _runtime.Runtime | None = None, eager=None,
+          relay=None) -> Agreement:
   """Whether every process passed an equal header; if not, every process's header.
 
   Collective: every process must call this, in the same order. `runtime`
   (here and below) is the process's runtime, by default the current one.
   `eager`: a broadcast source's first stripe, sent during an agreement
-  over the links (`transport.tcp.eager.Eager`).
+  over the links (`transport.tcp.eager.Eager`); `relay`: where a process
+  keeps the agreement's answer for its children, to send it on with a
+  broadcast's payload (`transport.tcp.tree.Relay`).
   """
   meeting = _meet(runtime, header.op, header.name)
-  if meeting.try_agreement(header.agreement(), timeout=timeout, eager=eager):
+  if meeting.try_agreement(header.agreement(), timeout=timeout, eager=eager,
+                           relay=relay):
     return _AGREED
   return Agreement(agreed=False,
                    headers=_exchange_headers(meeting, header, timeout))

@@ -78,16 +78,21 @@ from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
 from multihost._src.transport.tcp import threads
+from multihost._src.transport.tcp import tree as _tree
 
 # Agreement frames have this bit set in their call field; data frames count
 # transfers (`Plane.seq`) and never reach it.
 AGREE_BIT = 1 << 63
 # Connecting the links (on a thread) once every process met.
 SETUP_S = 30.0
-# digest, flags, the smallest timeout the sender knows of, entries
-_HEAD = struct.Struct('<16sBdI')
+# digest, flags, relays, the smallest timeout the sender knows of, entries
+_HEAD = struct.Struct('<16sBBdI')
 _ENTRY = struct.Struct('<II')  # process, length
 _DIFFERS = 1
+# In a star, "relays": in a process's frame to process 0, whether it takes
+# its answer from its parent in the tree (`_answered_by`); in an answer,
+# those processes, one bit each (bit p for process p; at most STAR_MAX).
+_RELAYED = 1
 # Processes on one host agree in a star at process 0 when there are this
 # many and at least as many as the host's cores (`_star`): 2(P-1)
 # messages a call instead of P log2 P, where every message costs CPU that
@@ -118,26 +123,47 @@ usable = _tcp_link.agreeing
 
 
 def _steps(me: int, count: int, star: bool,
-           first: int | None = None) -> list[tuple[int | None, int | None]]:
+           relayed: bool = False) -> list[tuple[int | None, int | None]]:
   """(send to, receive from) of each step of the agreement; either may be None.
 
   The dissemination rounds, or with `star` the star at process 0: every
-  other process sends to it and receives its answer; it receives from each
-  in turn, then answers each, `first` (a broadcast source's first peer,
-  `tcp.chain.first_peer`) first.
+  other process sends to it, and receives its answer from it, or with
+  `relayed` from its parent in the tree (`_answered_by`); process 0
+  receives from each in turn. Who gets an answer from whom follows from
+  what process 0 received (`_answers`).
   """
   if star:
     if me == 0:
-      order = ([first, *(p for p in range(1, count) if p != first)]
-               if first in range(1, count) else range(1, count))
-      return ([(None, p) for p in range(1, count)]
-              + [(p, None) for p in order])
-    return [(0, None), (None, 0)]
+      return [(None, p) for p in range(1, count)]
+    return [(0, None), (None, _answered_by(me, count, relayed))]
   rounds, step = [], 1
   while step < count:
     rounds.append(((me + step) % count, (me - step) % count))
     step *= 2
   return rounds
+
+
+def _answered_by(me: int, count: int, relayed: bool) -> int:
+  """The process this one (not 0) takes its answer from in a star: with `relayed`, its parent in the binomial tree rooted at process 0 (`tcp.tree.tree_peers`), else process 0."""
+  return _tree.tree_peers(me, count)[0] if relayed else 0
+
+
+def _answers(me: int, count: int, relays: int,
+             first: int | None = None) -> list[int]:
+  """The processes this one answers in a star, once it has its answer: `relays` are those that take it from their parent (bit p for process p).
+
+  Process 0 answers every other process that does not, and its own
+  children, `first` (a broadcast source's first peer,
+  `tcp.chain.first_peer`) first; any other process passes the answer on
+  to its children that take it from it.
+  """
+  if me:
+    return [c for c in _tree.tree_peers(me, count)[1] if relays >> c & 1]
+  order = [p for p in range(1, count)
+           if not relays >> p & 1 or _tree.tree_peers(p, count)[0] == 0]
+  if first in order:
+    order = [first, *(p for p in order if p != first)]
+  return order
 
 
 def _star(rt: runtime.Runtime, hosts: list[str] | None) -> bool:
@@ -217,6 +243,9 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
         hosts[rt.index])
     peers = {p for pair in _steps(rt.index, rt.count, plane.star)
              for p in pair if p is not None}
+    if plane.star:  # (and the tree's, for broadcasts' answers: `agree`)
+      parent, children = _tree.tree_peers(rt.index, rt.count)
+      peers.update(children if parent is None else [parent, *children])
     # Connect first, then await the lower-numbered peers' connections: a
     # connection needs only the acceptor's listener thread, so none waits.
     for peer in sorted(peers, key=lambda p: (p < rt.index, p)):
@@ -229,17 +258,17 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
 
 
 def _encode(digest: bytes, flags: int, timeout: float,
-            entries: dict[int, bytes]) -> bytes:
-  parts = [_HEAD.pack(digest, flags, timeout, len(entries))]
+            entries: dict[int, bytes], relays: int = 0) -> bytes:
+  parts = [_HEAD.pack(digest, flags, relays, timeout, len(entries))]
   for p, value in entries.items():
     parts.append(_ENTRY.pack(p, len(value)))
     parts.append(value)
   return b''.join(parts)
 
 
-def _decode(body: bytes,
-            count: int) -> tuple[bytes, int, float, dict[int, bytes]]:
-  digest, flags, timeout, n = _HEAD.unpack_from(body)
+def _decode(body: bytes, count: int
+            ) -> tuple[bytes, int, int, float, dict[int, bytes]]:
+  digest, flags, relays, timeout, n = _HEAD.unpack_from(body)
   at = _HEAD.size
   entries = {}
   for _ in range(n):
@@ -251,12 +280,18 @@ def _decode(body: bytes,
     at += length
   if at != len(body):
     raise ValueError(f'{len(body) - at} bytes after the entries')
-  return digest, flags, timeout, entries
+  return digest, flags, relays, timeout, entries
 
 
 def _receive(link: _tcp_link.Link, call: int, peer: int,
-             wait: waiting.Wait, deadline: waiting.Due) -> bytes:
+             wait: waiting.Wait, deadline: waiting.Due,
+             data: int | None = None) -> bytes | int:
   """The body of `peer`'s agreement frame for `call`; older calls' frames are discarded.
+
+  With `data` (a relayed broadcast's transfer id, `tcp.tree.Relay`), the
+  header of that transfer's data frame may come instead: it is the
+  answer that every process agreed, and its length is returned (the
+  payload is the transfer's to read).
 
   `deadline` (one for all the call's reads) has the wait's diagnosis as
   its idle step: while nothing of a frame has come, it runs between the
@@ -267,6 +302,8 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
   while True:
     got_call, length = link.check(link.take(frames.FRAME_SIZE, deadline),
                                   m.op, peer)
+    if not got_call & AGREE_BIT and got_call == data:
+      return length
     if not got_call & AGREE_BIT:
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
@@ -283,8 +320,8 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
 
 
 def agree(meeting, digest: bytes, publish: bytes | None, *,
-          timeout: float,
-          eager: _eager.Eager | None = None) -> dict[int, bytes] | None:
+          timeout: float, eager: _eager.Eager | None = None,
+          relay: _tree.Relay | None = None) -> dict[int, bytes] | None:
   """Every process's published bytes (by process) when every digest equals `digest`; None when any differs.
 
   Collective: every process must call this, in the same order. `meeting`
@@ -322,23 +359,41 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   everything = None  # in a star, all of `entries` encoded (see below)
   try:
     star = plane.star
+    relayed = star and relay is not None
     # The eager stripe goes right behind this process's frame to the peer
     # its transfer sends to first.
     to = chain.first_peer(plane, eager.length) if eager is not None else None
-    for dst, src in _steps(me, count, star, to):
+    # A relayed broadcast's data frame may come as the answer (`_receive`).
+    data = _tcp_link.transfer_id(plane) if relayed and me else None
+    relays = 0  # in a star, the processes answered by their parent
+    same = True  # every timeout heard of is this process's own
+    answer = b''  # in a star, the answer as this process received it
+    steps = _steps(me, count, star, relayed)
+    answered = not star  # (a star's answers follow what came: `_answers`)
+    at = 0
+    while at < len(steps):
+      dst, src = steps[at]
+      at += 1
       if dst is not None:
         peer = dst
         out = links.get(dst) or links.setdefault(
             dst, plane.conn(dst, wait.deadline, op))
-        # What `dst` does not know yet: in a star everything but its own
-        # (so one message for all that published nothing, encoded once).
-        if star and dst not in entries:
+        if star and me and dst:  # The answer, passed on as it came.
+          body = answer
+        elif star and me:  # This process's frame to process 0.
+          body = _encode(digest, 0, smallest, entries,
+                         _RELAYED if relayed else 0)
+        elif star and dst not in entries:
+          # What `dst` does not know yet: everything, or everything but
+          # its own (one message for all that published nothing, and
+          # all that the answer's relays pass on, encoded once).
           body = everything = everything or _encode(
-              digest, _DIFFERS if differs else 0, smallest, entries)
+              digest, _DIFFERS if differs else 0, smallest, entries, relays)
         else:
           body = {p: v for p, v in entries.items()
                   if (p != dst if star else (dst - p) % count >= step)}
-          body = _encode(digest, _DIFFERS if differs else 0, smallest, body)
+          body = _encode(digest, _DIFFERS if differs else 0, smallest, body,
+                         relays)
         sockets.set_timeout(out.sock, sockets.SLICE_S)
         if len(body) <= threads.DIRECT_BYTES and sender is None:
           sockets.send_all(out.sock, out.frame(call, len(body)) + body, watch)
@@ -355,13 +410,38 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         if link is None:  # (at 2 processes the peer sent to is this one)
           link = links[src] = plane.conn(src, wait.deadline, op)
           sockets.set_timeout(link.sock, sockets.SLICE_S)
-        got_digest, got_flags, got_timeout, got = _decode(
-            _receive(link, call, src, wait, reads), count)
-        differs = (differs or bool(got_flags & _DIFFERS)
-                   or got_digest != digest)
-        smallest = min(smallest, got_timeout)
-        entries.update(got)
-        everything = None
+        body = _receive(link, call, src, wait, reads, data)
+        if isinstance(body, int):
+          # The payload's frame: every process agreed, with the same
+          # timeout (process 0 sends no answer otherwise).
+          relay.folded = body
+        else:
+          got_digest, got_flags, got_relays, got_timeout, got = _decode(
+              body, count)
+          differs = (differs or bool(got_flags & _DIFFERS)
+                     or got_digest != digest)
+          same = same and got_timeout == timeout
+          smallest = min(smallest, got_timeout)
+          entries.update(got)
+          everything = None
+          if me:
+            answer, relays = body, got_relays
+          elif got_relays:
+            relays |= 1 << src
+      if not answered and at == len(steps):
+        # Every frame this process waits for came: whom it answers.
+        answered = True
+        if (me == 0 and relayed and not differs and same
+            and relays == (1 << count) - 2):
+          # A relayed broadcast that every process agreed, with the same
+          # timeout: the payload's frames are the answers (`tcp.tree`).
+          if eager is not None:
+            started = eager
+            link = links.get(to) or links.setdefault(
+                to, plane.conn(to, wait.deadline, op))
+            eager.start(plane, link, to)
+        elif me == 0 or relay is None or relay.folded is None:
+          steps += [(p, None) for p in _answers(me, count, relays, to)]
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None

@@ -124,7 +124,8 @@ class Rendezvous:
 
   @_ends_on_error
   def try_agreement(self, agreement: bytes, *, timeout: float,
-                    publish: bytes | None = None, eager=None) -> bool:
+                    publish: bytes | None = None, eager=None,
+                    relay=None) -> bool:
     """Whether every process passed the same `agreement` bytes (one barrier).
 
     `publish` (if given) is put in the key-value store first, for
@@ -132,14 +133,16 @@ class Rendezvous:
     recent fallback, or after FAST_WINDOW_S when a peer is slow or disagrees;
     then call `exchange`. `eager` (a broadcast source's
     `transport.tcp.eager.Eager`) starts during an agreement over the links, and is
-    left unstarted on the service's path.
+    left unstarted on the service's path; `relay` (a broadcast's
+    `transport.tcp.tree.Relay`) is the links' too.
 
     Raises:
       ProcessFailureError: a peer is gone.
     """
     if self._links:
       self._entries = links.agree(self, agreement, publish,
-                                           timeout=timeout, eager=eager)
+                                           timeout=timeout, eager=eager,
+                                  relay=relay)
       if self._entries is None:  # A difference: the full exchange names it.
         return False
       self.record.end = time.monotonic()

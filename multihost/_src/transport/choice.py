@@ -31,6 +31,7 @@ from multihost._src.transport.tcp import chain
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link
 from multihost._src.transport.tcp import shared
+from multihost._src.transport.tcp import tree
 
 # On GPU/TPU backends, payloads larger than this use a device collective.
 DEVICE_BYTES = 1 << 20
@@ -94,9 +95,24 @@ def early_stripe(parts: list[np.ndarray], length: int) -> _eager.Eager | None:
   return _eager.Eager(parts, length)
 
 
+def relay(length: int) -> tree.Relay | None:
+  """Where this process keeps the agreement's answer for its children, to send it on with a default-source broadcast's payload of `length` bytes (`tcp.tree.Relay`): where the call agrees over the links in a star and the payload goes down the tree over TCP; else None.
+
+  The same answer on every process whose call agrees with the others'
+  (every input is in the agreement or the same everywhere).
+  """
+  rt = runtime.current()
+  if (transport(length) != 'tcp' or not link.agreeing(rt)
+      or not rt.plane.star or not tree.carries(rt.count, length)
+      or shared.carries(rt.plane, length)):
+    return None
+  return tree.Relay()
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
-              early: _eager.Eager | None = None) -> np.ndarray | None:
+              early: _eager.Eager | None = None,
+              relay: tree.Relay | None = None) -> np.ndarray | None:
   """The source's `length` bytes, on every process, over the chosen transport (see `Transport.broadcast`); a timeout says where the late peers are.
 
   Collective: every process must call this, in the same order, with the
@@ -105,7 +121,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   try:
     return choose(length).broadcast(parts, length, source, op=op,
                                     timeout=timeout,
-                                    source_result=source_result, early=early)
+                                    source_result=source_result, early=early,
+                                    relay=relay)
   except errors.CollectiveTimeoutError as e:
     raise where.with_whereabouts(e) from e
 

@@ -112,9 +112,10 @@ class DeviceTransport:
   def broadcast(self, parts: list[np.ndarray] | None, length: int,
                 source: int, *, op: str, timeout: float,
                 source_result: bool = True,
-                early: object | None = None) -> np.ndarray | None:
+                early: object | None = None,
+                relay: object | None = None) -> np.ndarray | None:
     """See `Transport.broadcast` (a sum in which only the source adds bytes)."""
-    del source, early  # Every process but the source adds zeros.
+    del source, early, relay  # Every process but the source adds zeros.
     packed = None if parts is None else leaves.pack(parts)
     out = broadcast(packed, length, op=op, timeout=timeout)
     return out if parts is None or source_result else None

@@ -21,7 +21,8 @@ class Transport(Protocol):
   def broadcast(self, parts: list[np.ndarray] | None, length: int,
                 source: int, *, op: str, timeout: float,
                 source_result: bool = True,
-                early: object | None = None) -> np.ndarray | None:
+                early: object | None = None,
+                relay: object | None = None) -> np.ndarray | None:
     """The source's `length` bytes, on every process.
 
     Args:
@@ -34,6 +35,8 @@ class Transport(Protocol):
       source_result: whether the source gets a copy back (else None).
       early: what the source started sending during the agreement (see
         `choice.early_stripe`), or None.
+      relay: where this process keeps the agreement's answer for the
+        processes it sends the payload to (see `choice.relay`), or None.
 
     Raises:
       CollectiveTimeoutError: the transfer did not complete in time.

@@ -51,7 +51,8 @@ def first_peer(plane: _tcp_link.Plane, length: int) -> int:
 
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
-              eager: _eager.Eager | None = None) -> np.ndarray | None:
+              eager: _eager.Eager | None = None,
+              relay: tree.Relay | None = None) -> np.ndarray | None:
   """Returns the source's `length` bytes on every process (through the source's stage on one host, a binomial tree, or a pipelined chain per lane).
 
   Collective: every process must call this, in the same order, with the
@@ -71,7 +72,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   plane's lane threads. One TCP stream is limited by the one core that
   copies its bytes in and out of the kernel; two keep two cores copying
   (bench/README.md). With a started `eager` (the source's), the first
-  stripe's frame is already partly sent.
+  stripe's frame is already partly sent; with a `relay` holding the
+  agreement's answer, it goes down the tree with the payload.
   """
   deadline = time.monotonic() + timeout
   plane = _tcp_link.get_plane(op, deadline)
@@ -93,7 +95,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   pieces = [None] * len(ranges) if rank > 0 else payload.pieces(parts, ranges)
   if tree.carries(plane.count, length):
     tree.broadcast(plane, call, source, length, pieces[0], out, op,
-                   deadline, eager)
+                   deadline, eager, relay)
     _copied(eager, deadline)
     return result
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
@@ -246,10 +248,11 @@ class TcpTransport:
   def broadcast(self, parts: list[np.ndarray] | None, length: int,
                 source: int, *, op: str, timeout: float,
                 source_result: bool = True,
-                early: _eager.Eager | None = None) -> np.ndarray | None:
+                early: _eager.Eager | None = None,
+                relay: tree.Relay | None = None) -> np.ndarray | None:
     """See `Transport.broadcast`."""
     return broadcast(parts, length, source, op=op, timeout=timeout,
-                     source_result=source_result, eager=early)
+                     source_result=source_result, eager=early, relay=relay)
 
   def allgather(self, buffer: np.ndarray, sizes: list[int], *, op: str,
                 timeout: float) -> np.ndarray:

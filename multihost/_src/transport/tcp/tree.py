@@ -11,11 +11,33 @@ from __future__ import annotations
 import numpy as np
 
 from multihost._src.runtime import errors
+from multihost._src.runtime import failures
 from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link as _tcp_link
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import sockets
+
+
+class Relay:
+  """A default-source broadcast's agreement in a star (`control.links`) whose payload goes down this tree next: the answers take the tree's path.
+
+  Every process given one takes its answer from its parent in the tree
+  rooted at process 0, and says so in its frame to process 0. When every
+  process did, agreed, and gave the same timeout, no answer is sent:
+  the payload's frame, which comes from the parent next anyway, is the
+  answer. The agreement reads its header (`folded`: the payload's
+  length); the transfer reads the payload (`broadcast`). So each process
+  wakes once for both, and process 0 sends nothing but the payload.
+  Otherwise (a difference, differing timeouts) the answers go as in any
+  star, each passed on down the tree to the processes that wait for it
+  there.
+  """
+
+  __slots__ = ('folded',)
+
+  def __init__(self):
+    self.folded: int | None = None
 
 
 def carries(count: int, length: int) -> bool:
@@ -45,7 +67,8 @@ def first_child(count: int) -> int:
 
 def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
               piece: list | None, out: np.ndarray | None, op: str,
-              deadline: float, eager: _eager.Eager | None) -> None:
+              deadline: float, eager: _eager.Eager | None,
+              relay: Relay | None = None) -> None:
   """Moves a payload of one stripe down a binomial tree rooted at the source: ceil(log2 P) hops where the chain takes P - 1.
 
   Every process but the source reads the whole payload into `out` from
@@ -53,7 +76,8 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
   source sends `piece` (its parts) to each child, copying into `out` (if
   any) behind its first send; its frame to its first child (`first_child`,
   its largest subtree) may be its started `eager` one, of which only the
-  rest is sent.
+  rest is sent. Where the agreement read the payload's frame header as
+  its answer (`relay.folded`), only the payload is left to read.
   """
   me, count = plane.me, plane.count
   rank = (me - source) % count
@@ -65,7 +89,13 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
       peer = (parent + source) % count
       up = plane.conn(peer, deadline, op)
       payload.arm(up, deadline)
-      up.read_frame_into(call, memoryview(out), op, peer, watch)
+      if relay is not None and relay.folded is not None:
+        if relay.folded != n:
+          raise failures.out_of_step(op, peer, (call, relay.folded),
+                                     (call, n))
+        up.recv_into(memoryview(out), watch)
+      else:
+        up.read_frame_into(call, memoryview(out), op, peer, watch)
     target = out if parent is None else None  # (the source copies once)
     for child in children:
       peer = (child + source) % count
