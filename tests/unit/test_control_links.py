@@ -450,9 +450,13 @@ def test_a_relayed_broadcast_with_differing_timeouts_passes_the_answer_down(
 
 
 @pytest.mark.parametrize('job', [8], indirect=True)
-def test_a_relayed_broadcast_names_a_missing_process(job):
-  """A process in the tree's middle stays away: every other process, its children too, raises the named timeout."""
+@pytest.mark.parametrize('closed', [False, True])
+def test_a_relayed_broadcast_names_a_missing_process(job, closed):
+  """A process in the tree's middle stays away: every other process, its children too, raises the named timeout; also where the links were closed (as after a failed transfer), so that its children wait for it to connect."""
   _, rts = job
+  if closed:
+    for rt in rts:
+      _tcp_link.break_plane(rt.plane, None)
 
   def call(rt):
     if rt.index == 4:

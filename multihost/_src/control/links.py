@@ -377,7 +377,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
       if dst is not None:
         peer = dst
         out = links.get(dst) or links.setdefault(
-            dst, plane.conn(dst, wait.deadline, op))
+            dst, plane.conn(dst, wait.deadline, op, idle=wait.slice))
         if star and me and dst:  # The answer, passed on as it came.
           body = answer
         elif star and me:  # This process's frame to process 0.
@@ -408,7 +408,8 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
         peer = src
         link = links.get(src)
         if link is None:  # (at 2 processes the peer sent to is this one)
-          link = links[src] = plane.conn(src, wait.deadline, op)
+          link = links[src] = plane.conn(src, wait.deadline, op,
+                                         idle=wait.slice)
           sockets.set_timeout(link.sock, sockets.SLICE_S)
         body = _receive(link, call, src, wait, reads, data)
         if isinstance(body, int):
@@ -438,7 +439,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
           if eager is not None:
             started = eager
             link = links.get(to) or links.setdefault(
-                to, plane.conn(to, wait.deadline, op))
+                to, plane.conn(to, wait.deadline, op, idle=wait.slice))
             eager.start(plane, link, to)
         elif me == 0 or relay is None or relay.folded is None:
           steps += [(p, None) for p in _answers(me, count, relays, to)]

@@ -23,6 +23,7 @@ same record and proven by the same handshake (`transport.tcp.local`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import socket
 import threading
 import time
@@ -190,8 +191,14 @@ class Plane:
       sockets.close(conn)
       raise
 
-  def conn(self, peer: int, deadline: float, op: str, lane: int = 0) -> Link:
-    """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it."""
+  def conn(self, peer: int, deadline: float, op: str, lane: int = 0, *,
+           idle: Callable[[], None] | None = None) -> Link:
+    """The link to `peer` on `lane`, opened (or awaited) anew if there is none or the peer closed it.
+
+    A link to a lower-numbered peer is awaited (that peer connects):
+    between the waits' slices `idle` runs if given (it may raise: the
+    agreement's diagnosis and timeout), else the watchdog is checked.
+    """
     key = _key(peer, lane)
     with self.conns_lock:
       link = self.conns.get(key)
@@ -227,10 +234,15 @@ class Plane:
     with self.lock:
       while key not in self.conns:
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 and idle is None:
           raise failures.connect_timeout(op, peer, None)
-        self.lock.wait(min(remaining, 0.5))
-        self.rt.watchdog.check(op)
+        # (With `idle`, it raises at the deadline, or waits on past it.)
+        self.lock.wait(min(remaining, 0.5) if remaining > 0
+                       else sockets.SLICE_S)
+        if idle is not None:
+          idle()
+        else:
+          self.rt.watchdog.check(op)
       return self.conns[key]
 
 
