@@ -19,7 +19,15 @@ records at the links' setup and the host's core count), the
 same messages go in a star instead: each process sends its to process 0,
 which compares them all and answers each with the verdict, the smallest
 timeout and the payloads it lacks: 2(P-1) messages a call instead of
-P log2 P, on cores the processes share.
+P log2 P, on cores the processes share. A default-source broadcast whose
+payload goes down the binomial tree next (`tcp.tree.Relay`) takes the
+answers down that tree instead: each process says in its frame that it
+takes its answer from its parent there; process 0 answers only its own
+children and every process that did not say so, and each process passes
+the answer on to its children that did (so a difference reaches every
+process whatever each one's call was). When every process agreed with the
+same timeout no answer is sent at all: the payload's frame from the
+parent is the answer.
 
 A process never leaves the rounds alone on a slow peer: a process that
 completes knows every process started the call, and every process that
@@ -328,9 +336,12 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
   is the call's `Rendezvous`. A broadcast's source passes its `eager`
   first stripe, started right after its frame to the process its transfer
   sends to first (in a star: its answer to that process, sent before the
-  others once every process agreed; see `transport.tcp.eager.Eager`); on
-  a difference or a timeout its link owes the rest, and that process
-  drops it (`_receive`) unless the call goes on to its transfer.
+  others once every process agreed, or with a `relay` that answer itself;
+  see `transport.tcp.eager.Eager`); on a difference or a timeout its link
+  owes the rest, and that process drops it (`_receive`) unless the call
+  goes on to its transfer. Every process of a default-source broadcast
+  down the tree passes its `relay` (`transport.tcp.tree.Relay`; in a star
+  only: the answers take the tree's path).
 
   Raises:
     CollectiveTimeoutError: a process did not arrive in time (named).
@@ -440,6 +451,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
             started = eager
             link = links.get(to) or links.setdefault(
                 to, plane.conn(to, wait.deadline, op, idle=wait.slice))
+            sockets.set_timeout(link.sock, sockets.SLICE_S)
             eager.start(plane, link, to)
         elif me == 0 or relay is None or relay.folded is None:
           steps += [(p, None) for p in _answers(me, count, relays, to)]

@@ -3,7 +3,9 @@
 `tcp.chain.broadcast` sends payloads below `payload.STRIPE_BYTES` among 3
 processes or more this way; at each hop the whole payload is read before
 it goes on, so a tree pays off where the payload is small next to the
-chain's hops.
+chain's hops. Where calls agree in a star, a default-source broadcast's
+agreement answers take the same tree's path, and when every process
+agreed the payload's frames are the answers (`Relay`).
 """
 
 from __future__ import annotations
