@@ -22,6 +22,7 @@ import pytest
 
 from multihost._src.control import agree
 from multihost._src.control import links
+from multihost._src.control import topology
 from multihost._src.runtime import errors
 from multihost._src.runtime import leaves
 from multihost._src.transport.tcp import eager as _eager
@@ -51,9 +52,9 @@ def _started(count):
 def shape(request, monkeypatch):
   """Each test twice: the processes (all on this host) agree in a star at process 0 from 3 processes on, as on one host with fewer cores than processes; or in the dissemination rounds, as between hosts."""
   if request.param == 'rounds':
-    monkeypatch.setattr(links, 'STAR_MIN', 1 << 30)
+    monkeypatch.setattr(topology, 'STAR_MIN', 1 << 30)
   else:
-    monkeypatch.setattr(links, 'host_cores', lambda: 1)
+    monkeypatch.setattr(topology, 'host_cores', lambda: 1)
   return request.param
 
 
@@ -346,13 +347,13 @@ def test_calls_spaced_within_their_timeout_leave_no_outcome_record(job):
 def test_one_host_agrees_in_a_star_only_with_no_more_cores_than_processes(
     monkeypatch):
   rt = types.SimpleNamespace(count=4)
-  monkeypatch.setattr(links, 'host_cores', lambda: 4)
-  assert links._star(rt, ['h'] * 4)
-  assert not links._star(rt, ['a', 'b', 'a', 'b'])  # two hosts: rounds
-  assert not links._star(rt, None)  # hosts unread
-  monkeypatch.setattr(links, 'host_cores', lambda: 16)  # a core each: rounds
-  assert not links._star(rt, ['h'] * 4)
-  assert not links._star(types.SimpleNamespace(count=2), ['h'] * 2)
+  monkeypatch.setattr(topology, 'host_cores', lambda: 4)
+  assert topology.star(rt, ['h'] * 4)
+  assert not topology.star(rt, ['a', 'b', 'a', 'b'])  # two hosts: rounds
+  assert not topology.star(rt, None)  # hosts unread
+  monkeypatch.setattr(topology, 'host_cores', lambda: 16)  # a core each: rounds
+  assert not topology.star(rt, ['h'] * 4)
+  assert not topology.star(types.SimpleNamespace(count=2), ['h'] * 2)
 
 
 _BYTES = 1 << 20  # a default-source broadcast's payload that goes down the tree
@@ -412,7 +413,7 @@ def test_a_relayed_broadcast_s_payload_frames_are_its_answers(job):
     if rts[0].plane.star:
       assert sent == len(children), sent
     else:
-      assert sent == len(links._steps(0, count, False)) + len(children)
+      assert sent == len(topology.steps(0, count, False)) + len(children)
 
 
 @pytest.mark.parametrize('job', [8], indirect=True)

@@ -19,7 +19,7 @@ import pytest
 
 from multihost import env as env_lib
 from multihost._src.auth import secret
-from multihost._src.control import links
+from multihost._src.control import topology
 from multihost._src.runtime import errors
 from multihost._src.runtime import runtime
 from multihost._src.transport.tcp import chain
@@ -134,14 +134,14 @@ def test_the_early_stripe_goes_to_the_peer_the_transfer_sends_to_first(
   assert chain.first_peer(plane, length) == (me + first) % count
   assert tree.carries(count, length) == (count > 2 and length
                                          < payload.STRIPE_BYTES)
-  if count <= links.STAR_MAX:  # The star's center answers it first.
-    answers = links._answers(0, count, 0, first)
+  if count <= topology.STAR_MAX:  # The star's center answers it first.
+    answers = topology.answers(0, count, 0, first)
     assert answers == [first] + [p for p in range(1, count) if p != first]
     # Also where every other process takes its answer from its parent in
     # the tree (a relayed broadcast's), then only the center's children.
-    relayed = links._answers(0, count, (1 << count) - 2, first)
+    relayed = topology.answers(0, count, (1 << count) - 2, first)
     assert relayed[0] == first
     assert sorted(relayed) == sorted(tree.tree_peers(0, count)[1])
   else:  # The rounds send to it in one of theirs.
     assert (me + first) % count in [
-        dst for dst, _ in links._steps(me, count, False)]
+        dst for dst, _ in topology.steps(me, count, False)]

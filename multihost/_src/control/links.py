@@ -14,7 +14,7 @@ comparison), so every process reaches the same verdict: agreement, with the
 payloads (no second phase), or a difference, which the coordination
 service's full exchange then explains (ConsistencyError everywhere).
 When 3 to 8 processes all publish one host with no more cores than
-processes (`_star`, decided alike by every process from the same address
+processes (`topology.star`, decided alike by every process from the same address
 records at the links' setup and the host's core count), the
 same messages go in a star instead: each process sends its to process 0,
 which compares them all and answers each with the verdict, the smallest
@@ -65,7 +65,6 @@ connections to each other) every call agrees through the service.
 from __future__ import annotations
 
 import hmac
-import os
 import struct
 import threading
 import time
@@ -73,6 +72,7 @@ import time
 from multihost import env as _env
 from multihost._src.auth import marks as _control_marks
 from multihost._src.auth import secret as _secret
+from multihost._src.control import topology
 from multihost._src.control import waiting
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
@@ -98,18 +98,10 @@ _HEAD = struct.Struct('<16sBBdI')
 _ENTRY = struct.Struct('<II')  # process, length
 _DIFFERS = 1
 # In a star, "relays": in a process's frame to process 0, whether it takes
-# its answer from its parent in the tree (`_answered_by`); in an answer,
-# those processes, one bit each (bit p for process p; at most STAR_MAX).
+# its answer from its parent in the tree (`topology.answered_by`); in an
+# answer, those processes, one bit each (bit p for process p; a star has
+# at most `topology.STAR_MAX`).
 _RELAYED = 1
-# Processes on one host agree in a star at process 0 when there are this
-# many and at least as many as the host's cores (`_star`): 2(P-1)
-# messages a call instead of P log2 P, where every message costs CPU that
-# the processes share, and a hop on one host is cheap. Between hosts, or
-# with a core per process, the dissemination rounds' latency (log2 P
-# hops, no process handling more than one message a round) wins (16
-# cores, P=4: a barrier 93-126 us in the star, 63-70 in the rounds), and
-# at 2 processes they take one hop where a star takes two.
-STAR_MIN, STAR_MAX = 3, 8
 # At most this many processes read every process's address record at the
 # links' setup (for the star, and for `Plane.spare_cores`).
 HOSTS_READ_MAX = 64
@@ -128,61 +120,6 @@ def enabled(rt: runtime.Runtime) -> bool:
 
 
 usable = _tcp_link.agreeing
-
-
-def _steps(me: int, count: int, star: bool,
-           relayed: bool = False) -> list[tuple[int | None, int | None]]:
-  """(send to, receive from) of each step of the agreement; either may be None.
-
-  The dissemination rounds, or with `star` the star at process 0: every
-  other process sends to it, and receives its answer from it, or with
-  `relayed` from its parent in the tree (`_answered_by`); process 0
-  receives from each in turn. Who gets an answer from whom follows from
-  what process 0 received (`_answers`).
-  """
-  if star:
-    if me == 0:
-      return [(None, p) for p in range(1, count)]
-    return [(0, None), (None, _answered_by(me, count, relayed))]
-  rounds, step = [], 1
-  while step < count:
-    rounds.append(((me + step) % count, (me - step) % count))
-    step *= 2
-  return rounds
-
-
-def _answered_by(me: int, count: int, relayed: bool) -> int:
-  """The process this one (not 0) takes its answer from in a star: with `relayed`, its parent in the binomial tree rooted at process 0 (`tcp.tree.tree_peers`), else process 0."""
-  return _tree.tree_peers(me, count)[0] if relayed else 0
-
-
-def _answers(me: int, count: int, relays: int,
-             first: int | None = None) -> list[int]:
-  """The processes this one answers in a star, once it has its answer: `relays` are those that take it from their parent (bit p for process p).
-
-  Process 0 answers every other process that does not, and its own
-  children, `first` (a broadcast source's first peer,
-  `tcp.chain.first_peer`) first; any other process passes the answer on
-  to its children that take it from it.
-  """
-  if me:
-    return [c for c in _tree.tree_peers(me, count)[1] if relays >> c & 1]
-  order = [p for p in range(1, count)
-           if not relays >> p & 1 or _tree.tree_peers(p, count)[0] == 0]
-  if first in order:
-    order = [first, *(p for p in order if p != first)]
-  return order
-
-
-def _star(rt: runtime.Runtime, hosts: list[str] | None) -> bool:
-  """Whether calls agree in a star: STAR_MIN to STAR_MAX processes, all on one host, with no more cores than processes (the same answer on every process: from the same records, and one host's core count)."""
-  return (hosts is not None and STAR_MIN <= rt.count <= STAR_MAX
-          and len(set(hosts)) == 1 and host_cores() <= rt.count)
-
-
-def host_cores() -> int:
-  """The host's cores: the same on every process of one host (not `threads.cores`, this process's affinity, which may differ by process)."""
-  return os.cpu_count() or 1
 
 
 def prepare(rt: runtime.Runtime, op: str, call: int) -> None:
@@ -244,12 +181,12 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
     records = (plane.host_records(op, deadline)
                if rt.count <= HOSTS_READ_MAX else None)
     hosts = None if records is None else [host for host, _ in records]
-    plane.star = _star(rt, hosts)
+    plane.star = topology.star(rt, hosts)
     plane.one_host = (hosts is not None and len(set(hosts)) == 1
                       and all(local for _, local in records))
     plane.spare_cores = hosts is not None and threads.cores() > hosts.count(
         hosts[rt.index])
-    peers = {p for pair in _steps(rt.index, rt.count, plane.star)
+    peers = {p for pair in topology.steps(rt.index, rt.count, plane.star)
              for p in pair if p is not None}
     if plane.star:  # (and the tree's, for broadcasts' answers: `agree`)
       parent, children = _tree.tree_peers(rt.index, rt.count)
@@ -379,8 +316,8 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
     relays = 0  # in a star, the processes answered by their parent
     same = True  # every timeout heard of is this process's own
     answer = b''  # in a star, the answer as this process received it
-    steps = _steps(me, count, star, relayed)
-    answered = not star  # (a star's answers follow what came: `_answers`)
+    steps = topology.steps(me, count, star, relayed)
+    answered = not star  # (a star's answers follow what came: `answers`)
     at = 0
     while at < len(steps):
       dst, src = steps[at]
@@ -454,7 +391,7 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
             sockets.set_timeout(link.sock, sockets.SLICE_S)
             eager.start(plane, link, to)
         elif me == 0 or relay is None or relay.folded is None:
-          steps += [(p, None) for p in _answers(me, count, relays, to)]
+          steps += [(p, None) for p in topology.answers(me, count, relays, to)]
       step *= 2
     if sender is not None:
       peer, done, sender = me, sender, None
