@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 
@@ -33,6 +34,19 @@ def test_large_payloads_over_each_transport(transport, lanes, count, local):
     assert all(f'STAGED {count - 1} links' in out for out in result.outputs)
   elif transport == 'tcp':
     assert all(f'LANES {lanes or 2}' in out for out in result.outputs)
+
+
+def test_default_source_broadcasts_down_the_tree_answer_with_their_payload():
+  """Over TCP links at 5 processes, 1 MiB default-source broadcasts go down the tree; where the processes agree in a star (this host has no more cores than 5), process 0 sends each of its 3 children one frame a call, the payload, and no answer; a differing shape is named on every process, and differing timeouts still return the bytes."""
+  result = launch.launch(program('relayed_broadcasts'), num_processes=5,
+                         devices_per_process=1, timeout=120,
+                         env={env_lib.LOCAL_LINKS: '0'})
+  assert result.ok, result.summary + '\n'.join(result.outputs)
+  assert all('RELAYED OK' in out for out in result.outputs)
+  star = (os.cpu_count() or 1) <= 5
+  assert all(f'STAR {star}' in out for out in result.outputs), result.outputs
+  if star:  # the payload alone to its children 4, 2 and 1
+    assert 'FRAMES 3.0' in result.outputs[0], result.outputs[0][-2000:]
 
 
 def test_a_process_without_a_stage_gets_the_bytes_themselves():
