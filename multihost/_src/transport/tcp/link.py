@@ -231,19 +231,24 @@ class Plane:
       except Exception as e:  # noqa: BLE001
         raise _tcp_errors.peer_error(op, peer, e, self.rt.watchdog,
                                      waiting=True) from e
-    with self.lock:
-      while key not in self.conns:
+    while True:
+      with self.lock:
+        if key in self.conns:
+          return self.conns[key]
         remaining = deadline - time.monotonic()
         if remaining <= 0 and idle is None:
           raise failures.connect_timeout(op, peer, None)
         # (With `idle`, it raises at the deadline, or waits on past it.)
         self.lock.wait(min(remaining, 0.5) if remaining > 0
                        else sockets.SLICE_S)
-        if idle is not None:
-          idle()
-        else:
-          self.rt.watchdog.check(op)
-      return self.conns[key]
+        if key in self.conns:
+          return self.conns[key]
+      # Outside the lock, which the acceptor takes to keep a new link:
+      # `idle` may ask the coordination service.
+      if idle is not None:
+        idle()
+      else:
+        self.rt.watchdog.check(op)
 
 
 def _where(host: str, port: int, local: str) -> str:
