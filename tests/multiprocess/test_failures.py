@@ -94,6 +94,10 @@ def _check_survivors(result, victim, killed_at, bound=DETECTION_BOUND_S):
     # victim is the middle of the chain, so the kill lands in a lane
     # thread's reads and forwards on both sides of it.
     (3, 'broadcast', 'big', 1, 'tcp-links'),
+    # 1 MiB over TCP links at P=5, down the tree, where the answers travel
+    # with the payload (in a star, as on these cores): the victim, 2, is
+    # the parent of 3, so the kill lands in what 3 waits for.
+    (5, 'broadcast', 'tree', 2, 'tcp-links'),
     # Device collectives over gloo. At P=4, killing 2 leaves process 0, which
     # is not its ring neighbour, blocked in gloo with no error of its own.
     (2, 'broadcast', 'big', 1, 'device'),

@@ -34,9 +34,11 @@ def main() -> None:
 
   me = jax.process_index()
   # 'big': 16 MiB per process (over TCP, a broadcast in stripes over the
-  # lanes; or by a gloo device collective); 'small': 64 bytes, carried in
-  # the agreement.
-  n = (4 << 20) if size == 'big' else 16
+  # lanes; or by a gloo device collective); 'tree': 1 MiB (over TCP links,
+  # a broadcast down the binomial tree; where the processes agree in a
+  # star, its payload's frames are the answers); 'small': 64 bytes,
+  # carried in the agreement.
+  n = {'big': 4 << 20, 'tree': 1 << 18}.get(size, 16)
   data = np.full((n,), me, np.float32)
   print('READY', flush=True)
   step = 0
