@@ -127,6 +127,28 @@ def test_sigkill_of_a_peer_raises_on_every_survivor(num_processes, mode, size,
   _assert_nothing_running(cluster)
 
 
+def test_a_frozen_process_in_the_middle_of_a_relayed_broadcast_is_named():
+  """SIGSTOP, not SIGKILL: process 2, the parent of process 3 in 1 MiB broadcasts down the tree over TCP links (whose answers travel with the payload where the processes agree in a star), freezes with its sockets open. Every other process raises ProcessFailureError naming it once its heartbeats stop: the processes below it, waiting for what it would pass on, and the others, waiting for it in the next call."""
+  env = {multihost.env.TRANSPORT: 'tcp', multihost.env.LOCAL_LINKS: '0'}
+  with _start(5, 'broadcast', 'tree', extra_env=env) as cluster:
+    _wait_all(cluster, 'LOOPING', range(5))
+    frozen_at = time.time()
+    cluster.kill(2, signal.SIGSTOP)
+    try:
+      for i in (0, 1, 3, 4):
+        cluster.wait_for_output(i, 'RAISED', timeout=30)
+    finally:
+      cluster.kill(2, signal.SIGKILL)
+    result = cluster.wait(timeout=60)
+  assert not result.timed_out, result.summary
+  for i in (0, 1, 3, 4):
+    out = result.outputs[i]
+    m = re.search(r'RAISED ProcessFailureError failed=\[2\] at=([\d.]+)', out)
+    assert m, f'process {i}:\n{out[-3000:]}'
+    assert 0 < float(m.group(1)) - frozen_at < DETECTION_BOUND_S, (i, m.group(0))
+  _assert_nothing_running(cluster)
+
+
 def test_a_peer_killed_between_collectives_fails_the_next_one_at_once():
   with _start(3, 'idle') as cluster:
     _wait_all(cluster, 'READY', range(3))
