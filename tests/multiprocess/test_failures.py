@@ -1,7 +1,7 @@
-"""Process-failure drills: real controllers, a real SIGKILL; survivors raise.
+"""Process-failure drills: real controllers, a real SIGKILL (or SIGSTOP); survivors raise.
 
 Each test starts N controllers with `multihost.launch.Controllers`, lets them
-loop one collective, kills one with SIGKILL, and checks every other
+loop one collective, kills one with SIGKILL (or freezes it), and checks every other
 process's output: it raised `ProcessFailureError` naming the dead process,
 within the watchdog's bound (heartbeat timeout + ~1 s; 3 s here), and exited
 non-zero; the run's status is non-zero and nothing is left running.
