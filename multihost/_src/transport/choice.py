@@ -102,9 +102,11 @@ def relay(length: int) -> tree.Relay | None:
   (every input is in the agreement or the same everywhere).
   """
   rt = runtime.current()
-  if (transport(length) != 'tcp' or not link.agreeing(rt)
-      or not rt.plane.star or not tree.carries(rt.count, length)
-      or shared.carries(rt.plane, length)):
+  plane = rt.plane
+  # (The star first: at 2 processes, or between hosts, that is all.)
+  if (plane is None or not plane.star or not link.agreeing(rt)
+      or not tree.carries(rt.count, length) or shared.carries(plane, length)
+      or transport(length) != 'tcp'):
     return None
   return tree.Relay()
 
