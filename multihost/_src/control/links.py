@@ -247,16 +247,16 @@ def _receive(link: _tcp_link.Link, call: int, peer: int,
   while True:
     got_call, length = link.check(link.take(frames.FRAME_SIZE, deadline),
                                   m.op, peer)
-    if not got_call & AGREE_BIT and got_call == data:
-      return length
     if not got_call & AGREE_BIT:
+      if got_call == data:
+        return length
       # Data where an agreement frame is due: the stripe a source sent
       # with its agreement frame of a call this process gave up, or came
       # too late to (`tcp.eager.Eager`).
       payload.drop(link, length, waiting.Due(wait))
       continue
     body = link.take(length, deadline)
-    if got_call & AGREE_BIT and got_call < call:
+    if got_call < call:
       continue  # A frame of a call this process gave up (a latecomer's).
     if got_call != call:
       raise failures.out_of_step(m.op, peer, (got_call, length),
@@ -384,12 +384,9 @@ def agree(meeting, digest: bytes, publish: bytes | None, *,
             and relays == (1 << count) - 2):
           # A relayed broadcast that every process agreed, with the same
           # timeout: the payload's frames are the answers (`tcp.tree`).
-          if eager is not None:
+          if eager is not None:  # (its link came in `links` above)
             started = eager
-            link = links.get(to) or links.setdefault(
-                to, plane.conn(to, wait.deadline, op, idle=wait.slice))
-            sockets.set_timeout(link.sock, sockets.SLICE_S)
-            eager.start(plane, link, to)
+            eager.start(plane, links[to], to)
         elif me == 0 or relay is None or relay.folded is None:
           steps += [(p, None) for p in topology.answers(me, count, relays, to)]
       step *= 2
