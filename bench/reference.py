@@ -163,7 +163,7 @@ def torch_rows(sizes: list[int], repeats: int,
 
 
 def connect_0_and_1(settings: Settings, local: bool = False):
-  """(listening socket or None, connection or None): one connection between processes 0 and 1 (the others get None, None): loopback TCP, or with `local` a Unix domain socket (what our links between processes on one host use).
+  """(listening socket or None, connection or None): one connection between processes 0 and 1 (the others get None, None): loopback TCP with our TCP links' options (`lowlevel.tune_tcp`), or with `local` a Unix domain socket (what our links between processes on one host use).
 
   Collective: every process must call this (the address is broadcast).
   """
@@ -184,6 +184,11 @@ def connect_0_and_1(settings: Settings, local: bool = False):
     conn.connect(address)
   elif pid == 1:
     conn = socket.create_connection(('127.0.0.1', address))
+  if conn is not None and not local:
+    # The links' own options, so that the raw stream and the round trip
+    # run on the same medium as our links (the congestion control above all:
+    # `multihost._src.transport.tcp.sockets.congestion`).
+    lowlevel.tune_tcp(conn)
   return server, conn
 
 

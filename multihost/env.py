@@ -63,6 +63,11 @@ RESULT_POOL_MIB = 'MULTIHOST_RESULT_POOL_MIB'
 # TCP connections per pair of processes that a large broadcast stripes over
 # (default 2; 1: one); the same on every process. See `multihost._src.transport.tcp.chain`.
 TCP_LANES = 'MULTIHOST_TCP_LANES'
+# The congestion control of the TCP links (TCP_CONGESTION): unset or 'auto':
+# reno where the host's default paces each flow (bbr), else the host's
+# default; 'keep': the host's default always; NAME: that one (e.g. cubic).
+# See `multihost._src.transport.tcp.sockets`.
+TCP_CONGESTION = 'MULTIHOST_TCP_CONGESTION'
 # Links between processes on one host (one network namespace) go over a
 # local (Unix domain) socket instead of TCP loopback (default on; 0: TCP
 # for every link). See `multihost._src.transport.tcp.link`.

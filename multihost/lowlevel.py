@@ -16,6 +16,7 @@ from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
 from multihost._src.runtime import files
 from multihost._src.transport import choice
+from multihost._src.transport.tcp import sockets
 
 
 def wait_at_barrier(barrier_id: str, timeout: float) -> None:
@@ -46,6 +47,11 @@ def failure_detection_bound() -> float:
 def tcp_transport_enabled() -> bool:
   """Whether this job's data plane is TCP for small payloads (large ones may take a device collective on GPU/TPU); validates $MULTIHOST_TRANSPORT."""
   return choice.tcp_enabled()
+
+
+def tune_tcp(conn) -> None:
+  """Gives a TCP socket the options the transport gives its TCP links (no delay, the congestion control of $MULTIHOST_TCP_CONGESTION): for references that should run on the links' medium (`bin/bench.py`'s raw stream and round trip)."""
+  sockets.tune(conn)
 
 
 def cpp_warnings_hidden():

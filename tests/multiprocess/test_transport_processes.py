@@ -37,7 +37,7 @@ def test_large_payloads_over_each_transport(transport, lanes, count, local):
 
 
 def test_default_source_broadcasts_down_the_tree_answer_with_their_payload():
-  """Over TCP links at 5 processes, 1 MiB default-source broadcasts go down the tree; where the processes agree in a star (this host has no more cores than 5), process 0 sends each of its 3 children one frame a call, the payload, and no answer; a differing shape is named on every process, and differing timeouts still return the bytes."""
+  """Over TCP links at 5 processes (each reno where the host's default congestion control is bbr), 1 MiB default-source broadcasts go down the tree; where the processes agree in a star (this host has no more cores than 5), process 0 sends each of its 3 children one frame a call, the payload, and no answer; a differing shape is named on every process, and differing timeouts still return the bytes."""
   result = launch.launch(program('relayed_broadcasts'), num_processes=5,
                          devices_per_process=1, timeout=120,
                          env={env_lib.LOCAL_LINKS: '0'})
@@ -45,6 +45,13 @@ def test_default_source_broadcasts_down_the_tree_answer_with_their_payload():
   assert all('RELAYED OK' in out for out in result.outputs)
   star = (os.cpu_count() or 1) <= 5
   assert all(f'STAR {star}' in out for out in result.outputs), result.outputs
+  # Its links' congestion control: reno where the host's default paces
+  # (bbr), else the host's default.
+  with open('/proc/sys/net/ipv4/tcp_congestion_control') as f:
+    default = f.read().strip()
+  want = 'reno' if default.startswith('bbr') else default
+  assert all(f'CONGESTION {want}\n' in out for out in result.outputs), [
+      out[-600:] for out in result.outputs]
   if star:  # the payload alone to its children 4, 2 and 1
     assert 'FRAMES 3.0' in result.outputs[0], result.outputs[0][-2000:]
 

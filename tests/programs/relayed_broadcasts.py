@@ -1,4 +1,4 @@
-"""Default-source broadcasts of 1 MiB over TCP links (down the binomial tree), then one whose shape differs on one process, then one with differing timeouts; prints STAR <whether the processes agree in a star>, FRAMES <process 0's frames a call>, RELAYED OK.
+"""Default-source broadcasts of 1 MiB over TCP links (down the binomial tree), then one whose shape differs on one process, then one with differing timeouts; prints CONGESTION <its TCP links' congestion controls>, STAR <whether the processes agree in a star>, FRAMES <process 0's frames a call>, RELAYED OK.
 
 Where the processes agree in a star (one host with no more cores than
 processes), such a broadcast's answers are its payload's frames
@@ -62,6 +62,14 @@ def main() -> None:
   got = multihost.broadcast_one_to_all(
       _payload(k + 1) if me == 0 else np.zeros(_N, np.float32))
   np.testing.assert_array_equal(got, _payload(k + 1))
+  # Every TCP link's congestion control ($MULTIHOST_TCP_CONGESTION unset:
+  # reno where the host's default paces, `tcp.sockets.congestion`).
+  import socket  # noqa: PLC0415
+  used = sorted({link.sock.getsockopt(socket.IPPROTO_TCP,
+                                      socket.TCP_CONGESTION, 16)
+                 .split(b'\0', 1)[0].decode()
+                 for link in plane.conns.values()})
+  print(f'CONGESTION {",".join(used)}', flush=True)
   print(f'STAR {plane.star}', flush=True)
   print(f'FRAMES {sent / 10}', flush=True)
   print('RELAYED OK', flush=True)

@@ -37,6 +37,60 @@ def test_stripes_cover_the_payload_once():
       assert all(a % 4096 == 0 for a, _ in got)
 
 
+def _pair():
+  server = socket.create_server(('127.0.0.1', 0))
+  conn = socket.create_connection(server.getsockname())
+  accepted, _ = server.accept()
+  server.close()
+  return conn, accepted
+
+
+def _congestion(conn) -> str:
+  return conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
+                         16).split(b'\0', 1)[0].decode()
+
+
+def test_a_tcp_link_leaves_a_pacing_congestion_control_for_reno(monkeypatch):
+  """A TCP link whose congestion control paces (bbr) switches to reno ($MULTIHOST_TCP_CONGESTION unset or auto); 'keep' keeps it; a name sets that one; another default stays."""
+  from multihost._src.transport.tcp import sockets
+  conn, accepted = _pair()
+  try:
+    try:
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b'bbr')
+    except OSError as e:
+      pytest.skip(f'this kernel does not let this process use bbr ({e}): '
+                  'there is no pacing default to leave')
+    for value, want in (('keep', 'bbr'), ('', 'reno'), ('bbr', 'bbr'),
+                        ('auto', 'reno'), ('reno', 'reno')):
+      monkeypatch.setenv(env_lib.TCP_CONGESTION, value)
+      sockets.tune(conn)
+      assert _congestion(conn) == want, (value, _congestion(conn))
+    monkeypatch.setenv(env_lib.TCP_CONGESTION, 'auto')  # reno stays reno
+    sockets.tune(conn)
+    assert _congestion(conn) == 'reno'
+    conn.sendall(b'bytes')  # (the link still works)
+    assert accepted.recv(5) == b'bytes'
+  finally:
+    conn.close()
+    accepted.close()
+
+
+def test_a_congestion_control_the_kernel_refuses_is_a_clear_error(
+    monkeypatch):
+  from multihost._src.runtime import settings
+  from multihost._src.transport.tcp import sockets
+  monkeypatch.setenv(env_lib.TCP_CONGESTION, 'no_such_cc')
+  with pytest.raises(ValueError, match=r"MULTIHOST_TCP_CONGESTION='no_such_cc'"
+                     r'.*choose one of .*reno'):
+    sockets.check_congestion()
+  monkeypatch.setenv(env_lib.TCP_CONGESTION, 'reno; rm')
+  with pytest.raises(ValueError, match='is not a congestion control'):
+    settings.tcp_congestion()
+  for fine in ('', 'auto', 'keep', 'reno'):
+    monkeypatch.setenv(env_lib.TCP_CONGESTION, fine)
+    sockets.check_congestion()
+
+
 def test_unknown_transport_is_a_clear_error(monkeypatch):
   from multihost import lowlevel
   monkeypatch.setenv(env_lib.TRANSPORT, 'carrier-pigeon')

@@ -118,6 +118,22 @@ def tcp_lanes() -> int:
   return lanes
 
 
+def tcp_congestion() -> str | None:
+  """$MULTIHOST_TCP_CONGESTION: the TCP links' congestion control: 'auto' (unset: reno where the host's default is bbr), a name, or None ('keep': the host's default)."""
+  value = _text(env.TCP_CONGESTION).lower()
+  if value in ('', 'auto'):
+    return 'auto'
+  if value == 'keep':
+    return None
+  if not value.replace('_', '').isalnum() or len(value) > 15:
+    raise ValueError(
+        f'${env.TCP_CONGESTION}={value!r} is not a congestion control\'s '
+        'name; set auto (the default), keep (the host\'s default), or a name '
+        'the kernel allows (/proc/sys/net/ipv4/'
+        'tcp_allowed_congestion_control, e.g. reno).')
+  return value
+
+
 def local_links() -> bool:
   """$MULTIHOST_LOCAL_LINKS: whether links to processes on this host may use a local (Unix domain) socket (Linux only)."""
   return sys.platform.startswith('linux') and not is_off(env.LOCAL_LINKS)

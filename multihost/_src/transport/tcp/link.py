@@ -299,6 +299,7 @@ def plane_of(rt: _runtime.Runtime, op: str, deadline: float) -> Plane:
   with rt.lock:
     if rt.plane is None:
       settings.tcp_lanes()  # a bad setting raises as itself, not as a timeout
+      sockets.check_congestion()
       try:
         rt.plane = Plane(rt, max(deadline - time.monotonic(), 0.001), op)
       except errors.MultihostError:
