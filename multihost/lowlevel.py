@@ -1,4 +1,4 @@
-"""Semi-public seams for tools and tests: the raw coordination barrier, service hosting, transport choice.
+"""Semi-public seams for tools and tests: the raw coordination barrier, service hosting, transport choice, the TCP links' socket options.
 
 These are what `bin/bench.py`, the launcher and the tests need below the
 collectives. They are not part of the `jax.experimental.multihost_utils`
