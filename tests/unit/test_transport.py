@@ -51,7 +51,7 @@ def _congestion(conn) -> str:
 
 
 def test_a_tcp_link_leaves_a_pacing_congestion_control_for_reno(monkeypatch):
-  """A TCP link whose congestion control paces (bbr) switches to reno ($MULTIHOST_TCP_CONGESTION unset or auto); 'keep' keeps it; a name sets that one; another default stays."""
+  """A TCP link whose congestion control paces (bbr) switches to reno ($MULTIHOST_TCP_CONGESTION unset or auto); 'keep' keeps it; a name sets that one; reno under auto stays reno."""
   from multihost._src.transport.tcp import sockets
   conn, accepted = _pair()
   try:

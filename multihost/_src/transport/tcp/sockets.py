@@ -57,15 +57,17 @@ def congestion(conn: socket.socket) -> None:
   """Sets a TCP link's congestion control ($MULTIHOST_TCP_CONGESTION): by default reno where the host's default is one that paces (`PACED`), else the host's.
 
   A collective moves a burst between the job's hosts and waits for it.
-  BBR (the default here) paces each flow at its model's rate: a 1 MiB burst
-  reached the peer in 7 or 8 wake-ups over 0.36 ms, against 2 over 0.20-0.25
-  with reno (P=2, links over loopback TCP), and 0.44 ms against 0.27-0.29
-  between simulated hosts (bench/README.md). Where the kernel refuses
+  BBR (the default here) paces each flow at its model's rate: a 1 MiB
+  broadcast's receiver read the burst in 8 pieces, sleeping 4 to 6 times,
+  and the call took 0.36 ms, against 2 sleeps and 0.20-0.25 ms with reno
+  (P=2, links over loopback TCP); 0.44 ms against 0.27-0.29 between
+  simulated hosts (docs/performance.md, "The links' congestion control").
+  Where the kernel refuses
   ('auto'), the host's default stays; a name the kernel refuses was named
   when the links were made (`check_congestion`).
   """
   choice = settings.tcp_congestion()
-  if choice is None:
+  if choice is None or not hasattr(socket, 'TCP_CONGESTION'):  # (Linux's)
     return
   try:
     if choice == 'auto':
