@@ -127,10 +127,10 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
   assert list(series) == ['barrier', 'broadcast 8 B', 'broadcast 64 MiB']
   assert _plot_scaling.scaling_title(data).endswith(
       'commit abc1234, 2026-12-03, 2 cores, P=4 oversubscribed')
-  # The committed data: the report of 12f52cb, 9 cases, 64 MiB not at P=8.
+  # The committed data: the report of df085d5, 9 cases, 64 MiB not at P=8.
   committed = _plot_scaling.read_json(str(ROOT / 'docs' / 'scaling.json'))
   assert len(_plot_scaling.scaling_series(committed)) == 9
-  assert 'commit 12f52cb' in _plot_scaling.scaling_title(committed)
+  assert 'commit df085d5' in _plot_scaling.scaling_title(committed)
   assert '2 cores, P=4 and 8 oversubscribed' in _plot_scaling.scaling_title(committed)
 
 
