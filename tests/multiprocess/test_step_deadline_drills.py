@@ -77,14 +77,25 @@ def test_a_peer_stuck_in_its_data_loader_makes_every_process_leave_with_75():
     assert DEADLINE_S <= took[i] < DEADLINE_S + LEAVE_SLACK_S, took
     assert len(_report_lines(outs[i])) == 1, outs[i][-3000:]
   assert f'LEARNED deadline={DEADLINE_S:g}' in outs[0], outs[0][-3000:]
-  (line,) = _report_lines(outs[0])
-  assert '[process=0] multihost: step 5 has run for ' in line, line
-  assert f'past its deadline of {DEADLINE_S:g} s (learned: 5 x ' in line, line
-  assert ('Behind the others: process 1 is in step 5 for ' in line
+  lines = [_report_lines(outs[i])[0] for i in (0, 1)]
+  for i, line in enumerate(lines):
+    assert f'[process={i}] multihost: step 5 has run for ' in line, line
+    assert f'past its deadline of {DEADLINE_S:g} s (learned: 5 x ' in line, line
+    assert 'Leaving with exit status 75' in line, line
+  # Process 1 behind, and where it is, named by the process whose deadline
+  # fired while the other was still there to answer: process 0, waiting in
+  # the step's collective; or process 1 itself ("(this process)"), where on
+  # a loaded machine its own deadline fired first and it left before
+  # process 0 asked (seen once in CI: process 0's line then says nobody
+  # answered).
+  named = [line for line in lines
+           if 'Behind the others: process 1 ' in line]
+  assert named, lines
+  line = named[0]
+  assert ('is in step 5 for ' in line
           and 'not arrived at its collective part' in line), line
   assert ('Where they are: process 1: main thread in load '
           '(programs/stuck_step.py:' in line), line
-  assert 'Leaving with exit status 75' in line, line
   assert not any(alive(pid) for pid in result.pids)
 
 

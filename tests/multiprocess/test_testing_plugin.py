@@ -238,10 +238,14 @@ def test_killing_the_parent_pytest_leaves_no_worker(pytester, tmp_path, sig):
       stderr=subprocess.DEVNULL)
   try:
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+    written = []
+    while time.monotonic() < deadline:
+      # (A worker's file may be listed before its two fields are in it.)
+      written = [p.read_text().split() for p in tmp_path.iterdir()]
+      if len(written) == 2 and all(len(w) == 2 for w in written):
+        break
       time.sleep(0.1)
-    written = [p.read_text().split() for p in tmp_path.iterdir()]
-    assert len(written) == 2
+    assert len(written) == 2 and all(len(w) == 2 for w in written), written
     workers = [int(pid) for pid, _ in written]
     results_dir = pathlib.Path(written[0][1])
     parent.send_signal(sig)
