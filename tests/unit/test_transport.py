@@ -37,14 +37,6 @@ def test_stripes_cover_the_payload_once():
       assert all(a % 4096 == 0 for a, _ in got)
 
 
-def _pair():
-  server = socket.create_server(('127.0.0.1', 0))
-  conn = socket.create_connection(server.getsockname())
-  accepted, _ = server.accept()
-  server.close()
-  return conn, accepted
-
-
 def _congestion(conn) -> str:
   return conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
                          16).split(b'\0', 1)[0].decode()
@@ -53,7 +45,8 @@ def _congestion(conn) -> str:
 def test_a_tcp_link_leaves_a_pacing_congestion_control_for_reno(monkeypatch):
   """A TCP link whose congestion control paces (bbr) switches to reno ($MULTIHOST_TCP_CONGESTION unset or auto); 'keep' keeps it; a name sets that one; reno under auto stays reno."""
   from multihost._src.transport.tcp import sockets
-  conn, accepted = _pair()
+  conn, accepted, listener = _tcp_pair()
+  listener.close()
   try:
     try:
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b'bbr')

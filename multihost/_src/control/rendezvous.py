@@ -141,8 +141,7 @@ class Rendezvous:
     """
     if self._links:
       self._entries = links.agree(self, agreement, publish,
-                                           timeout=timeout, eager=eager,
-                                  relay=relay)
+                                  timeout=timeout, eager=eager, relay=relay)
       if self._entries is None:  # A difference: the full exchange names it.
         return False
       self.record.end = time.monotonic()

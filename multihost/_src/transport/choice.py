@@ -86,11 +86,15 @@ def carries_small_payloads() -> bool:
   return tcp_enabled() and not link.agreeing(runtime.current())
 
 
+def _over_links(rt: runtime.Runtime, length: int) -> bool:
+  """Whether a payload of `length` bytes moves over the TCP links right after an agreement over them (not through the stage, which starts after the agreement): what a broadcast's early stripe and its relayed answers need."""
+  return (transport(length) == 'tcp' and link.agreeing(rt)
+          and not shared.carries(rt.plane, length))
+
+
 def early_stripe(parts: list[np.ndarray], length: int) -> _eager.Eager | None:
   """A broadcast source's first stripe, to send during the agreement (`tcp.eager.Eager`), where its payload moves over TCP and calls agree over the links; else None."""
-  rt = runtime.current()
-  if (transport(length) != 'tcp' or not link.agreeing(rt)
-      or shared.carries(rt.plane, length)):  # (the stage: after the agreement)
+  if not _over_links(runtime.current(), length):
     return None
   return _eager.Eager(parts, length)
 
@@ -104,9 +108,8 @@ def relay(length: int) -> tree.Relay | None:
   rt = runtime.current()
   plane = rt.plane
   # (The star first: at 2 processes, or between hosts, that is all.)
-  if (plane is None or not plane.star or not link.agreeing(rt)
-      or not tree.carries(rt.count, length) or shared.carries(plane, length)
-      or transport(length) != 'tcp'):
+  if (plane is None or not plane.star or not tree.carries(rt.count, length)
+      or not _over_links(rt, length)):
     return None
   return tree.Relay()
 
