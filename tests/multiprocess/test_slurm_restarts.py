@@ -1,7 +1,7 @@
-"""docs/restart.sbatch, the Slurm restart recipe, run as sbatch would with a stand-in `srun` (tests/slurm_standin/srun).
+"""docs/restart.sbatch, the Slurm restart recipe, run as sbatch would with a stand-in `srun`, `squeue` and `scancel` (tests/slurm_standin/); tests/multiprocess/test_slurm_real.py runs it under a real Slurm.
 
 bin/train.py at 2 tasks x 2 devices under the recipe: a SIGKILL of task 1
-mid-run ends the step (--kill-on-bad-exit), the recipe starts it again
+mid-run ends the step (the recipe's `scancel --signal=KILL`), the recipe starts it again
 with MULTIHOST_RESTART_COUNT=1, the run resumes from the newest checkpoint
 and ends with 0, and its final state is bitwise equal to an uninterrupted
 run's. With a small program (tests/launch_programs/fails_as_told.py): a
@@ -137,8 +137,10 @@ def test_a_task_that_exits_78_stops_the_recipe_after_that_attempt(tmp_path):
 def test_every_attempt_of_the_recipe_gets_the_same_compilation_cache(
     tmp_path):
   # (Submitted from tmp_path; the project, and its venv, is ROOT.)
+  # (The survivor sleeps 30 s: the recipe's end of the step kills it.)
   run, job = _recipe(['python', str(FAILS)], FAIL_UNTIL_ATTEMPT='0',
-                     SLURM_SUBMIT_DIR=str(tmp_path), PROJECT_DIR=str(ROOT))
+                     SURVIVOR_SLEEP='30', SLURM_SUBMIT_DIR=str(tmp_path),
+                     PROJECT_DIR=str(ROOT))
   assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
   # (Status 137: the step's end killed task 0, and srun reports the signal.)
   assert ('restart.sbatch: attempt 0 failed (status 137); restarting all '
@@ -167,7 +169,7 @@ def test_the_recipe_changes_to_the_project_and_activates_its_venv(tmp_path):
              '$(command -v python) venv=$VIRTUAL_ENV"; exec python '
              'tests/launch_programs/fails_as_told.py']
   run, _ = _recipe(program, cwd=spool, path=plain, SLURM_SUBMIT_DIR=str(ROOT),
-                   FAIL_UNTIL_ATTEMPT='0')
+                   FAIL_UNTIL_ATTEMPT='0', SURVIVOR_SLEEP='30')
   log = run.stdout + run.stderr
   assert run.returncode == 0, log[-3000:]
   venv = os.path.realpath(ROOT / '.venv')
