@@ -26,5 +26,10 @@ if env_lib.NUM_CPU_DEVICES not in os.environ:
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', 4)
 
+# The pytest process that owns this session (xdist's workers inherit it):
+# a real Slurm started for the tests (tests/slurm_cluster.py) lives as long
+# as that process.
+os.environ.setdefault('MULTIHOST_TEST_SESSION_PID', str(os.getpid()))
+
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
   signal.signal(signal.SIGINT, signal.default_int_handler)
