@@ -64,8 +64,11 @@ NOT_RUN = {
                                       'test_local_netns.py runs this drill '
                                       'where they are',
     '--num_processes=N': 'a synopsis (N, K, S are placeholders)',
-    'docs/restart.sbatch': 'a Slurm job and a 2000-step run; tests/multiprocess/'
-                           'test_slurm_restarts.py runs the recipe with a stand-in srun',
+    'docs/restart.sbatch': 'Slurm jobs (and a 2000-step run); tests/multiprocess/'
+                           'test_slurm_real.py runs them under a real Slurm '
+                           'where it can (root, .ci/slurm), and '
+                           'test_slurm_restarts.py the recipe with a stand-in '
+                           'srun',
     'bin/plot.py': 'regenerates the committed pictures in docs/; '
                    'tests/unit/test_plot.py draws all three kinds from files it '
                    'writes',

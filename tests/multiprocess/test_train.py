@@ -381,8 +381,8 @@ def _readme_cluster_commands() -> dict[str, list[str]]:
     joined = block.replace('\\\n', ' ')
     for line in joined.splitlines():
       words = shlex.split(line, comments=True)
-      if words and words[0] in ('srun', 'mpirun'):
-        out[words[0]] = words[words.index('python'):]
+      if words and words[0] in ('srun', 'mpirun'):  # The first of each.
+        out.setdefault(words[0], words[words.index('python'):])
   assert sorted(out) == ['mpirun', 'srun'], section
   return out
 
