@@ -1,6 +1,7 @@
 """Under a real Slurm (Debian's slurm-wlm 22.05; tests/slurm_cluster.py): srun, sbatch, scontrol requeue, docs/restart.sbatch.
 
-One node (2 tasks): README's example under `srun -n 2`, quiet; the recipe
+One node (2 tasks): README's example under `srun -n 2`, quiet; the recipe's
+clean run of bin/train.py, quiet (no gloo connection lines); the recipe
 with bin/train.py (2 tasks x 2 CPU devices) whose task 1's python is
 SIGKILLed from outside while task 0 waits in a step's collective: the step
 ends at once (not at the heartbeat), the job trains again within a bound,
@@ -48,9 +49,12 @@ JOB_TIMEOUT_S = 180
 # recipe's next line), and every task trained again. Measured here (2 cores,
 # load 10-13): 0.05-0.3 s and 7.4-9.5 s; with Slurm's own end of the step
 # (SIGTERM; the survivor leaves at the heartbeat, 10 s, + 7 s) 13.5-14 s and
-# 23-27 s. Most of the rest is starting Python and JAX again on a busy CPU.
+# 23-27 s. The rest is the restart itself, mostly starting Python and JAX
+# again, which a busy CPU stretches (at load 24: 15 s from the kill to the
+# new process 0's first log line, 18.7-22 s to training again), so the
+# step's end is the sharp bound and training again a loose one.
 STEP_END_BOUND_S = 3.0
-TRAINING_AGAIN_BOUND_S = 15.0
+TRAINING_AGAIN_BOUND_S = 45.0
 _DONE = ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL',
          'OUT_OF_MEMORY', 'PREEMPTED', 'BOOT_FAIL', 'DEADLINE')
 
@@ -229,8 +233,8 @@ def _swap_example(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.fixture(scope='module')
-def uninterrupted(slurm, tmp_path_factory):
-  """The digest of the recipe's uninterrupted run (one node, 2 tasks)."""
+def uninterrupted_run(slurm, tmp_path_factory) -> str:
+  """The output of the recipe's uninterrupted run (one node, 2 tasks)."""
   tmp_path = tmp_path_factory.mktemp('uninterrupted')
   j = Jobs(slurm, tmp_path)
   try:
@@ -240,9 +244,23 @@ def uninterrupted(slurm, tmp_path_factory):
     text = _read(out)
     assert state['JobState'] == 'COMPLETED', (state, text[-3000:])
     assert 'restart.sbatch' not in text, text[-3000:]
-    return _digest(text)
+    return text
   finally:
     j.close()
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(uninterrupted_run) -> str:
+  """The digest of the recipe's uninterrupted run."""
+  return _digest(uninterrupted_run)
+
+
+def test_a_clean_run_under_the_recipe_is_quiet(uninterrupted_run):
+  # No gloo connection line (4 of them: 2 tasks x 2 devices), no per-step
+  # line: what the launcher's quiet run prints.
+  lines = uninterrupted_run.splitlines()
+  assert not [ln for ln in lines if '[Gloo]' in ln], lines
+  assert len(lines) <= 12, lines
 
 
 def test_the_readme_example_runs_under_srun_and_is_quiet(jobs, tmp_path):
