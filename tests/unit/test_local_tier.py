@@ -409,6 +409,15 @@ def test_the_local_folder_is_private_and_a_shared_one_is_refused(
                      match=r'shared .*writable by its group or others'):
     _train(tmp_path / 'b', 4, monkeypatch=monkeypatch, local='../shared')
   assert not (shared / 'process_0').exists()
+  # Writable by its group only (0770): another user of the group could
+  # plant or swap local steps just as well.
+  group = tmp_path / 'group'
+  group.mkdir()
+  group.chmod(0o770)
+  with pytest.raises(recovery.CheckpointFolderError,
+                     match=r'group .*writable by its group or others'):
+    _train(tmp_path / 'g', 4, monkeypatch=monkeypatch, local='../group')
+  assert not (group / 'process_0').exists()
   if os.geteuid() == 0:  # Another user's folder (root can make one).
     theirs = tmp_path / 'theirs'
     theirs.mkdir(mode=0o700)
