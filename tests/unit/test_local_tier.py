@@ -68,18 +68,23 @@ def _sharded(devices=None):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
 
 
-def _initial(loop, sharding) -> recovery.TransitionState:
-  zeros = np.zeros(WIDTH, np.float32)
+def _initial(loop, sharding, dtype=np.float32) -> recovery.TransitionState:
+  zeros = jnp.zeros(WIDTH, dtype)
   return loop.init({'w': jax.device_put(zeros, sharding),
                     'v': jax.device_put(zeros, sharding)}, jax.random.key(3))
 
 
 def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
-           restart=False, monkeypatch=None, local='local', local_keep=2):
-  """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints)."""
+           restart=False, monkeypatch=None, local='local', local_keep=2,
+           dtype=np.float32, resume=None):
+  """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints).
+
+  `dtype`: the weights' (a config mistake when it differs from the saved
+  one); `resume`: `start`'s mode.
+  """
   sharding = sharding or _sharded()
   loop = _loop(sharding)
-  initial = _initial(loop, sharding)
+  initial = _initial(loop, sharding, dtype)
   if monkeypatch is not None:
     if restart:
       monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
@@ -90,7 +95,7 @@ def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
                             local_directory=tmp_path / local,
                             local_save_every=local_every,
                             local_keep=local_keep) as ckpt:
-    state = ckpt.start(initial)
+    state = ckpt.start(initial, resume=resume)
     result = loop.run(state, until_step=steps, checkpoints=ckpt)
   return result.state, ckpt
 
@@ -352,20 +357,88 @@ def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
 
 
-def test_a_fresh_run_deletes_the_older_local_steps_of_its_folder(
-    tmp_path, monkeypatch):
+@pytest.mark.parametrize('resume', [None, False])
+def test_a_fresh_start_refuses_local_steps_of_its_folder_and_keeps_them(
+    tmp_path, monkeypatch, resume):
+  """A job that crashed before its first persistent save, started again by hand: its local steps are checkpoints of the folder too."""
   _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch)
   _delete_persistent(tmp_path, 7)
   other = tmp_path / 'other'
   _train(other, 4, local_every=3, monkeypatch=monkeypatch, local='../local')
-  # A strict fresh start on the (now empty) folder: its local steps 3 and 6
-  # are stale, the other folder's step 3 is not this run's business.
-  _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch)
-  steps = {(s.manifest['directory'], s.step)
-           for s in folder.scan(str(tmp_path / 'local'))}
-  assert steps == {(str(other / 'ckpt'), 3)}
+  stored = _stored(tmp_path / 'local')
+  ckpt, local = str(tmp_path / 'ckpt'), str(tmp_path / 'local')
+  assert stored == {(ckpt, 3), (ckpt, 6), (str(other / 'ckpt'), 3)}
+  with pytest.raises(recovery.FolderNotFreshError) as e:
+    _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch, resume=resume)
+  message = str(e.value)
+  assert f'local steps [3, 6] of {ckpt}' in message, message
+  assert os.path.join(local, 'process_0') in message, message
+  assert 'resume=True' in message and 'delete' in message, message
+  assert _stored(tmp_path / 'local') == stored  # nothing deleted
+  # Continuing is one way; deleting them (the explicit request) the other.
+  _, run = _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch,
+                  resume='if_present')
+  assert (run.resumed_from, run.resumed_tier) == (6, 'local')
+  _delete_persistent(tmp_path, 7)
+  for s in folder.scan(local):
+    if s.manifest['directory'] == ckpt:
+      shutil.rmtree(s.folder)
+  _, run = _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch,
+                  resume=resume)
+  assert run.resumed_from is None
+  assert _stored(tmp_path / 'local') == {(str(other / 'ckpt'), 3)}
 
 
+def _names(tmp_path) -> dict[str, list[str]]:
+  """The entries of the checkpoint folder and of process 0's local folder."""
+  return {d: sorted(n for n in os.listdir(tmp_path / d) if '.lock' not in n)
+          for d in ('ckpt', 'local/process_0')}
+
+
+@pytest.mark.parametrize('restart', [True, False], ids=['restart',
+                                                        'resume-true'])
+def test_a_restart_with_the_wrong_state_raises_a_mismatch_and_moves_nothing(
+    tmp_path, monkeypatch, restart):
+  """A config mistake (bfloat16 weights where float32 were saved) is no damage: every tier's steps stay, and the fixed restart resumes the newest."""
+  _train(tmp_path, 6, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 6)  # persistent step 5; local steps 3 and 6
+  before = _names(tmp_path)
+  resume = None if restart else True
+  with pytest.raises(recovery.CheckpointMismatchError,
+                     match=r'user/w: checkpoint has .*float32.*bfloat16'):
+    _train(tmp_path, 8, save_every=5, dtype=jnp.bfloat16, restart=restart,
+           resume=resume, monkeypatch=monkeypatch)
+  assert _names(tmp_path) == before
+  state, ckpt = _train(tmp_path, 8, save_every=5, restart=restart,
+                       resume=resume, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert ckpt.set_aside == [] and state.step == 8
+
+
+def test_folder_names_that_are_not_steps_are_foreign_and_left_alone(
+    tmp_path, monkeypatch, caplog):
+  """A step folder's name is ASCII digits equal to str(int(name)): '0900' (a person's copy of a step) or non-ASCII digits are foreign, in both tiers."""
+  _train(tmp_path, 6, save_every=2, local_every=3, monkeypatch=monkeypatch)
+  ckpt = tmp_path / 'ckpt'
+  for name in ('0900', '\u0669\u0660\u0660'):  # '0900', Arabic-Indic '900'
+    shutil.copytree(ckpt / '2', ckpt / name)
+  six = _step_folder(tmp_path / 'local', 6)
+  run = six.name.split('-', 1)[1]
+  own = tmp_path / 'local' / 'process_0'
+  for name in (f'09-{run}', f'\u0669-{run}', f'06-{run}'):
+    shutil.copytree(six, own / name)
+  foreign = {d: [n for n in names if n[0] in '0\u0669']
+             for d, names in _names(tmp_path).items()}
+  for _ in range(2):  # Each restart resumes the newest step; keep-N runs.
+    _, run_ = _train(tmp_path, 12, save_every=2, local_every=3, restart=True,
+                     monkeypatch=monkeypatch)
+    assert (run_.resumed_from, run_.resumed_tier) in [(6, 'local'),
+                                                      (12, 'local')]
+    assert run_.set_aside == []
+    assert {d: [n for n in names if n[0] in '0\u0669']
+            for d, names in _names(tmp_path).items()} == foreign
+  assert run_.steps() == [8, 10, 12]
+  assert "'0900'" in caplog.text  # named as foreign
 def test_local_options_are_checked(tmp_path):
   with pytest.raises(ValueError, match='local_save_every=3 needs'):
     recovery.Checkpoints(tmp_path, local_save_every=3)
