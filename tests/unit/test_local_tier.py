@@ -268,8 +268,8 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
     assert os.path.isdir(moved) and os.path.dirname(moved) == os.path.join(
         local, 'process_0'), moved
     assert (f"Local step 9 failed its checks; set this process's folder of "
-            f'it aside as {moved} (kept, never read or deleted); trying '
-            'older') in caplog.text
+            f'it aside as {moved} (kept, never read or deleted); resuming '
+            'from local step 6 instead') in caplog.text
   assert re.search(rf'Restored local step 6 .* from the local tier in {local}'
                    r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
 
@@ -298,7 +298,7 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
   assert re.search(r"Local step 9 failed its checks; set this process's "
                    r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
-                   'trying older', caplog.text)
+                   'resuming from local step 6 instead', caplog.text)
   assert (recovery.checkpoint_digest(state)
           == recovery.checkpoint_digest(reference))
 
@@ -334,7 +334,7 @@ def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
                      r'.*; resuming from local step 6 instead\.', line), line
   assert re.search(r"Local step 9 failed its checks; set this process's "
                    r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
-                   'trying older', caplog.text)
+                   'resuming from local step 6 instead', caplog.text)
   # Step 8 was saved again; the damaged folders are kept beside it.
   assert ckpt.steps() == [4, 8, 12]
   names = sorted(os.listdir(tmp_path / 'ckpt'))

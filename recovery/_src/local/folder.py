@@ -376,9 +376,3 @@ def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
     m = _WRITING.fullmatch(name)
     if m and m.group(2) == run:
       _remove(os.path.join(own, name))
-
-
-def remove_steps(stored: Iterable[StoredStep]) -> None:
-  """Deletes the given committed steps (a fresh run's stale ones); never through a link."""
-  for s in stored:
-    _remove(s.folder)
