@@ -28,6 +28,7 @@ from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
 from recovery._src.local import private
+from recovery._src.local import tier as local_tier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / 'bin' / 'train.py')
@@ -613,6 +614,36 @@ def test_a_failed_local_write_leaves_no_temporary_folder(
   _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
   assert 'A local save to' in caplog.text
   assert os.listdir(tmp_path / 'local' / 'process_0') == []
+
+
+def test_a_local_save_that_fails_is_logged_and_recorded_never_raised(
+    tmp_path, monkeypatch, caplog):
+  """A local tier failure of any kind (here: no host memory for the blocks) leaves training and the persistent tier going."""
+
+  def no_memory(self, tree):
+    del self, tree
+    raise MemoryError('no host memory for the blocks')
+
+  monkeypatch.setattr(local_tier.LocalTier, '_blocks', no_memory)
+  failed = []
+
+  def on_duration(event, duration, **kwargs):
+    del duration
+    if event == '/multihost/event/duration_secs':
+      failed.append(kwargs.get('name'))
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    state, ckpt = _train(tmp_path, 7, save_every=5, local_every=3,
+                         monkeypatch=monkeypatch)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+  assert state.step == 7 and ckpt.steps() == [5, 7]
+  assert failed.count('local save failed') == 2, failed  # steps 3 and 6
+  assert ckpt.local.failed_saves == 2 and ckpt.local.saves == 0
+  assert re.search(r'The local save of step 3 to .* failed \(MemoryError: '
+                   r'no host memory for the blocks\)', caplog.text)
+  assert _stored(tmp_path / 'local') == set()
 
 
 def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):
