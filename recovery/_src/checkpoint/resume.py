@@ -165,9 +165,13 @@ def begin(ckpt: Any, initial: TransitionState, *,
   (`damage.Damage`, agreed by every process) and the mode `falls_back`, it
   is passed over and the same is done with the next older persistent step
   as the newest (so local steps between the two are tried too), until one
-  restores; then the damaged steps passed over are set aside (renamed,
-  never deleted: `damage.set_aside`). When none restores, nothing is set
-  aside, and the oldest one's error is raised.
+  restores; then the damaged steps passed over, of both tiers, are set
+  aside (renamed, never deleted: `_set_aside`). When none restores, nothing
+  is set aside, and the oldest one's error is raised; a strict mode that
+  does not fall back raises at the first damaged step, local or persistent.
+  A step that does not fit `initial` raises `CheckpointMismatchError`
+  (never damage). A strict fresh start refuses local steps of the folder
+  as it does persistent ones (`decide`).
   """
   persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
   restarted = ckpt._restarted  # pylint: disable=protected-access
