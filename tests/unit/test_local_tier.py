@@ -416,6 +416,25 @@ def test_a_restart_with_the_wrong_state_raises_a_mismatch_and_moves_nothing(
   assert ckpt.set_aside == [] and state.step == 8
 
 
+def test_a_strict_resume_refuses_a_damaged_local_step_and_moves_nothing(
+    tmp_path, monkeypatch):
+  """resume=True started by hand: a person asked for the newest step; a damaged one is refused, not passed over (nor renamed)."""
+  _train(tmp_path, 11, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  for step in (10, 11):
+    _delete_persistent(tmp_path, step)  # persistent 5; local 6 and 9
+  _flip_last_byte(tmp_path, 9)
+  before = _names(tmp_path)
+  with pytest.raises(recovery.CheckpointDamagedError,
+                     match=r"Local step 9 in .* is damaged: it failed its "
+                     r"digest check.*Start with resume='if_present'"):
+    _train(tmp_path, 12, save_every=5, resume=True, monkeypatch=monkeypatch)
+  assert _names(tmp_path) == before
+  _, ckpt = _train(tmp_path, 12, save_every=5, resume='if_present',
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert [(a.step, a.tier) for a in ckpt.set_aside] == [(9, 'local')]
+
+
 def test_folder_names_that_are_not_steps_are_foreign_and_left_alone(
     tmp_path, monkeypatch, caplog):
   """A step folder's name is ASCII digits equal to str(int(name)): '0900' (a person's copy of a step) or non-ASCII digits are foreign, in both tiers."""
@@ -423,6 +442,7 @@ def test_folder_names_that_are_not_steps_are_foreign_and_left_alone(
   ckpt = tmp_path / 'ckpt'
   for name in ('0900', '\u0669\u0660\u0660'):  # '0900', Arabic-Indic '900'
     shutil.copytree(ckpt / '2', ckpt / name)
+  (ckpt / '0900.orbax-checkpoint-tmp-1').mkdir()  # no save's leftover
   six = _step_folder(tmp_path / 'local', 6)
   run = six.name.split('-', 1)[1]
   own = tmp_path / 'local' / 'process_0'
