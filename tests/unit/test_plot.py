@@ -144,7 +144,7 @@ def test_the_kept_reports_are_data_the_picture_draws():
     assert _plot_scaling.scaling_series(data), path.name
     assert f'commit {data["commit"]}' in _plot_scaling.scaling_title(data)
   sixteen = _plot_scaling.read_json(
-      str(ROOT / 'bench' / 'data' / 'report-f93ccfa-16-cores.json'))
+      str(ROOT / 'bench' / 'data' / 'report-14-16-cores.json'))
   assert _plot_scaling.scaling_title(sixteen).endswith(
       '16 cores, a core per process')
 
