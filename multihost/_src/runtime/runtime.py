@@ -115,7 +115,7 @@ class Runtime:
     # When this process started its last call that every process met in (None
     # before the first, and after a call that raised): no process can have
     # started a later call before it, which bounds when another's timeout
-    # can fall (`control.links`, the outcome record).
+    # can fall (`control.rounds`, the outcome record).
     self.met_start: float | None = None
     # The blocks of calls (`control.rendezvous._BLOCK`) under which this
     # process wrote keys, not yet deleted: each process deletes the keys it
