@@ -56,11 +56,17 @@ Modules (one job each):
                    `after_attempt`, `not_retryable` are pure)
   _evidence.py     pure: what a process's output says (its first traceback,
                    its last line by then, the peers it named as failed)
+  _observed.py     what the launcher saw of a finished run (`Observed`),
+                   and how a process ended, in words
+  _summary.py      pure: the run's account, one line per process, then
+                   who failed first, how, and where the others were
   _report.py       pure: who failed first (by raise or exit; process-0
                    blame), exit status, summary -> `LaunchResult`
   _restarts.py     pure: the run's result from its attempts' results
-  _controllers.py  `Controllers` (context manager): composes the above, the
-                   attempts and service hosting
+  _resources.py    what a run holds from start to stop: simulated hosts,
+                   port, compilation cache folder, the hosted service
+  _controllers.py  `Controllers` (context manager): composes the above and
+                   the attempts
   _run.py          `launch()`: Controllers to the end, signals, summary
   _cli.py          the one command line (`main`), also behind bin/launch.py
   _trace.py        `--trace`: the controllers' flight-recorder dumps merged
@@ -84,15 +90,15 @@ from multihost.launch._evidence import (
     LOST_SERVICE_MARKER as LOST_SERVICE_MARKER,
 )
 from multihost.launch._evidence import lost_coordinator as lost_coordinator
+from multihost.launch._observed import Observed as Observed
+from multihost.launch._observed import describe as describe
+from multihost.launch._observed import signal_name as signal_name
+from multihost.launch._observed import status_of as status_of
 from multihost.launch._policy import (
     DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S,
 )
 from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
 from multihost.launch._report import TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS
 from multihost.launch._report import LaunchResult as LaunchResult
-from multihost.launch._report import Observed as Observed
-from multihost.launch._report import describe as describe
 from multihost.launch._report import report as report
-from multihost.launch._report import signal_name as signal_name
-from multihost.launch._report import status_of as status_of
 from multihost.launch._run import launch as launch
