@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from multihost.launch import _evidence
+from multihost.launch._src.report import evidence as _evidence
 
 # Process 0's death is still blamed when the JAX runtime's aborts of the
 # others were seen up to this many seconds before it (the reaper threads

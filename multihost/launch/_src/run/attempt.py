@@ -14,13 +14,13 @@ import time
 from typing import TextIO
 
 from multihost import env as env_lib
-from multihost.launch import _environment
-from multihost.launch import _observed
-from multihost.launch import _output
-from multihost.launch import _policy
-from multihost.launch import _processes
-from multihost.launch import _report
-from multihost.launch import _signals
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.processes import output as _output
+from multihost.launch._src.processes import processes as _processes
+from multihost.launch._src.processes import signals as _signals
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
 
 
 def commands(command: collections.abc.Sequence[str], num_processes: int,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 
-from multihost.launch import _evidence
-from multihost.launch._observed import ABORT_RACE_S
-from multihost.launch._observed import Observed
-from multihost.launch._observed import describe
-from multihost.launch._observed import signal_name
+from multihost.launch._src.report import evidence as _evidence
+from multihost.launch._src.report.observed import ABORT_RACE_S
+from multihost.launch._src.report.observed import Observed
+from multihost.launch._src.report.observed import describe
+from multihost.launch._src.report.observed import signal_name
 
 
 def _header(run: Observed, code: int) -> str:

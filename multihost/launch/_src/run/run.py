@@ -9,10 +9,10 @@ import time
 from typing import TextIO
 
 from multihost import env as env_lib
-from multihost.launch import _controllers
-from multihost.launch import _policy
-from multihost.launch import _report
-from multihost.launch import _trace
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.report import report as _report
+from multihost.launch._src.run import controllers as _controllers
+from multihost.launch._src.run import trace as _trace
 
 
 def launch(command: collections.abc.Sequence[str], *, num_processes: int,

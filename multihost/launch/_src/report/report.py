@@ -14,11 +14,11 @@ import dataclasses
 import signal
 from typing import Any
 
-from multihost.launch import _evidence
-from multihost.launch import _summary
-from multihost.launch._observed import ABORT_RACE_S
-from multihost.launch._observed import Observed
-from multihost.launch._observed import status_of
+from multihost.launch._src.report import evidence as _evidence
+from multihost.launch._src.report import summary as _summary
+from multihost.launch._src.report.observed import ABORT_RACE_S
+from multihost.launch._src.report.observed import Observed
+from multihost.launch._src.report.observed import status_of
 
 # Exit status of a run stopped by its timeout (as coreutils `timeout`).
 TIMEOUT_EXIT_STATUS = 124

@@ -11,9 +11,9 @@ import collections.abc
 import dataclasses
 
 from multihost import env as env_lib
-from multihost.launch import _observed
-from multihost.launch import _policy
-from multihost.launch import _report
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
 
 
 def not_retried(result: _report.LaunchResult) -> str | None:

@@ -12,9 +12,9 @@ from typing import Any
 
 from multihost._src.diagnostics import trace_format
 from multihost._src.runtime import files  # JAX-free (tests/unit/test_init.py).
-from multihost.launch import _observed
-from multihost.launch import _report
-from multihost.launch import _restarts
+from multihost.launch._src.policy import restarts as _restarts
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
 
 
 class TraceWriteError(Exception):

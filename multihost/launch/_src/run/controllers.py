@@ -19,14 +19,14 @@ from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
-from multihost.launch import _attempt
-from multihost.launch import _environment
-from multihost.launch import _policy
-from multihost.launch import _processes
-from multihost.launch import _report
-from multihost.launch import _resources
-from multihost.launch import _restarts
-from multihost.launch import _signals
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.policy import restarts as _restarts
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.processes import processes as _processes
+from multihost.launch._src.processes import signals as _signals
+from multihost.launch._src.report import report as _report
+from multihost.launch._src.run import attempt as _attempt
+from multihost.launch._src.run import resources as _resources
 
 DEFAULT_HEARTBEAT_S = float(env_lib.DEFAULT_HEARTBEAT_S)
 

@@ -6,7 +6,7 @@ import collections.abc
 import shutil
 
 from multihost import env as env_lib
-from multihost.launch import _environment
+from multihost.launch._src.processes import environment as _environment
 
 
 class Resources:
