@@ -4,9 +4,10 @@
 $MULTIHOST_MAX_OBJECT_BYTES (1 GiB by default) on every process. The local
 tier moves a host's blocks (gigabytes, for a large sharded model), so it
 sends them here: each process pickles its object once (protocol 5: its
-arrays' bytes stay where they are, out of band), announces the length,
-then every process sends the same number of pieces, each at most
-`piece_bytes()`, in as many all-gathers. Each piece is sealed and checked
+arrays' bytes stay where they are, out of band) and announces its length
+with its first piece, then every process sends the same number of pieces,
+each at most `piece_bytes()`, in as many all-gathers (one in all for small
+objects). Each piece is sealed and checked
 as any object is. A process keeps the pieces of the processes it asks for
 (`keep`) and drops the others as they come, so what it holds is what it
 needs.
@@ -57,13 +58,17 @@ def allgather(obj: Any, *, keep: Callable[[int], bool] | None = None
   segments = [_COUNT.pack(len(head), len(views)),
               *(_LENGTH.pack(v.nbytes) for v in views), head, *views]
   total = sum(memoryview(s).nbytes for s in segments)
-  totals = multihost.allgather_object(total)
   size = piece_bytes()
-  rounds = max(-(-t // size) for t in totals)
+  # The first piece travels with the length: one call for a small object.
+  first = multihost.allgather_object((total, _cut(segments, 0, size)))
+  totals = [t for t, _ in first]
   kept = [p for p in range(len(totals))
           if p != me and (keep is None or keep(p))]
   received = {p: bytearray(totals[p]) for p in kept}
-  for r in range(rounds):
+  for p in kept:
+    received[p][:len(first[p][1])] = first[p][1]
+  del first
+  for r in range(1, max(-(-t // size) for t in totals)):
     got = multihost.allgather_object(_cut(segments, r * size, size))
     for p in kept:
       piece = got[p]
