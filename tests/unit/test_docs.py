@@ -10,6 +10,7 @@ is, the quick start, two examples and the way to the guides.
 from __future__ import annotations
 
 import ast
+import fcntl
 import html
 import json
 import os
@@ -56,19 +57,32 @@ PUBLIC = {
 
 @pytest.fixture(scope='module')
 def site(tmp_path_factory) -> pathlib.Path:
-  """The site built as CI builds it (warnings as errors); its html folder."""
+  """The site built as CI builds it (warnings as errors); its html folder.
+
+  Built once per test session: pytest-xdist's workers share this session's
+  folder, and the first to take the lock builds while the others wait.
+  """
   for module in ('sphinx', 'myst_parser', 'furo'):
     pytest.importorskip(module, reason='pip install -e ".[test]" brings it')
-  out = tmp_path_factory.mktemp('site')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-q', '-E',
-       '-b', 'html', '-d', str(out / 'doctrees'), str(DOCS),
-       str(out / 'html')], cwd=ROOT, stdin=subprocess.DEVNULL,
-      capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-  assert proc.returncode == 0, (
-      f'sphinx exited {proc.returncode}:\n{proc.stdout[-4000:]}\n'
-      f'{proc.stderr[-8000:]}')
-  assert not proc.stderr.strip(), proc.stderr[-8000:]
+  session = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    session = session.parent  # This session's, above each worker's own.
+  out = session / 'docs-site'
+  out.mkdir(exist_ok=True)
+  with open(out / 'lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (out / 'outcome.json').exists():
+      proc = subprocess.run(
+          [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-q', '-E',
+           '-b', 'html', '-d', str(out / 'doctrees'), str(DOCS),
+           str(out / 'html')], cwd=ROOT, stdin=subprocess.DEVNULL,
+          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+          check=False)
+      (out / 'outcome.json').write_text(json.dumps(
+          [proc.returncode, proc.stdout[-4000:], proc.stderr[-8000:]]))
+  returncode, stdout, stderr = json.loads((out / 'outcome.json').read_text())
+  assert returncode == 0, f'sphinx exited {returncode}:\n{stdout}\n{stderr}'
+  assert not stderr.strip(), stderr
   return out / 'html'
 
 
@@ -187,7 +201,8 @@ def test_every_page_fits_a_1280_px_window(site, tmp_path):
   if chromium is None:
     pytest.skip('no Chromium on PATH (Debian: apt-get install chromium; CI: '
                 '.ci/chromium): the site\'s width is checked in a browser')
-  pages = sorted(str(p.relative_to(site)) for p in site.glob('**/*.html'))
+  pages = sorted(str(p.relative_to(site)) for p in site.glob('**/*.html')
+                 if not p.name.startswith('_'))
   driver = site / '_widths.html'
   driver.write_text(_MEASURE % (SITE_WIDTH_PX, json.dumps(pages)))
   browser = subprocess.Popen(
