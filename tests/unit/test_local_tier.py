@@ -27,8 +27,8 @@ import pytest
 from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
+from recovery._src.local import layout
 from recovery._src.local import private
-from recovery._src.local import tier as local_tier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / 'bin' / 'train.py')
@@ -640,11 +640,11 @@ def test_a_local_save_that_fails_is_logged_and_recorded_never_raised(
     tmp_path, monkeypatch, caplog):
   """A local tier failure of any kind (here: no host memory for the blocks) leaves training and the persistent tier going."""
 
-  def no_memory(self, tree):
-    del self, tree
+  def no_memory(*args, **kwargs):
+    del args, kwargs
     raise MemoryError('no host memory for the blocks')
 
-  monkeypatch.setattr(local_tier.LocalTier, '_blocks', no_memory)
+  monkeypatch.setattr(layout, 'blocks_to_write', no_memory)
   failed = []
 
   def on_duration(event, duration, **kwargs):

@@ -367,8 +367,7 @@ class Checkpoints:
     `resumed_tier` from which tier. With a local tier, its newest step
     complete across all hosts counts too, and is restored when it is at
     least as new as the persistent one (see the class docstring); a strict
-    fresh start where the hosts hold local steps of this folder refuses, as
-    it does for persistent steps (nothing is deleted).
+    fresh start refuses local steps of this folder as persistent ones.
 
     A damaged newest persistent step (its files cannot be read, or it fails
     its digest check, on any process) is set aside in mode 'if_present' and
@@ -380,10 +379,8 @@ class Checkpoints:
     findings gathered from all. When no step verifies, nothing is moved and
     the oldest one's `CheckpointDamagedError` is raised. A strict
     resume=True that is no restart raises the newest one's error instead
-    (a person decides; it says how to fall back). A damaged local step is
-    treated alike: set aside only once a step past it restores. A step
-    that does not fit `initial` (dtype, shape, tree) is no damage: it
-    raises `CheckpointMismatchError` in either tier and nothing is moved.
+    (a person decides; it says how to fall back). Local steps alike. A step
+    that does not fit `initial` is no damage: `CheckpointMismatchError`.
 
     Args:
       initial: the fresh initial state, built on the current mesh; it is the
@@ -396,7 +393,6 @@ class Checkpoints:
         restart) found the newest one damaged.
       FolderNotFreshError: a strict fresh start on a folder with checkpoints
         (persistent, or local steps of the folder on the hosts).
-      CheckpointMismatchError: the newest step does not fit `initial`.
       ValueError: an unknown mode.
       (and what `restore` raises)
     """

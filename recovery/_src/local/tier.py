@@ -35,7 +35,6 @@ import time
 
 from absl import logging
 import jax
-import numpy as np
 
 import multihost
 from multihost import record_event as _record_event
@@ -65,25 +64,6 @@ def _raise_agreed(errors: list[str | None], what: str) -> None:
       f'{_prefix()} {mine}' if mine else
       f'{_prefix()} {what} failed on ' + '; '.join(
           f'process {p}: {e}' for p, e in failed[:4]))
-
-
-def _warn_if_overridden_apart(gathered: list[dict]) -> None:
-  """Warns where $RECOVERY_HOST_ID puts processes with different local folders on one host."""
-  folders: dict[str, dict[str, list[int]]] = {}
-  for p, g in enumerate(gathered):
-    folders.setdefault(g['host'], {}).setdefault(g['folder'], []).append(p)
-  for host, seen in folders.items():
-    if len(seen) > 1:
-      logging.warning(
-          '%s $%s=%s is set on processes %s, but they see %d different '
-          'local folders (%s): the local tier takes them as one host, so '
-          'blocks written once per host may be on a disk the others cannot '
-          'read, and a restore from the local tier may fall back to the '
-          'persistent tier. Unset $%s: processes that share a local folder '
-          'find each other through it.', _prefix(), HOST_ID_VARIABLE, host,
-          sorted(p for ps in seen.values() for p in ps), len(seen),
-          '; '.join(f'processes {ps}: {f}' for f, ps in seen.items()),
-          HOST_ID_VARIABLE)
 
 
 class LocalTier:
@@ -144,7 +124,7 @@ class LocalTier:
                             f'{", ".join(map(str, ps))} on '
                             f'{", ".join(names)})')
     if self.me == 0:
-      _warn_if_overridden_apart(gathered)
+      _layout.warn_if_overridden_apart(gathered)
     self.successor = (order[(order.index(self.host) + 1) % len(order)]
                       if len(order) > 1 else None)
     self._pool = futures.ThreadPoolExecutor(
@@ -198,15 +178,12 @@ class LocalTier:
   def _save(self, step: int, tree, meta: dict, t0: float) -> None:
     """`save` past the consistency check: the blocks, the peer copies, the write started."""
     own, sends, error = [], [], None
-    # Whether some block lives on one host only: from the global layout,
-    # the same on every process (so all take part in the exchange or none).
-    peers_needed = self.successor is not None and any(
-        len({self.hosts[p] for p in where}) == 1
-        for _, x in _layout.named_leaves(tree) if _layout.is_placed(x)
-        for where in _layout.array_layout(x.sharding,
-                                          tuple(x.shape))[0].values())
+    # The same on every process: all take part in the exchange or none.
+    peers_needed = (self.successor is not None
+                    and _layout.on_one_host(tree, self.hosts))
     try:
-      own, sends = self._blocks(tree)
+      own, sends = _layout.blocks_to_write(
+          tree, self.hosts, self.me, peers=self.successor is not None)
     except Exception as e:  # pylint: disable=broad-except
       error = f'{type(e).__name__}: {_short(e)}'
     peer_blocks = []
@@ -246,35 +223,6 @@ class LocalTier:
         'in the background).', _prefix(), step, self.local,
         sum(b.nbytes for _, b in own), sum(b.nbytes for _, b in peer_blocks),
         sum(b.nbytes for _, b in sends), spent)
-
-  def _blocks(self, tree) -> tuple[list, list]:
-    """(the blocks this process writes, those of them it sends to a peer), copied to host memory."""
-    own, sends = [], []
-    for name, x in _layout.named_leaves(tree):
-      if _layout.is_placed(x):
-        holders, _ = _layout.array_layout(x.sharding, tuple(x.shape))
-        mine = {}
-        for shard in x.addressable_shards:
-          mine.setdefault(_layout.index_key(shard.index, tuple(x.shape)),
-                          shard.data)
-      else:
-        holders = {(): frozenset(range(len(self.hosts)))}
-        mine = {(): x}
-      for key, where in holders.items():
-        if key not in mine:
-          continue
-        writer = min(p for p in where if self.hosts[p] == self.host)
-        if writer != self.me:
-          continue
-        # A copy, on this thread: the caller may update its arrays in place
-        # (or donate their buffers) as soon as `save` returns, while the
-        # files are still being written.
-        block = np.array(np.asarray(mine[key]), copy=True)
-        own.append(((name, key), block))
-        if (self.successor is not None
-            and len({self.hosts[p] for p in where}) == 1):
-          sends.append(((name, key), block))
-    return own, sends
 
   def _failed(self, step: int, t0: float, why: str) -> None:
     """Logs and records a local save that failed (never fatal)."""
