@@ -47,7 +47,8 @@ STALL_AT = 17  # Task 1 stalls in its data loader here; the test kills it.
 JOB_TIMEOUT_S = 180
 # The heal's bounds, from the kill of task 1's python: the step ended (the
 # recipe's next line), and every task trained again. Measured here (2 cores,
-# load 10-13): 0.05-0.3 s and 7.4-9.5 s; with Slurm's own end of the step
+# load 5-6): 0.10-0.22 s and 2.5-5.2 s; at load 10-13: 0.05-0.3 s and
+# 7.4-9.5 s; with Slurm's own end of the step
 # (SIGTERM; the survivor leaves at the heartbeat, 10 s, + 7 s) 13.5-14 s and
 # 23-27 s. The rest is the restart itself, mostly starting Python and JAX
 # again, which a busy CPU stretches (at load 24: 15 s from the kill to the
