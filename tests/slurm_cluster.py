@@ -194,6 +194,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
+# A requeued job held back (Reason=BeginTime) and then released is started
+# by the backfill scheduler's next pass: every second, not every 30.
+SchedulerParameters=bf_interval=1
 MpiDefault=none
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
