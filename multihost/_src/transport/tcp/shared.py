@@ -90,7 +90,7 @@ def _released(k: int, count: int, length: int) -> bool:
 
 
 def _pieces(length: int, count: int) -> list[tuple[int, int]]:
-  """(start, stop) of each piece of a payload of `length` bytes among `count` processes (the same on every process); piece k goes through slot k % 2."""
+  """(start, stop) of each piece of a payload of `length` bytes among `count` processes (the same on every process); where each goes in the stage is `_place`'s."""
   size = _stage.SLOT_BYTES
   if count == 2:
     quarter = -(-length // PIECES)
@@ -116,7 +116,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, length: int,
 def _send(plane: _tcp_link.Plane, call: int, length: int,
           parts: list[np.ndarray], out: np.ndarray | None, op: str,
           deadline: float, watch: Deadline) -> None:
-  """The source's half: each piece into the stage, a frame to each receiver, and their releases before a slot takes another piece (the last two pieces are never released: see the module docstring)."""
+  """The source's half: each piece into the stage, a frame to each receiver, and, where a slot takes another piece, their releases of its last one first (`_released`; see the module docstring)."""
   peers = [p for p in range(plane.count) if p != plane.me]
   views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
   peer = peers[0]
@@ -164,7 +164,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
 def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
              out: np.ndarray, op: str, deadline: float,
              watch: Deadline) -> None:
-  """A receiver's half: each piece out of the source's stage, then (but for the last two) a frame that releases its slot."""
+  """A receiver's half: each piece out of the source's stage, then, where a slot takes another piece after it, a frame that releases it (`_released`)."""
   try:
     link = plane.conn(source, deadline, op)
     payload.arm(link, deadline)
