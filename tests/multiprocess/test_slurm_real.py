@@ -36,6 +36,7 @@ import pytest
 import slurm_cluster
 
 from multihost import env as env_lib
+from multihost import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = ROOT / 'docs' / 'restart.sbatch'
@@ -88,11 +89,18 @@ class Jobs:
     self.tmp_path = tmp_path
     self.name = f'mh-test-{random.randrange(10**9)}'
     self.ids: list[str] = []
+    # The coordinator's port, held from other programs' port-0 binds: the
+    # one JAX derives from the job id (61440 + ...) is the same in every
+    # Slurm whose job ids start at 1 (another pytest session's, an Open MPI
+    # test's), and JAX's service shares a port it binds (SO_REUSEPORT).
+    self._hold = launch.hold_free_port()
 
   def env(self, **extra: str) -> dict[str, str]:
+    port = str(self._hold.getsockname()[1])
     return clean_env(**self.cluster.env(), JAX_PLATFORMS='cpu',
                      JAX_NUM_CPU_DEVICES='2', PYTHONUNBUFFERED='1',
-                     **quick_compile_env(), **extra)
+                     JAX_COORDINATOR_PORT=port, **quick_compile_env(),
+                     **extra)
 
   def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     """A Slurm client command (sbatch, scontrol, srun, ...), checked."""
@@ -146,6 +154,7 @@ class Jobs:
         assert time.monotonic() < deadline + 10, (
             f'processes of jobs {self.ids} outlived them')
       time.sleep(0.2)
+    self._hold.close()
 
 
 @pytest.fixture
