@@ -16,6 +16,7 @@ from multihost._src.auth import secret
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
+from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 
@@ -38,10 +39,12 @@ def initialize(coordinator_address: str | None = None,
   Takes every argument of `jax.distributed.initialize`, by the same name and
   position; its own options are keyword-only. Arguments are taken, in
   order, from: this call; the environment that `multihost.launch` sets
-  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
-  cluster that JAX auto-detects (Slurm, Open MPI, Kubernetes, ...). With
-  none of these and no cluster, it does nothing and the program runs as a
-  single controller.
+  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); Open
+  MPI 5's `mpirun` (PRRTE), which JAX does not detect: process 0's address
+  reaches the others through PMIx (`JAX_COORDINATOR_PORT` chooses the
+  port); a cluster that JAX auto-detects (Slurm, Open MPI 4, Kubernetes,
+  ...). With none of these and no cluster, it does nothing and the program
+  runs as a single controller.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -70,6 +73,8 @@ def initialize(coordinator_address: str | None = None,
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
+    MultihostError: under Open MPI 5, process 0's address cannot be found
+      (the message says what to set or install).
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
@@ -92,6 +97,17 @@ def initialize(coordinator_address: str | None = None,
     raise ValueError(
         f'process_id must be in [0, num_processes); got process_id='
         f'{process_id}, num_processes={num_processes}.')
+  held = None
+  if (None in (coordinator_address, num_processes, process_id) and
+      cluster_detection_method is None and prrte.launched()):
+    # Open MPI 5's mpirun, which JAX's own detection does not know.
+    found = prrte.find(coordinator_address, timeout=initialization_timeout)
+    coordinator_address = found.address
+    num_processes = found.count if num_processes is None else num_processes
+    process_id = found.index if process_id is None else process_id
+    if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
+      local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
+    held = found.hold
   explicit = None not in (coordinator_address, num_processes, process_id)
   if not explicit and cluster_detection_method is None and not _env.in_cluster():
     if any(v is not None for v in (coordinator_address, num_processes,
@@ -169,6 +185,9 @@ def initialize(coordinator_address: str | None = None,
     if companion is not None:
       companion.finish()
     raise
+  finally:
+    if held is not None:
+      held.close()  # The service has the port now (or failed).
   rt = runtime.current()  # The runtime on JAX's new client.
   if companion is not None:
     rt.companion = companion
