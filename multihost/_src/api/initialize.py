@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+import importlib.util
 import os
 import socket
 import time
 from typing import Any
+import warnings
 
 from absl import logging
 import jax
@@ -15,10 +17,25 @@ from multihost import env as _env
 from multihost._src.auth import secret
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
+from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
+
+# An indexed Kubernetes Job without the client JAX's detection needs there.
+_NO_KUBERNETES_CLIENT = (
+    'process {index}: this pod is in an indexed Kubernetes Job, where JAX '
+    'finds the coordinator, process count and index through the Kubernetes '
+    'API with the `kubernetes` package, which is not installed. Install it '
+    "(pip install 'jax[k8s]') and let the pod's service account read pods "
+    'and jobs; or set JAX_COORDINATOR_ADDRESS (JOB-0.SUBDOMAIN:PORT, the '
+    "pod of index 0 through the Job's headless service) and "
+    "JAX_NUM_PROCESSES (the Job's parallelism) in the pod's environment: "
+    'the index is then $JOB_COMPLETION_INDEX.')
+
+# The start of JAX's warning in a pod without the `kubernetes` package.
+_K8S_WARNING = 'Kubernetes environment detected, but the `kubernetes` package'
 
 
 def initialize(coordinator_address: str | None = None,
@@ -42,9 +59,11 @@ def initialize(coordinator_address: str | None = None,
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); Open
   MPI 5's `mpirun` (PRRTE), which JAX does not detect: process 0's address
   reaches the others through PMIx (`JAX_COORDINATOR_PORT` chooses the
-  port); a cluster that JAX auto-detects (Slurm, Open MPI 4, Kubernetes,
-  ...). With none of these and no cluster, it does nothing and the program
-  runs as a single controller.
+  port); a cluster that JAX auto-detects (Slurm, Open MPI 4, an indexed
+  Kubernetes Job, ...; in such a Job, with `JAX_COORDINATOR_ADDRESS` and
+  `JAX_NUM_PROCESSES` set, the index is `$JOB_COMPLETION_INDEX`). With
+  none of these and no cluster, it does nothing and the program runs as a
+  single controller.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -73,8 +92,9 @@ def initialize(coordinator_address: str | None = None,
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
-    MultihostError: under Open MPI 5, process 0's address cannot be found
-      (the message says what to set or install).
+    MultihostError: under Open MPI 5, process 0's address cannot be found,
+      or an indexed Kubernetes Job lacks the `kubernetes` package (the
+      message says what to set or install).
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
@@ -108,7 +128,16 @@ def initialize(coordinator_address: str | None = None,
     if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
       local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
     held = found.hold
+  if (process_id is None and coordinator_address and num_processes and
+      _env.in_kubernetes_job()):
+    process_id = int(env[_env.JOB_COMPLETION_INDEX])  # JAX's rule there.
   explicit = None not in (coordinator_address, num_processes, process_id)
+  if (not explicit and cluster_detection_method is None and
+      _env.in_kubernetes_job() and
+      not any(m in env for m in _env.CLUSTER_MARKERS) and
+      importlib.util.find_spec('kubernetes') is None):
+    raise errors.MultihostError(_NO_KUBERNETES_CLIENT.format(
+        index=env[_env.JOB_COMPLETION_INDEX]))
   if not explicit and cluster_detection_method is None and not _env.in_cluster():
     if any(v is not None for v in (coordinator_address, num_processes,
                                    process_id)):
@@ -174,7 +203,11 @@ def initialize(coordinator_address: str | None = None,
     kwargs['initialization_timeout'] = max(1, int(
         kwargs['initialization_timeout'] - (time.monotonic() - waited)))
   try:
-    with _companion.cpp_advice_hidden():  # JAX's advice at the service start
+    with _companion.cpp_advice_hidden(), warnings.catch_warnings():
+      # JAX's advice at the service start is hidden; so is its warning that
+      # a pod lacks the `kubernetes` package, which it gives even when
+      # nothing is left to detect.
+      warnings.filterwarnings('ignore', _K8S_WARNING, UserWarning)
       if companion is not None or external:
         # The companion (or a launcher) hosts the coordination service (see
         # `runtime.coordination.start_service`): process 0 must not start another.
