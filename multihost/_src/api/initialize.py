@@ -8,7 +8,6 @@ import os
 import socket
 import time
 from typing import Any
-import warnings
 
 from absl import logging
 import jax
@@ -33,9 +32,6 @@ _NO_KUBERNETES_CLIENT = (
     "pod of index 0 through the Job's headless service) and "
     "JAX_NUM_PROCESSES (the Job's parallelism) in the pod's environment: "
     'the index is then $JOB_COMPLETION_INDEX.')
-
-# The start of JAX's warning in a pod without the `kubernetes` package.
-_K8S_WARNING = 'Kubernetes environment detected, but the `kubernetes` package'
 
 
 def initialize(coordinator_address: str | None = None,
@@ -203,11 +199,10 @@ def initialize(coordinator_address: str | None = None,
     kwargs['initialization_timeout'] = max(1, int(
         kwargs['initialization_timeout'] - (time.monotonic() - waited)))
   try:
-    with _companion.cpp_advice_hidden(), warnings.catch_warnings():
-      # JAX's advice at the service start is hidden; so is its warning that
-      # a pod lacks the `kubernetes` package, which it gives even when
-      # nothing is left to detect.
-      warnings.filterwarnings('ignore', _K8S_WARNING, UserWarning)
+    # JAX's advice at the service start, and its detection's warning in a
+    # pod without the `kubernetes` package, are hidden.
+    with (_companion.cpp_advice_hidden(),
+          coordination.kubernetes_warning_hidden()):
       if companion is not None or external:
         # The companion (or a launcher) hosts the coordination service (see
         # `runtime.coordination.start_service`): process 0 must not start another.
