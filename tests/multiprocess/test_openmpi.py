@@ -38,6 +38,7 @@ import _helpers
 import pytest
 
 from multihost import launch
+from multihost import netns
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -86,9 +87,10 @@ def _engine(major: int) -> str:
   return found[0]
 
 
-def _command(major: int, *args: str) -> list[str]:
+def _command(major: int, *args: str,
+             options: tuple[str, ...] = ('--oversubscribe',)) -> list[str]:
   root = ['--allow-run-as-root'] if os.geteuid() == 0 else []
-  return [_engine(major), *root, '--oversubscribe', '-np', '2', PY, *args]
+  return [_engine(major), *root, *options, '-np', '2', PY, *args]
 
 
 def _env(mark: str) -> dict[str, str]:
@@ -143,14 +145,21 @@ def _nothing_left(mark: str, reaped: tuple[int, ...] = ()) -> None:
   assert not unreaped, f'ranks not reaped 15 s after mpirun: {unreaped}'
 
 
-def _run(major: int, *args: str, cwd: pathlib.Path) -> tuple[int, str]:
-  """mpirun -np 2 `args`: (exit status, stdout and stderr); bounded, leaves nothing."""
+def _run(major: int, *args: str, cwd: pathlib.Path,
+         command=None) -> tuple[int, str]:
+  """mpirun -np 2 `args` (through `command`, which returns the command line to run): (exit status, stdout and stderr); bounded, leaves nothing."""
   mark = uuid.uuid4().hex
-  proc = subprocess.Popen(_command(major, *args), cwd=cwd, env=_env(mark),
+  line = command(major, *args) if command else _command(major, *args)
+  proc = subprocess.Popen(line, cwd=cwd, env=_env(mark),
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   try:
     out, _ = proc.communicate(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    proc.terminate()  # mpirun then ends its ranks (a SIGKILL leaves them).
+    out = proc.communicate(timeout=30)[0]
+    raise AssertionError(
+        f'mpirun ran over {TIMEOUT_S} s:\n{out[-3000:]}') from None
   finally:
     _helpers.stop(proc)
     _nothing_left(mark)
@@ -208,6 +217,53 @@ def test_the_readme_example_runs_under_mpirun(major, tmp_path):
   assert sorted(out.splitlines()) == [
       'process 0: seed 1234, ids [0, 1]',
       'process 1: seed 1234, ids [0, 1]'], out[-3000:]
+
+
+# mpirun's ssh, for simulated hosts: `agent [OPTIONS] HOST COMMAND...` runs
+# the shell command line COMMAND on HOST (the network namespace whose address
+# is HOST, given in the file beside it), with HOST as its hostname.
+_AGENT = '''#!/bin/sh
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+ns=$(grep "^$host " "$0.hosts" | cut -d' ' -f2)
+[ -n "$ns" ] || { echo "$0: no simulated host $host" >&2; exit 255; }
+exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' \\
+    "$host" "$*"
+'''
+# How each engine is told to start its daemons with another ssh.
+_AGENT_OPTION = {5: '--prtemca plm_ssh_agent', 4: '--mca plm_rsh_agent'}
+
+
+@pytest.mark.parametrize('major', [5, 4])
+def test_the_readme_example_runs_across_two_simulated_hosts(major, tmp_path):
+  # Rank 1 runs on another host (network namespace): it reaches the
+  # coordinator only at process 0's address on the simulated network, which
+  # under Open MPI 5 it has from PMIx through mpirun's daemons.
+  ok, why = netns.available()
+  if not ok:
+    pytest.skip(f'no simulated hosts: {why}')
+  _engine(major)
+  (tmp_path / 'swap_example.py').write_text(
+      'import socket\n' + _swap_example() +
+      "print(f'process {me} on {socket.gethostname()}')\n")
+  agent = tmp_path / 'agent'
+  agent.write_text(_AGENT)
+  agent.chmod(0o755)
+  with netns.SimulatedHosts(2) as net:
+    hosts = [net.address(i) for i in range(2)]
+    pathlib.Path(f'{agent}.hosts').write_text(''.join(
+        f'{hosts[i]} {net.namespace(i)}\n' for i in range(2)))
+    # One rank per host (`--oversubscribe` would let both run on host 0).
+    options = (*_AGENT_OPTION[major].split(), str(agent), '--host',
+               ','.join(f'{h}:1' for h in hosts), '--map-by', 'node')
+    rc, out = _run(major, 'swap_example.py', cwd=tmp_path,
+                   command=lambda *a: net.command(
+                       0, _command(*a, options=options)))
+  assert rc == 0, out[-3000:]
+  assert sorted(out.splitlines()) == [
+      'process 0 on ' + hosts[0], 'process 0: seed 1234, ids [0, 1]',
+      'process 1 on ' + hosts[1], 'process 1: seed 1234, ids [0, 1]'
+  ], out[-3000:]
 
 
 def test_jax_alone_fails_under_open_mpi_5(tmp_path):
