@@ -266,6 +266,35 @@ def test_the_readme_example_runs_across_two_simulated_hosts(major, tmp_path):
   ], out[-3000:]
 
 
+# mpi4py, apart from the venv (.ci/openmpi installs it there): the other
+# tests run without it, as most users' programs do.
+MPI4PY = pathlib.Path(sys.prefix) / 'mpi4py-site'
+_AFTER = '''
+import jax
+import multihost
+multihost.initialize()
+from mpi4py import MPI
+total = MPI.COMM_WORLD.allreduce(jax.process_index() + 1)
+print(f'process {jax.process_index()}: MPI says {total}')
+'''
+
+
+def test_the_program_can_use_mpi4py_after_initialize_under_open_mpi_5(
+    tmp_path, monkeypatch):
+  # initialize() uses PMIx, which cannot start again in a process once left:
+  # an MPI_Init after it aborted the process at MPI_Finalize (Open MPI
+  # 5.0.11), unless MPI starts first, as it does where mpi4py is installed.
+  if not (MPI4PY / 'mpi4py').is_dir():
+    pytest.skip(f'no mpi4py in {MPI4PY} (pip install --target {MPI4PY} '
+                'mpi4py, as .ci/openmpi does)')
+  monkeypatch.setenv('PYTHONPATH', str(MPI4PY))  # _env() copies it.
+  (tmp_path / 'after.py').write_text(_AFTER)
+  rc, out = _run(5, 'after.py', cwd=tmp_path)
+  assert rc == 0, out[-3000:]
+  assert sorted(out.splitlines()) == ['process 0: MPI says 3',
+                                      'process 1: MPI says 3'], out[-3000:]
+
+
 def test_jax_alone_fails_under_open_mpi_5(tmp_path):
   # What multihost.initialize() is for: JAX's own detection finds nothing
   # under PRRTE (JAX 0.10.2). Should JAX find it one day, this test says so.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import importlib.util
 import os
 
 from multihost import env
@@ -119,46 +120,61 @@ def share_from_first(value: str | None, *, timeout: float) -> str:
 
   Every process of the job must call it. Process 0 puts its value in PMIx's
   store, the others get it from there (waiting for it up to `timeout`
-  seconds), then all meet at a fence, so that process 0 leaves PMIx only
-  after every process has its value.
+  seconds), then all meet at a fence, and leave PMIx (PRRTE reports a
+  client that exits without leaving).
+
+  Where mpi4py is installed, MPI is started first (by importing it): PMIx
+  cannot start again in a process once left, so the program's own
+  MPI_Init after this would fail or abort at MPI_Finalize; with MPI
+  started first, PMIx counts this use as a second start and stays up for
+  MPI. (Both seen with Open MPI 5.0.11: an MPI_Init after a finished use
+  aborted at MPI_Finalize; one during a kept use failed, "local rank: Not
+  found".)
 
   Raises:
     PmixError: no libpmix, or a call failed or timed out (named).
   """
   lib = _load()
+  if importlib.util.find_spec('mpi4py') is not None:
+    from mpi4py import MPI  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   me = _Proc()
   _check(lib.PMIx_Init(ctypes.byref(me), None, ctypes.c_size_t(0)),
          'PMIx_Init', timeout)
   try:
-    wait = _timeout_info(timeout)
-    if me.rank == 0:
-      if value is None:
-        raise PmixError('process 0 has no value to share')
-      mine = _Value()
-      mine.type = _STRING
-      mine.data.string = value.encode()
-      _check(lib.PMIx_Put(ctypes.c_uint8(_GLOBAL), _KEY, ctypes.byref(mine)),
-             'PMIx_Put', timeout)
-      _check(lib.PMIx_Commit(), 'PMIx_Commit', timeout)
-      shared = value
-    else:
-      first = _Proc()
-      first.nspace = me.nspace
-      first.rank = 0
-      got = ctypes.POINTER(_Value)()
-      _check(lib.PMIx_Get(ctypes.byref(first), _KEY, ctypes.byref(wait),
-                          ctypes.c_size_t(1), ctypes.byref(got)),
-             f'PMIx_Get of process 0\'s {_KEY.decode()}', timeout)
-      if not got or got.contents.type != _STRING:
-        raise PmixError(f'PMIx_Get of process 0\'s {_KEY.decode()} gave no '
-                        'string')
-      shared = got.contents.data.string.decode()
-      release = getattr(lib, 'PMIx_Value_free', None)  # PMIx 4 and later.
-      if release is not None:
-        release(got, ctypes.c_size_t(1))
-    _check(lib.PMIx_Fence(None, ctypes.c_size_t(0), ctypes.byref(wait),
-                          ctypes.c_size_t(1)), 'PMIx_Fence', timeout)
+    return _share(lib, me, value, timeout)
   finally:
-    # PRRTE reports a process that connected and leaves without it.
     lib.PMIx_Finalize(None, ctypes.c_size_t(0))
+
+
+def _share(lib: ctypes.CDLL, me: _Proc, value: str | None,
+           timeout: float) -> str:
+  wait = _timeout_info(timeout)
+  if me.rank == 0:
+    if value is None:
+      raise PmixError('process 0 has no value to share')
+    mine = _Value()
+    mine.type = _STRING
+    mine.data.string = value.encode()
+    _check(lib.PMIx_Put(ctypes.c_uint8(_GLOBAL), _KEY, ctypes.byref(mine)),
+           'PMIx_Put', timeout)
+    _check(lib.PMIx_Commit(), 'PMIx_Commit', timeout)
+    shared = value
+  else:
+    first = _Proc()
+    first.nspace = me.nspace
+    first.rank = 0
+    got = ctypes.POINTER(_Value)()
+    _check(lib.PMIx_Get(ctypes.byref(first), _KEY, ctypes.byref(wait),
+                        ctypes.c_size_t(1), ctypes.byref(got)),
+           f'PMIx_Get of process 0\'s {_KEY.decode()}', timeout)
+    if not got or got.contents.type != _STRING:
+      raise PmixError(f'PMIx_Get of process 0\'s {_KEY.decode()} gave no '
+                      'string')
+    shared = got.contents.data.string.decode()
+    release = getattr(lib, 'PMIx_Value_free', None)  # PMIx 4 and later.
+    if release is not None:
+      release(got, ctypes.c_size_t(1))
+  _check(lib.PMIx_Fence(None, ctypes.c_size_t(0), ctypes.byref(wait),
+                        ctypes.c_size_t(1)), 'PMIx_Fence', timeout)
   return shared
+
