@@ -136,7 +136,8 @@ def share_from_first(value: str | None, *, timeout: float) -> str:
   """
   lib = _load()
   if importlib.util.find_spec('mpi4py') is not None:
-    from mpi4py import MPI  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    # Starts MPI (mpi4py starts it at import).
+    from mpi4py import MPI  # noqa: F401  pylint: disable=unused-import
   me = _Proc()
   _check(lib.PMIx_Init(ctypes.byref(me), None, ctypes.c_size_t(0)),
          'PMIx_Init', timeout)

@@ -75,7 +75,8 @@ def _hold_free_port(host: str) -> socket.socket:
   no other program's port-0 bind gets the port and the service's does (the
   reason `multihost.launch.hold_free_port` holds its port too).
   """
-  family, _, _, _, where = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+  family, _, _, _, where = socket.getaddrinfo(
+      host, 0, type=socket.SOCK_STREAM)[0]
   s = socket.socket(family, socket.SOCK_STREAM)
   try:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
