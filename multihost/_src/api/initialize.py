@@ -53,14 +53,10 @@ def initialize(coordinator_address: str | None = None,
   Takes every argument of `jax.distributed.initialize`, by the same name and
   position; its own options are keyword-only. Arguments are taken, in
   order, from: this call; the environment that `multihost.launch` sets
-  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); Open
-  MPI 5's `mpirun` (PRRTE), which JAX does not detect: process 0's address
-  reaches the others through PMIx (`JAX_COORDINATOR_PORT` chooses the
-  port); a cluster that JAX auto-detects (Slurm, Open MPI 4, an indexed
-  Kubernetes Job, ...; in such a Job, with `JAX_COORDINATOR_ADDRESS` and
-  `JAX_NUM_PROCESSES` set, the index is `$JOB_COMPLETION_INDEX`). With
-  none of these and no cluster, it does nothing and the program runs as a
-  single controller.
+  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
+  cluster (Slurm, Open MPI 4 and 5, an indexed Kubernetes Job, ...: see
+  docs/launcher.md). With none of these and no cluster, it does nothing and
+  the program runs as a single controller.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -89,9 +85,8 @@ def initialize(coordinator_address: str | None = None,
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
-    MultihostError: under Open MPI 5, process 0's address cannot be found,
-      or an indexed Kubernetes Job lacks the `kubernetes` package (the
-      message says what to set or install).
+    MultihostError: under Open MPI 5 or in a Kubernetes Job, the job cannot
+      be found (the message says what to set or install).
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
@@ -109,15 +104,11 @@ def initialize(coordinator_address: str | None = None,
   held = None  # Open MPI 5: the port process 0 holds for its service.
   if (None in (coordinator_address, num_processes, process_id) and
       cluster_detection_method is None and prrte.launched()):
-    found = prrte.find(coordinator_address, timeout=initialization_timeout)
-    coordinator_address, held = found.address, found.hold
-    num_processes = found.count if num_processes is None else num_processes
-    process_id = found.index if process_id is None else process_id
-    if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
-      local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
+    (coordinator_address, num_processes, process_id, local_device_ids,
+     held) = _open_mpi_5(env, coordinator_address, num_processes, process_id,
+                         local_device_ids, timeout=initialization_timeout)
   explicit = None not in (coordinator_address, num_processes, process_id)
-  if not explicit and cluster_detection_method is None:
-    _check_kubernetes(env)
+  _check_kubernetes(env, explicit or cluster_detection_method is not None)
   if not explicit and cluster_detection_method is None and not _env.in_cluster():
     _single_controller(coordinator_address, num_processes, process_id)
     return
@@ -140,11 +131,7 @@ def initialize(coordinator_address: str | None = None,
   detect = _detect_failures(detect_failures)
   _set_heartbeat(kwargs, heartbeat, detect=detect)
   _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
-  try:
-    companion = _start_distributed(kwargs, env, detect=detect)
-  finally:
-    if held is not None:
-      held.close()  # The service has the port now (or failed).
+  companion = _start_distributed(kwargs, env, detect=detect, held=held)
   _start_runtime(companion, kwargs, detect=detect,
                  shutdown_timeout=shutdown_timeout_seconds)
 
@@ -173,9 +160,23 @@ def _job(env: Mapping[str, str], coordinator_address: str | None,
   return coordinator_address, num_processes, process_id
 
 
-def _check_kubernetes(env: Mapping[str, str]) -> None:
-  """Raises MultihostError, saying what to do, in an indexed Kubernetes Job where JAX's detection lacks its `kubernetes` package."""
-  if (_env.in_kubernetes_job() and
+def _open_mpi_5(env: Mapping[str, str], coordinator_address: str | None,
+                num_processes: int | None, process_id: int | None,
+                local_device_ids: int | Sequence[int] | None, *,
+                timeout: float) -> tuple[Any, ...]:
+  """The job's arguments under Open MPI 5's mpirun (`runtime.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
+  found = prrte.find(coordinator_address, timeout=timeout)
+  if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
+    local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
+  return (found.address,
+          found.count if num_processes is None else num_processes,
+          found.index if process_id is None else process_id,
+          local_device_ids, found.hold)
+
+
+def _check_kubernetes(env: Mapping[str, str], given: bool) -> None:
+  """Raises MultihostError, saying what to do, in an indexed Kubernetes Job where JAX's detection would lack its `kubernetes` package (not `given` the job, nor a detection method)."""
+  if (not given and _env.in_kubernetes_job() and
       not any(m in env for m in _env.CLUSTER_MARKERS) and
       importlib.util.find_spec('kubernetes') is None):
     raise errors.MultihostError(_NO_KUBERNETES_CLIENT.format(
@@ -241,8 +242,8 @@ def _set_bind_address(kwargs: dict[str, Any],
 
 
 def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
-                       detect: bool) -> Any:
-  """Starts the coordination service's companion (process 0, where it hosts the service), waits for the service (the others), and `jax.distributed`; returns the companion or None."""
+                       detect: bool, held: socket.socket | None) -> Any:
+  """Starts the coordination service's companion (process 0, where it hosts the service), waits for the service (the others), and `jax.distributed`; returns the companion or None. Closes `held` (a socket that held the service's port) once the service has it."""
   companion = None
   external = settings.external_service()
   if detect and not external and _companion.enabled():
@@ -268,6 +269,9 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
     if companion is not None:
       companion.finish()
     raise
+  finally:
+    if held is not None:
+      held.close()
   return companion
 
 
