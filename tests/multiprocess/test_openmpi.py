@@ -181,9 +181,10 @@ def _swap_example() -> str:
   return blocks[0]
 
 
-def _printed(output: str) -> list[str]:
-  """The example programs' lines, sorted (and nothing else may be printed)."""
-  lines = sorted(ln for ln in output.splitlines() if ln.strip())
+def _printed(output: str, ignore: str = '^$') -> list[str]:
+  """The example programs' lines, sorted (nothing else but `ignore` may be printed)."""
+  lines = sorted(ln for ln in output.splitlines()
+                 if ln.strip() and not re.match(ignore, ln))
   assert all(ln.startswith('process ') for ln in lines), output[-3000:]
   return lines
 
@@ -273,7 +274,10 @@ def test_the_readme_example_runs_across_two_simulated_hosts(major, tmp_path):
                    command=lambda *a: net.command(
                        0, _command(*a, options=options)))
   assert rc == 0, out[-3000:]
-  assert _printed(out) == [
+  # Open MPI 5's own warning when the stand-in has already become its
+  # command as mpirun sets its process group (seen under load).
+  setpgid = r'\[.*\] plm:ssh: Warning: setpgid\(.*\) failed'
+  assert _printed(out, ignore=setpgid) == [
       'process 0 on ' + hosts[0], 'process 0: seed 1234, ids [0, 1]',
       'process 1 on ' + hosts[1], 'process 1: seed 1234, ids [0, 1]'
   ], out[-3000:]
@@ -345,17 +349,17 @@ def test_train_killed_under_open_mpi_5_resumes_to_the_same_digest(
       assert proc.poll() is None, proc.communicate()[0][-3000:]
       assert time.monotonic() < deadline, 'no checkpoint of step 5 in time'
       time.sleep(0.05)
-    # Each rank's python (rank 0's companion shares its rank: the lower
-    # pid is the trainer, its parent).
-    for pid, (rank, cmd) in sorted(_marked(mark).items(), reverse=True):
+    # Each rank's python, and rank 0's companion (a fork of it, with its
+    # rank and command line); rank 1 has none.
+    for pid, (rank, cmd) in _marked(mark).items():
       if rank and 'train.py' in cmd:
-        ranks[rank] = pid
-    os.kill(ranks['1'], signal.SIGKILL)
+        ranks.setdefault(rank, []).append(pid)
+    os.kill(*ranks['1'], signal.SIGKILL)
     out, _ = proc.communicate(timeout=TIMEOUT_S)
   finally:
     _helpers.stop(proc)
-    _nothing_left(mark, reaped=tuple(ranks.values()))
-  assert set(ranks) == {'0', '1'}, ranks
+    _nothing_left(mark, reaped=tuple(p for ps in ranks.values() for p in ps))
+  assert sorted(ranks) == ['0', '1'] and len(ranks['1']) == 1, ranks
   assert proc.returncode != 0 and 'Finished step' not in out, out[-3000:]
   assert 'signal 9' in out, out[-3000:]  # mpirun names the killed rank.
   rc, out = _run(5, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS,
