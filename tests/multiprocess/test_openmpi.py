@@ -62,7 +62,7 @@ def _version(path: str) -> str:
                           timeout=30, check=False, stdin=subprocess.DEVNULL)
   except OSError:
     return ''
-  found = re.search(r'\(Open MPI\) (\d+\.\d+\.\d+)', done.stdout)
+  found = re.search(r'\((?:Open MPI|OpenRTE)\) (\d+\.\d+\.\d+)', done.stdout)
   return found.group(1) if found else ''
 
 
