@@ -11,8 +11,9 @@ address reaches the others through PMIx (`multihost._src.runtime.prrte`).
   launcher;
 - bin/train.py under Open MPI 5: a clean run prints what the launcher's
   run of the same command prints (lines, numbers aside) and ends at the
-  same digest; a run whose rank 1 is SIGKILLed mid-run, then the same
-  command again, resumes from a checkpoint and ends at that digest;
+  same digest; under both engines, a run whose rank 1 is SIGKILLed mid-run,
+  then the same command again, resumes from a checkpoint and ends at that
+  digest;
 - the README's example across two simulated hosts under both engines;
 - a program that uses mpi4py after `multihost.initialize()` under Open MPI 5.
 
@@ -335,12 +336,13 @@ def test_train_under_open_mpi_5_is_quiet_and_ends_as_under_the_launcher(
       f'under the launcher, not under mpirun: {reference["lines"] - lines}')
 
 
-def test_train_killed_under_open_mpi_5_resumes_to_the_same_digest(
-    reference, tmp_path):
+@pytest.mark.parametrize('major', [5, 4])
+def test_train_killed_under_mpirun_resumes_to_the_same_digest(
+    major, reference, tmp_path):
   folder = tmp_path / 'ckpt'
   mark, ranks = uuid.uuid4().hex, {}
   proc = subprocess.Popen(
-      _command(5, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS),
+      _command(major, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS),
       cwd=ROOT, env=_env(mark), stdin=subprocess.DEVNULL,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
@@ -362,7 +364,7 @@ def test_train_killed_under_open_mpi_5_resumes_to_the_same_digest(
   assert sorted(ranks) == ['0', '1'] and len(ranks['1']) == 1, ranks
   assert proc.returncode != 0 and 'Finished step' not in out, out[-3000:]
   assert 'signal 9' in out, out[-3000:]  # mpirun names the killed rank.
-  rc, out = _run(5, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS,
+  rc, out = _run(major, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS,
                  cwd=ROOT)
   assert rc == 0, out[-3000:]
   resumed = re.findall(r'Resumed from step (\d+)', out)
