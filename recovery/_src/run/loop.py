@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -29,15 +31,30 @@ StepFn = Callable[[PyTree, PyTree], tuple[PyTree, Any]]
 DataFn = Callable[[np.ndarray], PyTree]
 # (old_user_state, new_user_state, ids, loss) -> None; raises on a bad step.
 CheckFn = Callable[[PyTree, PyTree, np.ndarray, float], None]
+# Steps `ResilientLoop.run` lets the device queue before it waits for the
+# oldest (two: the next step is always queued, with one to spare for a slow
+# batch on the host).
+_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-  """What one step did: its number (after the step), epoch, sample ids, loss."""
+  """What one step did: its number (after the step), epoch, sample ids, loss.
+
+  `raw_loss` is the loss as `step_fn` returned it: a jax.Array that the
+  device may still be computing. `loss` reads it to the host as a float on
+  first use (waiting for the step) and keeps it; nothing reads it unless
+  asked.
+  """
   step: int
   epoch: int
   ids: np.ndarray
-  loss: float
+  raw_loss: Any
+
+  @functools.cached_property
+  def loss(self) -> float:
+    """The loss as a float (read once, on first use: waits for the step)."""
+    return float(digest.host_value(self.raw_loss))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +111,32 @@ class ResilientLoop:
 
   def _step(self, state: TransitionState, watch: Any
             ) -> tuple[TransitionState, StepRecord]:
-    """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded."""
+    """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
+
+    Dispatches the step and returns without waiting for it, except that
+    with a `check_fn` the loss is read (the check decides whether the step
+    stands), and a loss sharded across processes is read on every process
+    here (reading it is collective).
+    """
     ids, nxt = self.sampler.next(state)
     batch = self.data_fn(ids)
     if watch is not None:
       watch.arrived()  # From here on this process waits for its peers.
     user, loss = self.step_fn(state.user, batch)
-    loss = float(digest.host_value(loss))
+    nxt = nxt.replace(user=user, step=state.step + 1)
+    record = StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids,
+                        raw_loss=loss)
+    if isinstance(loss, jax.Array) and not (
+        loss.is_fully_addressable or loss.sharding.is_fully_replicated):
+      _ = record.loss
     if self.check_fn is not None:
       try:
-        self.check_fn(state.user, user, ids, loss)
+        self.check_fn(state.user, user, ids, record.loss)
       except AssertionError as e:
         raise StepCheckError(
             f'{_prefix()} Step {state.step + 1} (sample ids {ids.tolist()}) '
             f'failed its independent check: {e}') from e
-    nxt = nxt.replace(user=user, step=state.step + 1)
-    return nxt, StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids, loss=loss)
+    return nxt, record
 
   def run(self, state: TransitionState, *, until_step: int,
           checkpoints: Checkpoints | None = None,
@@ -138,9 +165,19 @@ class ResilientLoop:
     process), so that every controller stops at one agreed step and saves it;
     a second Ctrl-C interrupts at once.
 
-    Each step (its batch, `step_fn`, its check; not the saves or
-    `on_step`) runs under `multihost.step_watch()`, which marks the arrival
-    after `data_fn`. With several controllers, a step stuck past its
+    The loop never waits for a step it has just dispatched: each step
+    loads its batch and dispatches `step_fn`, then waits only while more
+    than two steps are queued (for the oldest), so the device always has
+    the next step queued, as in a loop that reads no result. A loss reaches
+    the host only where it is used: the record's `loss` read by `on_step`
+    or a `check_fn` (a `check_fn` reads every step's loss before the next
+    step is dispatched), a progress line (the newest finished step's) and
+    the result. A step that is saved, the last one, and one where the run
+    stops for a preemption finish inside their own step.
+
+    Each step (its batch, `step_fn`, its check, the wait for the oldest
+    queued step; not the saves or `on_step`) runs under
+    `multihost.step_watch()`, which marks the arrival after `data_fn`. With several controllers, a step stuck past its
     deadline (learned from the step times, see `multihost.set_step_deadline`)
     makes every process log who is behind and where, and leave with exit
     status 75, so that the launcher's `--max_restarts` or a scheduler
@@ -150,7 +187,9 @@ class ResilientLoop:
       state: the state to continue from (fresh or restored).
       until_step: the step to stop at.
       checkpoints: where to save; None to run without saving.
-      on_step: called after every step with the new state and its record.
+      on_step: called after every step with the new state and its record
+        (the step may still be running: reading `record.loss` or the state
+        waits for it).
       handle_sigterm: single controller only; see above.
       progress_every_s: seconds between progress log lines.
       step_deadline: False: no step deadline in this loop (or turn it off
@@ -164,7 +203,8 @@ class ResilientLoop:
                                  and jax.process_count() == 1) else None
     sigint = SigintAsPreemption() if jax.process_count() > 1 else None
     start_step, t0 = state.step, time.monotonic()
-    record = None
+    record = done = None
+    inflight = collections.deque()
     last_log = t0
     watch = multihost.step_watch() if step_deadline else None
     try:
@@ -173,14 +213,29 @@ class ResilientLoop:
       if sigint is not None:
         sigint.install()
       while state.step < until_step:
+        n = state.step + 1
+        # The step's state is read right after it (a save, the end): it
+        # finishes inside its own watched step.
+        settle = n == until_step or (checkpoints is not None
+                                     and checkpoints.due(n))
         if watch is None:
           state, record = self.step(state)
+          done = _pace(inflight, record, settle) or done
         else:
-          with watch.step(state.step + 1):
+          with watch.step(n):
             state, record = self._step(state, watch)
+            done = _pace(inflight, record, settle) or done
         if on_step is not None:
           on_step(state, record)
         preempted = self._reached_preemption(state.step, sigterm)
+        if preempted and not settle:
+          inflight.clear()
+          if watch is None:
+            _finish(record, state)
+          else:
+            with watch.step(n):  # The step's end, still judged.
+              watch.arrived()
+              _finish(record, state)
         if checkpoints is not None:
           if preempted:
             checkpoints.save(state, force=True, reason='preemption')
@@ -203,10 +258,13 @@ class ResilientLoop:
         now = time.monotonic()
         if now - last_log >= progress_every_s:
           # The loss and step are global: process 0 tells them for all.
+          # Those of the newest step known finished: reading it leaves the
+          # device the queued steps' work.
           if jax.process_index() == 0:
+            told = done or record
             rate = (state.step - start_step) / (now - t0)
             logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
-                         state.step, until_step, record.loss, rate)
+                         told.step, until_step, told.loss, rate)
           last_log = now
       if checkpoints is not None:
         checkpoints.wait()
@@ -245,3 +303,26 @@ class ResilientLoop:
     if jax.process_count() == 1:
       return False
     return multihost.reached_preemption_sync_point(step)
+
+
+def _pace(inflight: collections.deque, record: StepRecord,
+          settle: bool) -> StepRecord | None:
+  """Queues `record`'s step and waits while more than `_IN_FLIGHT` steps are queued.
+
+  A loop that never reads a result keeps the device busy by queueing steps
+  ahead of it; this keeps that up to `_IN_FLIGHT` steps, so that a step's
+  watched time is its device time and what is queued stays bounded. With
+  `settle`, waits for `record`'s step too. Returns the newest step known
+  finished (None: none yet).
+  """
+  inflight.append(record)
+  done = None
+  while len(inflight) > _IN_FLIGHT or (settle and inflight):
+    done = inflight.popleft()
+    jax.block_until_ready(done.raw_loss)
+  return done
+
+
+def _finish(record: StepRecord, state: TransitionState) -> None:
+  """Waits until `record`'s step has produced its loss and state."""
+  jax.block_until_ready((record.raw_loss, state.user))
