@@ -33,6 +33,7 @@ import sys
 import time
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +41,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.experimental import multihost_utils
 
 from bench import harness
 import multihost

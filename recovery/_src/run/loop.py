@@ -107,11 +107,13 @@ class ResilientLoop:
     Collective when `step_fn` or `data_fn` are (as on a multi-process mesh):
     every process must call this, in the same order.
     """
-    return self._step(state, None)
+    return self._step(state, None, jax.process_count() > 1)
 
-  def _step(self, state: TransitionState, watch: Any
+  def _step(self, state: TransitionState, watch: Any, many: bool
             ) -> tuple[TransitionState, StepRecord]:
     """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
+
+    `many`: whether there are several processes (`jax.process_count() > 1`).
 
     Dispatches the step and returns without waiting for it, except that
     with a `check_fn` the loss is read (the check decides whether the step
@@ -126,7 +128,7 @@ class ResilientLoop:
     nxt = nxt.replace(user=user, step=state.step + 1)
     record = StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids,
                         raw_loss=loss)
-    if isinstance(loss, jax.Array) and not (
+    if many and isinstance(loss, jax.Array) and not (
         loss.is_fully_addressable or loss.sharding.is_fully_replicated):
       _ = record.loss
     if self.check_fn is not None:
@@ -201,7 +203,8 @@ class ResilientLoop:
     """
     sigterm = SigtermFlag() if (handle_sigterm
                                  and jax.process_count() == 1) else None
-    sigint = SigintAsPreemption() if jax.process_count() > 1 else None
+    many = jax.process_count() > 1
+    sigint = SigintAsPreemption() if many else None
     start_step, t0 = state.step, time.monotonic()
     record = done = None
     inflight = collections.deque()
@@ -219,11 +222,11 @@ class ResilientLoop:
         settle = n == until_step or (checkpoints is not None
                                      and checkpoints.due(n))
         if watch is None:
-          state, record = self.step(state)
+          state, record = self._step(state, None, many)
           done = _pace(inflight, record, settle) or done
         else:
           with watch.step(n):
-            state, record = self._step(state, watch)
+            state, record = self._step(state, watch, many)
             done = _pace(inflight, record, settle) or done
         if on_step is not None:
           on_step(state, record)
@@ -319,7 +322,11 @@ def _pace(inflight: collections.deque, record: StepRecord,
   done = None
   while len(inflight) > _IN_FLIGHT or (settle and inflight):
     done = inflight.popleft()
-    jax.block_until_ready(done.raw_loss)
+    loss = done.raw_loss
+    if isinstance(loss, jax.Array):
+      loss.block_until_ready()
+    else:
+      jax.block_until_ready(loss)
   return done
 
 
