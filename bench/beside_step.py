@@ -223,8 +223,8 @@ def main() -> None:
                       help='loop: MLP widths (one row each)')
   parser.add_argument('--layers', type=int, default=4)
   parser.add_argument('--batch', type=int, default=128)
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--rounds', type=int, default=7,
+  parser.add_argument('--steps', type=int, default=50)
+  parser.add_argument('--rounds', type=int, default=41,
                       help='loop: interleaved rounds of each')
   parser.add_argument('--sizes', default='1,16,64',
                       help='convert: batch sizes in MiB')
