@@ -194,11 +194,6 @@ class Checkpoints:
 
   # -- save ------------------------------------------------------------------
 
-  def due(self, step: int) -> bool:
-    """Whether `save` at `step` writes without `force`, in either tier (its schedule)."""
-    return step % self.save_every == 0 or (self.local is not None
-                                           and self.local.due(step))
-
   def save(self, state: TransitionState, *, force: bool = False,
            reason: str = '') -> bool:
     """Saves `state` at `state.step` if that step is due (or `force`).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import functools
 import time
@@ -205,15 +206,12 @@ class ResilientLoop:
     process), so that every controller stops at one agreed step and saves it;
     a second Ctrl-C interrupts at once.
 
-    The loop never waits for a step it has just dispatched: each step
-    loads its batch and dispatches `step_fn`, then waits only while more
-    than two steps are queued (for the oldest), so the device always has
-    the next step queued, as in a loop that reads no result. A loss reaches
-    the host only where it is used: the record's `loss` read by `on_step`
-    or a `check_fn` (a `check_fn` reads every step's loss before the next
-    step is dispatched), a progress line (the newest finished step's) and
-    the result. A step that is saved, the last one, and one where the run
-    stops for a preemption finish inside their own step.
+    The loop never waits for the step it has just dispatched, only for the
+    oldest while more than two are queued: the device always has the next
+    one. A loss reaches the host only where it is used (`record.loss` read
+    by `on_step`; a `check_fn`, which gets every step's before the next is
+    dispatched; a progress line, the newest finished step's; the result).
+    A saved step, the last, and a preemption's finish inside their step.
 
     Each step (its batch, `step_fn`, its check, the wait for the oldest
     queued step; not the saves or `on_step`) runs under
@@ -243,10 +241,8 @@ class ResilientLoop:
                                  and jax.process_count() == 1) else None
     many = jax.process_count() > 1
     sigint = SigintAsPreemption() if many else None
-    start_step, t0 = state.step, time.monotonic()
-    record = done = None
-    inflight = collections.deque()
-    last_log = t0
+    progress = _Progress(state.step, until_step, progress_every_s)
+    queue, record = _Queue(), None
     watch = multihost.step_watch() if step_deadline else None
     try:
       if sigterm is not None:
@@ -255,49 +251,22 @@ class ResilientLoop:
         sigint.install()
       while state.step < until_step:
         n = state.step + 1
-        # The step's state is read right after it (a save, the end): it
-        # finishes inside its own watched step.
-        settle = n == until_step or (checkpoints is not None
-                                     and checkpoints.due(n))
-        if watch is None:
-          state, record = self._step(state, None, many)
-          done = _pace(inflight, record, settle) or done
-        else:
-          with watch.step(n):
-            state, record = self._step(state, watch, many)
-            done = _pace(inflight, record, settle) or done
+        # Its state is read right after it: it finishes inside its step.
+        settle = n == until_step or _saves_at(checkpoints, n)
+        with contextlib.nullcontext() if watch is None else watch.step(n):
+          state, record = self._step(state, watch, many)
+          queue.add(record, settle)
         if on_step is not None:
           on_step(state, record)
         preempted = self._reached_preemption(state.step, sigterm)
         if preempted and not settle:
-          inflight.clear()
-          if watch is None:
-            _finish(record, state)
-          else:
-            with watch.step(n):  # The step's end, still judged.
-              watch.arrived()
-              _finish(record, state)
-        if checkpoints is not None:
-          if preempted:
-            checkpoints.save(state, force=True, reason='preemption')
-          else:
-            final = state.step == until_step
-            checkpoints.save(state, force=final,
-                             reason='final' if final else 'scheduled')
+          queue.finish(record, state, watch)
+        _save(checkpoints, state, preempted=preempted,
+              final=state.step == until_step)
         if preempted:
           _stopped_at_preemption(state, checkpoints)
           return RunResult(state=state, preempted=True, last_loss=record.loss)
-        now = time.monotonic()
-        if now - last_log >= progress_every_s:
-          # The loss and step are global: process 0 tells them for all.
-          # Those of the newest step known finished: reading it leaves the
-          # device the queued steps' work.
-          if jax.process_index() == 0:
-            told = done or record
-            rate = (state.step - start_step) / (now - t0)
-            logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
-                         told.step, until_step, told.loss, rate)
-          last_log = now
+        progress.tell(state.step, queue.done or record)
       if checkpoints is not None:
         checkpoints.wait()
       return RunResult(state=state, preempted=False,
@@ -320,28 +289,79 @@ class ResilientLoop:
     return multihost.reached_preemption_sync_point(step)
 
 
-def _pace(inflight: collections.deque, record: StepRecord,
-          settle: bool) -> StepRecord | None:
-  """Queues `record`'s step and waits while more than `_IN_FLIGHT` steps are queued.
+def _save(checkpoints: Checkpoints | None, state: TransitionState, *,
+          preempted: bool, final: bool) -> None:
+  """Saves `state` when a save is due: on schedule, at the end, at a preemption."""
+  if checkpoints is None:
+    return
+  if preempted:
+    checkpoints.save(state, force=True, reason='preemption')
+  else:
+    checkpoints.save(state, force=final,
+                     reason='final' if final else 'scheduled')
+
+
+def _saves_at(checkpoints: Checkpoints | None, step: int) -> bool:
+  """Whether `checkpoints.save` writes at `step` by its schedule (either tier)."""
+  if checkpoints is None:
+    return False
+  local = checkpoints.local
+  return step % checkpoints.save_every == 0 or (local is not None
+                                                and local.due(step))
+
+
+class _Queue:
+  """The steps dispatched and not yet waited for, oldest first.
 
   A loop that never reads a result keeps the device busy by queueing steps
-  ahead of it; this keeps that up to `_IN_FLIGHT` steps, so that a step's
-  watched time is its device time and what is queued stays bounded. With
-  `settle`, waits for `record`'s step too. Returns the newest step known
-  finished (None: none yet).
+  ahead of it; this one queues up to `_IN_FLIGHT`, so that a step's watched
+  time is its device time and what is queued stays bounded.
   """
-  inflight.append(record)
-  done = None
-  while len(inflight) > _IN_FLIGHT or (settle and inflight):
-    done = inflight.popleft()
-    loss = done.raw_loss
-    if isinstance(loss, jax.Array):
-      loss.block_until_ready()
+
+  def __init__(self):
+    self._steps: collections.deque[StepRecord] = collections.deque()
+    self.done: StepRecord | None = None  # The newest step known finished.
+
+  def add(self, record: StepRecord, settle: bool) -> None:
+    """Queues `record`'s step; waits for the oldest while over `_IN_FLIGHT` (all with `settle`)."""
+    self._steps.append(record)
+    while len(self._steps) > _IN_FLIGHT or (settle and self._steps):
+      done = self._steps.popleft()
+      loss = done.raw_loss
+      if isinstance(loss, jax.Array):
+        loss.block_until_ready()
+      else:
+        jax.block_until_ready(loss)
+      self.done = done
+
+  def finish(self, record: StepRecord, state: TransitionState,
+             watch: Any) -> None:
+    """Waits for `record`'s step (its loss and `state`) and all before it, judged as its step."""
+    self._steps.clear()
+    if watch is None:
+      jax.block_until_ready((record.raw_loss, state.user))
     else:
-      jax.block_until_ready(loss)
-  return done
+      with watch.step(record.step):  # The step's end, still judged.
+        watch.arrived()
+        jax.block_until_ready((record.raw_loss, state.user))
+    self.done = record
 
 
-def _finish(record: StepRecord, state: TransitionState) -> None:
-  """Waits until `record`'s step has produced its loss and state."""
-  jax.block_until_ready((record.raw_loss, state.user))
+class _Progress:
+  """The progress line, every `every_s` seconds (process 0 tells it for all)."""
+
+  def __init__(self, start_step: int, until_step: int, every_s: float):
+    self._start, self._until, self._every = start_step, until_step, every_s
+    self._t0 = self._last = time.monotonic()
+
+  def tell(self, step: int, record: StepRecord) -> None:
+    """Logs `record`'s step and loss (a finished step's: reading it leaves
+    the device the queued steps' work) when the time has come."""
+    now = time.monotonic()
+    if now - self._last < self._every:
+      return
+    self._last = now
+    if jax.process_index() == 0:  # The loss and step are global.
+      rate = (step - self._start) / (now - self._t0)
+      logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
+                   record.step, self._until, record.loss, rate)
