@@ -154,6 +154,48 @@ def test_step_check_failure_names_the_step():
     loop.step(_initial(loop))
 
 
+def test_the_loop_reads_no_loss_unless_asked_and_its_records_read_it_on_use():
+  loop = _toy_loop()
+  records = []
+  result = loop.run(_initial(loop), until_step=5,
+                    on_step=lambda s, rec: records.append(rec))
+  # Only the result read a loss (the last step's); the others stayed on the
+  # device until asked for here.
+  assert ['loss' in vars(r) for r in records] == [False] * 4 + [True]
+  _, straight = _run(loop, _initial(loop), 5)
+  assert [r.loss for r in records] == [r.loss for r in straight]
+  assert result.last_loss == straight[-1].loss
+  assert all(isinstance(r.loss, float) for r in records)
+
+
+def test_the_loop_dispatches_ahead_of_the_device_and_at_most_two_steps():
+  # A step of about a tenth of a second or more of device work (matrix
+  # products); the host loads the next batches while it runs.
+  rep = _rep()
+  a = jax.device_put(np.eye(512, dtype=np.float32) * 0.5, rep)
+
+  @jax.jit
+  def step_fn(user, batch):
+    m = jax.lax.fori_loop(0, 30, lambda i, m: jnp.tanh(m @ a), user['m'])
+    return {'m': m + batch}, jnp.sum(m)
+
+  step_fn({'m': a}, jnp.float32(0))  # Compiled before the run.
+  records, ready_at_load = [], []
+
+  def data_fn(ids):
+    # Whether the first step had finished when this batch was loaded.
+    ready_at_load.append(bool(records) and records[0].raw_loss.is_ready())
+    return jax.device_put(np.float32(ids[0]), rep)
+
+  loop = recovery.ResilientLoop(step_fn, data_fn=data_fn,
+                                sampler=recovery.EpochSampler(12, 2))
+  state = loop.init({'m': a}, jax.random.key(0))
+  loop.run(state, until_step=5, on_step=lambda s, rec: records.append(rec))
+  # Steps 2 and 3 were loaded while step 1 still ran; step 4 only once it
+  # had finished (at most two steps queued behind the one running).
+  assert ready_at_load[1:4] == [False, False, True], ready_at_load
+
+
 # -- checkpoints --------------------------------------------------------------
 
 

@@ -38,9 +38,10 @@ def host_local_array_to_global_array(local_inputs: PyTree,
   * An input that is already a global (not fully addressable) array is
     returned as is (the same object).
   * A jax.Array already laid out as the local sharding keeps its buffers
-    (no copy). A numpy slice of 256 KiB or more that is not 64-byte aligned
-    (which the device would copy) is copied once into aligned memory that
-    the result then owns; an aligned one is used in place, as JAX's.
+    (no copy). On CPU devices, a numpy slice of 256 KiB or more that is not
+    64-byte aligned (which the device would copy) is copied once into
+    aligned memory that the result then owns; an aligned one is used in
+    place, as JAX's. Other devices get each slice as it is, as JAX's.
   * Inside `jax.jit` (a traced input) it is the identity laid out as the
     global sharding, as JAX's, where the local and global shapes are equal
     (one process, or a spec replicated across processes); else ValueError.
@@ -99,7 +100,7 @@ def _leaves_and_layouts(tree: PyTree, mesh: jax.sharding.Mesh, pspecs: Any):
 class _Layout:
   """What a (mesh, spec) pair fixes: both shardings and the per-dim scales."""
   __slots__ = ('mesh', 'spec', 'local_mesh', 'global_sharding',
-               'local_sharding', '_scales', 'all_local', '_plans')
+               'local_sharding', '_scales', 'all_local', 'on_cpu', '_plans')
 
   def __init__(self, mesh: jax.sharding.Mesh, spec):
     self.mesh = mesh
@@ -108,6 +109,8 @@ class _Layout:
     self.global_sharding = jax.sharding.NamedSharding(mesh, spec)
     self.local_sharding = jax.sharding.NamedSharding(self.local_mesh, spec)
     self.all_local = self.local_mesh.devices.size == mesh.devices.size
+    # Host memory is the device's: `_placeable` pays off only there.
+    self.on_cpu = all(d.platform == 'cpu' for d in self.local_mesh.devices.flat)
     self._scales: dict[int, list[tuple[int, int]]] = {}
     self._plans: dict[tuple[int, ...], _Plan] = {}
 
@@ -137,7 +140,7 @@ def _index_key(index) -> tuple:
 class _Plan:
   """What a (layout, local shape) fixes: the global shape and, per global
   shard index of this process's devices, the local index holding its data."""
-  __slots__ = ('global_shape', 'local_index')
+  __slots__ = ('global_shape', 'local_index', 'on_cpu')
 
   def __init__(self, layout: _Layout, local_shape: tuple[int, ...]):
     shape = []
@@ -154,12 +157,15 @@ class _Plan:
     glob = layout.global_sharding.addressable_devices_indices_map(
         self.global_shape)
     self.local_index = {_index_key(glob[d]): local[d] for d in local}
+    self.on_cpu = layout.on_cpu
 
   def slicer(self, x: np.ndarray):
     """The data callback of `jax.make_array_from_callback` for `x`."""
     if x.ndim == 0:
       return lambda index: x
     local_index = self.local_index
+    if not self.on_cpu:  # The transfer to the device reads `x` as it is.
+      return lambda index: x[local_index[_index_key(index)]]
     return lambda index: _placeable(x[local_index[_index_key(index)]])
 
 
@@ -169,7 +175,9 @@ class _Plan:
 # a NumPy copy into huge-page-backed memory (bench/README.md has the numbers).
 # So a large slice that would be copied anyway is copied here, into an
 # aligned buffer that nothing else holds (then aliasing it is safe). Small
-# ones are cheaper to leave to the runtime.
+# ones are cheaper to leave to the runtime. Other devices (a TPU's, a GPU's)
+# copy the host bytes over as they are, aligned or not: a copy here would
+# only add one (docs/performance.md, "Beside a training step").
 _ALIGN = 64
 _COPY_FROM = 256 << 10
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
+import contextlib
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -29,15 +32,30 @@ StepFn = Callable[[PyTree, PyTree], tuple[PyTree, Any]]
 DataFn = Callable[[np.ndarray], PyTree]
 # (old_user_state, new_user_state, ids, loss) -> None; raises on a bad step.
 CheckFn = Callable[[PyTree, PyTree, np.ndarray, float], None]
+# Steps `ResilientLoop.run` lets the device queue before it waits for the
+# oldest (two: the next step is always queued, with one to spare for a slow
+# batch on the host).
+_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-  """What one step did: its number (after the step), epoch, sample ids, loss."""
+  """What one step did: its number (after the step), epoch, sample ids, loss.
+
+  `raw_loss` is the loss as `step_fn` returned it: a jax.Array that the
+  device may still be computing. `loss` reads it to the host as a float on
+  first use (waiting for the step) and keeps it; nothing reads it unless
+  asked.
+  """
   step: int
   epoch: int
   ids: np.ndarray
-  loss: float
+  raw_loss: Any
+
+  @functools.cached_property
+  def loss(self) -> float:
+    """The loss as a float (read once, on first use: waits for the step)."""
+    return float(digest.host_value(self.raw_loss))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,26 +146,38 @@ class ResilientLoop:
     Collective when `step_fn` or `data_fn` are (as on a multi-process mesh):
     every process must call this, in the same order.
     """
-    return self._step(state, None)
+    return self._step(state, None, jax.process_count() > 1)
 
-  def _step(self, state: TransitionState, watch: Any
+  def _step(self, state: TransitionState, watch: Any, many: bool
             ) -> tuple[TransitionState, StepRecord]:
-    """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded."""
+    """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
+
+    `many`: whether there are several processes (`jax.process_count() > 1`).
+
+    Dispatches the step and returns without waiting for it, except that
+    with a `check_fn` the loss is read (the check decides whether the step
+    stands), and a loss sharded across processes is read on every process
+    here (reading it is collective).
+    """
     ids, nxt = self.sampler.next(state)
     batch = self.data_fn(ids)
     if watch is not None:
       watch.arrived()  # From here on this process waits for its peers.
     user, loss = self.step_fn(state.user, batch)
-    loss = float(digest.host_value(loss))
+    nxt = nxt.replace(user=user, step=state.step + 1)
+    record = StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids,
+                        raw_loss=loss)
+    if many and isinstance(loss, jax.Array) and not (
+        loss.is_fully_addressable or loss.sharding.is_fully_replicated):
+      _ = record.loss
     if self.check_fn is not None:
       try:
-        self.check_fn(state.user, user, ids, loss)
+        self.check_fn(state.user, user, ids, record.loss)
       except AssertionError as e:
         raise StepCheckError(
             f'{_prefix()} Step {state.step + 1} (sample ids {ids.tolist()}) '
             f'failed its independent check: {e}') from e
-    nxt = nxt.replace(user=user, step=state.step + 1)
-    return nxt, StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids, loss=loss)
+    return nxt, record
 
   def run(self, state: TransitionState, *, until_step: int,
           checkpoints: Checkpoints | None = None,
@@ -176,9 +206,16 @@ class ResilientLoop:
     process), so that every controller stops at one agreed step and saves it;
     a second Ctrl-C interrupts at once.
 
-    Each step (its batch, `step_fn`, its check; not the saves or
-    `on_step`) runs under `multihost.step_watch()`, which marks the arrival
-    after `data_fn`. With several controllers, a step stuck past its
+    The loop never waits for the step it has just dispatched, only for the
+    oldest while more than two are queued: the device always has the next
+    one. A loss reaches the host only where it is used (`record.loss` read
+    by `on_step`; a `check_fn`, which gets every step's before the next is
+    dispatched; a progress line, the newest finished step's; the result).
+    A saved step, the last, and a preemption's finish inside their step.
+
+    Each step (its batch, `step_fn`, its check, the wait for the oldest
+    queued step; not the saves or `on_step`) runs under
+    `multihost.step_watch()`, which marks the arrival after `data_fn`. With several controllers, a step stuck past its
     deadline (learned from the step times, see `multihost.set_step_deadline`)
     makes every process log who is behind and where, and leave with exit
     status 75, so that the launcher's `--max_restarts` or a scheduler
@@ -188,7 +225,9 @@ class ResilientLoop:
       state: the state to continue from (fresh or restored).
       until_step: the step to stop at.
       checkpoints: where to save; None to run without saving.
-      on_step: called after every step with the new state and its record.
+      on_step: called after every step with the new state and its record
+        (the step may still be running: reading `record.loss` or the state
+        waits for it).
       handle_sigterm: single controller only; see above.
       progress_every_s: seconds between progress log lines.
       step_deadline: False: no step deadline in this loop (or turn it off
@@ -200,10 +239,10 @@ class ResilientLoop:
     """
     sigterm = SigtermFlag() if (handle_sigterm
                                  and jax.process_count() == 1) else None
-    sigint = SigintAsPreemption() if jax.process_count() > 1 else None
-    start_step, t0 = state.step, time.monotonic()
-    record = None
-    last_log = t0
+    many = jax.process_count() > 1
+    sigint = SigintAsPreemption() if many else None
+    progress = _Progress(state.step, until_step, progress_every_s)
+    queue, record = _Queue(), None
     watch = multihost.step_watch() if step_deadline else None
     try:
       if sigterm is not None:
@@ -211,32 +250,23 @@ class ResilientLoop:
       if sigint is not None:
         sigint.install()
       while state.step < until_step:
-        if watch is None:
-          state, record = self.step(state)
-        else:
-          with watch.step(state.step + 1):
-            state, record = self._step(state, watch)
+        n = state.step + 1
+        # Its state is read right after it: it finishes inside its step.
+        settle = n == until_step or _saves_at(checkpoints, n)
+        with contextlib.nullcontext() if watch is None else watch.step(n):
+          state, record = self._step(state, watch, many)
+          queue.add(record, settle)
         if on_step is not None:
           on_step(state, record)
         preempted = self._reached_preemption(state.step, sigterm)
-        if checkpoints is not None:
-          if preempted:
-            checkpoints.save(state, force=True, reason='preemption')
-          else:
-            final = state.step == until_step
-            checkpoints.save(state, force=final,
-                             reason='final' if final else 'scheduled')
+        if preempted and not settle:
+          queue.finish(record, state, watch)
+        _save(checkpoints, state, preempted=preempted,
+              final=state.step == until_step)
         if preempted:
           _stopped_at_preemption(state, checkpoints)
           return RunResult(state=state, preempted=True, last_loss=record.loss)
-        now = time.monotonic()
-        if now - last_log >= progress_every_s:
-          # The loss and step are global: process 0 tells them for all.
-          if jax.process_index() == 0:
-            rate = (state.step - start_step) / (now - t0)
-            logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
-                         state.step, until_step, record.loss, rate)
-          last_log = now
+        progress.tell(state.step, queue.done or record)
       if checkpoints is not None:
         checkpoints.wait()
       return RunResult(state=state, preempted=False,
@@ -257,3 +287,81 @@ class ResilientLoop:
     if jax.process_count() == 1:
       return False
     return multihost.reached_preemption_sync_point(step)
+
+
+def _save(checkpoints: Checkpoints | None, state: TransitionState, *,
+          preempted: bool, final: bool) -> None:
+  """Saves `state` when a save is due: on schedule, at the end, at a preemption."""
+  if checkpoints is None:
+    return
+  if preempted:
+    checkpoints.save(state, force=True, reason='preemption')
+  else:
+    checkpoints.save(state, force=final,
+                     reason='final' if final else 'scheduled')
+
+
+def _saves_at(checkpoints: Checkpoints | None, step: int) -> bool:
+  """Whether `checkpoints.save` writes at `step` by its schedule (either tier)."""
+  if checkpoints is None:
+    return False
+  local = checkpoints.local
+  return step % checkpoints.save_every == 0 or (local is not None
+                                                and local.due(step))
+
+
+class _Queue:
+  """The steps dispatched and not yet waited for, oldest first.
+
+  A loop that never reads a result keeps the device busy by queueing steps
+  ahead of it; this one queues up to `_IN_FLIGHT`, so that a step's watched
+  time is its device time and what is queued stays bounded.
+  """
+
+  def __init__(self):
+    self._steps: collections.deque[StepRecord] = collections.deque()
+    self.done: StepRecord | None = None  # The newest step known finished.
+
+  def add(self, record: StepRecord, settle: bool) -> None:
+    """Queues `record`'s step; waits for the oldest while over `_IN_FLIGHT` (all with `settle`)."""
+    self._steps.append(record)
+    while len(self._steps) > _IN_FLIGHT or (settle and self._steps):
+      done = self._steps.popleft()
+      loss = done.raw_loss
+      if isinstance(loss, jax.Array):
+        loss.block_until_ready()
+      else:
+        jax.block_until_ready(loss)
+      self.done = done
+
+  def finish(self, record: StepRecord, state: TransitionState,
+             watch: Any) -> None:
+    """Waits for `record`'s step (its loss and `state`) and all before it, judged as its step."""
+    self._steps.clear()
+    if watch is None:
+      jax.block_until_ready((record.raw_loss, state.user))
+    else:
+      with watch.step(record.step):  # The step's end, still judged.
+        watch.arrived()
+        jax.block_until_ready((record.raw_loss, state.user))
+    self.done = record
+
+
+class _Progress:
+  """The progress line, every `every_s` seconds (process 0 tells it for all)."""
+
+  def __init__(self, start_step: int, until_step: int, every_s: float):
+    self._start, self._until, self._every = start_step, until_step, every_s
+    self._t0 = self._last = time.monotonic()
+
+  def tell(self, step: int, record: StepRecord) -> None:
+    """Logs `record`'s step and loss (a finished step's: reading it leaves
+    the device the queued steps' work) when the time has come."""
+    now = time.monotonic()
+    if now - self._last < self._every:
+      return
+    self._last = now
+    if jax.process_index() == 0:  # The loss and step are global.
+      rate = (step - self._start) / (now - self._t0)
+      logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),
+                   record.step, self._until, record.loss, rate)

@@ -58,7 +58,10 @@ class TransitionState:
                step=int(data['step']))
 
   def replace(self, **changes) -> TransitionState:
-    return dataclasses.replace(self, **changes)
+    """A copy with `changes` (as `dataclasses.replace`; a loop calls it every step)."""
+    fields = dict(self.__dict__)
+    fields.update(changes)
+    return TransitionState(**fields)
 
 
 class EpochSampler:
