@@ -39,6 +39,7 @@ import stat
 import time
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from multihost.lowlevel import fsync_folder
@@ -80,6 +81,29 @@ class StoredStep:
   folder: str
   manifest: dict[str, Any]
   entries: dict[EntryKey, Entry]
+
+
+def dtype_text(dtype: np.dtype) -> str:
+  """How a manifest names a block's dtype: NumPy's '<f4', or the name of an ml_dtypes type ('bfloat16').
+
+  NumPy's text of an ml_dtypes type ('<V2' for bfloat16, '<f1' for
+  float8_e5m2) does not read back as that type; its name does (`dtype_of`).
+  """
+  if dtype.type.__module__.split('.')[0] == 'ml_dtypes':
+    return dtype.name
+  return dtype.str
+
+
+def dtype_of(text: str) -> np.dtype:
+  """The dtype a manifest names (`dtype_text`).
+
+  Raises:
+    TypeError: no such dtype.
+  """
+  scalar = getattr(ml_dtypes, text, None)
+  if isinstance(scalar, type) and issubclass(scalar, np.generic):
+    return np.dtype(scalar)
+  return np.dtype(text)
 
 
 def process_folder(local: str, process: int) -> str:
@@ -167,7 +191,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
         f.write(memoryview(block.reshape(-1).view(np.uint8)))
         listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                       'dtype': block.dtype.str, 'shape': list(block.shape),
+                       'dtype': dtype_text(block.dtype), 'shape': list(block.shape),
                        'offset': offset, 'nbytes': block.nbytes})
         offset += block.nbytes
       f.flush()
@@ -268,7 +292,7 @@ def scan(local: str) -> list[StoredStep]:
 
 def read_block(entry: Entry) -> np.ndarray:
   """The block's array, read from its data file (never through a link)."""
-  out = np.empty(entry.shape, np.dtype(entry.dtype))
+  out = np.empty(entry.shape, dtype_of(entry.dtype))
   with private.open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
     view = memoryview(out.reshape(-1).view(np.uint8))
