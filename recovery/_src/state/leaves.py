@@ -241,6 +241,11 @@ def spec(x: jax.Array | np.ndarray | jax.ShapeDtypeStruct) -> list:
   return [list(x.shape), np.dtype(x.dtype).name]
 
 
+def spec_dtype(spec: list) -> np.dtype:
+  """The dtype a `spec` names ('bfloat16', 'float32', 'int4', ...)."""
+  return np.dtype(jax.numpy.dtype(spec[1]))
+
+
 def kind(x: Any) -> str:
   """How a leaf is held: 'global', 'committed', 'uncommitted', 'int', ..."""
   if isinstance(x, jax.Array):
