@@ -150,7 +150,8 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   got = digest.combine(digests)
   error = (None if got == meta['digest'] else
            f'its blocks digest to {got[:16]}..., not the saved '
-           f'{meta["digest"][:16]}...')
+           f'{meta["digest"][:16]}... (leaves that changed: '
+           f'{", ".join(_meta.changed_leaves(meta, digests)) or "unknown"})')
   if not _agree(error, where, 'its digest check'):
     return None
   try:
