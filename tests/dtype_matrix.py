@@ -82,7 +82,13 @@ def leaf(name: str, kind: str, rng: np.random.Generator,
     return value
   if kind == 'uncommitted':
     return jnp.asarray(value)
-  return jax.device_put(value, sharding)
+  return _placed(value, sharding)
+
+
+def _placed(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`value` on `sharding` (several processes: no equality check across them, which NaNs would fail)."""
+  return jax.make_array_from_callback(value.shape, sharding,
+                                      lambda index: value[index])
 
 
 def user(seed: int, *, names=None, kinds=KINDS, mesh=None) -> dict:
@@ -110,7 +116,7 @@ def _refill(value: Any, rng: np.random.Generator) -> Any:
     return bits_
   if not value.committed:
     return jnp.asarray(bits_)
-  return jax.device_put(bits_, value.sharding)
+  return _placed(bits_, value.sharding)
 
 
 def state(user_tree: dict, step: int) -> recovery.TransitionState:
