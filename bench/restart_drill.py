@@ -47,7 +47,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from multihost import launch  # noqa: E402  (after the path is set)
+from multihost import env as _env  # noqa: E402  (after the path is set)
+from multihost import launch  # noqa: E402
 
 TRAIN = ROOT / 'bin' / 'train.py'
 STAGES = ('detect', 'stop', 'start', 'import', 'initialize', 'restore',
@@ -81,19 +82,18 @@ def _stamped(output: str, pattern: str) -> float | None:
 
 def run_once(folder: str, args: argparse.Namespace) -> dict[str, float]:
   """One drill; returns {stage: seconds, 'total', 'compile', 'hits', 'survivor'}."""
-  command = ('exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+  me = f'${_env.PROCESS_ID}'  # (the shell's: each controller's index)
+  command = (f'exec env {_env.RECOVERY_HOST_ID}=host{me} '
              f'"{sys.executable}" "{TRAIN}" --checkpoint_dir={folder}/ckpt '
-             f'--local_checkpoint_dir={folder}/local$JAX_PROCESS_ID '
+             f'--local_checkpoint_dir={folder}/local{me} '
              f'--steps={args.steps} --save_every={args.save_every} '
              f'--local_save_every={args.local_save_every} '
              f'--drill_kill_after_step={args.kill_after_step}')
-  env = {'MULTIHOST_HEARTBEAT_TIMEOUT': str(args.heartbeat),
-         'JAX_LOG_COMPILES': '1'}
+  env = {_env.HEARTBEAT: str(args.heartbeat), _env.LOG_COMPILES: '1'}
   if args.cache == 'off':
-    env['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
+    env[_env.ENABLE_COMPILATION_CACHE] = 'false'
   if args.min_compile_time is not None:
-    env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = str(
-        args.min_compile_time)
+    env[_env.CACHE_MIN_COMPILE_TIME] = str(args.min_compile_time)
   wall0, mono0 = time.time(), time.monotonic()
   cluster = launch.Controllers(['sh', '-c', command], num_processes=2,
                                devices_per_process=2, env=env, cwd=ROOT,

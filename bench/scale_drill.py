@@ -52,6 +52,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from multihost import env as _env  # noqa: E402  (after the path is set)
 
 # Column key, table heading, the docs' model ('log' or 'linear').
 STAGES = (
@@ -66,7 +69,7 @@ STAGES = (
 REPEATED = ('barrier_ms', 'allgather_8b_ms', 'broadcast_8b_ms',
             'broadcast_1mib_ms')
 WARMUP = 2
-LAUNCH_T0 = 'SCALE_DRILL_LAUNCH_T0'
+LAUNCH_T0 = _env.SCALE_DRILL_LAUNCH_T0
 
 
 # --------------------------------------------------------------- the worker
@@ -163,9 +166,9 @@ def run_p(p: int, args: argparse.Namespace) -> dict:
 
   load0 = os.getloadavg()
   launched = time.time()
-  env = {'JAX_PLATFORMS': 'cpu', LAUNCH_T0: repr(launched),
-         'PYTHONPATH': os.pathsep.join(
-             [str(ROOT), *filter(None, [os.environ.get('PYTHONPATH')])])}
+  env = {_env.PLATFORMS: 'cpu', LAUNCH_T0: repr(launched),
+         _env.PYTHONPATH: os.pathsep.join(
+             [str(ROOT), *filter(None, [os.environ.get(_env.PYTHONPATH)])])}
   result = launch.launch(
       [sys.executable, str(pathlib.Path(__file__).resolve()), '--worker',
        f'--repeats={args.repeats}'],

@@ -1,4 +1,4 @@
-"""bin/train.py's flags, and its fault drills (a module of that binary, not one itself).
+"""bin/train.py's flags (and which of them fix an error), and its fault drills (a module of that binary, not one itself).
 
 `python bin/train.py` puts bin/ first on sys.path, so train.py imports
 this module as `_train_flags`.
@@ -14,6 +14,8 @@ import time
 
 from absl import flags
 import numpy as np
+
+import recovery
 
 STEPS = flags.DEFINE_integer('steps', 20, 'Train until this step.',
                               lower_bound=1)
@@ -268,3 +270,22 @@ def _damage_newest(directory: str) -> None:
     f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
   print(f'Drill: damaged step {steps[-1]} in {directory} ({len(files)} data '
         f'files overwritten) at {time.time():.3f}.', flush=True)
+
+
+def advice(e: recovery.CheckpointError) -> str:
+  """This binary's flags for the fix a recovery error describes."""
+  if isinstance(e, recovery.NothingToResumeError):
+    return (' Here: run without --resume for a fresh run, or with '
+            '--resume_if_present.')
+  if isinstance(e, recovery.FolderNotFreshError):
+    return (' Here: pass --resume (or --resume_if_present) to continue, or '
+            'a new --checkpoint_dir.')
+  if isinstance(e, recovery.CheckpointMismatchError):
+    return (' Here: resume with the --width and --samples that made it, or '
+            'pass a new --checkpoint_dir.')
+  if isinstance(e, recovery.CheckpointFolderError):
+    return ' Here: pass another --checkpoint_dir.'
+  if (isinstance(e, recovery.CheckpointDamagedError)
+      and f"resume='{recovery.IF_PRESENT}'" in str(e)):
+    return ' Here: pass --resume_if_present instead of --resume.'
+  return ''

@@ -240,26 +240,8 @@ def main(argv):
     recovery.quiet_orbax_logs()
   multihost.initialize()
   if _QUICK.value:
-    for name, value in (('sizes', ['8', '1KiB']), ('leaves', 10),
-                        ('global_sizes', ['1MiB']), ('repeats', 3),
-                        ('small_repeats', 3),
-                        ('warmup', 1), ('tcp_bytes', '1MiB'),
-                        ('width', 4096), ('recovery_repeats', 1),
-                        ('object_sizes', ['1KiB']), ('skews', ['0.005']),
-                        ('slow_repeats', 1)):
-      if not flags.FLAGS[name].present:
-        setattr(flags.FLAGS, name, value)
-  known = {*collectives.OPS, 'reference'}
-  ops = [o for o in _OPS.value if o]
-  unknown = sorted(set(ops) - known)
-  if unknown:
-    raise app.UsageError(f'--ops: unknown {unknown}; choose from '
-                         f'{sorted(known)}.')
-  sharded = 'sharded' in _RECOVERY_SHARDING.value
-  if _RECOVERY.value and sharded and _WIDTH.value % jax.device_count():
-    raise app.UsageError(
-        f'--width={_WIDTH.value} must be a multiple of the device count '
-        f'({jax.device_count()}) with --recovery_sharding=sharded.')
+    _quick_defaults()
+  ops = _checked_ops()
   if jax.process_count() < 2:
     logging.warning('Running as a single controller: both implementations '
                     'take their one-process fast paths. Run under '
@@ -305,16 +287,7 @@ def main(argv):
                                      parse_size(_TCP_BYTES.value), settings)
     say(f'[{time.perf_counter() - start:6.1f} s] reference rows done')
   if _RECOVERY.value:
-    # pylint: disable-next=import-outside-toplevel
-    from bench import recovery_suite  # Imports recovery and Orbax.
-    for layout in _RECOVERY_SHARDING.value:
-      rows += recovery_suite.recovery_rows(
-          _WIDTH.value, _RECOVERY_REPEATS.value, layout == 'sharded',
-          _RECOVERY_DIR.value, settings)
-    if jax.device_count() % 4 == 0:  # A state sharded 4 ways.
-      rows.append(recovery_suite.sharded_state_row(
-          _WIDTH.value, _RECOVERY_REPEATS.value, _RECOVERY_DIR.value,
-          settings))
+    rows += _recovery_rows(settings)
     say(f'[{time.perf_counter() - start:6.1f} s] recovery benchmark done')
   extra = _versus_and_soak(settings, say)
   if pid == 0:
@@ -333,6 +306,51 @@ def main(argv):
           f'differs from JAX\'s in {wrong}; the timings of a wrong result '
           'mean nothing.', file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _quick_defaults() -> None:
+  """--quick: small sizes and few repeats, for every such flag not given."""
+  for name, value in (('sizes', ['8', '1KiB']), ('leaves', 10),
+                      ('global_sizes', ['1MiB']), ('repeats', 3),
+                      ('small_repeats', 3),
+                      ('warmup', 1), ('tcp_bytes', '1MiB'),
+                      ('width', 4096), ('recovery_repeats', 1),
+                      ('object_sizes', ['1KiB']), ('skews', ['0.005']),
+                      ('slow_repeats', 1)):
+    if not flags.FLAGS[name].present:
+      setattr(flags.FLAGS, name, value)
+
+
+def _checked_ops() -> list[str]:
+  """--ops, once each is known and --width fits a sharded recovery state."""
+  known = {*collectives.OPS, 'reference'}
+  ops = [o for o in _OPS.value if o]
+  unknown = sorted(set(ops) - known)
+  if unknown:
+    raise app.UsageError(f'--ops: unknown {unknown}; choose from '
+                         f'{sorted(known)}.')
+  sharded = 'sharded' in _RECOVERY_SHARDING.value
+  if _RECOVERY.value and sharded and _WIDTH.value % jax.device_count():
+    raise app.UsageError(
+        f'--width={_WIDTH.value} must be a multiple of the device count '
+        f'({jax.device_count()}) with --recovery_sharding=sharded.')
+  return ops
+
+
+def _recovery_rows(settings: harness.Settings) -> list[harness.Row]:
+  """--recovery: the checkpointing rows, per --recovery_sharding layout, and a state sharded 4 ways where the devices allow."""
+  # pylint: disable-next=import-outside-toplevel
+  from bench import recovery_suite  # Imports recovery and Orbax.
+  rows = []
+  for layout in _RECOVERY_SHARDING.value:
+    rows += recovery_suite.recovery_rows(
+        _WIDTH.value, _RECOVERY_REPEATS.value, layout == 'sharded',
+        _RECOVERY_DIR.value, settings)
+  if jax.device_count() % 4 == 0:  # A state sharded 4 ways.
+    rows.append(recovery_suite.sharded_state_row(
+        _WIDTH.value, _RECOVERY_REPEATS.value, _RECOVERY_DIR.value,
+        settings))
+  return rows
 
 
 def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:

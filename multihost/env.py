@@ -80,6 +80,26 @@ FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
 # its flight recorder at exit (process-N.json), for the launcher to merge.
 TRACE_DIR = 'MULTIHOST_TRACE_DIR'
 
+# --- Other variables the packages, bin/ and bench/ read or set. ------------
+# JAX's (XLA's) threshold for its C++ log lines (0 all, 1 warnings, 2 errors).
+CPP_LOG_LEVEL = 'TF_CPP_MIN_LOG_LEVEL'
+# JAX's: log every compilation; the persistent compilation cache on or off;
+# the shortest compile (seconds) the cache keeps.
+LOG_COMPILES = 'JAX_LOG_COMPILES'
+ENABLE_COMPILATION_CACHE = 'JAX_ENABLE_COMPILATION_CACHE'
+CACHE_MIN_COMPILE_TIME = 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'
+# Where programs and Python modules are found.
+PATH = 'PATH'
+PYTHONPATH = 'PYTHONPATH'
+# The default of `multihost.netns.SimulatedHosts(private_folder=...)` when
+# set and not empty.
+NETNS_PRIVATE_FOLDER = 'MULTIHOST_NETNS_PRIVATE_FOLDER'
+# Overrides the local checkpoint folder's identity that tells `recovery`'s
+# local tier's hosts apart: processes with the same value share one folder.
+RECOVERY_HOST_ID = 'RECOVERY_HOST_ID'
+# bench/scale_drill.py: the launch's wall-clock time, for its controllers.
+SCALE_DRILL_LAUNCH_T0 = 'SCALE_DRILL_LAUNCH_T0'
+
 # --- The pytest plugin's workers. ------------------------------------------
 # Set in worker pytest sessions: the folder where they write their results.
 PYTEST_WORKER = 'MULTIHOST_PYTEST_WORKER'

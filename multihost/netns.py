@@ -55,10 +55,12 @@ import signal
 import subprocess
 import threading
 
+from multihost import env
+
 PREFIX = 'mhh-'
 """Every namespace this module creates is named `mhh-<pid>-<n>-...`."""
 
-PRIVATE_FOLDER_VARIABLE = 'MULTIHOST_NETNS_PRIVATE_FOLDER'
+PRIVATE_FOLDER_VARIABLE = env.NETNS_PRIVATE_FOLDER
 """The default of `SimulatedHosts(private_folder=...)` when set and not empty."""
 _CMD_TIMEOUT = 30
 _counter = itertools.count()
@@ -76,7 +78,7 @@ def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
                           timeout=_CMD_TIMEOUT)
   except FileNotFoundError as e:
     raise HostsError(
-        f'`{argv[0]}` is not on PATH ({os.environ.get("PATH", "")}): install '
+        f'`{argv[0]}` is not on PATH ({os.environ.get(env.PATH, "")}): install '
         'iproute2 (it has ip and tc), or put the folder that holds it (e.g. '
         '/usr/sbin) on PATH.') from e
   except subprocess.TimeoutExpired as e:

@@ -29,7 +29,8 @@ dies first, the summary says so and does not blame the survivors that the
 JAX runtime then aborted. `--timeout`
 bounds the whole run (exit status 124). SIGINT/SIGTERM/SIGHUP to the
 launcher are forwarded to the controllers, which are then killed; nothing is
-left running. `--trace=PATH` writes the run's timeline (see `_trace`).
+left running. `--trace=PATH` writes the run's timeline (see
+`_src/run/trace.py`).
 
 The same machinery is a library, for tests and the pytest plugin:
 
@@ -42,57 +43,81 @@ The same machinery is a library, for tests and the pytest plugin:
     cluster.kill(0, signal.SIGKILL)
     result = cluster.wait(timeout=30)
 
-Modules (one job each):
-  _environment.py  each controller's port, environment, host and `ps` label
-  _processes.py    spawn N processes in their own sessions, reap, signal, stop
-  _reaper.py       nothing outlives the launcher (parent-death signal,
-                   subreaper)
-  _output.py       capture their output, with when each line was read;
-                   stream it live with `[pN] ` prefixes
-  _signals.py      SIGINT/SIGTERM/SIGHUP to the launcher -> a stop request
-  _policy.py       the run policy: first failure + grace period (or at
-                   once when a restart follows), timeout, SIGTERM then
-                   SIGKILL, restarts, status 78 (`next_step`,
-                   `after_attempt`, `not_retryable` are pure)
-  _evidence.py     pure: what a process's output says (its first traceback,
-                   its last line by then, the peers it named as failed)
-  _report.py       pure: who failed first (by raise or exit; process-0
-                   blame), exit status, summary -> `LaunchResult`
-  _restarts.py     pure: the run's result from its attempts' results
-  _controllers.py  `Controllers` (context manager): composes the above, the
-                   attempts and service hosting
-  _run.py          `launch()`: Controllers to the end, signals, summary
-  _cli.py          the one command line (`main`), also behind bin/launch.py
-  _trace.py        `--trace`: the controllers' flight-recorder dumps merged
-                   into one timeline, and the summary's divergence line
+The implementation is in _src/, in packages top to bottom (LAYERS in
+_src/__init__.py; a package imports only those below it), one job a module:
+  run/          one run of N controllers
+    cli.py          the one command line (`main`), also behind bin/launch.py
+    run.py          `launch()`: Controllers to the end, signals, summary
+    controllers.py  `Controllers` (context manager): composes the parts
+                    below and the attempts
+    resources.py    what a run holds from start to stop: simulated hosts,
+                    port, compilation cache folder, the hosted service
+    attempt.py      one attempt's steps: environments, supervision, its
+                    result, its log files when it is restarted
+    trace.py        `--trace`: the controllers' flight-recorder dumps
+                    merged into one timeline, the summary's divergence line
+  policy/       the run policy
+    policy.py       first failure + grace period (or at once when a restart
+                    follows), timeout, SIGTERM then SIGKILL, restarts,
+                    status 78 (`next_step`, `after_attempt`,
+                    `not_retryable` are pure)
+    restarts.py     pure: the run's result from its attempts' results
+  processes/    the controller processes
+    environment.py  each controller's port, environment, host, `ps` label
+    processes.py    spawn N processes in their own sessions, reap, signal,
+                    stop
+    reaper.py       nothing outlives the launcher (parent-death signal,
+                    subreaper)
+    output.py       capture their output, with when each line was read;
+                    stream it live with `[pN] ` prefixes
+    signals.py      SIGINT/SIGTERM/SIGHUP to the launcher -> a stop request
+  report/       how a run ended, pure
+    evidence.py     what a process's output says (its first traceback, its
+                    last line by then, the peers it named as failed)
+    observed.py     what the launcher saw of a finished run (`Observed`),
+                    and how a process ended, in words
+    summary.py      the run's account, one line per process, then who
+                    failed first, how, and where the others were
+    report.py       who failed first (by raise or exit; process-0 blame),
+                    exit status, summary -> `LaunchResult`
 """
 
 from __future__ import annotations
 
-from multihost.launch._cli import main as main
-from multihost.launch._cli import parser as parser
-from multihost.launch._cli import run_cli as run_cli
-from multihost.launch._cli import split_command as split_command
-from multihost.launch._controllers import (
-    DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S,
-)
-from multihost.launch._controllers import Controllers as Controllers
-from multihost.launch._environment import child_env as child_env
-from multihost.launch._environment import find_free_port as find_free_port
-from multihost.launch._environment import hold_free_port as hold_free_port
-from multihost.launch._evidence import (
-    LOST_SERVICE_MARKER as LOST_SERVICE_MARKER,
-)
-from multihost.launch._evidence import lost_coordinator as lost_coordinator
-from multihost.launch._policy import (
+from multihost.launch._src.policy.policy import (
     DEFAULT_GRACE_PERIOD_S as DEFAULT_GRACE_PERIOD_S,
 )
-from multihost.launch._policy import DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S
-from multihost.launch._report import TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS
-from multihost.launch._report import LaunchResult as LaunchResult
-from multihost.launch._report import Observed as Observed
-from multihost.launch._report import describe as describe
-from multihost.launch._report import report as report
-from multihost.launch._report import signal_name as signal_name
-from multihost.launch._report import status_of as status_of
-from multihost.launch._run import launch as launch
+from multihost.launch._src.policy.policy import (
+    DEFAULT_KILL_WAIT_S as DEFAULT_KILL_WAIT_S,
+)
+from multihost.launch._src.processes.environment import child_env as child_env
+from multihost.launch._src.processes.environment import (
+    find_free_port as find_free_port,
+)
+from multihost.launch._src.processes.environment import (
+    hold_free_port as hold_free_port,
+)
+from multihost.launch._src.report.evidence import (
+    LOST_SERVICE_MARKER as LOST_SERVICE_MARKER,
+)
+from multihost.launch._src.report.evidence import (
+    lost_coordinator as lost_coordinator,
+)
+from multihost.launch._src.report.observed import Observed as Observed
+from multihost.launch._src.report.observed import describe as describe
+from multihost.launch._src.report.observed import signal_name as signal_name
+from multihost.launch._src.report.observed import status_of as status_of
+from multihost.launch._src.report.report import (
+    TIMEOUT_EXIT_STATUS as TIMEOUT_EXIT_STATUS,
+)
+from multihost.launch._src.report.report import LaunchResult as LaunchResult
+from multihost.launch._src.report.report import report as report
+from multihost.launch._src.run.cli import main as main
+from multihost.launch._src.run.cli import parser as parser
+from multihost.launch._src.run.cli import run_cli as run_cli
+from multihost.launch._src.run.cli import split_command as split_command
+from multihost.launch._src.run.controllers import (
+    DEFAULT_HEARTBEAT_S as DEFAULT_HEARTBEAT_S,
+)
+from multihost.launch._src.run.controllers import Controllers as Controllers
+from multihost.launch._src.run.run import launch as launch

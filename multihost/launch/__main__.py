@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from multihost.launch import _cli
+from multihost.launch._src.run import cli as _cli
 
 if __name__ == '__main__':
   sys.exit(_cli.main())

@@ -18,8 +18,8 @@ import time
 
 from multihost import env as env_lib
 from multihost import launch
-from multihost.launch import _output
-from multihost.launch import _processes
+from multihost.launch._src.processes import output as _output
+from multihost.launch._src.processes import processes as _processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / 'tests' / 'launch_programs'

@@ -4,7 +4,7 @@ Process 1 (timeout 1.5 s) waits in its last round for the frame of process
 H = (1 - 2^(rounds - 1)) mod P, which holds its first agreement frame 2.5 s
 (its send sleeps); every other process has a 30 s timeout. Process 1 has
 sent every frame the others need, so they complete the rounds once H sends,
-after process 1 gave up: the call's outcome record (`control.links`) makes
+after process 1 gave up: the call's outcome record (`control.rounds`) makes
 them raise too. Per collective, prints `CALL <op> <i> ok` or `CALL <op> <i>
 <error type> <message>` for the call with the held frame (i = 0) and two
 after it (i = 1, 2), which must return everywhere. Exits 0 after PASSED.

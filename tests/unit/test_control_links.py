@@ -1,4 +1,4 @@
-"""The agreement over the TCP links (`control.links`), on an in-memory coordination service.
+"""The agreement over the TCP links (`control.links`, `control.rounds`), on an in-memory coordination service.
 
 Threads stand for processes, each with its own runtime on one
 `fake_coordination.FakeService` and its own plane: real authenticated TCP

@@ -12,8 +12,8 @@ import multihost
 from multihost import lowlevel
 from multihost._src.runtime import files
 from multihost._src.runtime import flight
-from multihost.launch import _report
-from multihost.launch import _trace
+from multihost.launch._src.report import report as _report
+from multihost.launch._src.run import trace as _trace
 
 
 @pytest.fixture

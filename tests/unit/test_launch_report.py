@@ -14,11 +14,11 @@ import pytest
 
 from multihost import env as env_lib
 from multihost import launch
-from multihost.launch import _environment
-from multihost.launch import _evidence
-from multihost.launch import _output
-from multihost.launch import _policy
-from multihost.launch import _restarts
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.policy import restarts as _restarts
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.processes import output as _output
+from multihost.launch._src.report import evidence as _evidence
 
 KILL = -signal.SIGKILL
 ABRT = -signal.SIGABRT

@@ -1,4 +1,4 @@
-"""The packages under multihost/_src and recovery/_src form layers: imports run one way.
+"""The packages under multihost/_src, recovery/_src and multihost/launch/_src form layers: imports run one way.
 
 Read from the packages themselves: each `_src/__init__.py` names its
 packages top to bottom (LAYERS); every package found on disk must be listed,
@@ -15,16 +15,21 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ('multihost', 'recovery')
+# Each one's _src/__init__.py names its packages (LAYERS).
+PACKAGES = ('multihost', 'recovery', 'multihost.launch')
 
 
 def _layers(top: str) -> tuple[str, ...]:
   return importlib.import_module(f'{top}._src').LAYERS
 
 
+def _folder(top: str) -> pathlib.Path:
+  return ROOT.joinpath(*top.split('.'))
+
+
 def _modules(top: str) -> dict[str, pathlib.Path]:
   """Every module of `top`, by dotted name."""
-  base = ROOT / top
+  base = _folder(top)
   out = {}
   for path in sorted(base.rglob('*.py')):
     parts = path.relative_to(ROOT).with_suffix('').parts
@@ -67,15 +72,15 @@ def _imports(path: pathlib.Path, name: str) -> set[str]:
 
 def _part(top: str, dotted: str) -> str | None:
   """The _src package `dotted` belongs to, or None outside _src."""
-  parts = dotted.split('.')
-  if parts[0] == top and len(parts) > 2 and parts[1] == '_src':
-    return parts[2]
+  prefix = top + '._src.'
+  if dotted.startswith(prefix):
+    return dotted[len(prefix):].split('.')[0]
   return None
 
 
 @pytest.mark.parametrize('top', PACKAGES)
 def test_every_package_has_a_layer(top):
-  found = sorted(p.name for p in (ROOT / top / '_src').iterdir()
+  found = sorted(p.name for p in (_folder(top) / '_src').iterdir()
                  if (p / '__init__.py').exists())
   assert sorted(_layers(top)) == found
 
@@ -123,8 +128,8 @@ def test_no_import_cycle(top):
 @pytest.mark.parametrize('top', PACKAGES)
 def test_src_packages_are_small(top):
   """No package holds more than 14 modules; the top folder at most 12 files."""
-  assert len([p for p in (ROOT / top).iterdir() if p.is_file()]) <= 12
-  for package in (ROOT / top / '_src').rglob('__init__.py'):
+  assert len([p for p in _folder(top).iterdir() if p.is_file()]) <= 12
+  for package in (_folder(top) / '_src').rglob('__init__.py'):
     modules = [p for p in package.parent.glob('*.py')
                if p.name != '__init__.py']
     assert len(modules) <= 14, (package.parent, len(modules))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence
 import os
 import socket
@@ -82,28 +83,11 @@ def initialize(coordinator_address: str | None = None,
   # the program's own subprocesses): children do not inherit the secret.
   secret.take_from_environment()
   env = os.environ
-  coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
-  if num_processes is None and env.get(_env.NUM_PROCESSES):
-    num_processes = int(env[_env.NUM_PROCESSES])
-  if process_id is None and env.get(_env.PROCESS_ID):
-    process_id = int(env[_env.PROCESS_ID])
-  if num_processes is not None and process_id is not None and not (
-      0 <= process_id < num_processes):
-    raise ValueError(
-        f'process_id must be in [0, num_processes); got process_id='
-        f'{process_id}, num_processes={num_processes}.')
+  coordinator_address, num_processes, process_id = _job(
+      env, coordinator_address, num_processes, process_id)
   explicit = None not in (coordinator_address, num_processes, process_id)
   if not explicit and cluster_detection_method is None and not _env.in_cluster():
-    if any(v is not None for v in (coordinator_address, num_processes,
-                                   process_id)):
-      raise ValueError(
-          'initialize() needs coordinator_address, num_processes and '
-          f'process_id together; got coordinator_address='
-          f'{coordinator_address!r}, num_processes={num_processes!r}, '
-          f'process_id={process_id!r}. Pass all three, or run under '
-          '`python -m multihost.launch` or a cluster JAX detects.')
-    logging.info('No cluster or coordinator found: running as a single '
-                 'controller without jax.distributed.')
+    _single_controller(coordinator_address, num_processes, process_id)
     return
   kwargs: dict[str, Any] = dict(
       coordinator_address=coordinator_address,
@@ -122,6 +106,66 @@ def initialize(coordinator_address: str | None = None,
   if heartbeat is None:
     heartbeat = settings.heartbeat()
   detect = _detect_failures(detect_failures)
+  _set_heartbeat(kwargs, heartbeat, detect=detect)
+  _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
+  companion = _start_distributed(kwargs, env, detect=detect)
+  rt = runtime.current()  # The runtime on JAX's new client.
+  if companion is not None:
+    rt.companion = companion
+    rt.exit_steps['companion'] = companion.finish
+  if detect:
+    rt.watchdog.start(
+        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+        shutdown_timeout=shutdown_timeout_seconds)
+  rt.where.ensure_started()
+  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
+              rt.count, jax.local_device_count())
+
+
+def _job(env: Mapping[str, str], coordinator_address: str | None,
+         num_processes: int | None, process_id: int | None
+         ) -> tuple[str | None, int | None, int | None]:
+  """(coordinator_address, num_processes, process_id): the arguments, else the environment `multihost.launch` sets.
+
+  Raises:
+    ValueError: process_id is not in [0, num_processes).
+  """
+  coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
+  if num_processes is None and env.get(_env.NUM_PROCESSES):
+    num_processes = int(env[_env.NUM_PROCESSES])
+  if process_id is None and env.get(_env.PROCESS_ID):
+    process_id = int(env[_env.PROCESS_ID])
+  if num_processes is not None and process_id is not None and not (
+      0 <= process_id < num_processes):
+    raise ValueError(
+        f'process_id must be in [0, num_processes); got process_id='
+        f'{process_id}, num_processes={num_processes}.')
+  return coordinator_address, num_processes, process_id
+
+
+def _single_controller(coordinator_address: str | None,
+                       num_processes: int | None,
+                       process_id: int | None) -> None:
+  """No cluster and not all three of the job's arguments: says so, or raises for a partial set.
+
+  Raises:
+    ValueError: some of the three were given, not all.
+  """
+  if any(v is not None for v in (coordinator_address, num_processes,
+                                 process_id)):
+    raise ValueError(
+        'initialize() needs coordinator_address, num_processes and '
+        f'process_id together; got coordinator_address='
+        f'{coordinator_address!r}, num_processes={num_processes!r}, '
+        f'process_id={process_id!r}. Pass all three, or run under '
+        '`python -m multihost.launch` or a cluster JAX detects.')
+  logging.info('No cluster or coordinator found: running as a single '
+               'controller without jax.distributed.')
+
+
+def _set_heartbeat(kwargs: dict[str, Any], heartbeat: int | None, *,
+                   detect: bool) -> None:
+  """The heartbeat timeout in `kwargs` (`heartbeat`, or with failure detection 10 s); failure detection turns on JAX's recoverability."""
   if detect:
     # Must be set before jax.distributed.initialize (the service reads it).
     jax.config.update('jax_enable_recoverability', True)
@@ -129,6 +173,14 @@ def initialize(coordinator_address: str | None = None,
       heartbeat = _env.DEFAULT_HEARTBEAT_S
   if heartbeat is not None:
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat))
+
+
+def _set_bind_address(kwargs: dict[str, Any],
+                      coordinator_bind_address: str | None,
+                      env: Mapping[str, str], *, explicit: bool) -> None:
+  """The coordinator's bind address in `kwargs`: the argument, else (process 0, no bind address in the environment, no external service) the coordinator address's own host, the job's arguments detected from the cluster first where they were not all given."""
+  coordinator_address = kwargs['coordinator_address']
+  process_id = kwargs['process_id']
   if (coordinator_bind_address is None and
       not env.get(_env.COORDINATOR_BIND) and
       not settings.external_service()):
@@ -137,16 +189,21 @@ def initialize(coordinator_address: str | None = None,
       # (Slurm, Open MPI, Kubernetes, ...): without a bind address of our
       # own, JAX's process 0 listens on every interface.
       address, count, index = coordination.detect_cluster(
-          coordinator_address, num_processes, process_id,
-          cluster_detection_method)
+          coordinator_address, kwargs['num_processes'], process_id,
+          kwargs['cluster_detection_method'])
       if None not in (address, count, index):
-        coordinator_address, num_processes, process_id = address, count, index
+        coordinator_address, process_id = address, index
         kwargs.update(coordinator_address=address, num_processes=count,
                       process_id=index)
     if process_id == 0 and coordinator_address:
       coordinator_bind_address = _bind_address(coordinator_address)
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
+
+
+def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
+                       detect: bool) -> Any:
+  """Starts the coordination service's companion (process 0, where it hosts the service), waits for the service (the others), and `jax.distributed`; returns the companion or None."""
   companion = None
   external = settings.external_service()
   if detect and not external and _companion.enabled():
@@ -169,17 +226,7 @@ def initialize(coordinator_address: str | None = None,
     if companion is not None:
       companion.finish()
     raise
-  rt = runtime.current()  # The runtime on JAX's new client.
-  if companion is not None:
-    rt.companion = companion
-    rt.exit_steps['companion'] = companion.finish
-  if detect:
-    rt.watchdog.start(
-        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
-        shutdown_timeout=shutdown_timeout_seconds)
-  rt.where.ensure_started()
-  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
-              rt.count, jax.local_device_count())
+  return companion
 
 
 def is_initialized() -> bool:

@@ -1,7 +1,7 @@
 """Control plane: what a barrier leaves in the coordination service for its diagnosis (MACs, gave-up and presence marks, who published).
 
 One implementation for every barrier: the two ways a call agrees
-(`control.rendezvous` through the service, `control.links` over the TCP
+(`control.rendezvous` through the service, `control.rounds` over the TCP
 links) and the timed barrier of the live processes that `live_devices`
 blocks meet at (`_control_live_barrier`). Either way a process that times
 out leaves an authenticated mark beside the call's messages, so that a

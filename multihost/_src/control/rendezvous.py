@@ -20,6 +20,7 @@ import time
 from multihost._src.auth import marks
 from multihost._src.auth import secret as _secret
 from multihost._src.control import links
+from multihost._src.control import rounds
 from multihost._src.diagnostics import stalls
 from multihost._src.diagnostics import where as _where
 from multihost._src.liveness import blocking
@@ -140,7 +141,7 @@ class Rendezvous:
       ProcessFailureError: a peer is gone.
     """
     if self._links:
-      self._entries = links.agree(self, agreement, publish,
+      self._entries = rounds.agree(self, agreement, publish,
                                   timeout=timeout, eager=eager, relay=relay)
       if self._entries is None:  # A difference: the full exchange names it.
         return False

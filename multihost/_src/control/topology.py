@@ -1,6 +1,6 @@
 """Control plane: who sends the agreement's frames to whom over the links: the dissemination rounds, or on one host a star at process 0, whose answers may take a broadcast tree's path.
 
-`control.links` runs the agreement; this module only names, for each
+`control.rounds` runs the agreement; this module only names, for each
 process, the peers of each of its steps, the same on every process from
 the same inputs (the process count, whether the job agrees in a star, and
 in a star what each process said in its frame to process 0).

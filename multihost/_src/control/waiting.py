@@ -1,10 +1,10 @@
 """Control plane: a call's waiting over the TCP links: diagnosis after the window, late marks, and the timeout, settled in the call's outcome record.
 
-`control.links.agree` waits through a `Wait`: between the socket's slices
+`control.rounds.agree` waits through a `Wait`: between the socket's slices
 it checks the watchdog, after `WINDOW_S` publishes this process's presence
 (so a timeout names who is missing), arms the stall report and looks for
 gave-up marks (`late`), and at the deadline settles the call in its outcome
-record (`auth.marks.settle`; why, in `control.links`): given up, or, when a
+record (`auth.marks.settle`; why, in `control.rounds`): given up, or, when a
 process already completed it, waiting on for the frames on their way. `Due`
 is the `Deadline` of the call's sends and reads that follows that decision.
 """

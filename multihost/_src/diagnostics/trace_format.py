@@ -23,6 +23,7 @@ saw it). A last track, 'launcher', shows the attempts (restarts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 import statistics
@@ -217,6 +218,26 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
   def us(t: float, shift: float = 0.0) -> float:
     return round((t - shift - t0) * 1e6, 1)
 
+  events = _tracks(num_processes)
+  divergences = {}
+  for attempt, ds in sorted(by_attempt.items()):
+    events += _attempt_events(ds, attempt, offsets[attempt], us)
+    line = divergence(ds, num_processes)
+    if line is not None:
+      divergences[attempt] = line
+  events += _failure_events(failures, by_attempt, us)
+  events += _launcher_events(attempts, num_processes, us)
+  return {'traceEvents': events, 'displayTimeUnit': 'ms',
+          'otherData': {'clock_offsets_s': {
+              f'attempt {k}': {str(p): o for p, o in v.items()}
+              for k, v in offsets.items()},
+                        'divergence': {str(k): v for k, v in
+                                       divergences.items()},
+                        'start_unix_s': t0}}
+
+
+def _tracks(num_processes: int) -> list[dict[str, Any]]:
+  """The metadata events that name each process's track and its two threads."""
   events: list[dict[str, Any]] = []
   for p in range(num_processes):
     events.append({'ph': 'M', 'name': 'process_name', 'pid': p,
@@ -227,45 +248,55 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
                       (EVENTS_TID, 'events')):
       events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': tid,
                      'args': {'name': name}})
-  divergences = {}
-  for attempt, ds in sorted(by_attempt.items()):
-    shift = offsets[attempt]
-    lags = straggler_lags(ds)
-    for d in ds:
-      p = d['process']
-      off = shift.get(p, 0.0)
-      for r in d['records']:
-        last = r['done'] or r['end'] or d.get('dumped') or r['start']
-        wait = (r['end'] or last) - r['start']
-        args = {'op': r['op'], 'name': r['name'], 'call': r['call'],
-                'bytes': r['nbytes'], 'wait_ms': round(wait * 1e3, 3),
-                'move_ms': round((last - (r['end'] or last)) * 1e3, 3),
-                'attempt': attempt}
-        if r['end'] is None:
-          args['completed'] = False
-        if r.get('error'):
-          args['error'] = r['error']
-        events.append({'ph': 'X', 'cat': 'collective', 'name': _label(r),
-                       'pid': p, 'tid': COLLECTIVES_TID, 'ts': us(r['start'],
-                                                                   off),
-                       'dur': round(max(last - r['start'], 0.0) * 1e6, 1),
-                       'args': args})
-        lag = lags.get(p, {}).get(r['call'])
-        if lag is not None:
-          events.append({'ph': 'C', 'name': 'arrival lag (ms)', 'pid': p,
-                         'ts': us(r['start'], off),
-                         'args': {'lag_ms': round(lag * 1e3, 3)}})
-      for e in d['events']:
-        events.append({'ph': 'X', 'cat': 'event', 'name': e['name'],
-                       'pid': p, 'tid': EVENTS_TID, 'ts': us(e['start'], off),
-                       'dur': round(max(e['end'] - e['start'], 0.0) * 1e6, 1),
-                       'args': dict(e['args'], attempt=attempt)})
-    for p, label in straggler_labels(lags).items():
-      events.append({'ph': 'M', 'name': 'process_labels', 'pid': p,
-                     'args': {'labels': f'attempt {attempt}: {label}'}})
-    line = divergence(ds, num_processes)
-    if line is not None:
-      divergences[attempt] = line
+  return events
+
+
+def _attempt_events(ds: Sequence[Mapping[str, Any]], attempt: int,
+                    shift: Mapping[int, float],
+                    us: Callable[..., float]) -> list[dict[str, Any]]:
+  """One attempt's events: each process's calls, their arrival lags and its events; the stragglers' labels."""
+  events: list[dict[str, Any]] = []
+  lags = straggler_lags(ds)
+  for d in ds:
+    p = d['process']
+    off = shift.get(p, 0.0)
+    for r in d['records']:
+      last = r['done'] or r['end'] or d.get('dumped') or r['start']
+      wait = (r['end'] or last) - r['start']
+      args = {'op': r['op'], 'name': r['name'], 'call': r['call'],
+              'bytes': r['nbytes'], 'wait_ms': round(wait * 1e3, 3),
+              'move_ms': round((last - (r['end'] or last)) * 1e3, 3),
+              'attempt': attempt}
+      if r['end'] is None:
+        args['completed'] = False
+      if r.get('error'):
+        args['error'] = r['error']
+      events.append({'ph': 'X', 'cat': 'collective', 'name': _label(r),
+                     'pid': p, 'tid': COLLECTIVES_TID,
+                     'ts': us(r['start'], off),
+                     'dur': round(max(last - r['start'], 0.0) * 1e6, 1),
+                     'args': args})
+      lag = lags.get(p, {}).get(r['call'])
+      if lag is not None:
+        events.append({'ph': 'C', 'name': 'arrival lag (ms)', 'pid': p,
+                       'ts': us(r['start'], off),
+                       'args': {'lag_ms': round(lag * 1e3, 3)}})
+    for e in d['events']:
+      events.append({'ph': 'X', 'cat': 'event', 'name': e['name'],
+                     'pid': p, 'tid': EVENTS_TID, 'ts': us(e['start'], off),
+                     'dur': round(max(e['end'] - e['start'], 0.0) * 1e6, 1),
+                     'args': dict(e['args'], attempt=attempt)})
+  for p, label in straggler_labels(lags).items():
+    events.append({'ph': 'M', 'name': 'process_labels', 'pid': p,
+                   'args': {'labels': f'attempt {attempt}: {label}'}})
+  return events
+
+
+def _failure_events(failures: Mapping[int, Mapping[str, Any]],
+                    by_attempt: Mapping[int, Sequence[Mapping[str, Any]]],
+                    us: Callable[..., float]) -> list[dict[str, Any]]:
+  """An instant event per failed process: how, its last line, and what the others saw of it."""
+  events: list[dict[str, Any]] = []
   for p, f in sorted(failures.items()):
     attempt = f.get('attempt', 0)
     args = {'how': f.get('how', ''), 'last_line': f.get('last_line', ''),
@@ -279,22 +310,25 @@ def build(dumps: Sequence[Mapping[str, Any]], *, num_processes: int,
                    'pid': p, 'tid': COLLECTIVES_TID,
                    'ts': us(f['stopped']) if f.get('stopped') else 0.0,
                    'args': args})
-  if attempts:
-    launcher = num_processes
-    events.append({'ph': 'M', 'name': 'process_name', 'pid': launcher,
-                   'args': {'name': 'launcher'}})
-    for k, a in enumerate(attempts):
-      events.append({'ph': 'X', 'cat': 'attempt',
-                     'name': f'attempt {k}' + (' (restart)' if k else ''),
-                     'pid': launcher, 'tid': 0, 'ts': us(a['start']),
-                     'dur': round(max(a['end'] - a['start'], 0.0) * 1e6, 1),
-                     'args': {'cause': a.get('cause', ''),
-                              'stopped_by_launcher': list(
-                                  a.get('stopped', ()))}})
-  return {'traceEvents': events, 'displayTimeUnit': 'ms',
-          'otherData': {'clock_offsets_s': {
-              f'attempt {k}': {str(p): o for p, o in v.items()}
-              for k, v in offsets.items()},
-                        'divergence': {str(k): v for k, v in
-                                       divergences.items()},
-                        'start_unix_s': t0}}
+  return events
+
+
+def _launcher_events(attempts: Sequence[Mapping[str, Any]],
+                     num_processes: int,
+                     us: Callable[..., float]) -> list[dict[str, Any]]:
+  """The launcher's track (after the processes'): one span per attempt, with its cause."""
+  if not attempts:
+    return []
+  launcher = num_processes
+  events: list[dict[str, Any]] = [
+      {'ph': 'M', 'name': 'process_name', 'pid': launcher,
+       'args': {'name': 'launcher'}}]
+  for k, a in enumerate(attempts):
+    events.append({'ph': 'X', 'cat': 'attempt',
+                   'name': f'attempt {k}' + (' (restart)' if k else ''),
+                   'pid': launcher, 'tid': 0, 'ts': us(a['start']),
+                   'dur': round(max(a['end'] - a['start'], 0.0) * 1e6, 1),
+                   'args': {'cause': a.get('cause', ''),
+                            'stopped_by_launcher': list(
+                                a.get('stopped', ()))}})
+  return events

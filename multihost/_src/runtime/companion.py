@@ -310,7 +310,7 @@ def cpp_advice_hidden():
   With TF_CPP_MIN_LOG_LEVEL=0 nothing is hidden.
   """
   try:
-    level = int(os.environ.get('TF_CPP_MIN_LOG_LEVEL', '1'))
+    level = int(os.environ.get(_env.CPP_LOG_LEVEL, '1'))
   except ValueError:
     level = 1
   if level == 0 or level >= _CPP_ERRORS_ONLY:

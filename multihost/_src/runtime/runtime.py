@@ -115,7 +115,7 @@ class Runtime:
     # When this process started its last call that every process met in (None
     # before the first, and after a call that raised): no process can have
     # started a later call before it, which bounds when another's timeout
-    # can fall (`control.links`, the outcome record).
+    # can fall (`control.rounds`, the outcome record).
     self.met_start: float | None = None
     # The blocks of calls (`control.rendezvous._BLOCK`) under which this
     # process wrote keys, not yet deleted: each process deletes the keys it
@@ -146,12 +146,13 @@ class Runtime:
     self.stalls: Any
     self.live_blocks: Any
     self.step_watch: Any
-    if _assembler is None:
+    assemble = PROCESS.assembler
+    if assemble is None:
       raise RuntimeError(
           'multihost\'s runtime parts are not assembled: import '
           'multihost._src.api (any public multihost function does) before '
           'making a Runtime.')
-    _assembler(self)
+    assemble(self)
 
   @property
   def index(self) -> int:
@@ -254,41 +255,53 @@ class Runtime:
         step()
 
 
-_assembler: Callable[[Runtime], None] | None = None
-_current: Runtime | None = None
-_lock = threading.Lock()
-_exit_registered = False
+class Process:
+  """This process's runtime, what builds its parts, and whether its exit sequence is registered.
+
+  One instance, `PROCESS`, made at import: `current()`, `set_assembler()`
+  and the rebuild replace its fields (under its lock); the module's names
+  are never rebound.
+  """
+
+  __slots__ = ('assembler', 'runtime', 'exit_registered', 'lock')
+
+  def __init__(self):
+    self.assembler: Callable[[Runtime], None] | None = None
+    self.runtime: Runtime | None = None
+    self.exit_registered = False
+    self.lock = threading.Lock()
+
+
+PROCESS = Process()
 
 
 def set_assembler(assemble: Callable[[Runtime], None]) -> None:
   """Registers what builds a new runtime's parts (`multihost._src.api.assembly.assemble`)."""
-  global _assembler
-  _assembler = assemble
+  PROCESS.assembler = assemble
 
 
 def current() -> Runtime:
   """This process's runtime (a new one once `jax.distributed` has a new client)."""
-  rt = _current
+  rt = PROCESS.runtime
   if rt is None or rt.raw is not coordination.raw_client():
     rt = _rebuild()
   return rt
 
 
 def _rebuild() -> Runtime:
-  global _current, _exit_registered
-  with _lock:
+  with PROCESS.lock:
     raw = coordination.raw_client()
-    if _current is not None and _current.raw is raw:
-      return _current
-    old = _current
+    old = PROCESS.runtime
+    if old is not None and old.raw is raw:
+      return old
     settings = None if old is None else old.settings
     if raw is None:
-      _current = Runtime(None, settings=settings)
-      return _current
+      rt = PROCESS.runtime = Runtime(None, settings=settings)
+      return rt
     # Starts the backends (and their atexit finalizers) before ours is
     # registered, so that ours runs first.
     index, count = jax.process_index(), jax.process_count()
-    _current = Runtime(
+    rt = PROCESS.runtime = Runtime(
         coordination.JaxClient(raw), index=index, count=count,
         recoverable=bool(jax.config.jax_enable_recoverability),
         runs_service=coordination.runs_service(),
@@ -296,14 +309,14 @@ def _rebuild() -> Runtime:
         settings=settings, raw=raw)
     folder = _settings.trace_dir()
     if folder:  # `multihost.launch --trace` merges these dumps.
-      _current.exit_steps['trace'] = functools.partial(_current.dump_flight,
-                                                       folder)
-    if not _exit_registered:
+      rt.exit_steps['trace'] = functools.partial(rt.dump_flight, folder)
+    if not PROCESS.exit_registered:
       atexit.register(_at_exit)
-      _exit_registered = True
-    return _current
+      PROCESS.exit_registered = True
+    return rt
 
 
 def _at_exit() -> None:
-  if _current is not None:
-    _current.shutdown()
+  rt = PROCESS.runtime
+  if rt is not None:
+    rt.shutdown()

@@ -11,6 +11,7 @@ in each call's agreement.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any
@@ -220,22 +221,19 @@ def restart_count() -> int:
                     zero_ok=True, integer=True))
 
 
-# `shared`'s last answer, with the variables' raw values it was made of:
-# every call reads them, and parses them only when they changed.
-_shared: tuple[Any, Any] = (None, None)
-
-
 def shared() -> tuple[tuple[str, str], ...]:
   """The settings every process must share to agree on a call: (variable, value) pairs, part of every call's agreement."""
-  global _shared
-  raw = (_get(env.TCP_LANES), _get(env.TRANSPORT))
-  last = _shared
-  if last[0] == raw:
-    return last[1]
-  value = ((env.TCP_LANES, str(tcp_lanes())),
-           (env.TRANSPORT, transport() or 'unset'))
-  _shared = (raw, value)
-  return value
+  # Every call reads the variables' raw values; they are parsed only when
+  # they changed (`_shared_of` keeps its last answer).
+  return _shared_of((_get(env.TCP_LANES), _get(env.TRANSPORT)))
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_of(raw: tuple[Any, Any]) -> tuple[tuple[str, str], ...]:
+  """`shared`'s answer for the variables' raw values `raw` (read again here: the same values)."""
+  del raw  # The cache's key.
+  return ((env.TCP_LANES, str(tcp_lanes())),
+          (env.TRANSPORT, transport() or 'unset'))
 
 
 class Settings:

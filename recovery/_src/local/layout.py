@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from multihost import env as _env
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import digest
 from recovery._src.state.errors import CheckpointError
@@ -24,7 +25,7 @@ from recovery._src.state.errors import CheckpointError
 # Overrides the local folder's identity (`private.folder_id`) that tells
 # the local tier's hosts apart: processes with the same value are taken to
 # share one local folder.
-HOST_ID_VARIABLE = 'RECOVERY_HOST_ID'
+HOST_ID_VARIABLE = _env.RECOVERY_HOST_ID
 
 
 def host_override() -> str | None:

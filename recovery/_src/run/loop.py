@@ -55,6 +55,44 @@ class RunResult:
   last_loss: float | None = None
 
 
+def _stopped_at_preemption(state: TransitionState,
+                           checkpoints: Checkpoints | None) -> None:
+  """Once every controller stopped at `state`'s step for a preemption: waits for its save, and says so."""
+  if checkpoints is not None:
+    checkpoints.wait()
+    where = (f'saved checkpoint step {state.step} in '
+             f'{checkpoints.directory}')
+  else:
+    where = 'no checkpoint folder, nothing saved'
+  logging.warning(
+      '%s Preemption: all controllers stopped at step %d; %s. '
+      'Exiting. %s', _prefix(), state.step, where,
+      RESUME_TO_CONTINUE)
+
+
+def _note_interrupt(interrupt: KeyboardInterrupt, state: TransitionState,
+                    checkpoints: Checkpoints | None) -> None:
+  """On Ctrl-C: lets a save in flight commit, then adds to `interrupt` the step reached, the last committed checkpoint and how to continue."""
+  latest = None
+  if checkpoints is not None:
+    try:
+      checkpoints.wait()
+      latest = checkpoints.latest_step()
+    except Exception:  # pylint: disable=broad-except
+      logging.exception('%s Waiting for the save in flight failed.',
+                        _prefix())
+  # Notes, not a log line: the interrupt's one message, shown with it
+  # where it is not caught, or by the program that catches it (what
+  # happened first, then how to continue in recovery's terms).
+  told = (f'{_prefix()} Interrupted (Ctrl-C) after step {state.step}; '
+          f'the last committed checkpoint is step {latest}.')
+  if hasattr(interrupt, 'add_note'):
+    interrupt.add_note(told)
+    interrupt.add_note(RESUME_TO_CONTINUE)
+  else:  # Python 3.10: no notes.
+    logging.warning('%s %s', told, RESUME_TO_CONTINUE)
+
+
 class ResilientLoop:
   """Runs a user's step function over a deterministic data order, resumably.
 
@@ -189,16 +227,7 @@ class ResilientLoop:
             checkpoints.save(state, force=final,
                              reason='final' if final else 'scheduled')
         if preempted:
-          if checkpoints is not None:
-            checkpoints.wait()
-            where = (f'saved checkpoint step {state.step} in '
-                     f'{checkpoints.directory}')
-          else:
-            where = 'no checkpoint folder, nothing saved'
-          logging.warning(
-              '%s Preemption: all controllers stopped at step %d; %s. '
-              'Exiting. %s', _prefix(), state.step, where,
-              RESUME_TO_CONTINUE)
+          _stopped_at_preemption(state, checkpoints)
           return RunResult(state=state, preempted=True, last_loss=record.loss)
         now = time.monotonic()
         if now - last_log >= progress_every_s:
@@ -213,24 +242,7 @@ class ResilientLoop:
       return RunResult(state=state, preempted=False,
                        last_loss=None if record is None else record.loss)
     except KeyboardInterrupt as interrupt:
-      latest = None
-      if checkpoints is not None:
-        try:
-          checkpoints.wait()
-          latest = checkpoints.latest_step()
-        except Exception:  # pylint: disable=broad-except
-          logging.exception('%s Waiting for the save in flight failed.',
-                            _prefix())
-      # Notes, not a log line: the interrupt's one message, shown with it
-      # where it is not caught, or by the program that catches it (what
-      # happened first, then how to continue in recovery's terms).
-      told = (f'{_prefix()} Interrupted (Ctrl-C) after step {state.step}; '
-              f'the last committed checkpoint is step {latest}.')
-      if hasattr(interrupt, 'add_note'):
-        interrupt.add_note(told)
-        interrupt.add_note(RESUME_TO_CONTINUE)
-      else:  # Python 3.10: no notes.
-        logging.warning('%s %s', told, RESUME_TO_CONTINUE)
+      _note_interrupt(interrupt, state, checkpoints)
       raise
     finally:
       if sigterm is not None:

@@ -16,10 +16,11 @@ import threading
 
 from absl import logging
 
+from multihost import env as _env
 from multihost import lowlevel
 
 # JAX's variable for its C++ log threshold (0 all, 1 warnings, 2 errors).
-CPP_LOG_LEVEL = 'TF_CPP_MIN_LOG_LEVEL'
+CPP_LOG_LEVEL = _env.CPP_LOG_LEVEL
 _ORBAX = f'{os.sep}orbax{os.sep}'
 # (where the record comes from, how its format string starts): lines with no
 # action for the user.

@@ -28,7 +28,7 @@ ASIDE_FROM = 256 << 10
 class Eager:
   """A broadcast source's first stripe, sent ahead of the call's agreement as far as the socket takes it without waiting (up to EAGER_BYTES).
 
-  The agreement over the links (`control.links.agree`) starts it right
+  The agreement over the links (`control.rounds.agree`) starts it right
   behind its frame to the process the transfer sends to first
   (`tcp.chain.first_peer`: the tree's first child, or the next process in
   the chain), so the bytes are on their way while the agreement's
@@ -42,9 +42,9 @@ class Eager:
   All or none, as for any call over the links: a process that completed
   the agreement goes on to read the frame and returns its payload; after a
   timeout every process raises (the call's outcome record decides when one
-  gave up while others completed, see `control.links`), and a process
+  gave up while others completed, see `control.rounds`), and a process
   that did not read the frame drops it in its next agreement
-  (`control.links._receive`). So a receiver never waits for the source to
+  (`control.rounds._receive`). So a receiver never waits for the source to
   end its agreement: at two processes a call costs each side one wake-up,
   not two in turn. On a difference or a timeout the source's link owes the
   rest of the frame (`defer`: sent at once as far as the socket takes it,

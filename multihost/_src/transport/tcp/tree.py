@@ -22,7 +22,7 @@ from multihost._src.transport.tcp import sockets
 
 
 class Relay:
-  """A default-source broadcast's agreement in a star (`control.links`) whose payload goes down this tree next: the answers take the tree's path.
+  """A default-source broadcast's agreement in a star (`control.rounds`) whose payload goes down this tree next: the answers take the tree's path.
 
   Every process given one takes its answer from its parent in the tree
   rooted at process 0, and says so in its frame to process 0. When every

@@ -9,15 +9,29 @@ from __future__ import annotations
 import collections.abc
 import os
 import sys
+import tempfile
 import time
+from typing import TextIO
 
 from multihost import env as env_lib
-from multihost.launch import _environment
-from multihost.launch import _output
-from multihost.launch import _policy
-from multihost.launch import _processes
-from multihost.launch import _report
-from multihost.launch import _signals
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.processes import output as _output
+from multihost.launch._src.processes import processes as _processes
+from multihost.launch._src.processes import signals as _signals
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
+
+
+def commands(command: collections.abc.Sequence[str], num_processes: int,
+             hosts) -> tuple[str, list[list[str]]]:
+  """(the coordinator's address, each controller's command): labelled for `ps`, and on its simulated host if `hosts` (a `multihost.netns.SimulatedHosts`) is given."""
+  address = '127.0.0.1'
+  out = [_environment.labelled(command, i) for i in range(num_processes)]
+  if hosts is not None:
+    address = hosts.address(0)
+    out = [hosts.command(i, out[i]) for i in range(num_processes)]
+  return address, out
 
 
 def environments(*, num_processes: int, devices_per_process: int, port: int,
@@ -87,7 +101,7 @@ def result(procs: _processes.Processes, step: _policy.Step, *,
   """The `LaunchResult` of a finished attempt, from what its processes left and how it ended (`step`)."""
   timed_out = step.action == _policy.TIMED_OUT
   with procs.changed:
-    observed = _report.Observed(
+    observed = _observed.Observed(
         returncodes=tuple(procs.returncodes_locked()),
         end_times=tuple(procs.end_times_locked()),
         stopped=procs.stopped_locked(),
@@ -115,6 +129,39 @@ def keep_logs(outputs: collections.abc.Sequence[str], *, log_dir: str,
     with open(path, 'w', encoding='utf-8') as f:
       f.write(text)
   return os.path.join(log_dir, f'attempt-{attempt}.p*.log')
+
+
+def say(stream: TextIO | None, text: str) -> None:
+  """Writes a `[launcher] ` line to the live `stream`, if there is one."""
+  if stream is None:
+    return
+  try:
+    stream.write(f'[launcher] {text}\n')
+    stream.flush()
+  except (OSError, ValueError):  # Closed stream: the summary still tells.
+    pass
+
+
+def tell_restarted(stream: TextIO | None, attempt: _report.LaunchResult,
+                   k: int, *, held: int, log_dir: str | None) -> str | None:
+  """Writes failed attempt `k`'s output to one file per process (under `log_dir`, made if None) and says where the others were and where the files are; returns the log folder."""
+  if stream is None:
+    return log_dir
+  if attempt.where:
+    say(stream, f'  {attempt.where}.')
+  try:
+    if log_dir is None:
+      log_dir = tempfile.mkdtemp(prefix='multihost-launch-logs-')
+    files = keep_logs(attempt.outputs, log_dir=log_dir, attempt=k)
+  except OSError as e:
+    say(stream, f'  {held} line(s) held back (tracebacks, the stopped '
+        f'processes\' last words) could not be written to {log_dir}: '
+        f'{e.strerror}.')
+    return log_dir
+  what = (f'{held} line(s) held back (tracebacks, the stopped processes\' '
+          'last words); ' if held else '')
+  say(stream, f'  {what}every line of attempt {k}: {files}.')
+  return log_dir
 
 
 def ask_where(procs: _processes.Processes) -> None:

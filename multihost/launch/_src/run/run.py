@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 import os
-import shutil
 import tempfile
 import time
 from typing import TextIO
 
 from multihost import env as env_lib
-from multihost.launch import _controllers
-from multihost.launch import _policy
-from multihost.launch import _report
-from multihost.launch import _trace
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.report import report as _report
+from multihost.launch._src.run import controllers as _controllers
+from multihost.launch._src.run import trace as _trace
 
 
 def launch(command: collections.abc.Sequence[str], *, num_processes: int,
@@ -96,24 +94,11 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     if restore is not None:
       restore()
   if folder is not None:
-    keep = False
-    try:
-      # The run started when the controllers' clock did (`Controllers`).
-      run_wall0 += cluster.run_start - run_mono0
-      try:
-        line = _trace.write(os.fspath(trace), folder, result,
-                            num_processes=num_processes, run_wall0=run_wall0,
-                            starts=cluster.attempt_starts)
-      except _trace.TraceWriteError as e:
-        keep = e.folder is not None  # The dumps: all left of the timeline.
-        note = str(e) + (f'\n{e.divergence}' if e.divergence else '')
-      else:
-        note = f'trace: {os.fspath(trace)}' + (f'; {line}' if line else '')
-      result = dataclasses.replace(result,
-                                   summary=f'{result.summary}\n{note}')
-    finally:
-      if not keep:
-        shutil.rmtree(folder, ignore_errors=True)
+    # The run started when the controllers' clock did (`Controllers`).
+    result = _trace.noted(
+        result, os.fspath(trace), folder, num_processes=num_processes,
+        run_wall0=run_wall0 + cluster.run_start - run_mono0,
+        starts=cluster.attempt_starts)
   if summary_stream is not None:
     summary_stream.write(result.summary + '\n')
     summary_stream.flush()

@@ -7,9 +7,9 @@ import collections.abc
 import os
 import sys
 
-from multihost.launch import _environment
-from multihost.launch import _policy
-from multihost.launch import _run
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.run import run as _run
 
 PROG = 'python -m multihost.launch'
 

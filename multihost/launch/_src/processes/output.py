@@ -16,7 +16,7 @@ import time
 from typing import BinaryIO
 from typing import TextIO
 
-from multihost.launch import _evidence
+from multihost.launch._src.report import evidence as _evidence
 
 # A held traceback is streamed after all when no process failed this long
 # after its last line (a program that logged an exception and went on).

@@ -16,7 +16,7 @@ import signal
 import time
 
 from multihost import env as env_lib
-from multihost.launch import _processes
+from multihost.launch._src.processes import processes as _processes
 
 # Longer than the default failure-detection time (10 s heartbeat timeout, see
 # multihost.initialize), so survivors can raise ProcessFailureError and exit

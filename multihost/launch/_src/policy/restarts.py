@@ -11,8 +11,9 @@ import collections.abc
 import dataclasses
 
 from multihost import env as env_lib
-from multihost.launch import _policy
-from multihost.launch import _report
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
 
 
 def not_retried(result: _report.LaunchResult) -> str | None:
@@ -30,11 +31,11 @@ def not_retried(result: _report.LaunchResult) -> str | None:
 def attempt_cause(result: _report.LaunchResult) -> str:
   """How one attempt ended, in a few words ('process 1 failed first (killed by SIGKILL (status 137))')."""
   if result.interrupted_by is not None:
-    return f'interrupted by {_report.signal_name(result.interrupted_by)}'
+    return f'interrupted by {_observed.signal_name(result.interrupted_by)}'
   if result.first_failure is not None:
     i = result.first_failure
     cause = (f'process {i} failed first '
-             f'({_report.describe(result.returncodes[i])})')
+             f'({_observed.describe(result.returncodes[i])})')
     if result.first_error is not None:
       cause += f', raised {result.first_error!r}'
     return cause

@@ -17,8 +17,8 @@ import time
 from typing import TextIO
 
 from multihost import env as env_lib
-from multihost.launch import _output
-from multihost.launch import _reaper
+from multihost.launch._src.processes import output as _output
+from multihost.launch._src.processes import reaper as _reaper
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

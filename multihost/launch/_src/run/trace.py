@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import glob
 import json
 import os
+import shutil
 from typing import Any
 
 from multihost._src.diagnostics import trace_format
 from multihost._src.runtime import files  # JAX-free (tests/unit/test_init.py).
-from multihost.launch import _report
-from multihost.launch import _restarts
+from multihost.launch._src.policy import restarts as _restarts
+from multihost.launch._src.report import observed as _observed
+from multihost.launch._src.report import report as _report
 
 
 class TraceWriteError(Exception):
@@ -81,7 +84,7 @@ def failures_and_attempts(result: _report.LaunchResult, *, run_wall0: float,
     for p, rc in enumerate(attempt.returncodes):
       if rc in (0, None) and p != attempt.first_failure:
         continue
-      how = _report.describe(rc)
+      how = _observed.describe(rc)
       if p in attempt.stopped:
         how += ', stopped by the launcher'
       end = attempt.end_times[p]
@@ -113,7 +116,7 @@ def killed_lines(result: _report.LaunchResult,
         continue
       waited = trace_format.waited_for(ds, p)
       at = f' in attempt {k}' if len(attempts) > 1 else ''
-      lines.append(f'trace: process {p} ({_report.describe(rc)}){at}, as the '
+      lines.append(f'trace: process {p} ({_observed.describe(rc)}){at}, as the '
                    f'others\' records show: {seen}' +
                    (f', where {waited}' if waited else '') + '.')
   return lines
@@ -147,3 +150,23 @@ def write(path: str, folder: str, result: _report.LaunchResult, *,
   except OSError as e:
     raise TraceWriteError(path, folder if dumps else None, e, line) from e
   return line
+
+
+def noted(result: _report.LaunchResult, path: str, folder: str, *,
+          num_processes: int, run_wall0: float,
+          starts: collections.abc.Sequence[float]) -> _report.LaunchResult:
+  """`result` with the trace's line(s) at the end of its summary, once `write` merged the dumps in `folder` into `path` (or said why it could not); `folder` is removed unless it holds the only copy of the dumps."""
+  keep = False
+  try:
+    try:
+      line = write(path, folder, result, num_processes=num_processes,
+                   run_wall0=run_wall0, starts=starts)
+    except TraceWriteError as e:
+      keep = e.folder is not None  # The dumps: all left of the timeline.
+      note = str(e) + (f'\n{e.divergence}' if e.divergence else '')
+    else:
+      note = f'trace: {path}' + (f'; {line}' if line else '')
+    return dataclasses.replace(result, summary=f'{result.summary}\n{note}')
+  finally:
+    if not keep:
+      shutil.rmtree(folder, ignore_errors=True)

@@ -1,10 +1,11 @@
 """`Controllers`: N controllers of one command as a context manager, supervised together and restarted.
 
-Composes the parts: the controllers' environment (`_environment`), one
-attempt's steps (`_attempt`), the processes (`_processes`), the run policy
-and restarts (`_policy`), signal forwarding (`_signals`) and the report
-(`_report`, `_restarts`); optionally hosts the coordination service
-(`multihost.lowlevel.start_service`).
+Composes the parts: the controllers' environment (`_environment`), what
+the run holds from start to stop (`_resources`: hosts, port, cache folder,
+optionally the coordination service it hosts), one attempt's steps
+(`_attempt`), the processes (`_processes`), the run policy and restarts
+(`_policy`), signal forwarding (`_signals`) and the report (`_report`,
+`_restarts`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,20 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import os
-import shutil
 import signal
-import tempfile
 import time
 from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
-from multihost.launch import _attempt
-from multihost.launch import _environment
-from multihost.launch import _policy
-from multihost.launch import _processes
-from multihost.launch import _report
-from multihost.launch import _restarts
-from multihost.launch import _signals
+from multihost.launch._src.policy import policy as _policy
+from multihost.launch._src.policy import restarts as _restarts
+from multihost.launch._src.processes import environment as _environment
+from multihost.launch._src.processes import processes as _processes
+from multihost.launch._src.processes import signals as _signals
+from multihost.launch._src.report import report as _report
+from multihost.launch._src.run import attempt as _attempt
+from multihost.launch._src.run import resources as _resources
 
 DEFAULT_HEARTBEAT_S = float(env_lib.DEFAULT_HEARTBEAT_S)
 
@@ -133,23 +133,18 @@ class Controllers:
     self.devices_per_process = devices_per_process
     self.grace_period = grace_period
     self.kill_wait = kill_wait
-    self.port = port
-    self._fixed_port = port
     self.host_service = host_service
     self.heartbeat_timeout = heartbeat_timeout
     self.max_restarts = max_restarts
     self.restart_count = 0  # Of the current attempt.
-    self._cache_choice = (None if compilation_cache_dir is None
-                          else os.fspath(compilation_cache_dir))
-    # The folder the attempts get (None: the user's setting, or none).
-    self.compilation_cache_dir: str | None = None
-    self._own_cache_dir: str | None = None  # Made here; removed at stop().
-    self._service = None
-    self._port_hold = None  # (`hold_free_port`)
     self.hosts_kind = hosts
-    self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
     self._extra_env = dict(env or {})
-    self._secret_env: dict[str, str] = {}
+    self._held = _resources.Resources(
+        num_processes=num_processes, port=port, hosts_kind=hosts,
+        host_service=host_service, heartbeat_timeout=heartbeat_timeout,
+        cache_choice=(None if compilation_cache_dir is None
+                      else os.fspath(compilation_cache_dir)),
+        extra_env=self._extra_env)
     self._cwd = cwd
     self._stream = stream
     self._procs = _processes.Processes(num_processes, stream=stream)
@@ -171,15 +166,7 @@ class Controllers:
     self._start_time = time.monotonic()
     _LIVE.add(self)
     try:
-      if self.hosts_kind == _environment.NETNS:
-        from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
-        self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
-        self.hosts.start()
-      self._secret_env = env_lib.job_secret_env(self._extra_env)
-      self.compilation_cache_dir, self._own_cache_dir = (
-          _environment.compilation_cache_dir(
-              self._cache_choice, extra_env=self._extra_env,
-              max_restarts=self.max_restarts))
+      self._held.open(max_restarts=self.max_restarts)
       self._spawn_attempt()
     except BaseException:
       self.stop()
@@ -188,11 +175,7 @@ class Controllers:
 
   def _spawn_attempt(self) -> None:
     """Starts attempt `restart_count`: a coordinator port, the service if hosted, every process."""
-    self.port = self._fixed_port
-    if not self.port:  # Held until the run ends (see `hold_free_port`).
-      self._release_port()
-      self._port_hold = _environment.hold_free_port()
-      self.port = self._port_hold.getsockname()[1]
+    port = self._held.next_port()
     if self.restart_count:
       self._procs = _processes.Processes(self.num_processes,
                                          stream=self._stream)
@@ -201,29 +184,32 @@ class Controllers:
       self._procs.output.hold_tracebacks()
     self._procs.start_time = time.monotonic()
     self._attempt_starts.append(self._procs.start_time - self._start_time)
-    address = '127.0.0.1'
-    command = [_environment.labelled(self.command, i)
-               for i in range(self.num_processes)]
-    if self.hosts is not None:
-      address = self.hosts.address(0)
-      command = [self.hosts.command(i, command[i])
-                 for i in range(self.num_processes)]
-    service_env = {}
-    if self.host_service:
-      from multihost import lowlevel  # pylint: disable=g-import-not-at-top
-      self._service = lowlevel.start_service(
-          f'127.0.0.1:{self.port}', self.num_processes,
-          heartbeat_timeout=int(self.heartbeat_timeout))
-      service_env = env_lib.external_service_env(self.heartbeat_timeout)
-    service_env.update(self._secret_env)
+    address, command = _attempt.commands(self.command, self.num_processes,
+                                         self.hosts)
+    service_env = self._held.service_env()
     envs = _attempt.environments(
         num_processes=self.num_processes,
-        devices_per_process=self.devices_per_process, port=self.port,
+        devices_per_process=self.devices_per_process, port=port,
         address=address, service_env=service_env, extra_env=self._extra_env,
         compilation_cache_dir=self.compilation_cache_dir,
         restart_count=self.restart_count)
     for i in range(self.num_processes):
       self._procs.spawn(command[i], env=envs[i], cwd=self._cwd)
+
+  @property
+  def port(self) -> int | None:
+    """The current attempt's coordinator port."""
+    return self._held.port
+
+  @property
+  def hosts(self):
+    """The running `multihost.netns.SimulatedHosts` with hosts='netns', else None."""
+    return self._held.hosts
+
+  @property
+  def compilation_cache_dir(self) -> str | None:
+    """The compilation cache folder the attempts get (None: none set here)."""
+    return self._held.compilation_cache_dir
 
   @property
   def pids(self) -> list[int]:
@@ -348,33 +334,12 @@ class Controllers:
   def _say_healed(self, attempt: _report.LaunchResult, k: int) -> None:
     """Writes failed attempt `k`'s output to one file per process and says where the others were and where the files are."""
     held = self._procs.output.drop_held()
-    if self._stream is None:
-      return
-    if attempt.where:
-      self._say(f'  {attempt.where}.')
-    try:
-      if self.log_dir is None:
-        self.log_dir = tempfile.mkdtemp(prefix='multihost-launch-logs-')
-      files = _attempt.keep_logs(attempt.outputs, log_dir=self.log_dir,
-                                 attempt=k)
-    except OSError as e:
-      self._say(f'  {held} line(s) held back (tracebacks, the stopped '
-                f'processes\' last words) could not be written to '
-                f'{self.log_dir}: {e.strerror}.')
-      return
-    what = (f'{held} line(s) held back (tracebacks, the stopped processes\' '
-            'last words); ' if held else '')
-    self._say(f'  {what}every line of attempt {k}: {files}.')
+    self.log_dir = _attempt.tell_restarted(
+        self._stream, attempt, k, held=held, log_dir=self.log_dir)
 
   def _say(self, text: str) -> None:
     """Writes a `[launcher] ` line to the live stream, if there is one."""
-    if self._stream is None:
-      return
-    try:
-      self._stream.write(f'[launcher] {text}\n')
-      self._stream.flush()
-    except (OSError, ValueError):  # Closed stream: the summary still tells.
-      pass
+    _attempt.say(self._stream, text)
 
   def _poll_signals(self) -> int | None:
     """The stop signal the launcher got (or None); forwards where-report requests first."""
@@ -394,25 +359,13 @@ class Controllers:
     """Stops the current attempt's processes (SIGTERM, then SIGKILL after `kill_wait`, default self.kill_wait) and its hosted service."""
     _policy.stop(self._procs,
                  kill_wait=self.kill_wait if kill_wait is None else kill_wait)
-    if self._service is not None:
-      self._service.shutdown()
-      self._service = None
+    self._held.stop_service()
 
   def stop(self) -> None:
     """Stops every running process: SIGTERM, then SIGKILL after kill_wait; deletes the simulated hosts and the compilation cache folder made here."""
     self._stop_attempt()
-    if self.hosts is not None:
-      self.hosts.close()  # Also kills anything left inside them.
-    if self._own_cache_dir is not None:
-      shutil.rmtree(self._own_cache_dir, ignore_errors=True)
-      self._own_cache_dir = None
-    self._release_port()
+    self._held.close()
     _LIVE.discard(self)
-
-  def _release_port(self) -> None:
-    if self._port_hold is not None:
-      self._port_hold.close()
-      self._port_hold = None
 
   # Context manager.
 

@@ -1,0 +1,9 @@
+"""The launcher's implementation, in packages (the public names are in multihost/launch/__init__.py).
+
+Each package is one part, and imports run one way: a package imports only
+the packages listed after it in LAYERS (tests/unit/test_layers.py checks it
+against the imports themselves).
+"""
+
+# Top to bottom.
+LAYERS = ('run', 'policy', 'processes', 'report')

@@ -1,0 +1,1 @@
+"""The controller processes: what each is started with, spawning and reaping them, their output, signals, nothing outliving the launcher."""

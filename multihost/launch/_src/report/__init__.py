@@ -1,0 +1,1 @@
+"""How a run ended, as pure functions of what was observed: what a process's output says, who failed first, the exit status, the summary."""
