@@ -39,6 +39,18 @@ def test_every_dtype_and_kind_restores_with_its_dtype_and_bits(tmp_path, tier):
           'uint4', 'int8', 'bool', 'complex64'} <= set(matrix.JAX_DTYPES)
 
 
+@pytest.mark.parametrize('tier', matrix.TIERS)
+def test_carried_dtypes_keep_a_one_device_sharding(tmp_path, tier):
+  """A mesh of one device (one TPU chip): the sharding comes back as it was."""
+  mesh = jax.make_mesh((1,), ('d',), devices=jax.devices()[:1])
+  names = ['uint4', 'float8_e4m3', 'bfloat16']
+  saved = matrix.user(1, names=names, kinds=['committed'], mesh=mesh)
+  target = matrix.user(2, names=names, kinds=['committed'], mesh=mesh)
+  matrix.save(str(tmp_path), tier, saved, target)
+  got, took, _, _ = matrix.resume(str(tmp_path), tier, target)
+  assert took == tier and matrix.differences(saved, got.user) == []
+
+
 def test_a_persistent_checkpoint_names_the_leaves_own_dtypes(tmp_path):
   """uint4 travels in uint8 through TensorStore; the checkpoint says uint4."""
   names = ['uint4', 'float8_e4m3', 'bfloat16']

@@ -84,8 +84,8 @@ def _convert_device(x: jax.Array, dtype: np.dtype) -> jax.Array:
       return shard.astype(dtype)
     return jax.lax.bitcast_convert_type(shard, dtype)
 
-  if x.is_fully_addressable and len(x.sharding.device_set) == 1:
-    return one(x)
+  # Shard by shard, also on one device: the result keeps `x`'s sharding
+  # exactly (an op's result may carry an equivalent one, spelled otherwise).
   return jax.make_array_from_single_device_arrays(
       x.shape, x.sharding, [one(s.data) for s in x.addressable_shards])
 
