@@ -40,10 +40,9 @@ def carrier(dtype: np.dtype) -> np.dtype | None:
   except (TypeError, ValueError):
     pass
   try:
-    bits = ml_dtypes.iinfo(dtype).bits
-    signed = ml_dtypes.iinfo(dtype).min < 0
-    if bits <= 8:
-      return np.dtype(np.int8 if signed else np.uint8)
+    info = ml_dtypes.iinfo(dtype)
+    if info.bits <= 8:
+      return np.dtype(np.int8 if info.min < 0 else np.uint8)
   except ValueError:
     pass
   try:

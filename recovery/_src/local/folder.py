@@ -24,7 +24,7 @@ Nothing under `<local>` is followed through a symlink. `<local>` and each
 `process_<P>` must pass `private.check_private` (created owner-only, mode
 0700); entries that are links are skipped when read and refused when
 written or deleted, and files are opened with O_NOFOLLOW
-(`private.open_file`). Pure file handling: no collective, no JAX.
+(`private.open_file`). Pure file handling: no collective, no JAX call.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
 from recovery._src.local import private
 from recovery._src.local import run_identity
+from recovery._src.state import leaves
 from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
@@ -89,7 +90,7 @@ def dtype_text(dtype: np.dtype) -> str:
   NumPy's text of an ml_dtypes type ('<V2' for bfloat16, '<f1' for
   float8_e5m2) does not read back as that type; its name does (`dtype_of`).
   """
-  if dtype.type.__module__.split('.')[0] == 'ml_dtypes':
+  if leaves.is_ml_dtype(dtype):
     return dtype.name
   return dtype.str
 
@@ -191,8 +192,9 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
         f.write(memoryview(block.reshape(-1).view(np.uint8)))
         listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                       'dtype': dtype_text(block.dtype), 'shape': list(block.shape),
-                       'offset': offset, 'nbytes': block.nbytes})
+                       'dtype': dtype_text(block.dtype),
+                       'shape': list(block.shape), 'offset': offset,
+                       'nbytes': block.nbytes})
         offset += block.nbytes
       f.flush()
       os.fsync(f.fileno())

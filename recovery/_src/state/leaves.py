@@ -162,11 +162,19 @@ STORABLE_DTYPES = (
     'make it a static field.')
 
 
+def is_ml_dtype(dtype: np.dtype) -> bool:
+  """Whether `dtype` is an ml_dtypes type (bfloat16, float8_*, int4, ...).
+
+  NumPy sees most of them as dtype kind 'V', like raw bytes, and spells
+  them so ('<V2' for bfloat16): their scalar type tells them apart.
+  """
+  return dtype.type.__module__.split('.')[0] == 'ml_dtypes'
+
+
 def dtype_problem(dtype: np.dtype) -> str | None:
   """Why a NumPy array of `dtype` cannot be checkpointed, or None when it can.
 
-  NumPy sees every ml_dtypes type (bfloat16, float8_*, int4, ...) as dtype
-  kind 'V', like raw bytes: those are told apart by their scalar type.
+  Every ml_dtypes type can (`is_ml_dtype`).
   """
   kind = dtype.kind
   if kind in 'biu':
@@ -175,8 +183,7 @@ def dtype_problem(dtype: np.dtype) -> str | None:
     if dtype.itemsize <= (8 if kind == 'f' else 16):
       return None
     return f'extended precision, {dtype.itemsize * 8} bits'
-  if kind == 'V' and dtype.names is None and dtype.subdtype is None and (
-      dtype.type.__module__.split('.')[0] == 'ml_dtypes'):
+  if is_ml_dtype(dtype):
     return None
   return {'O': 'Python objects', 'U': 'text', 'S': 'byte strings',
           'M': 'dates', 'm': 'durations',
