@@ -102,11 +102,12 @@ def scaling_title(data: dict) -> str:
   parts = [f'commit {data.get("commit", "unknown")}']
   if data.get('date'):
     parts.append(data['date'])
-  if cores:
+  if cores and over:
     listed = (over[0] if len(over) == 1 else
               f'{", ".join(over[:-1])} and {over[-1]}')
-    parts.append(f'{cores} cores' +
-                 (f', P={listed} oversubscribed' if over else ''))
+    parts.append(f'{cores} cores, P={listed} oversubscribed')
+  elif cores:
+    parts.append(f'{cores} cores, a core per process')
   return ('median ms per call against the process count P: '
           + ', '.join(parts))
 

@@ -15,6 +15,7 @@ from multihost._src.runtime import companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
 from multihost._src.runtime import files
+from multihost._src.runtime import settings
 from multihost._src.transport import choice
 from multihost._src.transport.tcp import sockets
 
@@ -57,6 +58,11 @@ def tune_tcp(conn) -> None:
 def cpp_warnings_hidden():
   """A context in which JAX's C++ logs show errors only (see `multihost._src.runtime.companion.cpp_advice_hidden`)."""
   return companion.cpp_advice_hidden()
+
+
+def max_object_bytes() -> int:
+  """The largest pickled object an object collective accepts from one process ($MULTIHOST_MAX_OBJECT_BYTES, default 1 GiB): what a caller that sends more must cut it below."""
+  return settings.max_object_bytes()
 
 
 def process_prefix(index: int | None = None) -> str:

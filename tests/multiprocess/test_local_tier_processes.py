@@ -24,6 +24,7 @@ import tempfile
 import _helpers
 import pytest
 
+from multihost import env
 from multihost import launch
 import recovery
 from recovery._src.local import folder
@@ -67,7 +68,7 @@ def _own_disks_unavailable() -> str | None:
 
 
 def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False,
-           host_id='host$JAX_PROCESS_ID', save_every=50):
+           host_id='host$JAX_PROCESS_ID', save_every=50, extra_env=None):
   """bin/train.py under --max_restarts=1, on 2 simulated hosts or on one.
 
   `own_disks`: no $RECOVERY_HOST_ID and one hostname, but each process sees
@@ -100,7 +101,7 @@ def _drill(tmp_path, *extra, kill=True, one_host=False, own_disks=False,
                '$JAX_PROCESS_ID ' + ' '.join(args))
   env = {**{k: v for k, v in os.environ.items()
             if k != recovery.HOST_ID_VARIABLE},
-         **_helpers.quick_compile_env()}
+         **_helpers.quick_compile_env(), **(extra_env or {})}
   result = launch.launch(['sh', '-c', command], num_processes=2,
                          devices_per_process=2, grace_period=1,
                          kill_wait=0.5, timeout=120, max_restarts=1, cwd=ROOT,
@@ -154,6 +155,30 @@ def test_sigkill_restarts_from_a_replaced_host_s_peer_bitwise_equal(
   _report('replaced host', out, resumed, peers)
   assert not any(os.path.exists(f'/proc/{pid}') for a in result.attempts
                  for pid in a.pids)
+
+
+def test_peer_copies_larger_than_the_object_limit_travel_in_pieces(tmp_path):
+  # $MULTIHOST_MAX_OBJECT_BYTES=2048, and each host's blocks (half of the
+  # weights and momentum at width 1024: 4 KiB) pickle to more: every local
+  # save and the restore from the peer still work, in pieces.
+  _, _, reference = _drill(tmp_path / 'reference', '--shard_params',
+                           '--width=1024', kill=False)
+  result, out, digest = _drill(
+      tmp_path, '--shard_params', '--width=1024', '--drill_wipe_local',
+      extra_env={env.MAX_OBJECT_BYTES: '2048'})
+  assert result.restart_count == 1
+  assert not re.search(r'The local save of step \d+ .* failed|A local '
+                       r'save to .* failed|over the limit', out), out[-3000:]
+  assert digest == reference
+  resumed = _resumed(out)
+  assert {p: r[:2] for p, r in resumed.items()} == {
+      0: (15, 'local'), 1: (15, 'local')}, out[-3000:]
+  peers = {p: r[2] for p, r in resumed.items()}
+  assert peers[0] == 0 and peers[1] > 4096, peers
+  for p in (0, 1):  # Every save wrote its step, with its peer's copies.
+    newest = max(folder.scan(str(tmp_path / f'local{p}')),
+                 key=lambda s: s.step)
+    assert newest.step == STEPS and newest.manifest['peer_keys'], p
 
 
 def test_sigkill_restarts_two_processes_sharing_one_host_s_folder(

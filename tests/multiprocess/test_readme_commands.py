@@ -48,9 +48,6 @@ NOT_RUN = {
     'bench/restart_drill.py': 'a measurement: 3 restart drills of about a '
                               'minute each per command; tests/multiprocess/'
                               'test_launch_restarts.py drills the restarts',
-    'bench/cost.py': 'a measurement: 9 rounds of 6 cases of 2000 calls, '
-                     'about 15 s; tests/multiprocess/test_bench.py runs it '
-                     'with fewer calls',
     'bench/cpu_share.py': 'a measurement: 9 rounds at P=8 with torch gloo '
                           'beside, about a minute; tests/multiprocess/'
                           'test_bench.py runs it at 3 processes',

@@ -27,6 +27,7 @@ import pytest
 from multihost import env as env_lib
 import recovery
 from recovery._src.local import folder
+from recovery._src.local import layout
 from recovery._src.local import private
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -68,18 +69,23 @@ def _sharded(devices=None):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
 
 
-def _initial(loop, sharding) -> recovery.TransitionState:
-  zeros = np.zeros(WIDTH, np.float32)
+def _initial(loop, sharding, dtype=np.float32) -> recovery.TransitionState:
+  zeros = jnp.zeros(WIDTH, dtype)
   return loop.init({'w': jax.device_put(zeros, sharding),
                     'v': jax.device_put(zeros, sharding)}, jax.random.key(3))
 
 
 def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
-           restart=False, monkeypatch=None, local='local', local_keep=2):
-  """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints)."""
+           restart=False, monkeypatch=None, local='local', local_keep=2,
+           dtype=np.float32, resume=None):
+  """Runs `steps` steps (resuming on `restart`); returns (state, checkpoints).
+
+  `dtype`: the weights' (a config mistake when it differs from the saved
+  one); `resume`: `start`'s mode.
+  """
   sharding = sharding or _sharded()
   loop = _loop(sharding)
-  initial = _initial(loop, sharding)
+  initial = _initial(loop, sharding, dtype)
   if monkeypatch is not None:
     if restart:
       monkeypatch.setenv('MULTIHOST_RESTART_COUNT', '1')
@@ -90,7 +96,7 @@ def _train(tmp_path, steps, *, save_every=100, local_every=3, sharding=None,
                             local_directory=tmp_path / local,
                             local_save_every=local_every,
                             local_keep=local_keep) as ckpt:
-    state = ckpt.start(initial)
+    state = ckpt.start(initial, resume=resume)
     result = loop.run(state, until_step=steps, checkpoints=ckpt)
   return result.state, ckpt
 
@@ -263,8 +269,8 @@ def test_a_damaged_newest_local_step_restores_the_older_local_one(
     assert os.path.isdir(moved) and os.path.dirname(moved) == os.path.join(
         local, 'process_0'), moved
     assert (f"Local step 9 failed its checks; set this process's folder of "
-            f'it aside as {moved} (kept, never read or deleted); trying '
-            'older') in caplog.text
+            f'it aside as {moved} (kept, never read or deleted); resuming '
+            'from local step 6 instead') in caplog.text
   assert re.search(rf'Restored local step 6 .* from the local tier in {local}'
                    r' in [\d.]+ s; 0 bytes came from peers', caplog.text)
 
@@ -293,7 +299,7 @@ def test_a_damaged_local_step_falls_back_to_an_older_local_step_equal_to_the_per
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
   assert re.search(r"Local step 9 failed its checks; set this process's "
                    r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
-                   'trying older', caplog.text)
+                   'resuming from local step 6 instead', caplog.text)
   assert (recovery.checkpoint_digest(state)
           == recovery.checkpoint_digest(reference))
 
@@ -329,7 +335,7 @@ def test_damaged_local_and_persistent_steps_fall_back_to_an_older_local_one(
                      r'.*; resuming from local step 6 instead\.', line), line
   assert re.search(r"Local step 9 failed its checks; set this process's "
                    r'folder of it aside as .*9-[0-9a-f]{16}\.damaged-.*; '
-                   'trying older', caplog.text)
+                   'resuming from local step 6 instead', caplog.text)
   # Step 8 was saved again; the damaged folders are kept beside it.
   assert ckpt.steps() == [4, 8, 12]
   names = sorted(os.listdir(tmp_path / 'ckpt'))
@@ -352,20 +358,108 @@ def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
 
 
-def test_a_fresh_run_deletes_the_older_local_steps_of_its_folder(
-    tmp_path, monkeypatch):
+@pytest.mark.parametrize('resume', [None, False])
+def test_a_fresh_start_refuses_local_steps_of_its_folder_and_keeps_them(
+    tmp_path, monkeypatch, resume):
+  """A job that crashed before its first persistent save, started again by hand: its local steps are checkpoints of the folder too."""
   _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch)
   _delete_persistent(tmp_path, 7)
   other = tmp_path / 'other'
   _train(other, 4, local_every=3, monkeypatch=monkeypatch, local='../local')
-  # A strict fresh start on the (now empty) folder: its local steps 3 and 6
-  # are stale, the other folder's step 3 is not this run's business.
-  _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch)
-  steps = {(s.manifest['directory'], s.step)
-           for s in folder.scan(str(tmp_path / 'local'))}
-  assert steps == {(str(other / 'ckpt'), 3)}
+  stored = _stored(tmp_path / 'local')
+  ckpt, local = str(tmp_path / 'ckpt'), str(tmp_path / 'local')
+  assert stored == {(ckpt, 3), (ckpt, 6), (str(other / 'ckpt'), 3)}
+  with pytest.raises(recovery.FolderNotFreshError) as e:
+    _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch, resume=resume)
+  message = str(e.value)
+  assert f'local steps [3, 6] of {ckpt}' in message, message
+  assert os.path.join(local, 'process_0') in message, message
+  assert 'resume=True' in message and 'delete' in message, message
+  assert _stored(tmp_path / 'local') == stored  # nothing deleted
+  # Continuing is one way; deleting them (the explicit request) the other.
+  _, run = _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch,
+                  resume='if_present')
+  assert (run.resumed_from, run.resumed_tier) == (6, 'local')
+  _delete_persistent(tmp_path, 7)
+  for s in folder.scan(local):
+    if s.manifest['directory'] == ckpt:
+      shutil.rmtree(s.folder)
+  _, run = _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch,
+                  resume=resume)
+  assert run.resumed_from is None
+  assert _stored(tmp_path / 'local') == {(str(other / 'ckpt'), 3)}
 
 
+def _names(tmp_path) -> dict[str, list[str]]:
+  """The entries of the checkpoint folder and of process 0's local folder."""
+  return {d: sorted(n for n in os.listdir(tmp_path / d) if '.lock' not in n)
+          for d in ('ckpt', 'local/process_0')}
+
+
+@pytest.mark.parametrize('restart', [True, False], ids=['restart',
+                                                        'resume-true'])
+def test_a_restart_with_the_wrong_state_raises_a_mismatch_and_moves_nothing(
+    tmp_path, monkeypatch, restart):
+  """A config mistake (bfloat16 weights where float32 were saved) is no damage: every tier's steps stay, and the fixed restart resumes the newest."""
+  _train(tmp_path, 6, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  _delete_persistent(tmp_path, 6)  # persistent step 5; local steps 3 and 6
+  before = _names(tmp_path)
+  resume = None if restart else True
+  with pytest.raises(recovery.CheckpointMismatchError,
+                     match=r'user/w: checkpoint has .*float32.*bfloat16'):
+    _train(tmp_path, 8, save_every=5, dtype=jnp.bfloat16, restart=restart,
+           resume=resume, monkeypatch=monkeypatch)
+  assert _names(tmp_path) == before
+  state, ckpt = _train(tmp_path, 8, save_every=5, restart=restart,
+                       resume=resume, monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert ckpt.set_aside == [] and state.step == 8
+
+
+def test_a_strict_resume_refuses_a_damaged_local_step_and_moves_nothing(
+    tmp_path, monkeypatch):
+  """resume=True started by hand: a person asked for the newest step; a damaged one is refused, not passed over (nor renamed)."""
+  _train(tmp_path, 11, save_every=5, local_every=3, monkeypatch=monkeypatch)
+  for step in (10, 11):
+    _delete_persistent(tmp_path, step)  # persistent 5; local 6 and 9
+  _flip_last_byte(tmp_path, 9)
+  before = _names(tmp_path)
+  with pytest.raises(recovery.CheckpointDamagedError,
+                     match=r"Local step 9 in .* is damaged: it failed its "
+                     r"digest check.*Start with resume='if_present'"):
+    _train(tmp_path, 12, save_every=5, resume=True, monkeypatch=monkeypatch)
+  assert _names(tmp_path) == before
+  _, ckpt = _train(tmp_path, 12, save_every=5, resume='if_present',
+                   monkeypatch=monkeypatch)
+  assert (ckpt.resumed_from, ckpt.resumed_tier) == (6, 'local')
+  assert [(a.step, a.tier) for a in ckpt.set_aside] == [(9, 'local')]
+
+
+def test_folder_names_that_are_not_steps_are_foreign_and_left_alone(
+    tmp_path, monkeypatch, caplog):
+  """A step folder's name is ASCII digits equal to str(int(name)): '0900' (a person's copy of a step) or non-ASCII digits are foreign, in both tiers."""
+  _train(tmp_path, 6, save_every=2, local_every=3, monkeypatch=monkeypatch)
+  ckpt = tmp_path / 'ckpt'
+  for name in ('0900', '\u0669\u0660\u0660'):  # '0900', Arabic-Indic '900'
+    shutil.copytree(ckpt / '2', ckpt / name)
+  (ckpt / '0900.orbax-checkpoint-tmp-1').mkdir()  # no save's leftover
+  six = _step_folder(tmp_path / 'local', 6)
+  run = six.name.split('-', 1)[1]
+  own = tmp_path / 'local' / 'process_0'
+  for name in (f'09-{run}', f'\u0669-{run}', f'06-{run}'):
+    shutil.copytree(six, own / name)
+  foreign = {d: [n for n in names if n[0] in '0\u0669']
+             for d, names in _names(tmp_path).items()}
+  for _ in range(2):  # Each restart resumes the newest step; keep-N runs.
+    _, run_ = _train(tmp_path, 12, save_every=2, local_every=3, restart=True,
+                     monkeypatch=monkeypatch)
+    assert (run_.resumed_from, run_.resumed_tier) in [(6, 'local'),
+                                                      (12, 'local')]
+    assert run_.set_aside == []
+    assert {d: [n for n in names if n[0] in '0\u0669']
+            for d, names in _names(tmp_path).items()} == foreign
+  assert run_.steps() == [8, 10, 12]
+  assert "'0900'" in caplog.text  # named as foreign
 def test_local_options_are_checked(tmp_path):
   with pytest.raises(ValueError, match='local_save_every=3 needs'):
     recovery.Checkpoints(tmp_path, local_save_every=3)
@@ -409,6 +503,15 @@ def test_the_local_folder_is_private_and_a_shared_one_is_refused(
                      match=r'shared .*writable by its group or others'):
     _train(tmp_path / 'b', 4, monkeypatch=monkeypatch, local='../shared')
   assert not (shared / 'process_0').exists()
+  # Writable by its group only (0770): another user of the group could
+  # plant or swap local steps just as well.
+  group = tmp_path / 'group'
+  group.mkdir()
+  group.chmod(0o770)
+  with pytest.raises(recovery.CheckpointFolderError,
+                     match=r'group .*writable by its group or others'):
+    _train(tmp_path / 'g', 4, monkeypatch=monkeypatch, local='../group')
+  assert not (group / 'process_0').exists()
   if os.geteuid() == 0:  # Another user's folder (root can make one).
     theirs = tmp_path / 'theirs'
     theirs.mkdir(mode=0o700)
@@ -531,6 +634,36 @@ def test_a_failed_local_write_leaves_no_temporary_folder(
   _train(tmp_path, 4, local_every=3, monkeypatch=monkeypatch)
   assert 'A local save to' in caplog.text
   assert os.listdir(tmp_path / 'local' / 'process_0') == []
+
+
+def test_a_local_save_that_fails_is_logged_and_recorded_never_raised(
+    tmp_path, monkeypatch, caplog):
+  """A local tier failure of any kind (here: no host memory for the blocks) leaves training and the persistent tier going."""
+
+  def no_memory(*args, **kwargs):
+    del args, kwargs
+    raise MemoryError('no host memory for the blocks')
+
+  monkeypatch.setattr(layout, 'blocks_to_write', no_memory)
+  failed = []
+
+  def on_duration(event, duration, **kwargs):
+    del duration
+    if event == '/multihost/event/duration_secs':
+      failed.append(kwargs.get('name'))
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    state, ckpt = _train(tmp_path, 7, save_every=5, local_every=3,
+                         monkeypatch=monkeypatch)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+  assert state.step == 7 and ckpt.steps() == [5, 7]
+  assert failed.count('local save failed') == 2, failed  # steps 3 and 6
+  assert ckpt.local.failed_saves == 2 and ckpt.local.saves == 0
+  assert re.search(r'The local save of step 3 to .* failed \(MemoryError: '
+                   r'no host memory for the blocks\)', caplog.text)
+  assert _stored(tmp_path / 'local') == set()
 
 
 def test_train_rejects_a_local_schedule_without_a_local_folder(tmp_path):

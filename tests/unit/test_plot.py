@@ -134,6 +134,20 @@ def test_a_scaling_report_gives_ours_and_torch_per_case_against_p(tmp_path):
   assert '2 cores, P=4 and 8 oversubscribed' in _plot_scaling.scaling_title(committed)
 
 
+
+def test_the_kept_reports_are_data_the_picture_draws():
+  """bench/data/report-*.json: every kept report has cases to draw and a title, a run with a core per process too."""
+  reports = sorted((ROOT / 'bench' / 'data').glob('report-*.json'))
+  assert len(reports) >= 20, reports
+  for path in reports:
+    data = _plot_scaling.read_json(str(path))
+    assert _plot_scaling.scaling_series(data), path.name
+    assert f'commit {data["commit"]}' in _plot_scaling.scaling_title(data)
+  sixteen = _plot_scaling.read_json(
+      str(ROOT / 'bench' / 'data' / 'report-14-16-cores.json'))
+  assert _plot_scaling.scaling_title(sixteen).endswith(
+      '16 cores, a core per process')
+
 def test_the_report_writes_its_data_beside_it(tmp_path, monkeypatch):
   launches = []
 

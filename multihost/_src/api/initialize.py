@@ -109,17 +109,8 @@ def initialize(coordinator_address: str | None = None,
   _set_heartbeat(kwargs, heartbeat, detect=detect)
   _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
   companion = _start_distributed(kwargs, env, detect=detect)
-  rt = runtime.current()  # The runtime on JAX's new client.
-  if companion is not None:
-    rt.companion = companion
-    rt.exit_steps['companion'] = companion.finish
-  if detect:
-    rt.watchdog.start(
-        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
-        shutdown_timeout=shutdown_timeout_seconds)
-  rt.where.ensure_started()
-  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
-              rt.count, jax.local_device_count())
+  _start_runtime(companion, kwargs, detect=detect,
+                 shutdown_timeout=shutdown_timeout_seconds)
 
 
 def _job(env: Mapping[str, str], coordinator_address: str | None,
@@ -227,6 +218,22 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
       companion.finish()
     raise
   return companion
+
+
+def _start_runtime(companion: Any, kwargs: dict[str, Any], *, detect: bool,
+                   shutdown_timeout: int) -> None:
+  """The runtime on JAX's new client: it owns the companion (if any), and its watchdog (with failure detection) and where-responder start."""
+  rt = runtime.current()  # The runtime on JAX's new client.
+  if companion is not None:
+    rt.companion = companion
+    rt.exit_steps['companion'] = companion.finish
+  if detect:
+    rt.watchdog.start(
+        heartbeat_timeout=kwargs['heartbeat_timeout_seconds'],
+        shutdown_timeout=shutdown_timeout)
+  rt.where.ensure_started()
+  rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
+              rt.count, jax.local_device_count())
 
 
 def is_initialized() -> bool:

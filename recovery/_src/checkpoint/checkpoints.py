@@ -59,7 +59,8 @@ class Checkpoints:
   all hosts and the newest persistent step, the local one on a tie; when
   a local step cannot be restored (another topology, missing blocks, a
   failed digest check) it tries the older ones down to the newest
-  persistent step, then falls back to the persistent tier.
+  persistent step, then falls back to the persistent tier. A local save
+  that fails is logged and recorded, never raised.
 
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
@@ -379,8 +380,8 @@ class Checkpoints:
     never deleted); `resumed_from` tells which step was restored, and
     `resumed_tier` from which tier. With a local tier, its newest step
     complete across all hosts counts too, and is restored when it is at
-    least as new as the persistent one (see the class docstring); a fresh
-    start deletes this folder's older local steps.
+    least as new as the persistent one (see the class docstring); a strict
+    fresh start refuses local steps of this folder as persistent ones.
 
     A damaged newest persistent step (its files cannot be read, or it fails
     its digest check, on any process) is set aside in mode 'if_present' and
@@ -392,7 +393,8 @@ class Checkpoints:
     findings gathered from all. When no step verifies, nothing is moved and
     the oldest one's `CheckpointDamagedError` is raised. A strict
     resume=True that is no restart raises the newest one's error instead
-    (a person decides; it says how to fall back).
+    (a person decides; it says how to fall back). Local steps alike. A step
+    that does not fit `initial` is no damage: `CheckpointMismatchError`.
 
     Args:
       initial: the fresh initial state, built on the current mesh; it is the
@@ -403,7 +405,8 @@ class Checkpoints:
       NothingToResumeError: resume=True and no committed checkpoint.
       CheckpointDamagedError: no step verifies, or a strict resume=True (no
         restart) found the newest one damaged.
-      FolderNotFreshError: a strict fresh start on a folder with checkpoints.
+      FolderNotFreshError: a strict fresh start on a folder with checkpoints
+        (persistent, or local steps of the folder on the hosts).
       ValueError: an unknown mode.
       (and what `restore` raises)
     """

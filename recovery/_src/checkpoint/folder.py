@@ -1,10 +1,12 @@
 """What is in a checkpoint folder: this project's steps, foreign entries, leftovers of crashed saves.
 
-A step folder is this project's when it is a real folder directly inside the
-checkpoint folder and its `meta/metadata` JSON names the checkpoint format.
-A symlink whose target is such a step (a warm start by link) is *linked*:
-read for a resume, never deleted or written through. Anything else with a
-step-like (all-digit) name is foreign: never read as a step, never deleted.
+A folder name is a step only if it is ASCII digits equal to str(int(name))
+(`local.folder.number`: '900', not '0900'). A step folder is this project's
+when it is a real folder directly inside the checkpoint folder and its
+`meta/metadata` JSON names the checkpoint format. A symlink whose target is
+such a step (a warm start by link) is *linked*: read for a resume, never
+deleted or written through. Anything else with a step-like (all-digit, in
+any script) name is foreign: never read as a step, never deleted.
 Both are named in a warning. Nothing is deleted unless its real path lies
 directly inside the real checkpoint folder (`inside`). A damaged step set
 aside by a resume (`set_aside`: `<step>.damaged-<UTC time>`) is not step-like:
@@ -28,7 +30,8 @@ from recovery._src.local import folder as local_folder
 from recovery._src.state.errors import CheckpointFolderError
 
 TMP_SUFFIX = '.orbax-checkpoint-tmp'
-_TMP = re.compile(r'(\d+)' + re.escape(TMP_SUFFIX) + r'.*')
+_TMP = re.compile(f'({local_folder.NUMBER.pattern})' + re.escape(TMP_SUFFIX)
+                  + '.*')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Listing:
       the only ones keep-N may delete.
     linked: committed steps of this project reached through a symlink:
       readable, never deleted or written through.
-    foreign: other all-digit entries, ignored.
+    foreign: other all-digit entries ('0900' among them), ignored.
   """
   ours: tuple[int, ...] = ()
   linked: tuple[int, ...] = ()
@@ -99,14 +102,18 @@ def scan(directory: str, formats: tuple[str, ...]) -> Listing:
   except OSError:
     return Listing()
   for name in names:
-    if not name.isdigit():
+    if name.isdigit() and local_folder.number(name) is None:
+      foreign.append(name)  # step-like, but no step ('0900')
+      continue
+    step = local_folder.number(name)
+    if step is None:
       continue
     if not is_ours(directory, name, formats):
       foreign.append(name)
     elif inside(directory, name):
-      ours.append(int(name))
+      ours.append(step)
     else:
-      linked.append(int(name))
+      linked.append(step)
   return Listing(tuple(sorted(ours)), tuple(sorted(linked)),
                  tuple(sorted(foreign)))
 

@@ -17,6 +17,7 @@ from multihost import env as _env
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from recovery._src.checkpoint import damage as _damage
+from recovery._src.state.errors import START_FRESH
 from recovery._src.state.errors import CheckpointDamagedError
 from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import FolderNotFreshError
@@ -90,15 +91,20 @@ def nothing_to_resume(directory: str, partial_steps: list[int]) -> str:
 def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
            directory: str, steps: list[int], partial_steps: list[int],
            local_steps: tuple[int, ...] = (),
-           local_directory: str | None = None) -> int | None:
+           local_directory: str | None = None,
+           local_held: tuple[dict[int, list[str]], list[int]] | None = None
+           ) -> int | None:
   """The step to restore for `start(resume=...)`, or None to start fresh.
 
   `steps` are every tier's; the log names the local folder when the newest
   is a local step (in `local_steps`), which is then tried first.
+  `local_held`: for a strict fresh start, the local steps of this folder
+  on the hosts (`LocalTier.of_folder`).
 
   Raises:
     NothingToResumeError: a strict resume with no committed step.
-    FolderNotFreshError: a strict fresh start on a folder with steps.
+    FolderNotFreshError: a strict fresh start on a folder with steps of
+      either tier.
     ValueError: an unknown mode.
   """
   chosen, why = mode(resume, restarted)
@@ -109,6 +115,9 @@ def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
           f'{_prefix()} {directory} already holds checkpoint steps {steps}. '
           f'Start with resume=True (or {IF_PRESENT!r}) to continue from step '
           f'{latest}, or use a new folder for a fresh run.')
+    if local_held and local_held[0]:
+      raise FolderNotFreshError(_local_not_fresh(
+          directory, local_directory, *local_held))
     return None
   if latest is None:
     if chosen is True:
@@ -126,6 +135,25 @@ def decide(resume: bool | str | None, *, restarted: tuple[str, int] | None,
   return latest
 
 
+def _local_not_fresh(directory: str, local_directory: str | None,
+                     held: dict[int, list[str]], own: list[int]) -> str:
+  """The refusal of a strict fresh start where the hosts hold local steps of `directory`."""
+  folders = [f for fs in held.values() for f in fs]
+  shown = ', '.join(folders[:6]) + (
+      f' and {len(folders) - 6} more' if len(folders) > 6 else '')
+  go_on = (f'Start with resume=True (or {IF_PRESENT!r}) to continue from '
+           f'local step {own[-1]}; to' if own else
+           'They are of an earlier run of the folder, which no resume '
+           'restores; to')
+  return (
+      f'{_prefix()} {directory} holds no persistent checkpoint, but the local '
+      f'folders ({local_directory}) hold local steps {sorted(held)} of '
+      f'{directory}, left by an earlier run: {shown}. A run never silently '
+      'mixes with an older one, and no step is deleted unless asked. '
+      f'{go_on} start fresh on purpose, delete those step folders on every '
+      'host that holds them, or use a new checkpoint folder.')
+
+
 def begin(ckpt: Any, initial: TransitionState, *,
           resume: bool | str | None) -> TransitionState:
   """`Checkpoints.start` (see there): the tier and step, the restore, the fallbacks.
@@ -137,21 +165,30 @@ def begin(ckpt: Any, initial: TransitionState, *,
   (`damage.Damage`, agreed by every process) and the mode `falls_back`, it
   is passed over and the same is done with the next older persistent step
   as the newest (so local steps between the two are tried too), until one
-  restores; then the damaged steps passed over are set aside (renamed,
-  never deleted: `damage.set_aside`). When none restores, nothing is set
-  aside, and the oldest one's error is raised.
+  restores; then the damaged steps passed over, of both tiers, are set
+  aside (renamed, never deleted: `_set_aside`). When none restores, nothing
+  is set aside, and the oldest one's error is raised; a strict mode that
+  does not fall back raises at the first damaged step, local or persistent.
+  A step that does not fit `initial` raises `CheckpointMismatchError`
+  (never damage). A strict fresh start refuses local steps of the folder
+  as it does persistent ones (`decide`).
   """
   persistent = sorted(ckpt._opened.ours + ckpt._opened.linked)  # pylint: disable=protected-access
   restarted = ckpt._restarted  # pylint: disable=protected-access
   tier = ckpt.local
   candidates = []  # local steps, newest first
-  if tier is not None and mode(resume, restarted)[0] is not False:
-    _, candidates = tier.newest()  # collective
+  held = None  # for a strict fresh start: the local steps of the folder
+  if tier is not None:
+    if mode(resume, restarted)[0] is not False:
+      _, candidates = tier.newest()  # collective
+    else:
+      held = tier.of_folder()  # collective
   step = decide(
       resume, restarted=restarted, directory=ckpt.directory,
       steps=sorted({*persistent, *candidates}),
       partial_steps=ckpt.partial_steps, local_steps=tuple(candidates),
-      local_directory=tier.local if tier is not None else None)
+      local_directory=tier.local if tier is not None else None,
+      local_held=held)
   if step is None:
     if tier is not None:
       tier.forget()
@@ -165,11 +202,13 @@ def begin(ckpt: Any, initial: TransitionState, *,
              and (newest_persistent is None or s >= newest_persistent)]
     if local:
       tried.update(local)
-      state = _restore_local(ckpt, initial, local, newest_persistent)
+      state = _restore_local(ckpt, initial, local, newest_persistent,
+                             fallback)
       if state is not None:
-        _damage.set_aside(ckpt, damaged, instead=state.step,
-                          resumed_tier='local')
+        _set_aside(ckpt, damaged, instead=state.step, resumed_tier='local')
         return state
+      if tier.damaged and not fallback:
+        raise _local_damaged(tier, tier.damaged[0])
       if newest_persistent is not None:
         logging.warning('%s No local step at or after persistent step %d '
                         'restored from %s; falling back to the persistent '
@@ -190,8 +229,8 @@ def begin(ckpt: Any, initial: TransitionState, *,
       damaged.append(got)
       persistent.pop()
       continue
-    _damage.set_aside(ckpt, damaged, instead=newest_persistent,
-                      resumed_tier='persistent')
+    _set_aside(ckpt, damaged, instead=newest_persistent,
+               resumed_tier='persistent')
     ckpt.resumed_from, ckpt.resumed_tier = newest_persistent, 'persistent'
     if tier is not None:
       tier.last_saved = newest_persistent
@@ -199,19 +238,12 @@ def begin(ckpt: Any, initial: TransitionState, *,
 
 
 def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
-                   not_before: int | None) -> TransitionState | None:
-  """The newest of the local `candidates` (>= `not_before`) that restores, or None on every process."""
+                   not_before: int | None,
+                   fallback: bool) -> TransitionState | None:
+  """The newest of the local `candidates` (>= `not_before`) that restores, or None on every process (the damaged ones in `tier.damaged`)."""
   tier, t0 = ckpt.local, time.monotonic()
-  got = tier.restore(initial, candidates=candidates, not_before=not_before)
-  for step, moved in tier.set_aside.items():  # in the order set aside
-    if moved is None:
-      continue
-    # A damaged local step, kept beside the others: noted as a persistent
-    # one is (bin/train.py's --metrics_out records both).
-    _damage.record(ckpt, _damage.SetAside(step, 'local', moved), t0,
-                   why='failed its checks',
-                   resumed_from=None if got is None else got.step)
-  tier.set_aside.clear()
+  got = tier.restore(initial, candidates=candidates, not_before=not_before,
+                     fall_back=fallback)
   if got is None:
     return None
   state = got.state
@@ -227,6 +259,41 @@ def _restore_local(ckpt: Any, initial: TransitionState, candidates: list[int],
       got.fetched, got.fetched_total, list(got.failed) or 'none',
       not_before)
   return state
+
+
+def _set_aside(ckpt: Any, damaged: list[_damage.Damage], *, instead: int,
+               resumed_tier: str) -> None:
+  """Sets aside the damaged steps the run went past, now that `resumed_tier`'s step `instead` restored: the local tier's first (tried first), then the persistent ones (`damage.set_aside`).
+
+  Collective: every process must call this, in the same order.
+  """
+  tier, t0 = ckpt.local, time.monotonic()
+  for d in tier.damaged if tier is not None else ():
+    moved = tier.set_aside_step(d.step)
+    logging.warning(
+        '%s Local step %d failed its checks; %s; resuming from %s step %d '
+        'instead (%s).', _prefix(), d.step,
+        f"set this process's folder of it aside as {moved} (kept, never "
+        'read or deleted)' if moved else 'this process holds no folder of it',
+        resumed_tier, instead, d.why)
+    if moved is not None:
+      # Noted as a persistent one is (bin/train.py's --metrics_out records
+      # both).
+      _damage.record(ckpt, _damage.SetAside(d.step, 'local', moved), t0,
+                     why='failed its checks', resumed_from=instead)
+  if tier is not None:
+    tier.damaged.clear()
+  _damage.set_aside(ckpt, damaged, instead=instead, resumed_tier=resumed_tier)
+
+
+def _local_damaged(tier: Any, d: Any) -> CheckpointDamagedError:
+  """A strict resume's refusal of a damaged newest local step: nothing is set aside; it says how to fall back."""
+  return CheckpointDamagedError(
+      f'{_prefix()} Local step {d.step} in {tier.local} is damaged: {d.why}. '
+      f"Start with resume={IF_PRESENT!r} (the default on a restart) to set "
+      'it aside (renamed <step>-<run>.damaged-<UTC time> beside it, kept) '
+      'and resume from the next older step that verifies, or '
+      f'{START_FRESH}.', why=d.why)
 
 
 def _none_verifies(directory: str,

@@ -55,7 +55,10 @@ COMMIT = 'COMMIT'
 MANIFEST = 'manifest.json'
 DATA = 'data.bin'
 _PROCESS = 'process_'
-_STEP = re.compile(rf'(\d+)-({private.IDENTITY.pattern})')
+# A step's (or a process's) number in a folder name: ASCII digits, written
+# as str(int) writes it ('0900' and non-ASCII digits are no step: `number`).
+NUMBER = re.compile(r'0|[1-9][0-9]*')
+_STEP = re.compile(rf'({NUMBER.pattern})-({private.IDENTITY.pattern})')
 _WRITING = re.compile(_STEP.pattern + re.escape(private.TMP) + r'[0-9a-f]+')
 
 # (leaf path, index) names one entry: a leaf's block, its index a tuple of
@@ -105,6 +108,15 @@ def dtype_of(text: str) -> np.dtype:
   if isinstance(scalar, type) and issubclass(scalar, np.generic):
     return np.dtype(scalar)
   return np.dtype(text)
+
+
+def number(name: str) -> int | None:
+  """The step (or process) a folder named `name` holds, or None: a name is one only if it is ASCII digits equal to str(int(name)).
+
+  Anything else ('0900', a person's copy of step 900; digits of another
+  script) is foreign: never read, ranked, renamed or deleted as a step.
+  """
+  return int(name) if NUMBER.fullmatch(name) else None
 
 
 def process_folder(local: str, process: int) -> str:
@@ -273,8 +285,8 @@ def scan(local: str) -> list[StoredStep]:
   except (CheckpointFolderError, OSError):
     return out
   for name in names:
-    index = name[len(_PROCESS):]
-    if not name.startswith(_PROCESS) or not index.isdigit():
+    index = number(name[len(_PROCESS):])
+    if not name.startswith(_PROCESS) or index is None:
       continue
     sub = os.path.join(local, name)
     try:
@@ -286,7 +298,7 @@ def scan(local: str) -> list[StoredStep]:
       m = _STEP.fullmatch(step_name_)
       if m:
         stored = _read(os.path.join(sub, step_name_), int(m.group(1)),
-                       m.group(2), int(index))
+                       m.group(2), index)
         if stored is not None:
           out.append(stored)
   return out
@@ -390,9 +402,3 @@ def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
     m = _WRITING.fullmatch(name)
     if m and m.group(2) == run:
       _remove(os.path.join(own, name))
-
-
-def remove_steps(stored: Iterable[StoredStep]) -> None:
-  """Deletes the given committed steps (a fresh run's stale ones); never through a link."""
-  for s in stored:
-    _remove(s.folder)

@@ -14,10 +14,12 @@ import os
 import socket
 from typing import Any
 
+from absl import logging
 import jax
 import numpy as np
 
 from multihost import env as _env
+from multihost.lowlevel import process_prefix as _prefix
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import digest
 from recovery._src.state.errors import CheckpointError
@@ -78,6 +80,62 @@ def is_placed(x: Any) -> bool:
 def named_leaves(tree) -> list[tuple[str, Any]]:
   return [(digest.path_name(p), x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def on_one_host(tree, hosts: list[str]) -> bool:
+  """Whether some block of `tree` is held on one host only (`hosts`: each process's), so that it needs a peer copy."""
+  return any(len({hosts[p] for p in where}) == 1
+             for _, x in named_leaves(tree) if is_placed(x)
+             for where in array_layout(x.sharding, tuple(x.shape))[0].values())
+
+
+def blocks_to_write(tree, hosts: list[str], me: int, *,
+                    peers: bool) -> tuple[list, list]:
+  """(the blocks process `me` writes, those of them it sends to a peer where `peers`), copied to host memory.
+
+  A block is written by the lowest process of its host that holds it; one
+  held on one host only is sent to the peer. The copies are made on this
+  thread: the caller may update its arrays in place (or donate their
+  buffers) as soon as this returns, while the files are still written.
+  """
+  own, sends = [], []
+  for name, x in named_leaves(tree):
+    if is_placed(x):
+      holders, _ = array_layout(x.sharding, tuple(x.shape))
+      mine = {}
+      for shard in x.addressable_shards:
+        mine.setdefault(index_key(shard.index, tuple(x.shape)), shard.data)
+    else:
+      holders = {(): frozenset(range(len(hosts)))}
+      mine = {(): x}
+    for key, where in holders.items():
+      if key not in mine or me != min(p for p in where
+                                      if hosts[p] == hosts[me]):
+        continue
+      block = np.array(np.asarray(mine[key]), copy=True)
+      own.append(((name, key), block))
+      if peers and len({hosts[p] for p in where}) == 1:
+        sends.append(((name, key), block))
+  return own, sends
+
+
+def warn_if_overridden_apart(gathered: list[dict]) -> None:
+  """Warns where $RECOVERY_HOST_ID puts processes with different local folders on one host (`gathered`: each process's host and folder)."""
+  folders: dict[str, dict[str, list[int]]] = {}
+  for p, g in enumerate(gathered):
+    folders.setdefault(g['host'], {}).setdefault(g['folder'], []).append(p)
+  for host, seen in folders.items():
+    if len(seen) > 1:
+      logging.warning(
+          '%s $%s=%s is set on processes %s, but they see %d different '
+          'local folders (%s): the local tier takes them as one host, so '
+          'blocks written once per host may be on a disk the others cannot '
+          'read, and a restore from the local tier may fall back to the '
+          'persistent tier. Unset $%s: processes that share a local folder '
+          'find each other through it.', _prefix(), HOST_ID_VARIABLE, host,
+          sorted(p for ps in seen.values() for p in ps), len(seen),
+          '; '.join(f'processes {ps}: {f}' for f, ps in seen.items()),
+          HOST_ID_VARIABLE)
 
 
 def topology(tree) -> str:

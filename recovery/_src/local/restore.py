@@ -1,16 +1,21 @@
 """The local tier's restore: the newest local step that is complete and passes its checks.
 
-Candidates are tried newest first, down to the newest persistent step: one
-saved on another topology or sharding, or with blocks that no host holds,
-is skipped; one whose reading, digest or consistency check fails is
-skipped too, and the next older one is tried. For a step, each process
-reads what its host holds; what it lacks comes from the lowest process of
-the first host (in host order) that holds it, in one
-`multihost.allgather_object`. A block a process still lacks (or a sender
-cannot find) is a CheckpointError naming the block, the step and the hosts,
-and the step is skipped like one that fails a check. Every decision is taken from gathered facts,
-so all processes try the same steps and take the same one, or all return
-None and the caller falls back to the persistent tier.
+Candidates are tried newest first, down to the newest persistent step. One
+that does not fit the target (another dtype, shape or tree: a config
+mistake, not damage) raises `CheckpointMismatchError` on every process,
+and nothing is renamed. One saved on another topology or sharding, or
+with blocks that no host holds, is skipped. One whose reading, digest or
+consistency check fails is damaged: it is noted (`Restored.damaged`, or
+`tier.damaged` when none restores), never renamed here (the caller sets
+it aside only where the run goes on past it), and, when `fall_back`, the
+next older one is tried. For a step, each process reads what its host
+holds; what it lacks comes from the lowest process of the first host (in
+host order) that holds it, in pieces (`local.pieces`). A block a process
+still lacks (or a sender cannot find) is a CheckpointError naming the
+block, the step and the hosts, and the step is damaged like one that fails
+a check. Every decision is taken from gathered facts, so all processes try
+the same steps and take the same one, or all return None and the caller
+falls back to the persistent tier.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
+from recovery._src.local import pieces
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import consistency
 from recovery._src.state import digest
@@ -44,13 +50,28 @@ class Restored:
   failed: tuple[int, ...]  # newer complete local steps that failed a check
 
 
+@dataclasses.dataclass(frozen=True)
+class Damaged:
+  """A local step that failed its reading, digest or consistency check (on some process): the same on every process."""
+  step: int
+  why: str
+
+
 def restore(tier: Any, target: TransitionState, *, candidates: list[int],
-            not_before: int | None) -> Restored | None:
+            not_before: int | None, fall_back: bool = True
+            ) -> Restored | None:
   """The newest local step in `candidates` (>= `not_before`) that restores.
 
   Collective: every process must call this, in the same order, after
   `tier.newest()` (whose inventory `tier.inventory` it reads). Returns None
-  on every process when no such step restores (each reason is logged).
+  on every process when no such step restores (each reason is logged); the
+  damaged steps passed over are appended to `tier.damaged` (nothing is
+  renamed here). Without `fall_back`, it stops at the first damaged one.
+
+  Raises:
+    CheckpointMismatchError: a candidate does not fit `target` (on every
+      process; nothing is renamed).
+    CheckpointError: `target` holds a leaf that cannot be restored.
   """
   target_tree = target.to_tree()
   base = leaves.restore_target(target_tree)
@@ -61,6 +82,9 @@ def restore(tier: Any, target: TransitionState, *, candidates: list[int],
     if not_before is not None and step < not_before:
       break
     info = tier.inventory[step]
+    # A step that does not fit this run's state is the run's mistake, not
+    # the step's: raised (on every process alike, from the same inventory).
+    _fits(tier, step, info['meta'], target_tree)
     if info['topology'] != sig:
       logging.info('%s Local step %d was saved on another topology or '
                    'sharding; not restoring it from the local tier.',
@@ -73,24 +97,36 @@ def restore(tier: Any, target: TransitionState, *, candidates: list[int],
                    'of blocks of %s).', _prefix(), step, ', '.join(missing))
       continue
     got = _restore_step(tier, step, info, target, target_tree, needs)
-    if got is not None:
+    if not isinstance(got, str):
       state, fetched, total = got
       return Restored(state=state, step=step, fetched=fetched,
                       fetched_total=total, failed=tuple(failed))
     failed.append(step)
-    moved = tier.set_aside_step(step)
-    logging.warning('%s Local step %d failed its checks; %s; trying older '
+    tier.damaged.append(Damaged(step, got))
+    if not fall_back:
+      return None
+    logging.warning('%s Local step %d failed its checks (%s); trying older '
                     'local steps (down to step %s) before the persistent '
-                    'tier.', _prefix(), step,
-                    f'set this process\'s folder of it aside as {moved} '
-                    '(kept, never read or deleted)' if moved else
-                    'this process holds no folder of it', not_before)
+                    'tier. It is set aside (kept) once a step restores.',
+                    _prefix(), step, got, not_before)
   return None
+
+
+def _fits(tier, step: int, meta: dict, target_tree) -> None:
+  """Raises `CheckpointMismatchError` unless local `step`'s leaves fit the target's."""
+  try:
+    abstract = leaves.restore_target(target_tree, meta.get('leaves'))
+  except TypeError as e:
+    raise CheckpointError(
+        f'{_prefix()} Cannot restore local step {step} onto this target: {e}'
+    ) from None
+  _meta.check_fits(meta, abstract,
+                   where=f'Local checkpoint step {step} in {tier.local}')
 
 
 def _restore_step(tier, step: int, info: dict, target: TransitionState,
                   target_tree, needs: list[set[EntryKey]]):
-  """(state, bytes fetched here, bytes fetched in all) of `step`, or None everywhere."""
+  """(state, bytes fetched here, bytes fetched in all) of `step`, or everywhere the (agreed) finding that it is damaged."""
   where = f'Local checkpoint step {step} in {tier.local}'
   transfers = []  # (source process, destination process, key): the same
   for p, need in enumerate(needs):  # list on every process.
@@ -128,8 +164,9 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
                          folder.read_block(local_entries[key])))
       except Exception as e:  # pylint: disable=broad-except
         error = error or f'{type(e).__name__}: {_short(e)}'
-    for sent in multihost.allgather_object(outgoing):
-      for dst, key, block in sent:
+    senders = {src for src, dst, _ in transfers if dst == tier.me}
+    for sent in pieces.allgather(outgoing, keep=senders.__contains__):
+      for dst, key, block in sent or ():
         total += block.nbytes
         if dst == tier.me:
           blocks[key] = block
@@ -138,28 +175,29 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   if error is None:
     error = _missing(tier, step, info, needs[tier.me], blocks)
   if error is None:
-    try:
+    try:  # (It fits: `_fits`.) A block unlike its manifest is damage.
       abstract = leaves.restore_target(target_tree, meta.get('leaves'))
-      _meta.check_fits(meta, abstract, where=where)
       restored = _layout.assemble(abstract, blocks, where=where)
     except Exception as e:  # pylint: disable=broad-except
       error = f'{type(e).__name__}: {_short(e)}'
-  if not _agree(error, where, 'reading it'):
-    return None
+  failed = _agree(error, where, 'reading it')
+  if failed:
+    return f'it failed reading: {failed}'
   digests = digest.checkpoint_leaf_digests(restored)
   got = digest.combine(digests)
   error = (None if got == meta['digest'] else
            f'its blocks digest to {got[:16]}..., not the saved '
            f'{meta["digest"][:16]}... (leaves that changed: '
            f'{", ".join(_meta.changed_leaves(meta, digests)) or "unknown"})')
-  if not _agree(error, where, 'its digest check'):
-    return None
+  failed = _agree(error, where, 'its digest check')
+  if failed:
+    return f'it failed its digest check: {failed}'
   try:
     consistency.check_consistent(
         restored, what=f'After restoring local step {step}', digests=digests)
   except multihost.ConsistencyError as e:  # raised on every process
     logging.error('%s %s: %s', _prefix(), where, _short(e))
-    return None
+    return 'the processes restored different states'
   state = TransitionState.from_tree(
       leaves.rebuild(target_tree, restored), key_like=target.key)
   return state, fetched, total
@@ -201,11 +239,12 @@ def _missing(tier, step: int, info: dict, need: set[EntryKey],
   return f'{type(e).__name__}: {e}'
 
 
-def _agree(error: str | None, where: str, during: str) -> bool:
-  """Whether no process saw an error; the first ones are logged everywhere."""
-  errors = multihost.allgather_object(error)
+def _agree(error: str | None, where: str, during: str) -> str | None:
+  """None if no process saw an error, else the first ones (logged everywhere), the same on every process."""
+  errors = pieces.allgather(error)
   failed = [(p, e) for p, e in enumerate(errors) if e is not None]
-  if failed:
-    logging.error('%s %s failed %s on %s.', _prefix(), where, during,
-                  '; '.join(f'process {p}: {e}' for p, e in failed[:4]))
-  return not failed
+  if not failed:
+    return None
+  found = '; '.join(f'process {p}: {e}' for p, e in failed[:4])
+  logging.error('%s %s failed %s on %s.', _prefix(), where, during, found)
+  return found

@@ -10,12 +10,14 @@ identity kept in it), never by hostname, so processes with a disk each
 under one hostname are hosts of their own, and processes on one disk are
 one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that
 lives on one host only is also copied to the next host in the ring (hosts
-ordered by their lowest process index), through `multihost.allgather_object`
-(sealed with the job secret), so losing any one host's local disk loses
-nothing. The files are written by a background
+ordered by their lowest process index), in pieces below the object limit
+(`local.pieces`, over `multihost.allgather_object`, sealed with the job
+secret), so losing any one host's local disk loses nothing, whatever the
+size of a host's blocks. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
 the copy to host memory (made before `save` returns, so the caller may update
-its arrays in place at once) and the peer exchange.
+its arrays in place at once) and the peer exchange. A local save that fails
+is logged and recorded, never raised: the persistent tier is the record.
 
 Local steps belong to a run: each carries the run's identity (`run_identity`),
 and a run restores, prunes and replaces only its own steps.
@@ -33,13 +35,14 @@ import time
 
 from absl import logging
 import jax
-import numpy as np
 
 import multihost
+from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
+from recovery._src.local import pieces
 from recovery._src.local import private
 from recovery._src.local import restore as _local_restore
 from recovery._src.local import run_identity
@@ -61,25 +64,6 @@ def _raise_agreed(errors: list[str | None], what: str) -> None:
       f'{_prefix()} {mine}' if mine else
       f'{_prefix()} {what} failed on ' + '; '.join(
           f'process {p}: {e}' for p, e in failed[:4]))
-
-
-def _warn_if_overridden_apart(gathered: list[dict]) -> None:
-  """Warns where $RECOVERY_HOST_ID puts processes with different local folders on one host."""
-  folders: dict[str, dict[str, list[int]]] = {}
-  for p, g in enumerate(gathered):
-    folders.setdefault(g['host'], {}).setdefault(g['folder'], []).append(p)
-  for host, seen in folders.items():
-    if len(seen) > 1:
-      logging.warning(
-          '%s $%s=%s is set on processes %s, but they see %d different '
-          'local folders (%s): the local tier takes them as one host, so '
-          'blocks written once per host may be on a disk the others cannot '
-          'read, and a restore from the local tier may fall back to the '
-          'persistent tier. Unset $%s: processes that share a local folder '
-          'find each other through it.', _prefix(), HOST_ID_VARIABLE, host,
-          sorted(p for ps in seen.values() for p in ps), len(seen),
-          '; '.join(f'processes {ps}: {f}' for f, ps in seen.items()),
-          HOST_ID_VARIABLE)
 
 
 class LocalTier:
@@ -140,19 +124,20 @@ class LocalTier:
                             f'{", ".join(map(str, ps))} on '
                             f'{", ".join(names)})')
     if self.me == 0:
-      _warn_if_overridden_apart(gathered)
+      _layout.warn_if_overridden_apart(gathered)
     self.successor = (order[(order.index(self.host) + 1) % len(order)]
                       if len(order) > 1 else None)
     self._pool = futures.ThreadPoolExecutor(
         1, thread_name_prefix='recovery-local-save')
-    self._writing: futures.Future | None = None
+    self._writing: tuple[int, futures.Future] | None = None  # (step, write)
     self.last_saved: int | None = None
     self.restored_bytes_from_peers = 0
     self.inventory: dict[int, dict] = {}  # by `newest`: step -> what is where
-    # Local steps a restore found damaged: step -> this process's folder of
-    # it, renamed aside (`set_aside`; None: this process had none).
-    self.set_aside: dict[int, str | None] = {}
+    # Local steps a restore found damaged (`local.restore.Damaged`), the same
+    # on every process: set aside by `start` once a step past them restores.
+    self.damaged: list[_local_restore.Damaged] = []
     self.saves = 0
+    self.failed_saves = 0  # local saves that failed (logged and recorded)
     self.save_seconds = 0.0  # spent by `save` on the calling thread
     self.peer_bytes_sent = 0
 
@@ -166,57 +151,68 @@ class LocalTier:
 
     Collective: every process must call this, in the same order.
 
+    A failure of the local tier (copying the blocks, the peer exchange,
+    writing the files) is logged and recorded (a 'local save failed'
+    event; `failed_saves`), never raised: the persistent tier is the record.
+    Every process skips the step alike when a process could not contribute
+    its blocks to the peer exchange.
+
     Raises:
       multihost.ConsistencyError: the controllers hold different states.
+      multihost.ProcessFailureError, multihost.CollectiveTimeoutError: a
+        peer died or stopped in a collective (no tier can save then).
     """
     step, t0 = state.step, time.monotonic()
     raw = state.to_tree()
     tree = leaves.storable(raw)
     digests = consistency.check_consistent(
         tree, what=f'Before the local save of step {step}')
-    meta = _meta.build(state, raw, tree, digests, reason='local')
-    own, sends, peers_needed = [], [], False
-    for name, x in _layout.named_leaves(tree):
-      if _layout.is_placed(x):
-        holders, _ = _layout.array_layout(x.sharding, tuple(x.shape))
-        mine = {}
-        for shard in x.addressable_shards:
-          mine.setdefault(_layout.index_key(shard.index, tuple(x.shape)), shard.data)
-      else:
-        holders = {(): frozenset(range(len(self.hosts)))}
-        mine = {(): x}
-      for key, where in holders.items():
-        on_hosts = {self.hosts[p] for p in where}
-        single = len(on_hosts) == 1 and self.successor is not None
-        peers_needed |= single
-        if key not in mine:
-          continue
-        writer = min(p for p in where if self.hosts[p] == self.host)
-        if writer != self.me:
-          continue
-        # A copy, on this thread: the caller may update its arrays in place
-        # (or donate their buffers) as soon as `save` returns, while the
-        # files are still being written.
-        block = np.array(np.asarray(mine[key]), copy=True)
-        own.append(((name, key), block))
-        if single:
-          sends.append(((name, key), block))
+    try:
+      self._save(step, tree, _meta.build(state, raw, tree, digests,
+                                         reason='local'), t0)
+    except (multihost.ProcessFailureError, multihost.CollectiveTimeoutError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed(step, t0, f'{type(e).__name__}: {_short(e)}')
+
+  def _save(self, step: int, tree, meta: dict, t0: float) -> None:
+    """`save` past the consistency check: the blocks, the peer copies, the write started."""
+    own, sends, error = [], [], None
+    # The same on every process: all take part in the exchange or none.
+    peers_needed = (self.successor is not None
+                    and _layout.on_one_host(tree, self.hosts))
+    try:
+      own, sends = _layout.blocks_to_write(
+          tree, self.hosts, self.me, peers=self.successor is not None)
+    except Exception as e:  # pylint: disable=broad-except
+      error = f'{type(e).__name__}: {_short(e)}'
     peer_blocks = []
-    if peers_needed:  # The same decision on every process (global layout).
-      gathered = multihost.allgather_object(sends)
-      self.peer_bytes_sent += sum(b.nbytes for _, b in sends)
-      if self.me == self.lowest[self.host]:
-        for p, blocks in enumerate(gathered):
-          if p != self.me and self._successor_of(self.hosts[p]) == self.host:
-            peer_blocks.extend(blocks)
+    if peers_needed:
+      # Every process skips the step if one cannot send its blocks.
+      failed = [(p, e) for p, e in
+                enumerate(multihost.allgather_object(error)) if e]
+      if error is None and failed:
+        error = ('the peer copies are incomplete: process(es) '
+                 + '; '.join(f'{p}: {e}' for p, e in failed[:4]))
+      if not failed:  # In pieces below the object limit, to whom keeps them.
+        lowest = self.me == self.lowest[self.host]
+        gathered = pieces.allgather(
+            sends, keep=lambda p: lowest and p != self.me and (
+                self._successor_of(self.hosts[p]) == self.host))
+        self.peer_bytes_sent += sum(b.nbytes for _, b in sends)
+        for got in gathered:
+          peer_blocks.extend(got or ())
+    if error is not None:
+      self._failed(step, t0, error)
+      return
     manifest = {'directory': self.directory, 'run': self.run,
                 'host': self.host,
                 'topology': _layout.topology(tree), 'meta': meta,
                 'peer_keys': [[k[0], [list(i) for i in k[1]]]
                               for k, _ in peer_blocks]}
     self.wait()
-    self._writing = self._pool.submit(self._write, step, manifest,
-                                      own + peer_blocks)
+    self._writing = (step, self._pool.submit(self._write, step, manifest,
+                                             own + peer_blocks))
     self.last_saved = step
     self.saves += 1
     spent = time.monotonic() - t0
@@ -227,6 +223,14 @@ class LocalTier:
         'in the background).', _prefix(), step, self.local,
         sum(b.nbytes for _, b in own), sum(b.nbytes for _, b in peer_blocks),
         sum(b.nbytes for _, b in sends), spent)
+
+  def _failed(self, step: int, t0: float, why: str) -> None:
+    """Logs and records a local save that failed (never fatal)."""
+    self.failed_saves += 1
+    _record_event('local save failed', t0, step=step, why=why)
+    logging.error('%s The local save of step %d to %s failed (%s); restores '
+                  'fall back to older local steps or the persistent tier. '
+                  'Training goes on.', _prefix(), step, self.local, why)
 
   def _successor_of(self, host: str) -> str | None:
     order = self.host_order
@@ -252,9 +256,14 @@ class LocalTier:
     writing, self._writing = self._writing, None
     if writing is None:
       return
+    step, future = writing
+    t0 = time.monotonic()
     try:
-      writing.result()
+      future.result()
     except Exception as e:  # pylint: disable=broad-except
+      self.failed_saves += 1
+      _record_event('local save failed', t0, step=step,
+                    why=f'{type(e).__name__}: {_short(e)}')
       logging.error('%s A local save to %s failed (%s: %s); restores fall '
                     'back to older local steps or the persistent tier. Check '
                     'that the folder is writable and has space.', _prefix(),
@@ -277,7 +286,6 @@ class LocalTier:
                     'keep-N may delete it.', _prefix(), step, self.local,
                     type(e).__name__, e)
       moved = None
-    self.set_aside[step] = moved
     return moved
 
   def owns(self, stored: folder.StoredStep) -> bool:
@@ -286,12 +294,13 @@ class LocalTier:
             and stored.manifest.get('directory') == self.directory)
 
   def forget(self) -> None:
-    """A fresh run: takes a new run identity; deletes this host's local steps of the folder.
+    """A fresh run: takes a new run identity (deletes nothing).
 
     Collective: every process must call this, in the same order. With the
     new identity, no step of an earlier run is restored on this run's first
-    restart, also one on a host this start does not reach; the steps it
-    reaches are deleted (by the lowest process of each host).
+    restart, also one on a host this start does not reach. (`start` refuses
+    a fresh start where the hosts hold local steps of the folder:
+    `of_folder`.)
 
     Raises:
       CheckpointFolderError: the new identity cannot be written (on every
@@ -303,15 +312,27 @@ class LocalTier:
     _raise_agreed(multihost.allgather_object(error),
                   'Starting a fresh local tier')
     self.run = self._fresh_run
-    if self.me != self.lowest[self.host]:
-      return
-    stale = [s for s in folder.scan(self.local)
-             if s.manifest.get('directory') == self.directory]
-    if stale:
-      logging.warning('%s Fresh start: deleting %d local steps of an earlier '
-                      'run on %s from %s.', _prefix(), len(stale),
-                      self.directory, self.local)
-      folder.remove_steps(stale)
+
+  def of_folder(self) -> tuple[dict[int, list[str]], list[int]]:
+    """Every committed local step of this checkpoint folder on the hosts, of any run, the same on every process: ({step: its folders}, the steps of this run).
+
+    Collective: every process must call this, in the same order. What a
+    fresh start refuses to mix with (`resume.decide`).
+    """
+    held, own = {}, set()
+    if self.me == self.lowest[self.host]:  # (The host's folder, once.)
+      for s in folder.scan(self.local):
+        if s.manifest.get('directory') == self.directory:
+          held.setdefault(s.step, []).append(s.folder)
+          if self.owns(s):
+            own.add(s.step)
+    out: dict[int, list[str]] = {}
+    mine: set[int] = set()
+    for got in pieces.allgather((held, own)):
+      for step, folders in got[0].items():
+        out.setdefault(step, []).extend(folders)
+      mine |= got[1]
+    return dict(sorted(out.items())), sorted(mine)
 
   # -- restore ---------------------------------------------------------------
 
@@ -335,8 +356,7 @@ class LocalTier:
           or info['topology'] != s.manifest.get('topology')):
         info['conflict'] = True
       info['keys'] |= set(s.entries)
-    inventories = multihost.allgather_object({'host': self.host,
-                                              'steps': mine})
+    inventories = pieces.allgather({'host': self.host, 'steps': mine})
     by_host: dict[str, dict] = {}
     for inv in inventories:
       by_host.setdefault(inv['host'], inv['steps'])
@@ -358,15 +378,20 @@ class LocalTier:
     return (usable[0] if usable else None), usable
 
   def restore(self, target: TransitionState, *, candidates: list[int],
-              not_before: int | None) -> _local_restore.Restored | None:
+              not_before: int | None,
+              fall_back: bool = True) -> _local_restore.Restored | None:
     """The newest local step in `candidates` (>= `not_before`) that restores.
 
     Collective: every process must call this, in the same order, after
-    `newest`. Older candidates are tried when a newer one fails its checks
-    (`local.restore`); None on every process when none restores.
+    `newest`. With `fall_back`, older candidates are tried when a newer one
+    fails its checks (`local.restore`); None on every process when none
+    restores. The damaged ones are noted in `damaged`, not renamed.
+
+    Raises:
+      CheckpointMismatchError: a candidate does not fit `target`.
     """
     got = _local_restore.restore(self, target, candidates=candidates,
-                                 not_before=not_before)
+                                 not_before=not_before, fall_back=fall_back)
     if got is not None:
       self.restored_bytes_from_peers = got.fetched
       self.last_saved = got.step

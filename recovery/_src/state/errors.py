@@ -50,11 +50,11 @@ class NothingToResumeError(CheckpointError):
 
 
 class FolderNotFreshError(CheckpointError):
-  """A strict fresh start (`resume=False`) found committed checkpoints."""
+  """A strict fresh start (`resume=False`) found committed checkpoints, or local steps of the folder."""
 
 
 class CheckpointMismatchError(CheckpointError):
-  """A checkpoint's leaves do not fit the target (another model or data)."""
+  """A checkpoint's leaves do not fit the target (another model or data): a mistake of the run, never damage (nothing is set aside)."""
 
 
 class StepCheckError(AssertionError):
