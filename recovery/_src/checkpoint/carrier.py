@@ -10,8 +10,8 @@ meta item (its `leaves` specs and digests) names and digests the leaf's own
 dtype and value, never the carrier's, so the digest check is unchanged and
 the local tier (which writes raw bytes) needs no carrier.
 
-A global array is converted shard by shard on its own devices: no
-collective, no gather.
+A jax.Array is converted shard by shard on the host (its shards are read
+and put back on their devices): no collective, no gather, no XLA op.
 """
 
 from __future__ import annotations
@@ -77,16 +77,17 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def _convert_device(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  """A jax.Array in `dtype`, each shard converted on its own device."""
-  def one(shard: jax.Array) -> jax.Array:
-    if _by_value(x.dtype, dtype):
-      return shard.astype(dtype)
-    return jax.lax.bitcast_convert_type(shard, dtype)
+  """A jax.Array in `dtype`: each shard read, converted on the host, put back on its device.
 
-  # Shard by shard, also on one device: the result keeps `x`'s sharding
-  # exactly (an op's result may carry an equivalent one, spelled otherwise).
+  Not by an XLA op: on a TPU v5e chip (JAX 0.10.2), bitcasting a
+  float8_e4m3 array to uint8 changed some items' bits (the digest check
+  caught it); a host view keeps them, and so does a device_put. The
+  result keeps `x`'s sharding exactly, also on one device.
+  """
   return jax.make_array_from_single_device_arrays(
-      x.shape, x.sharding, [one(s.data) for s in x.addressable_shards])
+      x.shape, x.sharding,
+      [jax.device_put(_convert_host(np.asarray(s.data), dtype), s.device)
+       for s in x.addressable_shards])
 
 
 def _to(x: Any, dtype: np.dtype) -> Any:
