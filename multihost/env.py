@@ -19,6 +19,7 @@ COORDINATOR_PORT = 'JAX_COORDINATOR_PORT'
 NUM_PROCESSES = 'JAX_NUM_PROCESSES'
 PROCESS_ID = 'JAX_PROCESS_ID'
 NUM_CPU_DEVICES = 'JAX_NUM_CPU_DEVICES'
+LOCAL_DEVICE_IDS = 'JAX_LOCAL_DEVICE_IDS'
 PLATFORMS = 'JAX_PLATFORMS'
 ENABLE_RECOVERABILITY = 'JAX_ENABLE_RECOVERABILITY'
 PYTHON_UNBUFFERED = 'PYTHONUNBUFFERED'
@@ -116,6 +117,14 @@ OMPI_SIZE = 'OMPI_COMM_WORLD_SIZE'
 OMPI_RANK = 'OMPI_COMM_WORLD_RANK'
 OMPI_LOCAL_RANK = 'OMPI_COMM_WORLD_LOCAL_RANK'
 OMPI_LOCAL_SIZE = 'OMPI_COMM_WORLD_LOCAL_SIZE'
+# Open MPI 5's launcher (PRRTE) sets these and OMPI_COMM_WORLD_*, not
+# OMPI_MCA_orte_hnp_uri: JAX detects no cluster there, `multihost.initialize()`
+# does (`multihost._src.runtime.prrte`).
+PRTE_LAUNCHED = 'PRTE_LAUNCHED'
+PMIX_NAMESPACE = 'PMIX_NAMESPACE'
+# Where Open MPI 5 and its PMIx are installed (libpmix is searched there).
+PMIX_PREFIX = 'PMIX_PREFIX'
+OPAL_PREFIX = 'OPAL_PREFIX'
 
 # --- Slurm's variables (JAX's SlurmCluster auto-detects them). -------------
 SLURM_JOB_ID = 'SLURM_JOB_ID'
@@ -126,18 +135,30 @@ SLURM_LOCALID = 'SLURM_LOCALID'
 # Set by Slurm on a requeue (read by `recovery` as a restart count).
 SLURM_RESTART_COUNT = 'SLURM_RESTART_COUNT'
 
-# Variables whose presence means a cluster JAX can auto-detect.
+# --- Kubernetes' variables. --------------------------------------------
+# Set in every pod (the API server's address).
+K8S_SERVICE_HOST = 'KUBERNETES_SERVICE_HOST'
+# Set in each pod of an indexed Job (`completionMode: Indexed`, also a
+# JobSet's Jobs): its index, JAX's process index there.
+JOB_COMPLETION_INDEX = 'JOB_COMPLETION_INDEX'
+
+# Variables whose presence means a cluster JAX can auto-detect (Kubernetes:
+# see `in_kubernetes_job`).
 CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
-                   'KUBERNETES_SERVICE_HOST', 'TPU_WORKER_HOSTNAMES',
-                   'PMI_RANK')
+                   'TPU_WORKER_HOSTNAMES', 'PMI_RANK')
 
 # With failure detection on, a killed peer is reported within about this many
 # seconds (plus 2 s); JAX's own default (100 s) is meant for large TPU jobs.
 DEFAULT_HEARTBEAT_S = 10
 
+def in_kubernetes_job() -> bool:
+  """Whether this is a pod of an indexed Kubernetes Job (or JobSet), which JAX detects; any other pod is no cluster."""
+  return K8S_SERVICE_HOST in os.environ and JOB_COMPLETION_INDEX in os.environ
+
+
 def in_cluster() -> bool:
   """Whether the environment looks like a cluster JAX can auto-detect."""
-  return any(m in os.environ for m in CLUSTER_MARKERS)
+  return any(m in os.environ for m in CLUSTER_MARKERS) or in_kubernetes_job()
 
 
 def controller_env(process_id: int, *, num_processes: int,

@@ -374,7 +374,8 @@ def test_configuration_errors_exit_78_and_are_not_restarted(tmp_path):
 def _readme_cluster_commands() -> dict[str, list[str]]:
   """The train commands of docs/launcher.md's Slurm and Open MPI examples, as printed."""
   section = (ROOT / 'docs' / 'launcher.md').read_text().split(
-      '## On a cluster (Slurm, Open MPI)', 1)[1].split('\n## ', 1)[0]
+      '## On a cluster (Slurm, Open MPI, Kubernetes)', 1)[1].split(
+          '\n## ', 1)[0]
   blocks = re.findall(r'```sh\n(.*?)```', section, re.S)
   out = {}
   for block in blocks:

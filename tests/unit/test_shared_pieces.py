@@ -35,3 +35,35 @@ def test_between_two_processes_a_mid_sized_payload_goes_in_overlapping_pieces():
   assert len(shared._pieces(8 * MiB, 3)) == 2
   # Large payloads: slot-sized pieces at any count.
   assert shared._pieces(64 * MiB, 2) == shared._pieces(64 * MiB, 3)
+
+
+@pytest.mark.parametrize('count', [2, 3, 8])
+@pytest.mark.parametrize('length', [shared.SHARED_FROM, MiB, 3 * MiB + 1,
+                                    stage.STAGE_BYTES])
+def test_a_payload_that_fits_the_stage_lies_whole_and_nothing_is_released(
+    length, count):
+  # The source then never waits for a receiver: each piece has its own
+  # place, free again only once the next call agreed.
+  pieces = shared._pieces(length, count)
+  places = [shared._place(k, start, length)
+            for k, (start, _) in enumerate(pieces)]
+  assert places == [start for start, _ in pieces]
+  assert not any(shared._released(k, len(pieces), length)
+                 for k in range(len(pieces)))
+
+
+@pytest.mark.parametrize('count', [2, 3])
+@pytest.mark.parametrize('length', [stage.STAGE_BYTES + 1, 9 * MiB + 12,
+                                    64 * MiB + 5])
+def test_a_larger_payload_takes_the_slots_in_turn_each_released_before_reuse(
+    length, count):
+  pieces = shared._pieces(length, count)
+  places = [shared._place(k, start, length)
+            for k, (start, _) in enumerate(pieces)]
+  assert places == [(k % 2) * stage.SLOT_BYTES for k in range(len(pieces))]
+  assert all(place + stop - start <= stage.STAGE_BYTES
+             for place, (start, stop) in zip(places, pieces))
+  # A piece is released exactly when a later piece takes its slot.
+  released = [shared._released(k, len(pieces), length)
+              for k in range(len(pieces))]
+  assert released == [k + 2 < len(pieces) for k in range(len(pieces))]

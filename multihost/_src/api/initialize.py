@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence
+import importlib.util
 import os
 import socket
 import time
@@ -16,9 +17,22 @@ from multihost import env as _env
 from multihost._src.auth import secret
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
+from multihost._src.runtime import errors
 from multihost._src.runtime import failures
+from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
+
+# An indexed Kubernetes Job without the client JAX's detection needs there.
+_NO_KUBERNETES_CLIENT = (
+    'process {index}: this pod is in an indexed Kubernetes Job, where JAX '
+    'finds the coordinator, process count and index through the Kubernetes '
+    'API with the `kubernetes` package, which is not installed. Install it '
+    "(pip install 'jax[k8s]') and let the pod's service account read pods "
+    'and jobs; or set JAX_COORDINATOR_ADDRESS (JOB-0.SUBDOMAIN:PORT, the '
+    "pod of index 0 through the Job's headless service) and "
+    "JAX_NUM_PROCESSES (the Job's parallelism) in the pod's environment: "
+    'the index is then $JOB_COMPLETION_INDEX.')
 
 
 def initialize(coordinator_address: str | None = None,
@@ -40,9 +54,9 @@ def initialize(coordinator_address: str | None = None,
   position; its own options are keyword-only. Arguments are taken, in
   order, from: this call; the environment that `multihost.launch` sets
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
-  cluster that JAX auto-detects (Slurm, Open MPI, Kubernetes, ...). With
-  none of these and no cluster, it does nothing and the program runs as a
-  single controller.
+  cluster (Slurm, Open MPI 4 and 5, an indexed Kubernetes Job, ...: see
+  docs/launcher.md). With none of these and no cluster, it does nothing and
+  the program runs as a single controller.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -71,6 +85,8 @@ def initialize(coordinator_address: str | None = None,
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
+    MultihostError: under Open MPI 5 or in a Kubernetes Job, the job cannot
+      be found (the message says what to set or install).
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
@@ -85,7 +101,14 @@ def initialize(coordinator_address: str | None = None,
   env = os.environ
   coordinator_address, num_processes, process_id = _job(
       env, coordinator_address, num_processes, process_id)
+  held = None  # Open MPI 5: the port process 0 holds for its service.
+  if (None in (coordinator_address, num_processes, process_id) and
+      cluster_detection_method is None and prrte.launched()):
+    (coordinator_address, num_processes, process_id, local_device_ids,
+     held) = _open_mpi_5(env, coordinator_address, num_processes, process_id,
+                         local_device_ids, timeout=initialization_timeout)
   explicit = None not in (coordinator_address, num_processes, process_id)
+  _check_kubernetes(env, explicit or cluster_detection_method is not None)
   if not explicit and cluster_detection_method is None and not _env.in_cluster():
     _single_controller(coordinator_address, num_processes, process_id)
     return
@@ -108,7 +131,7 @@ def initialize(coordinator_address: str | None = None,
   detect = _detect_failures(detect_failures)
   _set_heartbeat(kwargs, heartbeat, detect=detect)
   _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
-  companion = _start_distributed(kwargs, env, detect=detect)
+  companion = _start_distributed(kwargs, env, detect=detect, held=held)
   _start_runtime(companion, kwargs, detect=detect,
                  shutdown_timeout=shutdown_timeout_seconds)
 
@@ -126,12 +149,38 @@ def _job(env: Mapping[str, str], coordinator_address: str | None,
     num_processes = int(env[_env.NUM_PROCESSES])
   if process_id is None and env.get(_env.PROCESS_ID):
     process_id = int(env[_env.PROCESS_ID])
+  if (process_id is None and coordinator_address and num_processes and
+      _env.in_kubernetes_job()):
+    process_id = int(env[_env.JOB_COMPLETION_INDEX])  # JAX's rule there.
   if num_processes is not None and process_id is not None and not (
       0 <= process_id < num_processes):
     raise ValueError(
         f'process_id must be in [0, num_processes); got process_id='
         f'{process_id}, num_processes={num_processes}.')
   return coordinator_address, num_processes, process_id
+
+
+def _open_mpi_5(env: Mapping[str, str], coordinator_address: str | None,
+                num_processes: int | None, process_id: int | None,
+                local_device_ids: int | Sequence[int] | None, *,
+                timeout: float) -> tuple[Any, ...]:
+  """The job's arguments under Open MPI 5's mpirun (`runtime.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
+  found = prrte.find(coordinator_address, timeout=timeout)
+  if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
+    local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
+  return (found.address,
+          found.count if num_processes is None else num_processes,
+          found.index if process_id is None else process_id,
+          local_device_ids, found.hold)
+
+
+def _check_kubernetes(env: Mapping[str, str], given: bool) -> None:
+  """Raises MultihostError, saying what to do, in an indexed Kubernetes Job where JAX's detection would lack its `kubernetes` package (not `given` the job, nor a detection method)."""
+  if (not given and _env.in_kubernetes_job() and
+      not any(m in env for m in _env.CLUSTER_MARKERS) and
+      importlib.util.find_spec('kubernetes') is None):
+    raise errors.MultihostError(_NO_KUBERNETES_CLIENT.format(
+        index=env[_env.JOB_COMPLETION_INDEX]))
 
 
 def _single_controller(coordinator_address: str | None,
@@ -193,8 +242,8 @@ def _set_bind_address(kwargs: dict[str, Any],
 
 
 def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
-                       detect: bool) -> Any:
-  """Starts the coordination service's companion (process 0, where it hosts the service), waits for the service (the others), and `jax.distributed`; returns the companion or None."""
+                       detect: bool, held: socket.socket | None) -> Any:
+  """Starts the coordination service's companion (process 0, where it hosts the service), waits for the service (the others), and `jax.distributed`; returns the companion or None. Closes `held` (a socket that held the service's port) once the service has it."""
   companion = None
   external = settings.external_service()
   if detect and not external and _companion.enabled():
@@ -206,7 +255,10 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
     kwargs['initialization_timeout'] = max(1, int(
         kwargs['initialization_timeout'] - (time.monotonic() - waited)))
   try:
-    with _companion.cpp_advice_hidden():  # JAX's advice at the service start
+    # JAX's advice at the service start, and its detection's warning in a
+    # pod without the `kubernetes` package, are hidden.
+    with (_companion.cpp_advice_hidden(),
+          coordination.kubernetes_warning_hidden()):
       if companion is not None or external:
         # The companion (or a launcher) hosts the coordination service (see
         # `runtime.coordination.start_service`): process 0 must not start another.
@@ -217,6 +269,9 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
     if companion is not None:
       companion.finish()
     raise
+  finally:
+    if held is not None:
+      held.close()
   return companion
 
 

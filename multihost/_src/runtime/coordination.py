@@ -11,10 +11,13 @@ changes this file alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence
+import contextlib
 import re
 from typing import Protocol
 from typing import runtime_checkable
+import warnings
 
 from jax._src import distributed as _distributed  # No public client: see above.
 
@@ -202,16 +205,32 @@ def start_service(address: str, num_processes: int, *,
       shutdown_timeout=int(shutdown_timeout), recoverable=True)
 
 
+@contextlib.contextmanager
+def kubernetes_warning_hidden() -> Iterator[None]:
+  """Hides JAX's warning that a pod lacks the `kubernetes` package.
+
+  JAX's detection gives it in every pod without the package, also when
+  the coordinator, count and index are given (`multihost.initialize()`
+  raises its own error where the package is needed).
+  """
+  with warnings.catch_warnings():
+    warnings.filterwarnings(
+        'ignore', 'Kubernetes environment detected, but the `kubernetes`',
+        UserWarning)
+    yield
+
+
 def detect_cluster(coordinator_address: str | None, num_processes: int | None,
                    process_id: int | None,
                    cluster_detection_method: str | None
                    ) -> tuple[str | None, int | None, int | None]:
   """(coordinator address, process count, process index) as `jax.distributed.initialize` would derive them (Slurm, Open MPI, ...)."""
   from jax._src import clusters  # pylint: disable=g-import-not-at-top
-  address, count, index, _ = (
-      clusters.ClusterEnv.auto_detect_unset_distributed_params(
-          coordinator_address, num_processes, process_id, None,
-          cluster_detection_method, None))
+  with kubernetes_warning_hidden():
+    address, count, index, _ = (
+        clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            coordinator_address, num_processes, process_id, None,
+            cluster_detection_method, None))
   return address, count, index
 
 

@@ -9,18 +9,24 @@ all, and no hop waits for another (docs/performance.md measures it).
 
 The transfer (`broadcast`), once the call agreed: the payload goes in
 pieces (`_pieces`: at most `stage.SLOT_BYTES`, and between 2 processes
-at least `PIECES` of them) through the stage's two slots in turn. For
-each piece the source waits until every receiver released the slot's
-last piece, copies the piece in, and sends each receiver an empty frame
-of the call (MAC'd as every frame: the receiver knows which bytes each
-piece holds from the payload's length and the number of processes
-alone); each receiver copies the
-piece out and answers an empty frame, which releases the slot. The last
-two pieces are not released, and the source returns without waiting for
-the receivers to copy them: the next call that writes this stage is
-agreed first, and every process that agreed to it has returned from this
-one (a receiver returns only once its copies are done), so the slots are
-free again by then. A receiver whose link has no
+at least `PIECES` of them). For each piece the source copies it into the
+stage and sends each receiver an empty frame of the call (MAC'd as every
+frame: the receiver knows which bytes each piece holds from the payload's
+length and the number of processes alone); each receiver copies the
+piece out. A payload that fits the stage (`STAGE_BYTES`) lies in it
+whole, each piece at its own offset (`_place`); a larger one goes
+through the stage's two slots in turn, and before a slot takes its next
+piece the source waits until every receiver released its last one (an
+empty frame it answers once it copied that piece out). Nothing else is
+released, and the source returns without waiting for the receivers to
+copy: the next call that writes this stage is agreed first, and every
+process that agreed to it has returned from this one (a receiver returns
+only once its copies are done), so the stage is free again by then. So
+below `STAGE_BYTES` the source never waits for a receiver, and a
+receiver waits only where it caught up with the source: on cores the
+processes share with other work, a receiver that was woken late finds
+every piece's frame there, where releases made both sides wait on each
+other once a piece. A receiver whose link has no
 `shared` stage (a TCP link after all, or a side without a stage: the same
 answer at both ends) gets the payload as one data frame. Every wait is
 bounded by the call's deadline, and a peer that dies closes its link,
@@ -59,7 +65,7 @@ SHARED_FROM = 256 << 10
 # copies piece k out while the source copies piece k + 1 in, so the copies
 # overlap but for one piece's (a 1 MiB broadcast on 2 cores: 0.30 ms in
 # one piece, 0.24 in four). Among more processes each piece costs the
-# source a frame to every receiver and each receiver a release, which on
+# source a frame to every receiver and each receiver a wake-up, which on
 # 2 cores cost more than the overlap saved (P=4, 1 MiB: CPU 0.80 -> 0.93
 # ms a call), so there a piece is as large as a slot.
 PIECES = 4
@@ -71,8 +77,20 @@ def carries(plane: _tcp_link.Plane, length: int) -> bool:
   return length >= SHARED_FROM and plane.one_host and plane.agrees
 
 
+def _place(k: int, start: int, length: int) -> int:
+  """Where in the stage piece `k` (from byte `start`) of a payload of `length` bytes goes: at `start` when the payload fits the stage, else in slot k % 2."""
+  if length <= _stage.STAGE_BYTES:
+    return start
+  return (k % 2) * _stage.SLOT_BYTES
+
+
+def _released(k: int, count: int, length: int) -> bool:
+  """Whether a receiver releases piece `k` of `count` pieces of a payload of `length` bytes: where a slot takes another piece after it (`_place`)."""
+  return length > _stage.STAGE_BYTES and k + 2 < count
+
+
 def _pieces(length: int, count: int) -> list[tuple[int, int]]:
-  """(start, stop) of each piece of a payload of `length` bytes among `count` processes (the same on every process); piece k goes through slot k % 2."""
+  """(start, stop) of each piece of a payload of `length` bytes among `count` processes (the same on every process); where each goes in the stage is `_place`'s."""
   size = _stage.SLOT_BYTES
   if count == 2:
     quarter = -(-length // PIECES)
@@ -98,7 +116,7 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, length: int,
 def _send(plane: _tcp_link.Plane, call: int, length: int,
           parts: list[np.ndarray], out: np.ndarray | None, op: str,
           deadline: float, watch: Deadline) -> None:
-  """The source's half: each piece into the stage, a frame to each receiver, and their releases before a slot takes another piece (the last two pieces are never released: see the module docstring)."""
+  """The source's half: each piece into the stage, a frame to each receiver, and, where a slot takes another piece, their releases of its last one first (`_released`; see the module docstring)."""
   peers = [p for p in range(plane.count) if p != plane.me]
   views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
   peer = peers[0]
@@ -125,8 +143,8 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
     stage = plane.stage.array  # (a link holds a stage only if this has one)
     pieces = _pieces(length, plane.count)
     for k, (start, stop) in enumerate(pieces):
-      slot = (k % 2) * _stage.SLOT_BYTES
-      if k >= 2:
+      slot = _place(k, start, length)
+      if k >= 2 and _released(k - 2, len(pieces), length):
         for peer in staged:  # the slot's last piece is released
           links[peer].read_frame(call, 0, op, peer, watch)
       at = slot
@@ -146,7 +164,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
 def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
              out: np.ndarray, op: str, deadline: float,
              watch: Deadline) -> None:
-  """A receiver's half: each piece out of the source's stage, then (but for the last two) a frame that releases its slot."""
+  """A receiver's half: each piece out of the source's stage, then, where a slot takes another piece after it, a frame that releases it (`_released`)."""
   try:
     link = plane.conn(source, deadline, op)
     payload.arm(link, deadline)
@@ -157,10 +175,10 @@ def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
     stage = link.shared.array
     pieces = _pieces(length, plane.count)
     for k, (start, stop) in enumerate(pieces):
-      slot = (k % 2) * _stage.SLOT_BYTES
+      slot = _place(k, start, length)
       link.read_frame(call, 0, op, source, watch)
       out[start:stop] = stage[slot:slot + stop - start]
-      if k + 2 < len(pieces):  # (the last two: see the module docstring)
+      if _released(k, len(pieces), length):  # (see the module docstring)
         sockets.send_all(link.sock, link.frame(call, 0), watch)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, None, op, source, e,

@@ -1,0 +1,58 @@
+"""Two controllers with the environment of an indexed Kubernetes Job's pods, as docs/launcher.md gives it without the `kubernetes` package.
+
+Each pod has `KUBERNETES_SERVICE_HOST` and its `JOB_COMPLETION_INDEX`; the
+manifest adds `JAX_COORDINATOR_ADDRESS` and `JAX_NUM_PROCESSES`, and
+`multihost.initialize()` takes the index from `JOB_COMPLETION_INDEX` (as
+JAX's own Kubernetes detection does). No API server is reached (the
+address given for it is never used); the coordinator is on 127.0.0.1
+here, where a cluster has `JOB-0.SUBDOMAIN`. JAX's detection through the
+Kubernetes API itself is not run here: it needs a cluster.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import _helpers
+
+from multihost import env as env_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120
+
+
+def _swap_example() -> str:
+  phrase = '# Before: from jax.experimental.multihost_utils import ('
+  blocks = [b for b in re.findall(r'^```python\n(.*?)^```',
+                                  (ROOT / 'README.md').read_text(), re.S | re.M)
+            if phrase in b]
+  assert len(blocks) == 1, blocks
+  return blocks[0]
+
+
+def test_the_readme_example_in_an_indexed_jobs_environment(tmp_path):
+  script = tmp_path / 'swap_example.py'
+  script.write_text(_swap_example())
+  procs = []
+  with _helpers.held_port() as port:
+    try:
+      for index in (1, 0):
+        env = _helpers.clean_env(**_helpers.quick_compile_env(), **{
+            env_lib.PLATFORMS: 'cpu',
+            env_lib.K8S_SERVICE_HOST: '10.96.0.1',
+            env_lib.JOB_COMPLETION_INDEX: str(index),
+            env_lib.COORDINATOR: f'127.0.0.1:{port}',
+            env_lib.NUM_PROCESSES: '2'})
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script)], env=env, cwd=tmp_path,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+      outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+      codes = _helpers.wait_all(procs, timeout=10)
+  assert codes == [0, 0], outs
+  assert [o.strip() for o in outs] == ['process 1: seed 1234, ids [0, 1]',
+                                       'process 0: seed 1234, ids [0, 1]'], outs

@@ -1,0 +1,101 @@
+"""What `multihost.initialize()` makes of an engine's environment before JAX: Open MPI 5 (PRRTE), Kubernetes.
+
+The runs under a real `mpirun` are in tests/multiprocess/test_openmpi.py,
+and 2 controllers of an indexed Job's environment in
+tests/multiprocess/test_kubernetes_env.py; here, the pieces that need no
+second process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import jax
+import pytest
+
+import multihost
+from multihost import env as env_lib
+from multihost._src.runtime import errors
+from multihost._src.runtime import prrte
+
+# Open MPI 5's launcher, as seen by rank 1 of 2 on one host.
+_PRRTE = {env_lib.OMPI_SIZE: '2', env_lib.OMPI_RANK: '1',
+          env_lib.OMPI_LOCAL_RANK: '1', env_lib.OMPI_LOCAL_SIZE: '2',
+          env_lib.PRTE_LAUNCHED: '1',
+          env_lib.PMIX_NAMESPACE: 'prterun-vm-4242@1'}
+_ENGINE_VARS = (*env_lib.CLUSTER_MARKERS, *_PRRTE, env_lib.COORDINATOR,
+                env_lib.NUM_PROCESSES, env_lib.PROCESS_ID,
+                env_lib.K8S_SERVICE_HOST, env_lib.JOB_COMPLETION_INDEX)
+
+
+@pytest.fixture
+def bare(monkeypatch):
+  """No engine's variables in the environment."""
+  for name in _ENGINE_VARS:
+    monkeypatch.delenv(name, raising=False)
+  return monkeypatch
+
+
+def test_open_mpi_5_is_told_from_open_mpi_4(bare):
+  assert not prrte.launched()
+  for name, value in _PRRTE.items():
+    bare.setenv(name, value)
+  assert prrte.launched()
+  bare.setenv(env_lib.OMPI_HNP_URI, '4096.0;tcp://127.0.0.1:50000')
+  assert not prrte.launched()  # Open MPI 4: JAX's own detection.
+
+
+def test_the_derived_port_is_the_jobs_own_and_in_jaxs_range():
+  ports = {prrte.derived_port(f'prterun-vm-{pid}@1') for pid in range(100)}
+  assert all(61440 <= p <= 65535 for p in ports)
+  assert len(ports) > 90  # Different jobs, different ports (mostly).
+  assert prrte.derived_port('prterun-vm-7@1') == prrte.derived_port(
+      'prterun-vm-7@1')
+
+
+def test_process_0_on_one_host_listens_on_loopback_on_a_held_port():
+  address, hold = prrte.first_address(single_host=True, hostname='anything',
+                                      port=None)
+  try:
+    host, port = address.rsplit(':', 1)
+    assert host == '127.0.0.1' and int(port) == hold.getsockname()[1]
+    # The service still binds it (SO_REUSEPORT, as JAX's does).
+    with socket.socket() as service:
+      service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      service.bind(('127.0.0.1', int(port)))
+  finally:
+    hold.close()
+  assert prrte.first_address(single_host=True, hostname='x',
+                             port='12345') == ('127.0.0.1:12345', None)
+
+
+def test_process_0_across_hosts_refuses_a_host_name_that_is_loopback():
+  with pytest.raises(errors.MultihostError,
+                     match=r"'localhost' resolves to 127\.0\.0\.1, a loopback "
+                     r'address .*JAX_COORDINATOR_ADDRESS'):
+    prrte.first_address(single_host=False, hostname='localhost', port=None)
+  with pytest.raises(errors.MultihostError,
+                     match=r'cannot resolve its own host name .*'
+                     r'JAX_COORDINATOR_ADDRESS'):
+    prrte.first_address(single_host=False, hostname='no-such-host.invalid',
+                        port=None)
+
+
+def test_a_pod_that_is_no_indexed_job_runs_as_one_controller(bare):
+  bare.setenv(env_lib.K8S_SERVICE_HOST, '10.96.0.1')  # In every pod.
+  multihost.initialize()
+  assert not jax.distributed.is_initialized()
+
+
+def test_an_indexed_job_without_the_kubernetes_client_says_what_to_do(bare):
+  if importlib.util.find_spec('kubernetes') is not None:
+    pytest.skip('the kubernetes package is installed: JAX would use it')
+  bare.setenv(env_lib.K8S_SERVICE_HOST, '10.96.0.1')
+  bare.setenv(env_lib.JOB_COMPLETION_INDEX, '3')
+  with pytest.raises(errors.MultihostError,
+                     match=r"process 3: .*indexed Kubernetes Job.*pip install "
+                     r"'jax\[k8s\]'.*JAX_COORDINATOR_ADDRESS.*"
+                     r'JAX_NUM_PROCESSES'):
+    multihost.initialize()
+  assert not jax.distributed.is_initialized()
