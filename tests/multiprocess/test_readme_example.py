@@ -10,6 +10,10 @@ the same topology (one controller, 4 devices); the step-30 checkpoint
 resumed at 2 controllers x 2 devices ends within recovery's tolerances; run
 once more, it resumes at 50 and says there is nothing left to train.
 
+Its mixed-precision variant (bfloat16 params and Adam moments, the block
+after it) stops at 30 and resumes to 50 bitwise like an uninterrupted run,
+and bin/verify_checkpoint.py checks its checkpoints.
+
 The drop-in swap (README.md, docs/migrating.md) runs in 2 controllers, and
 so does the same program with JAX's import: both print the same lines. The
 `jax.monitoring` listener (docs/observability.md) prints a collective's
@@ -47,6 +51,8 @@ RUN = {
         'test_the_metrics_listener_prints_a_collective',
     '@pytest.mark.multihost(num_processes=2, devices_per_process=2)':
         'test_the_pytest_example_passes',
+    'mu_dtype=jnp.bfloat16))':
+        'test_the_mixed_precision_variant_resumes_bitwise_and_verifies',
 }
 # A phrase of the block -> why no test here runs it.
 NOT_RUN = {
@@ -203,3 +209,35 @@ def test_readme_example_stops_and_resumes(tmp_path):
   done = _single(script, tmp_path / 'run', 50)
   assert _resumed(done) == 50, done
   assert 'step 50: nothing left to train' in done and 'None' not in done, done
+
+
+def test_the_mixed_precision_variant_resumes_bitwise_and_verifies(tmp_path):
+  variant = _block('mu_dtype=jnp.bfloat16))')
+  program, count = re.subn(r'^params = .*?(?=^state = )', lambda _: variant,
+                           _example(), count=1, flags=re.S | re.M)
+  assert count == 1 and 'mu_dtype' in program, program
+  script = tmp_path / 'mixed_example.py'
+  script.write_text(program)
+  first = _single(script, tmp_path / 'run', 30)
+  assert _resumed(first) is None and _final(first)[0] == 30
+  out = _single(script, tmp_path / 'run', 50)
+  assert _resumed(out) == 30, out
+  assert _final(out) == _final(_single(script, tmp_path / 'ref', 50))
+  with recovery.Checkpoints(tmp_path / 'run', read_only=True) as ckpt:
+    dtypes = {k: v[1] for k, v in ckpt.read_meta(50)['leaves'].items()}
+  # The 4 params and Adam's 4 + 4 moments are bfloat16 (nu follows the
+  # params), the step counts int32.
+  low = sorted(k for k, v in dtypes.items() if v == 'bfloat16')
+  assert len(low) == 12 and all(
+      re.search(r'/(mu|nu)/params/', k) or k.startswith('user/params/')
+      for k in low), dtypes
+  done = subprocess.run(
+      [PY, str(ROOT / 'bin' / 'verify_checkpoint.py'),
+       f'--checkpoint_dir={tmp_path / "run"}'],
+      capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+      env={**os.environ, env_lib.PLATFORMS: 'cpu'}, stdin=subprocess.DEVNULL)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert re.search(r'^step 50: OK .*user/params/params/Dense_1/kernel '
+                   r'\(8, 32\) bfloat16', done.stdout, re.M), done.stdout
+  assert 'OK: 3 checkpoints verified; latest step 50.' in done.stdout, (
+      done.stdout)

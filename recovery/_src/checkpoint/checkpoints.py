@@ -14,6 +14,7 @@ import numpy as np
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
+from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import damage
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import lock
@@ -176,12 +177,24 @@ class Checkpoints:
     """The stored state's tree of `np.zeros` with the stored shapes and dtypes.
 
     A restore target for tools that have no model at hand (such as
-    a checkpoint checker); it restores every leaf as a NumPy array.
+    a checkpoint checker); it restores every leaf as a NumPy array. The
+    dtypes are the saved leaves' own (from the meta item), also for a leaf
+    Orbax stores in a carrier dtype (`carrier`: uint4 in uint8).
     """
+    try:
+      specs = self.read_meta(step).get('leaves', {})
+    except CheckpointError:
+      specs = {}  # The restore names what is wrong.
     try:
       meta = self._manager.item_metadata(step)[manager.STATE_ITEM]
       tree = meta.tree if hasattr(meta, 'tree') else meta
-      return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+
+      def zeros(path, m):
+        spec = specs.get(leaves.path_name(path))
+        dtype = leaves.spec_dtype(spec) if spec else m.dtype
+        return np.zeros(m.shape, dtype)
+
+      return jax.tree_util.tree_map_with_path(zeros, tree)
     except Exception as e:  # pylint: disable=broad-except
       finding = f'unreadable array metadata ({type(e).__name__}: {_short(e)})'
       raise CheckpointDamagedError(
@@ -229,6 +242,7 @@ class Checkpoints:
     raw = state.to_tree()
     try:
       tree = leaves.storable(raw)
+      saved = carrier.encode(tree)  # What Orbax writes (the same bits).
     except TypeError as e:
       raise CheckpointError(
           f'{_prefix()} Cannot save step {step}: {e}') from None
@@ -238,7 +252,7 @@ class Checkpoints:
     manager.watched(
         f'save checkpoint step {step}',
         functools.partial(self._manager.save, step, force=True,
-                          args=manager.save_args(tree, meta)),
+                          args=manager.save_args(saved, meta)),
         lambda e: (f'{_prefix()} Saving step {step} to {self.directory} '
                    f'failed: {type(e).__name__}: {_short(e)}. The previous '
                    f'checkpoint (step {self._on_disk()}) is untouched.'))

@@ -28,6 +28,7 @@ import multihost
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
 from multihost.lowlevel import shorten as _short
+from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import manager
 from recovery._src.state import consistency
@@ -112,8 +113,10 @@ def read(ckpt: Any, target: TransitionState,
     restored = manager.watched(
         f'restore checkpoint step {step}',
         functools.partial(ckpt._manager.restore, step,
-                          args=manager.restore_args(abstract)),
+                          args=manager.restore_args(
+                              carrier.encode_abstract(abstract))),
         lambda e: f'{type(e).__name__}: {_short(e)}')[manager.STATE_ITEM]
+    restored = carrier.decode(restored, abstract)
   except CheckpointError as e:
     error = CheckpointDamagedError(
         f'{_prefix()} {where} cannot be read: {e}. The files are damaged '

@@ -24,7 +24,7 @@ Nothing under `<local>` is followed through a symlink. `<local>` and each
 `process_<P>` must pass `private.check_private` (created owner-only, mode
 0700); entries that are links are skipped when read and refused when
 written or deleted, and files are opened with O_NOFOLLOW
-(`private.open_file`). Pure file handling: no collective, no JAX.
+(`private.open_file`). Pure file handling: no collective, no JAX call.
 """
 from __future__ import annotations
 
@@ -39,12 +39,14 @@ import stat
 import time
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from multihost.lowlevel import fsync_folder
 from multihost.lowlevel import write_atomic
 from recovery._src.local import private
 from recovery._src.local import run_identity
+from recovery._src.state import leaves
 from recovery._src.state.errors import DAMAGED_SUFFIX
 from recovery._src.state.errors import CheckpointFolderError
 
@@ -83,6 +85,29 @@ class StoredStep:
   folder: str
   manifest: dict[str, Any]
   entries: dict[EntryKey, Entry]
+
+
+def dtype_text(dtype: np.dtype) -> str:
+  """How a manifest names a block's dtype: NumPy's '<f4', or the name of an ml_dtypes type ('bfloat16').
+
+  NumPy's text of an ml_dtypes type ('<V2' for bfloat16, '<f1' for
+  float8_e5m2) does not read back as that type; its name does (`dtype_of`).
+  """
+  if leaves.is_ml_dtype(dtype):
+    return dtype.name
+  return dtype.str
+
+
+def dtype_of(text: str) -> np.dtype:
+  """The dtype a manifest names (`dtype_text`).
+
+  Raises:
+    TypeError: no such dtype.
+  """
+  scalar = getattr(ml_dtypes, text, None)
+  if isinstance(scalar, type) and issubclass(scalar, np.generic):
+    return np.dtype(scalar)
+  return np.dtype(text)
 
 
 def number(name: str) -> int | None:
@@ -179,8 +204,9 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
         f.write(memoryview(block.reshape(-1).view(np.uint8)))
         listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                       'dtype': block.dtype.str, 'shape': list(block.shape),
-                       'offset': offset, 'nbytes': block.nbytes})
+                       'dtype': dtype_text(block.dtype),
+                       'shape': list(block.shape), 'offset': offset,
+                       'nbytes': block.nbytes})
         offset += block.nbytes
       f.flush()
       os.fsync(f.fileno())
@@ -280,7 +306,7 @@ def scan(local: str) -> list[StoredStep]:
 
 def read_block(entry: Entry) -> np.ndarray:
   """The block's array, read from its data file (never through a link)."""
-  out = np.empty(entry.shape, np.dtype(entry.dtype))
+  out = np.empty(entry.shape, dtype_of(entry.dtype))
   with private.open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
     view = memoryview(out.reshape(-1).view(np.uint8))

@@ -187,7 +187,8 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   got = digest.combine(digests)
   error = (None if got == meta['digest'] else
            f'its blocks digest to {got[:16]}..., not the saved '
-           f'{meta["digest"][:16]}...')
+           f'{meta["digest"][:16]}... (leaves that changed: '
+           f'{", ".join(_meta.changed_leaves(meta, digests)) or "unknown"})')
   failed = _agree(error, where, 'its digest check')
   if failed:
     return f'it failed its digest check: {failed}'

@@ -153,6 +153,43 @@ def _unsupported(name: str, x: Any) -> TypeError:
       'array.')
 
 
+# What a NumPy leaf's dtype may be (said in the error for any other).
+STORABLE_DTYPES = (
+    'A checkpoint holds arrays of bool, integers (int2 to int64, uint2 to '
+    'uint64), floats (the float4 and float8 variants, bfloat16, float16 to '
+    'float64) and complex64/complex128, as jax.Arrays or NumPy (ml_dtypes) '
+    'arrays; convert the leaf to one of these (e.g. x.astype(np.int64)) or '
+    'make it a static field.')
+
+
+def is_ml_dtype(dtype: np.dtype) -> bool:
+  """Whether `dtype` is an ml_dtypes type (bfloat16, float8_*, int4, ...).
+
+  NumPy sees most of them as dtype kind 'V', like raw bytes, and spells
+  them so ('<V2' for bfloat16): their scalar type tells them apart.
+  """
+  return dtype.type.__module__.split('.')[0] == 'ml_dtypes'
+
+
+def dtype_problem(dtype: np.dtype) -> str | None:
+  """Why a NumPy array of `dtype` cannot be checkpointed, or None when it can.
+
+  Every ml_dtypes type can (`is_ml_dtype`).
+  """
+  kind = dtype.kind
+  if kind in 'biu':
+    return None
+  if kind in 'fc':  # float96/float128 and complex256 are beyond JAX's.
+    if dtype.itemsize <= (8 if kind == 'f' else 16):
+      return None
+    return f'extended precision, {dtype.itemsize * 8} bits'
+  if is_ml_dtype(dtype):
+    return None
+  return {'O': 'Python objects', 'U': 'text', 'S': 'byte strings',
+          'M': 'dates', 'm': 'durations',
+          'V': 'records' if dtype.names else 'raw bytes'}.get(kind, 'no number')
+
+
 def storable_leaf(name: str, x: Any) -> jax.Array | np.ndarray:
   """One leaf as Orbax stores it: a stored jax.Array or a NumPy array.
 
@@ -173,8 +210,12 @@ def storable_leaf(name: str, x: Any) -> jax.Array | np.ndarray:
     return x if _stored_as_array(x) else np.asarray(x)
   if isinstance(x, (np.ndarray, np.generic)):
     value = np.asarray(x)
-    if value.dtype.kind in 'OUSV':
-      raise _unsupported(name, x)
+    problem = dtype_problem(value.dtype)
+    if problem is not None:
+      raise TypeError(
+          f'State leaf {name or "<root>"} is a {type(x).__module__}.'
+          f'{type(x).__qualname__} of dtype {value.dtype} ({problem}), which '
+          f'cannot be checkpointed. {STORABLE_DTYPES}')
     return value
   for python_type, dtype in _PYTHON_SCALARS:
     if isinstance(x, python_type):
@@ -205,6 +246,11 @@ def storable(tree: PyTree) -> dict[str, Any]:
 def spec(x: jax.Array | np.ndarray | jax.ShapeDtypeStruct) -> list:
   """[shape, dtype name] of a storable (or abstract) leaf, as stored in meta."""
   return [list(x.shape), np.dtype(x.dtype).name]
+
+
+def spec_dtype(spec: list) -> np.dtype:
+  """The dtype a `spec` names ('bfloat16', 'float32', 'int4', ...)."""
+  return np.dtype(jax.numpy.dtype(spec[1]))
 
 
 def kind(x: Any) -> str:

@@ -88,6 +88,12 @@ def check_fits(meta: dict[str, Any], abstract, *, where: str) -> None:
         'or start fresh in a new folder.')
 
 
+def changed_leaves(meta: dict[str, Any], digests: dict[str, str]) -> list[str]:
+  """The leaves whose digests differ from those `meta` stored, sorted."""
+  stored = meta.get('leaf_digests', {})
+  return sorted(k for k in digests if stored.get(k) != digests[k])
+
+
 def check_digest(meta: dict[str, Any], restored, *, where: str,
                  hint: str) -> dict[str, str]:
   """Checks the restored tree's digest against the stored one; returns its leaf digests.
@@ -108,8 +114,7 @@ def check_digest(meta: dict[str, Any], restored, *, where: str,
   digests = digest.checkpoint_leaf_digests(restored)
   got = digest.combine(digests)
   if got != meta['digest']:
-    stored = meta.get('leaf_digests', {})
-    changed = sorted(k for k in digests if stored.get(k) != digests[k])
+    changed = changed_leaves(meta, digests)
     finding = (f'fails its digest check: stored {meta["digest"][:16]}..., '
                f'restored state digests to {got[:16]}... (leaves that '
                f'changed: {", ".join(changed) or "unknown"})')
