@@ -23,6 +23,7 @@ import pytest
 import recovery
 from recovery._src.checkpoint import carrier
 from recovery._src.local import folder
+from recovery._src.state import leaves
 
 
 @pytest.mark.parametrize('tier', matrix.TIERS)
@@ -88,7 +89,7 @@ def test_local_manifests_name_ml_dtypes_by_name(tmp_path):
   assert {n: dtypes[f'user/{n}/numpy'] for n in names} == {
       'bfloat16': 'bfloat16', 'float8_e5m2': 'float8_e5m2', 'int4': 'int4',
       'float32': '<f4'}
-  assert all(folder.dtype_of(t) == matrix.dtype(n)
+  assert all(leaves.dtype_of(t) == matrix.dtype(n)
              for n, t in zip(names, ['bfloat16', 'float8_e5m2', 'int4',
                                      '<f4'], strict=True))
 

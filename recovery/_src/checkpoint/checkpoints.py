@@ -9,7 +9,6 @@ from typing import Any
 
 from absl import logging
 import jax
-import numpy as np
 
 from multihost import record_event as _record_event
 from multihost.lowlevel import process_prefix as _prefix
@@ -181,26 +180,7 @@ class Checkpoints:
     dtypes are the saved leaves' own (from the meta item), also for a leaf
     Orbax stores in a carrier dtype (`carrier`: uint4 in uint8).
     """
-    try:
-      specs = self.read_meta(step).get('leaves', {})
-    except CheckpointError:
-      specs = {}  # The restore names what is wrong.
-    try:
-      meta = self._manager.item_metadata(step)[manager.STATE_ITEM]
-      tree = meta.tree if hasattr(meta, 'tree') else meta
-
-      def zeros(path, m):
-        spec = specs.get(leaves.path_name(path))
-        dtype = leaves.spec_dtype(spec) if spec else m.dtype
-        return np.zeros(m.shape, dtype)
-
-      return jax.tree_util.tree_map_with_path(zeros, tree)
-    except Exception as e:  # pylint: disable=broad-except
-      finding = f'unreadable array metadata ({type(e).__name__}: {_short(e)})'
-      raise CheckpointDamagedError(
-          f'{_prefix()} Checkpoint step {step} in {self.directory} has '
-          f'{finding}. {self._fallback_hint(step)}', why=f'it has {finding}'
-      ) from e
+    return damage.stored_tree(self, step)
 
   def _fallback_hint(self, step: int) -> str:
     return fallback_advice(self.directory, step, self.steps())

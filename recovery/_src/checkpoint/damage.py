@@ -23,6 +23,7 @@ from typing import Any
 
 from absl import logging
 import jax
+import numpy as np
 
 import multihost
 from multihost import record_event as _record_event
@@ -227,3 +228,27 @@ def set_aside(ckpt: Any, damaged: list[Damage], *, instead: int,
            why=d.why, resumed_from=instead)
   if error:
     raise CheckpointFolderError(f'{_prefix()} {error}')
+
+
+def stored_tree(ckpt, step: int) -> Any:
+  """`Checkpoints.stored_tree`: zeros of the stored shapes and saved dtypes, or CheckpointDamagedError."""
+  try:
+    specs = ckpt.read_meta(step).get('leaves', {})
+  except CheckpointError:
+    specs = {}  # The restore names what is wrong.
+  try:
+    meta = ckpt._manager.item_metadata(step)[manager.STATE_ITEM]
+    tree = meta.tree if hasattr(meta, 'tree') else meta
+
+    def zeros(path, m):
+      spec = specs.get(leaves.path_name(path))
+      dtype = leaves.spec_dtype(spec) if spec else m.dtype
+      return np.zeros(m.shape, dtype)
+
+    return jax.tree_util.tree_map_with_path(zeros, tree)
+  except Exception as e:  # pylint: disable=broad-except
+    finding = f'unreadable array metadata ({type(e).__name__}: {_short(e)})'
+    raise CheckpointDamagedError(
+        f'{_prefix()} Checkpoint step {step} in {ckpt.directory} has '
+        f'{finding}. {ckpt._fallback_hint(step)}', why=f'it has {finding}'
+    ) from e

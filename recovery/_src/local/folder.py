@@ -39,7 +39,6 @@ import stat
 import time
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from multihost.lowlevel import fsync_folder
@@ -85,29 +84,6 @@ class StoredStep:
   folder: str
   manifest: dict[str, Any]
   entries: dict[EntryKey, Entry]
-
-
-def dtype_text(dtype: np.dtype) -> str:
-  """How a manifest names a block's dtype: NumPy's '<f4', or the name of an ml_dtypes type ('bfloat16').
-
-  NumPy's text of an ml_dtypes type ('<V2' for bfloat16, '<f1' for
-  float8_e5m2) does not read back as that type; its name does (`dtype_of`).
-  """
-  if leaves.is_ml_dtype(dtype):
-    return dtype.name
-  return dtype.str
-
-
-def dtype_of(text: str) -> np.dtype:
-  """The dtype a manifest names (`dtype_text`).
-
-  Raises:
-    TypeError: no such dtype.
-  """
-  scalar = getattr(ml_dtypes, text, None)
-  if isinstance(scalar, type) and issubclass(scalar, np.generic):
-    return np.dtype(scalar)
-  return np.dtype(text)
 
 
 def number(name: str) -> int | None:
@@ -204,7 +180,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
         f.write(memoryview(block.reshape(-1).view(np.uint8)))
         listed.append({'leaf': leaf, 'index': [list(i) for i in index],
-                       'dtype': dtype_text(block.dtype),
+                       'dtype': leaves.dtype_text(block.dtype),
                        'shape': list(block.shape), 'offset': offset,
                        'nbytes': block.nbytes})
         offset += block.nbytes
@@ -306,7 +282,7 @@ def scan(local: str) -> list[StoredStep]:
 
 def read_block(entry: Entry) -> np.ndarray:
   """The block's array, read from its data file (never through a link)."""
-  out = np.empty(entry.shape, dtype_of(entry.dtype))
+  out = np.empty(entry.shape, leaves.dtype_of(entry.dtype))
   with private.open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
     view = memoryview(out.reshape(-1).view(np.uint8))

@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 PyTree = Any
@@ -348,3 +349,26 @@ def rebuild(target: PyTree, restored: dict[str, Any]) -> PyTree:
   return jax.tree_util.tree_unflatten(treedef, [
       _rebuild_leaf(leaf.name, leaf.value, _lookup(restored, leaf.path))
       for leaf in flat])
+
+
+def dtype_text(dtype: np.dtype) -> str:
+  """How a local manifest names a block's dtype: NumPy's '<f4', or the name of an ml_dtypes type ('bfloat16').
+
+  NumPy's text of an ml_dtypes type ('<V2' for bfloat16, '<f1' for
+  float8_e5m2) does not read back as that type; its name does (`dtype_of`).
+  """
+  if is_ml_dtype(dtype):
+    return dtype.name
+  return dtype.str
+
+
+def dtype_of(text: str) -> np.dtype:
+  """The dtype a manifest names (`dtype_text`).
+
+  Raises:
+    TypeError: no such dtype.
+  """
+  scalar = getattr(ml_dtypes, text, None)
+  if isinstance(scalar, type) and issubclass(scalar, np.generic):
+    return np.dtype(scalar)
+  return np.dtype(text)
