@@ -277,7 +277,7 @@ def test_the_readme_example_runs_across_two_simulated_hosts(major, tmp_path):
   assert rc == 0, out[-3000:]
   # Open MPI 5's own warning when the stand-in has already become its
   # command as mpirun sets its process group (seen under load).
-  setpgid = r'\[.*\] plm:ssh: Warning: setpgid\(.*\) failed'
+  setpgid = r'\[.*\] plm:(ssh|rsh): Warning: setpgid\(.*\) failed'
   assert _printed(out, ignore=setpgid) == [
       'process 0 on ' + hosts[0], 'process 0: seed 1234, ids [0, 1]',
       'process 1 on ' + hosts[1], 'process 1: seed 1234, ids [0, 1]'
