@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -155,3 +156,13 @@ def quick_compile_env() -> dict[str, str]:
           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
           'XLA_FLAGS': f'{flags} --xla_backend_optimization_level=0 '
                        '--xla_llvm_disable_expensive_passes=true'.strip()}
+
+
+def readme_swap_example() -> str:
+  """The README's drop-in swap example (its one ```python block holding the swap)."""
+  phrase = '# Before: from jax.experimental.multihost_utils import ('
+  blocks = [b for b in re.findall(r'^```python\n(.*?)^```',
+                                  (ROOT / 'README.md').read_text(), re.S | re.M)
+            if phrase in b]
+  assert len(blocks) == 1, blocks
+  return blocks[0]

@@ -12,7 +12,6 @@ Kubernetes API itself is not run here: it needs a cluster.
 from __future__ import annotations
 
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -24,18 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 
 
-def _swap_example() -> str:
-  phrase = '# Before: from jax.experimental.multihost_utils import ('
-  blocks = [b for b in re.findall(r'^```python\n(.*?)^```',
-                                  (ROOT / 'README.md').read_text(), re.S | re.M)
-            if phrase in b]
-  assert len(blocks) == 1, blocks
-  return blocks[0]
-
-
 def test_the_readme_example_in_an_indexed_jobs_environment(tmp_path):
   script = tmp_path / 'swap_example.py'
-  script.write_text(_swap_example())
+  script.write_text(_helpers.readme_swap_example())
   procs = []
   with _helpers.held_port() as port:
     try:

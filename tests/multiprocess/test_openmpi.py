@@ -173,15 +173,6 @@ def _run(major: int, *args: str, cwd: pathlib.Path,
   return proc.returncode, out
 
 
-def _swap_example() -> str:
-  phrase = '# Before: from jax.experimental.multihost_utils import ('
-  blocks = [b for b in re.findall(r'^```python\n(.*?)^```',
-                                  (ROOT / 'README.md').read_text(), re.S | re.M)
-            if phrase in b]
-  assert len(blocks) == 1, blocks
-  return blocks[0]
-
-
 def _printed(output: str, ignore: str = '^$') -> list[str]:
   """The example programs' lines, sorted (nothing else but `ignore` may be printed)."""
   lines = sorted(ln for ln in output.splitlines()
@@ -226,7 +217,7 @@ def reference(tmp_path_factory) -> dict[str, object]:
 
 @pytest.mark.parametrize('major', [5, 4])
 def test_the_readme_example_runs_under_mpirun(major, tmp_path):
-  (tmp_path / 'swap_example.py').write_text(_swap_example())
+  (tmp_path / 'swap_example.py').write_text(_helpers.readme_swap_example())
   rc, out = _run(major, 'swap_example.py', cwd=tmp_path)
   assert rc == 0, out[-3000:]
   assert _printed(out) == [
@@ -259,7 +250,7 @@ def test_the_readme_example_runs_across_two_simulated_hosts(major, tmp_path):
     pytest.skip(f'no simulated hosts: {why}')
   _engine(major)
   (tmp_path / 'swap_example.py').write_text(
-      'import socket\n' + _swap_example() +
+      'import socket\n' + _helpers.readme_swap_example() +
       "print(f'process {me} on {socket.gethostname()}')\n")
   agent = tmp_path / 'agent'
   agent.write_text(_AGENT)
