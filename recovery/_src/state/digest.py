@@ -56,8 +56,7 @@ def host_tree(tree: PyTree) -> PyTree:
   return jax.tree.map(host_value, tree)
 
 
-def checkpoint_leaf_digests(tree: PyTree, *,
-                            algorithm: str = DIGEST_ALGORITHM
+def checkpoint_leaf_digests(tree: PyTree, *, algorithm: str | None = None
                             ) -> dict[str, str]:
   """Maps each leaf's path ('user/weights') to a digest of its global value.
 
@@ -66,8 +65,9 @@ def checkpoint_leaf_digests(tree: PyTree, *,
   subtrees absent), by `multihost.leaf_digests` (dtype, shape and every bit
   of the items in that dtype, so the same for the same global content on any
   mesh or number of processes); keys are '/'-joined paths, as stored in a
-  checkpoint's metadata. `algorithm` is one of `ALGORITHMS` (by default the
-  one a save records; another to check a checkpoint that names it).
+  checkpoint's metadata. `algorithm` is one of `ALGORITHMS`: by default
+  DIGEST_ALGORITHM, the one a save records; another to check a checkpoint
+  that names it.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order. Such a leaf is not gathered: each
@@ -76,7 +76,8 @@ def checkpoint_leaf_digests(tree: PyTree, *,
   stored = leaves.storable(tree)
   names = [path_name(path)
            for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
-  digests = multihost.leaf_digests(stored, version=ALGORITHMS[algorithm])
+  digests = multihost.leaf_digests(
+      stored, version=ALGORITHMS[algorithm or DIGEST_ALGORITHM])
   return dict(zip(names, digests.values(), strict=True))
 
 
@@ -99,10 +100,9 @@ def checkpoint_digest(tree: TransitionState | PyTree) -> str:
   return combine(checkpoint_leaf_digests(tree))
 
 
-def combine(digests: dict[str, str], *,
-            algorithm: str = DIGEST_ALGORITHM) -> str:
-  """One hex digest of a {leaf path: leaf digest} map (of `algorithm`'s leaf digests)."""
-  h = hashlib.sha256(algorithm.encode())
+def combine(digests: dict[str, str], *, algorithm: str | None = None) -> str:
+  """One hex digest of a {leaf path: leaf digest} map (of `algorithm`'s leaf digests; by default DIGEST_ALGORITHM's)."""
+  h = hashlib.sha256((algorithm or DIGEST_ALGORITHM).encode())
   for name, digest in sorted(digests.items()):
     h.update(f'{name}={digest};'.encode())
   return h.hexdigest()
