@@ -234,18 +234,25 @@ def _set_algorithm(workdir: pathlib.Path, tier: str, step: int,
 @pytest.mark.parametrize('tier', matrix.TIERS)
 def test_a_checkpoint_of_an_unknown_digest_version_says_what_to_do(
     tmp_path, tier):
-  saved = _user(1)
-  matrix.save(str(tmp_path), tier, saved, _user(2))
-  _set_algorithm(tmp_path, tier, matrix.STEP, 'multihost-leaf-digests-v3')
+  """Refused on start, even where damaged steps are set aside for older ones: a newer version can read it."""
+  newer = 2 * matrix.STEP
+  with matrix.checkpoints(str(tmp_path), tier) as ckpt:
+    ckpt.start(matrix.state(_user(2), 0), resume=False)
+    for step in (matrix.STEP, newer):
+      ckpt.save(matrix.state(_user(step), step))
+  _set_algorithm(tmp_path, tier, newer, 'multihost-leaf-digests-v3')
   with pytest.raises(recovery.CheckpointError,
-                     match=r"was digested with 'multihost-leaf-digests-v3', "
-                     r'which this version of recovery cannot check \(it '
-                     r'checks multihost-leaf-digests-v1, multihost-leaf-'
-                     r'digests-v2\). A newer version wrote it: upgrade '
-                     r'multihost on every process to restore it'):
-    matrix.resume(str(tmp_path), tier, _user(2))
-  # Refused, not set aside as damaged: the newer version can still read it.
-  assert [m['step'] for m in _metas(tmp_path, tier)] == [matrix.STEP]
+                     match=rf"step {newer} in .* was digested with "
+                     r"'multihost-leaf-digests-v3', which this version of "
+                     r'recovery cannot check \(it checks multihost-leaf-'
+                     r'digests-v1, multihost-leaf-digests-v2\). A newer '
+                     r'version wrote it: upgrade multihost on every process '
+                     r'to restore it'):
+    with matrix.checkpoints(str(tmp_path), tier) as ckpt:
+      ckpt.start(matrix.state(_user(2), 0), resume='if_present')
+  assert list(tmp_path.rglob('*damaged*')) == []
+  assert sorted(m['step'] for m in _metas(tmp_path, tier)) == [
+      matrix.STEP, newer]
 
 
 def test_verify_checkpoint_reads_both_digest_versions(tmp_path):
