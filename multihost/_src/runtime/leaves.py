@@ -67,7 +67,7 @@ def is_global(x) -> bool:
 
 def to_host(x, op: str, *, canonical: bool = True
             ) -> tuple[np.ndarray, LeafSpec]:
-  """A fully addressable leaf as a canonical-dtype numpy array and its spec.
+  """A fully addressable leaf as a C-contiguous numpy array (JAX's canonical dtype by default) and its spec.
 
   With canonical=False the array keeps its own dtype (a NumPy float64 stays
   float64 with jax_enable_x64 off): what a digest of every bit reads.
