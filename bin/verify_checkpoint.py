@@ -2,8 +2,10 @@
 
 Reads every committed step (or --step), restores its whole transition state
 as NumPy arrays, checks the stored shapes against the array metadata, the
-state's digest against the one saved with it, and the step number, prints a
-summary and exits 1 when anything is wrong (2 for bad usage).
+state's digest against the one saved with it (by the digest algorithm the
+checkpoint names: this version's, or the earlier one that digested 64-bit
+NumPy leaves as 32-bit casts), and the step number, prints a summary and
+exits 1 when anything is wrong (2 for bad usage).
 
 It prints one line per step and logs only warnings and errors; absl's
 --verbosity=0 adds recovery's INFO lines, --verbosity=1 every line of every
@@ -44,7 +46,8 @@ def check_step(checkpoints: recovery.Checkpoints, step: int) -> str:
                      for k, v in sorted(meta['leaves'].items())
                      if k.startswith('user/'))
   return (f'step {state.step}: OK epoch {state.epoch} cursor {state.cursor} '
-          f'digest {meta["digest"][:16]} saved by {meta["process_count"]} '
+          f'digest {meta["digest"][:16]} ({meta["digest_algorithm"]}) '
+          f'saved by {meta["process_count"]} '
           f'processes / {meta["device_count"]} devices ({meta["reason"]}); '
           f'user state: {leaves}')
 

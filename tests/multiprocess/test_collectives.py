@@ -502,6 +502,16 @@ def test_assert_equal_names_leaf_and_processes(topology):
   multihost.assert_equal(tree['params']['b'])
   with pytest.raises(multihost.ConsistencyError, match='max abs difference'):
     multihost.assert_equal({'w': np.float32(pid == 1)}, show_diff=True)
+  # Every bit of a 64-bit NumPy leaf counts (x64 off: JAX would cast it).
+  assert not jax.config.jax_enable_x64
+  wide = {'f64': np.array([1.0 + (pid == 1) * 2**-40]),
+          'i64': np.array([5 + (pid == 1) * 2**40]), 'same': np.int64(pid * 0)}
+  with pytest.raises(multihost.ConsistencyError,
+                     match='2 of 3 leaves differ across processes') as info:
+    multihost.assert_equal(wide)
+  message = str(info.value)
+  assert "\n  ['f64']: " in message and "\n  ['i64']: " in message, message
+  assert "['same']" not in message
 
 
 @topologies

@@ -71,6 +71,12 @@ def test_divergent_data_order_is_named():
   state = _state(np.zeros(4, np.float32), cursor=4 * jax.process_index())
   with pytest.raises(multihost.ConsistencyError, match='cursor'):
     recovery.check_consistent(state, what='After restoring step 3')
+  # Cursors 2**40 apart (the same int32 with JAX's x64 off) differ too.
+  far = _state(np.zeros(4, np.float32), cursor=4 + 2**40 * jax.process_index())
+  with pytest.raises(multihost.ConsistencyError,
+                     match='1 of 6 leaves differ') as e:
+    recovery.check_consistent(far, what='After restoring step 3')
+  assert "['data/cursor']: process [0]: digest" in str(e.value), str(e.value)
 
 
 @pytest.mark.multihost(num_processes=2, devices_per_process=2, timeout=120)

@@ -81,16 +81,27 @@ def test_tree_digest():
   big = np.random.default_rng(0).normal(size=(9 << 20) // 8 * 3)  # chunked path
   assert multihost.tree_digest(big) == multihost.tree_digest(big.copy())
   # The > 1 MiB chunked digest, computed independently from its definition:
-  # SHA-256 of the spec, a tag and the CRC-32s of 4 MiB chunks, cut to 16 B.
-  data = big.astype(np.float32).tobytes()  # float64 -> the device dtype.
-  h = hashlib.sha256(f'float32[{big.size}]'.encode())
-  h.update(b'crc32-4MiB')
-  for i in range(0, len(data), 4 << 20):
-    h.update(zlib.crc32(data[i:i + (4 << 20)]).to_bytes(4, 'little'))
-  assert multihost.leaf_digests(big) == {'<root>': h.hexdigest()[:32]}
-  flipped = big.astype(np.float32)
-  flipped.view(np.uint8)[-1] ^= 1  # One bit in the last chunk.
+  # SHA-256 of the spec, a tag and the CRC-32s of 4 MiB chunks, cut to 16 B;
+  # of the leaf's own float64 bytes, or (version 1, x64 off) of the float32
+  # a device would hold.
+  def chunked(spec: str, data: bytes) -> dict[str, str]:
+    h = hashlib.sha256(spec.encode())
+    h.update(b'crc32-4MiB')
+    for i in range(0, len(data), 4 << 20):
+      h.update(zlib.crc32(data[i:i + (4 << 20)]).to_bytes(4, 'little'))
+    return {'<root>': h.hexdigest()[:32]}
+
+  assert not jax.config.jax_enable_x64
+  assert multihost.leaf_digests(big) == chunked(f'float64[{big.size}]',
+                                                big.tobytes())
+  assert multihost.leaf_digests(big, version=1) == chunked(
+      f'float32[{big.size}]', big.astype(np.float32).tobytes())
+  flipped = big.copy()
+  flipped.view(np.uint8)[-8] ^= 1  # The last item's lowest bit.
   assert multihost.leaf_digests(flipped) != multihost.leaf_digests(big)
+  # (Version 1 never saw it: the gap version 2 closed.)
+  assert (multihost.leaf_digests(flipped, version=1)
+          == multihost.leaf_digests(big, version=1))
   per_leaf = multihost.leaf_digests(a)
   assert list(per_leaf) == ["['k']", "['w']"]
   assert per_leaf == multihost.leaf_digests(

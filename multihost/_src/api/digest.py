@@ -34,6 +34,13 @@ DIGEST_BYTES = 16
 _WHOLE = 1 << 20
 _CHUNK = 4 << 20
 
+# Digest versions. 2 (also assert_equal's): each leaf's own dtype and bytes.
+# 1, kept to check digests recorded with it: each leaf cast to the dtype JAX
+# gives it on a device first (with jax_enable_x64 off, 64-bit NumPy leaves to
+# 32 bits, their other bits unseen); the two agree on every other leaf.
+VERSIONS = (1, 2)
+VERSION = 2
+
 
 @functools.cache
 def _pool() -> futures.ThreadPoolExecutor:
@@ -55,15 +62,25 @@ def array_digest(value: np.ndarray, spec: _leaves.LeafSpec) -> bytes:
   return h.digest()[:DIGEST_BYTES]
 
 
-def _leaf_spec(x: jax.Array) -> _leaves.LeafSpec:
+def _canonical(version: int, op: str) -> bool:
+  """Whether digest `version` casts leaves to JAX's dtypes (`to_host`'s option)."""
+  if version not in VERSIONS:
+    raise ValueError(
+        f'{op}: unknown digest version {version!r}; this multihost computes '
+        f'versions {list(VERSIONS)}. Pass one of them, or upgrade multihost '
+        '(on every process) to compute newer ones.')
+  return version == 1
+
+
+def _leaf_spec(x: jax.Array, canonical: bool) -> _leaves.LeafSpec:
   """The spec `to_host` gives a global array's full value (no data moved)."""
   if _leaves.is_key(x):
     data = jax.eval_shape(jax.random.key_data, x)
     return _leaves.LeafSpec(
         tuple(data.shape), _leaves.dtype_name(np.dtype(data.dtype)),
         str(jax.random.key_impl(x)), data.ndim - x.ndim)
-  return _leaves.LeafSpec(tuple(x.shape), _leaves.dtype_name(
-      np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))))
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype) if canonical else x.dtype
+  return _leaves.LeafSpec(tuple(x.shape), _leaves.dtype_name(np.dtype(dtype)))
 
 
 def _elements(value: np.ndarray) -> np.ndarray:
@@ -236,8 +253,8 @@ def _add_shard(chunks: _Chunks, shape: tuple[int, ...],
     chunks.add_scattered(positions, runs[first:stop].reshape(-1))
 
 
-def _shard_contributions(x: jax.Array, spec: _leaves.LeafSpec, op: str
-                         ) -> _Chunks:
+def _shard_contributions(x: jax.Array, spec: _leaves.LeafSpec, op: str,
+                         canonical: bool) -> _Chunks:
   """This process's contributions to the chunk CRCs of a sharded array.
 
   Each distinct shard counts once: the replica with replica_id 0 (on
@@ -253,7 +270,7 @@ def _shard_contributions(x: jax.Array, spec: _leaves.LeafSpec, op: str
     # (A key array's shard index may also cover its key data's axes.)
     bounds = tuple(s.indices(n)[:2]
                    for s, n in zip(shard.index[:x.ndim], x.shape, strict=True))
-    value, _ = _leaves.to_host(shard.data, op)
+    value, _ = _leaves.to_host(shard.data, op, canonical=canonical)
     if value.size:
       _add_shard(chunks, spec.shape, bounds + key_bounds, _elements(value))
   return chunks
@@ -271,7 +288,7 @@ def _is_sharded(x) -> bool:
   return _leaves.is_global(x) and not x.is_fully_replicated
 
 
-def _digests(leaves: list, op: str) -> list[bytes]:
+def _digests(leaves: list, op: str, version: int) -> list[bytes]:
   """`array_digest` of each leaf's global value, never gathering it whole.
 
   A leaf sharded across processes up to 1 MiB is gathered. A larger one is
@@ -280,18 +297,20 @@ def _digests(leaves: list, op: str) -> list[bytes]:
   chunk of every such leaf) combines them. Collective when some leaf is
   sharded across processes.
   """
+  canonical = _canonical(version, op)
   out: list[bytes | None] = [None] * len(leaves)
   pending = []  # (index, spec, chunks)
   for i, x in enumerate(leaves):
     if _is_sharded(x):
-      spec = _leaf_spec(x)
+      spec = _leaf_spec(x, canonical)
       if spec.nbytes > _WHOLE:
-        pending.append((i, spec, _shard_contributions(x, spec, op)))
+        pending.append((i, spec, _shard_contributions(x, spec, op,
+                                                      canonical)))
         continue
       x = gather.process_allgather(x, tiled=True)
     elif _leaves.is_global(x):
       x = x.addressable_data(0)
-    out[i] = array_digest(*_leaves.to_host(x, op))
+    out[i] = array_digest(*_leaves.to_host(x, op, canonical=canonical))
   if pending:
     mine = np.concatenate([c.contributions() for _, _, c in pending])
     combined = np.bitwise_xor.reduce(gather.process_allgather(mine), axis=0)
@@ -304,13 +323,15 @@ def _digests(leaves: list, op: str) -> list[bytes]:
   return out
 
 
-def leaf_digests(tree: PyTree) -> dict[str, str]:
+def leaf_digests(tree: PyTree, *, version: int = VERSION) -> dict[str, str]:
   """Returns a hex digest of each leaf's global value, keyed by its path.
 
   Keys are `jax.tree_util.keystr` paths (e.g. "['params']['w']"), in
-  flattening order. A leaf's digest covers its dtype, shape and bytes (for
-  typed PRNG keys: the key data and implementation), so it is the same for
-  the same global value on any process, mesh or process count.
+  flattening order. A leaf's digest covers its dtype, shape and every bit
+  of its items in that dtype (a NumPy float64 leaf as float64, whatever
+  jax_enable_x64 says; for typed PRNG keys: the key data and
+  implementation), so it is the same for the same global value on any
+  process, mesh or process count.
 
   Collective only when the tree holds global arrays that are neither fully
   addressable nor fully replicated (every process must then call this, in
@@ -320,16 +341,22 @@ def leaf_digests(tree: PyTree) -> dict[str, str]:
 
   Args:
     tree: a pytree of arrays and scalars.
+    version: 2 (the default) or 1, the digests of earlier versions, which
+      cast each leaf to JAX's dtypes first (with jax_enable_x64 off, 64-bit
+      NumPy leaves to 32 bits).
 
   Returns:
     A dict from leaf path to a 32-character hex digest.
+
+  Raises:
+    ValueError: `version` is not one this multihost computes.
   """
   leaves, paths, _ = _leaves.flatten(tree, 'leaf_digests')
   return {path: digest.hex() for path, digest in zip(
-      paths, _digests(leaves, 'leaf_digests'), strict=True)}
+      paths, _digests(leaves, 'leaf_digests', version), strict=True)}
 
 
-def tree_digest(tree: PyTree) -> str:
+def tree_digest(tree: PyTree, *, version: int = VERSION) -> str:
   """Returns a hex digest of a pytree's structure, shapes, dtypes and values.
 
   Equal trees give equal digests on any process and any topology: the digest
@@ -342,18 +369,29 @@ def tree_digest(tree: PyTree) -> str:
 
   Args:
     tree: a pytree of arrays and scalars.
+    version: the digest version of its leaves (see `leaf_digests`).
 
   Returns:
     A 32-character hex string.
+
+  Raises:
+    ValueError: `version` is not one this multihost computes.
   """
   h = hashlib.sha256(_leaves.signature(jax.tree.structure(tree)).encode())
-  for path, digest in leaf_digests(tree).items():
+  for path, digest in leaf_digests(tree, version=version).items():
     h.update(path.encode())
     h.update(bytes.fromhex(digest))
   return h.hexdigest()[:2 * DIGEST_BYTES]
 
 
+def local_digest(x, op: str) -> tuple[bytes, _leaves.LeafSpec]:
+  """A fully addressable leaf's `VERSION` digest and its spec (own dtype)."""
+  value, spec = _leaves.to_host(x, op, canonical=False)
+  return array_digest(value, spec), spec
+
+
 def shard_digests(x: jax.Array, op: str) -> list[tuple[tuple, bytes]]:
-  """(bounds, digest) of each distinct addressable shard of a global array."""
+  """(bounds, `VERSION` digest) of each distinct addressable shard of a global array."""
   return [(bounds, array_digest(value, spec))
-          for bounds, value, spec in _leaves.distinct_shards(x, op)]
+          for bounds, value, spec in _leaves.distinct_shards(
+              x, op, canonical=False)]

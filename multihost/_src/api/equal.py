@@ -60,8 +60,8 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
       digests.append(_digest.shard_digests(x, op))
       specs.append(_leaves.LeafSpec(tuple(x.shape), str(x.dtype)))
     else:
-      value, spec = _leaves.to_host(x, op)
-      digests.append(_digest.array_digest(value, spec))
+      digest, spec = _digest.local_digest(x, op)
+      digests.append(digest)
       specs.append(spec)
   has_global = any(isinstance(d, list) for d in digests)
   header = agree.Header(op, _leaves.signature(treedef), tuple(paths),

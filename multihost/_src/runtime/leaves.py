@@ -65,8 +65,13 @@ def is_global(x) -> bool:
   return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
-def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
-  """A fully addressable leaf as a canonical-dtype numpy array and its spec."""
+def to_host(x, op: str, *, canonical: bool = True
+            ) -> tuple[np.ndarray, LeafSpec]:
+  """A fully addressable leaf as a C-contiguous numpy array (JAX's canonical dtype by default) and its spec.
+
+  With canonical=False the array keeps its own dtype (a NumPy float64 stays
+  float64 with jax_enable_x64 off): what a digest of every bit reads.
+  """
   key_impl, key_dims = None, 0
   if isinstance(x, np.ndarray):  # The common case, kept cheap.
     value = x
@@ -81,7 +86,8 @@ def to_host(x, op: str) -> tuple[np.ndarray, LeafSpec]:
       raise ValueError(f'{op}: internal error, a global array reached '
                        'to_host.')
     value = np.asarray(x)
-  dtype = _canonical(value.dtype, jax.config.jax_enable_x64)
+  dtype = (_canonical(value.dtype, jax.config.jax_enable_x64) if canonical
+           else value.dtype)
   if value.dtype != dtype:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
@@ -116,11 +122,11 @@ def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
-def distinct_shards(x: jax.Array, op: str):
+def distinct_shards(x: jax.Array, op: str, *, canonical: bool = True):
   """Yields (bounds, host value, spec) of each distinct addressable shard.
 
   `bounds` is a tuple of (start, stop) per dimension of the global array;
-  replicas of a shard already yielded are skipped.
+  replicas of a shard already yielded are skipped. `canonical` as `to_host`'s.
   """
   seen = set()
   for shard in x.addressable_shards:
@@ -129,7 +135,7 @@ def distinct_shards(x: jax.Array, op: str):
                    for s, n in zip(shard.index[:x.ndim], x.shape, strict=True))
     if bounds not in seen:
       seen.add(bounds)
-      yield (bounds, *to_host(shard.data, op))
+      yield (bounds, *to_host(shard.data, op, canonical=canonical))
 
 
 @functools.cache

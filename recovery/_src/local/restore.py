@@ -113,7 +113,13 @@ def restore(tier: Any, target: TransitionState, *, candidates: list[int],
 
 
 def _fits(tier, step: int, meta: dict, target_tree) -> None:
-  """Raises `CheckpointMismatchError` unless local `step`'s leaves fit the target's."""
+  """Raises `CheckpointMismatchError` unless local `step`'s leaves fit the target's.
+
+  Also `CheckpointError` when it names a digest algorithm this version does
+  not check (on every process alike: the meta is the agreed inventory's).
+  """
+  _meta.check_algorithm(meta, where=f'Local checkpoint step {step} in '
+                        f'{tier.local}')
   try:
     abstract = leaves.restore_target(target_tree, meta.get('leaves'))
   except TypeError as e:
@@ -183,8 +189,9 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   failed = _agree(error, where, 'reading it')
   if failed:
     return f'it failed reading: {failed}'
-  digests = digest.checkpoint_leaf_digests(restored)
-  got = digest.combine(digests)
+  algorithm = meta['digest_algorithm']  # (Checked by `_fits`.)
+  digests = digest.checkpoint_leaf_digests(restored, algorithm=algorithm)
+  got = digest.combine(digests, algorithm=algorithm)
   error = (None if got == meta['digest'] else
            f'its blocks digest to {got[:16]}..., not the saved '
            f'{meta["digest"][:16]}... (leaves that changed: '

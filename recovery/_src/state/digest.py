@@ -15,9 +15,15 @@ from recovery._src.state.state import TransitionState
 
 PyTree = Any
 
-# Named in every checkpoint, so that a later change of algorithm is detected
-# instead of being reported as corruption.
-DIGEST_ALGORITHM = 'multihost-leaf-digests-v1'
+# The digest algorithm a checkpoint names (its meta item's
+# `digest_algorithm`), so that a change of algorithm is detected instead of
+# being reported as corruption, and the `multihost.leaf_digests` version it
+# is. A save records DIGEST_ALGORITHM; a restore checks a checkpoint with the
+# algorithm it names. v1 digested 64-bit NumPy leaves (the cursor, epoch and
+# step among them) as their 32-bit casts when jax_enable_x64 was off; v2
+# digests every bit of every leaf.
+ALGORITHMS = {'multihost-leaf-digests-v1': 1, 'multihost-leaf-digests-v2': 2}
+DIGEST_ALGORITHM = 'multihost-leaf-digests-v2'
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -50,14 +56,18 @@ def host_tree(tree: PyTree) -> PyTree:
   return jax.tree.map(host_value, tree)
 
 
-def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
+def checkpoint_leaf_digests(tree: PyTree, *, algorithm: str | None = None
+                            ) -> dict[str, str]:
   """Maps each leaf's path ('user/weights') to a digest of its global value.
 
   Digests are of the tree's checkpointed form (`recovery._src.state.leaves.storable`:
   Python scalars as 0-d NumPy arrays, keys as their key data, None and empty
-  subtrees absent), by `multihost.leaf_digests` (dtype, shape and bytes, so
-  the same for the same global content on any mesh or number of processes);
-  keys are '/'-joined paths, as stored in a checkpoint's metadata.
+  subtrees absent), by `multihost.leaf_digests` (dtype, shape and every bit
+  of the items in that dtype, so the same for the same global content on any
+  mesh or number of processes); keys are '/'-joined paths, as stored in a
+  checkpoint's metadata. `algorithm` is one of `ALGORITHMS`: by default
+  DIGEST_ALGORITHM, the one a save records; another to check a checkpoint
+  that names it.
 
   Collective (when some leaf is sharded across processes): every process
   must call this, in the same order. Such a leaf is not gathered: each
@@ -66,8 +76,9 @@ def checkpoint_leaf_digests(tree: PyTree) -> dict[str, str]:
   stored = leaves.storable(tree)
   names = [path_name(path)
            for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
-  return dict(zip(names, multihost.leaf_digests(stored).values(),
-                  strict=True))
+  digests = multihost.leaf_digests(
+      stored, version=ALGORITHMS[algorithm or DIGEST_ALGORITHM])
+  return dict(zip(names, digests.values(), strict=True))
 
 
 def checkpoint_digest(tree: TransitionState | PyTree) -> str:
@@ -89,9 +100,9 @@ def checkpoint_digest(tree: TransitionState | PyTree) -> str:
   return combine(checkpoint_leaf_digests(tree))
 
 
-def combine(digests: dict[str, str]) -> str:
-  """One hex digest of a {leaf path: leaf digest} map."""
-  h = hashlib.sha256(DIGEST_ALGORITHM.encode())
+def combine(digests: dict[str, str], *, algorithm: str | None = None) -> str:
+  """One hex digest of a {leaf path: leaf digest} map (of `algorithm`'s leaf digests; by default DIGEST_ALGORITHM's)."""
+  h = hashlib.sha256((algorithm or DIGEST_ALGORITHM).encode())
   for name, digest in sorted(digests.items()):
     h.update(f'{name}={digest};'.encode())
   return h.hexdigest()

@@ -57,12 +57,33 @@ def leaf_kinds(tree) -> dict[str, str]:
 
 
 def check_format(meta: dict[str, Any], *, where: str, hint: str) -> None:
-  """Raises `CheckpointError` unless `meta` is of a format this version reads."""
+  """Raises `CheckpointError` unless `meta` is of a format this version reads.
+
+  Its digest algorithm included (`check_algorithm`).
+  """
   if meta.get('format') not in READABLE_FORMATS or 'digest' not in meta:
     raise CheckpointError(
         f'{_prefix()} {where} is not a {" or ".join(READABLE_FORMATS)} '
         f'checkpoint (format {meta.get("format")!r}, metadata keys: '
         f'{sorted(meta)}). {hint}')
+  check_algorithm(meta, where=where)
+
+
+def check_algorithm(meta: dict[str, Any], *, where: str) -> str:
+  """The digest algorithm `meta` names; `CheckpointError` unless this version checks it.
+
+  Every process reads the same meta, so every process checks a checkpoint
+  with the same algorithm (or raises alike).
+  """
+  name = meta.get('digest_algorithm')
+  if name not in digest.ALGORITHMS:
+    raise CheckpointError(
+        f'{_prefix()} {where} was digested with {name!r}, which this version '
+        f'of recovery cannot check (it checks {", ".join(digest.ALGORITHMS)}'
+        '). A newer version wrote it: upgrade multihost on every process to '
+        'restore it (or restore it with the version that wrote it); to '
+        'resume from an older step instead, move this one out of the folder.')
+  return name
 
 
 def check_fits(meta: dict[str, Any], abstract, *, where: str) -> None:
@@ -102,17 +123,13 @@ def check_digest(meta: dict[str, Any], restored, *, where: str,
   must call this, in the same order.
 
   Raises:
-    CheckpointError: the checkpoint was digested with another algorithm.
+    CheckpointError: the checkpoint names a digest algorithm this version
+      does not check (`check_algorithm`).
     CheckpointCorruptError: the digests differ (the changed leaves named).
   """
-  if meta.get('digest_algorithm') != digest.DIGEST_ALGORITHM:
-    raise CheckpointError(
-        f'{_prefix()} {where} was digested with '
-        f'{meta.get("digest_algorithm")!r}; this version checks '
-        f'{digest.DIGEST_ALGORITHM!r}. Restore it with the version that '
-        'wrote it.')
-  digests = digest.checkpoint_leaf_digests(restored)
-  got = digest.combine(digests)
+  algorithm = check_algorithm(meta, where=where)
+  digests = digest.checkpoint_leaf_digests(restored, algorithm=algorithm)
+  got = digest.combine(digests, algorithm=algorithm)
   if got != meta['digest']:
     changed = changed_leaves(meta, digests)
     finding = (f'fails its digest check: stored {meta["digest"][:16]}..., '
