@@ -127,6 +127,64 @@ def scaling_data(by_p: dict[int, list[versus.Result]], **about) -> dict:
   return {**about, 'rows': rows}
 
 
+# `contended`'s cases, as issue 65 times them: (P, the `bin/bench.py`
+# arguments that time them).
+CONTENDED = (
+    (2, ['--versus_sizes=8,1MiB', '--versus_ops=broadcast', '--versus_busy',
+         '--noversus_idle']),
+    (4, ['--versus_sizes=8', '--versus_ops=broadcast']))
+
+
+def contended(path: str, *, rounds: int, soak_calls: int = 0,
+              alone_launches: int = 2) -> str:
+  """The rows where a training host's cores are contended, alone: broadcasts of 8 B and 1 MiB at P=2 with one spinning process per core, and of 8 B at P=4.
+
+  Each in the same processes (interleaved rounds) and with each side alone
+  (`alone`, `alone_launches` launches of each); writes the table to
+  `path` and the rows to `data_path(path)`, as `report` does. About two
+  minutes here (`bin/bench.py --report_cases=contended`).
+  """
+  del soak_calls  # (no soak among these rows)
+  by_p: dict[int, list[versus.Result]] = {}
+  for p, args in CONTENDED:
+    args = [f'--versus={rounds}', *args]
+    by_p[p] = _results(_run(p, args, timeout=1200))
+    by_p[p] += alone(p, args, launches=alone_launches, timeout=1200)
+  about = _about(path, rounds, 0, 'contended')
+  with open(data_path(path), 'w') as f:
+    json.dump(scaling_data(by_p, **about), f, indent=1)
+    f.write('\n')
+  f = versus._fmt  # pylint: disable=protected-access
+  lines = [f'Commit {about["commit"]}, {about["date"]}, {about["cores"]} '
+           f'cores, load at the end {about["load"]}. Command: '
+           f'`{about["command"]}`.', '',
+           '| P | case | ours ms | torch gloo ms | ours / torch |',
+           '|---|---|---|---|---|']
+  for p in sorted(by_p):
+    for r in by_p[p]:
+      ratio = r.ours_ms / r.torch_ms if r.ours_ms and r.torch_ms else None
+      lines.append(f'| {p} | {r.name} | {f(r.ours_ms)} | {f(r.torch_ms)} | '
+                   f'{f(ratio, 3)} |')
+  text = '\n'.join(lines) + '\n'
+  with open(path, 'w') as out:
+    out.write(text)
+  return text
+
+
+def _about(path: str, rounds: int, soak_calls: int, cases: str) -> dict:
+  """The run's facts for the data file: commit, date, cores, load, command."""
+  command = (f'python bin/bench.py --report={path} '
+             f'--report_rounds={rounds} --report_soak={soak_calls}')
+  if cases != 'all':
+    command = (f'python bin/bench.py --report={path} --report_cases={cases} '
+               f'--report_rounds={rounds}')
+  return {
+      'commit': _commit(),
+      'date': datetime.datetime.now(datetime.timezone.utc).strftime(
+          '%Y-%m-%d %H:%M UTC'),
+      'cores': os.cpu_count(), 'load': report_lib.load(), 'command': command}
+
+
 def report(path: str, *, rounds: int, soak_calls: int,
            processes: tuple[int, ...] = (2, 4, 8),
            small_at: int = 8, alone_launches: int = 2) -> str:
@@ -166,13 +224,7 @@ def report(path: str, *, rounds: int, soak_calls: int,
                        launches=alone_launches, timeout=3600)
     if p == 2:
       soak_rows = [r for r in rows if r.get('kind') == 'soak'] or None
-  about = {
-      'commit': _commit(),
-      'date': datetime.datetime.now(datetime.timezone.utc).strftime(
-          '%Y-%m-%d %H:%M UTC'),
-      'cores': os.cpu_count(), 'load': report_lib.load(),
-      'command': f'python bin/bench.py --report={path} '
-                 f'--report_rounds={rounds} --report_soak={soak_calls}'}
+  about = _about(path, rounds, soak_calls, 'all')
   data = data_path(path)
   with open(data, 'w') as f:
     json.dump(scaling_data(by_p, **about), f, indent=1)

@@ -75,11 +75,17 @@ ALONE = ' (each side alone)'
 SIDES = ('both', 'ours', 'torch')
 
 
-def build_cases(dist, refs: list, sizes=SIZES) -> list[Case]:
-  """The compared cases, ours and torch's (with `dist`, else None) on the same payloads."""
+# The case families `run` may be limited to (`ops`): every case's name
+# starts with its family's, but for 'objects' (the object collectives) and
+# 'references' (the raw streams and round trips, ours alone).
+OPS = ('barrier', 'broadcast', 'all-gather', 'objects', 'references')
+
+
+def build_cases(dist, refs: list, sizes=SIZES, ops=OPS) -> list[Case]:
+  """The compared cases of the families `ops`, ours and torch's (with `dist`, else None) on the same payloads."""
   me, count = jax.process_index(), jax.process_count()
-  cases = [Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'),
-                dist and dist.barrier)]
+  cases = ([Case('barrier', 0, 20, lambda: multihost.sync_global_devices('b'),
+                 dist and dist.barrier)] if 'barrier' in ops else [])
   for n in sizes:
     calls = 20 if n <= MiB else 2
     x = np.full(max(1, n // 4), me, np.float32)
@@ -90,12 +96,16 @@ def build_cases(dist, refs: list, sizes=SIZES) -> list[Case]:
       outs = [torch.empty_like(t) for _ in range(count)]
       bcast = lambda t=t: dist.broadcast(t, 0)  # noqa: E731
       gather = lambda t=t, outs=outs: dist.all_gather(outs, t)  # noqa: E731
-    cases.append(Case(
-        f'broadcast {harness.format_size(n)}', n, calls,
-        lambda x=x: multihost.broadcast_one_to_all(x), bcast))
-    cases.append(Case(
-        f'all-gather {harness.format_size(n)}', n, calls,
-        lambda x=x: multihost.process_allgather(x), gather))
+    if 'broadcast' in ops:
+      cases.append(Case(
+          f'broadcast {harness.format_size(n)}', n, calls,
+          lambda x=x: multihost.broadcast_one_to_all(x), bcast))
+    if 'all-gather' in ops:
+      cases.append(Case(
+          f'all-gather {harness.format_size(n)}', n, calls,
+          lambda x=x: multihost.process_allgather(x), gather))
+  if 'objects' not in ops:
+    return cases + _references(refs)
   small = {'step': 7, 'loss': 0.25, 'host': f'h{me}'}
   gathered = [None] * count
   cases.append(Case(
@@ -133,7 +143,7 @@ def _per_call(fn: Callable[[], Any], calls: int, settings: Settings) -> float:
 def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
         sizes=SIZES, busy: bool = False,
         busy_placement: str = 'every_process', side: str = 'both',
-        say: Callable[..., None] = print) -> list[Result]:
+        ops=OPS, say: Callable[..., None] = print) -> list[Result]:
   """Times every case in `rounds` interleaved rounds; every process returns the results.
 
   Collective: every process must call this, in the same order. With
@@ -142,20 +152,24 @@ def run(rounds: int, settings: Settings, *, raw_bytes: int = 64 * MiB,
   whose children they are, see `BusyCores`), and every case's name ends in
   ' (CPU busy)'. `side` (`SIDES`): 'ours' times ours alone (torch is not
   imported; the raw streams and round trips too), 'torch' torch gloo's
-  alone (a Result's other side is empty).
+  alone (a Result's other side is empty). `ops`: the case families timed
+  (`OPS`).
   """
   if side not in SIDES:
     raise ValueError(f'side={side!r}: choose one of {SIDES}.')
+  unknown = sorted(set(ops) - set(OPS))
+  if unknown:
+    raise ValueError(f'versus ops: unknown {unknown}; choose from {OPS}.')
   dist = harness.torch_group(settings) if side != 'ours' else None
   if side == 'torch' and dist is None:
     raise RuntimeError('versus side=torch: torch is not importable on every '
                        'process; pip install torch==2.13.0 (CPU) to compare.')
   several = jax.process_count() > 1
   refs = (_make_references(settings, raw_bytes)
-          if several and side != 'torch' else [])
+          if several and side != 'torch' and 'references' in ops else [])
   spinners = None
   try:
-    cases = build_cases(dist, refs, sizes)
+    cases = build_cases(dist, refs, sizes, ops)
     if side == 'torch':
       cases = [dataclasses.replace(c, ours=None) for c in cases if c.torch]
     for case in cases:  # Warm-up: connections, compiles, caches.

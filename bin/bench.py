@@ -50,7 +50,8 @@ The comparison and soak:
   torch` works) and a raw Python TCP stream (process 0 -> 1, 64 MiB), in
   interleaved rounds (the side that goes first alternates; each round and
   side: a barrier, back-to-back calls, per call, slowest process); at P=2
-  it also prints the speed targets (docs/performance.md), met or missed.
+  it also prints the speed targets (`bench/versus.py`'s TARGETS), met or
+  missed.
   The raw stream and an 8-byte Python ping-pong (the round trip a barrier
   cannot beat) are timed in the same rounds. `--versus_busy` times the
   cases up to 1 MiB again with one spinning process per core beside both
@@ -192,6 +193,12 @@ _VERSUS_BUSY_PLACEMENT = flags.DEFINE_enum(
     'process starts its share (as a host\'s compute is its controller\'s); '
     'process_0: process 0 starts them all, which with the kernel\'s '
     'autogroup (one fair share per session) contends with process 0 alone.')
+_VERSUS_OPS = flags.DEFINE_list(
+    'versus_ops', list(versus.OPS),
+    f'--versus: the case families ({", ".join(versus.OPS)}).')
+_VERSUS_IDLE = flags.DEFINE_boolean(
+    'versus_idle', True, '--versus: also the rows with the CPU idle; false: '
+    'with --versus_busy, the busy rows alone.')
 _VERSUS_SIDE = flags.DEFINE_enum(
     'versus_side', 'both', versus.SIDES,
     '--versus: both (ours and torch gloo in the same processes, interleaved '
@@ -206,6 +213,10 @@ _REPORT = flags.DEFINE_string(
     'side-by-side, soak, P-scaling and model tables to this markdown file, '
     'and the P-scaling data beside it as JSON (.json for its extension; '
     'bin/plot.py --scaling draws them).')
+_REPORT_CASES = flags.DEFINE_enum(
+    'report_cases', 'all', ['all', 'contended'], '--report: every part, or '
+    'contended: only the broadcasts of 8 B and 1 MiB at P=2 with the CPU '
+    'busy and of 8 B at P=4, in the same processes and each side alone.')
 _REPORT_ROUNDS = flags.DEFINE_integer('report_rounds', 15,
                                       '--report: rounds at P=2.',
                                       lower_bound=1)
@@ -232,8 +243,10 @@ def main(argv):
   del argv  # Unused.
   if _REPORT.value:
     from bench import scaling  # pylint: disable=import-outside-toplevel
-    print(scaling.report(_REPORT.value, rounds=_REPORT_ROUNDS.value,
-                         soak_calls=_REPORT_SOAK.value), flush=True)
+    run = (scaling.contended if _REPORT_CASES.value == 'contended'
+           else scaling.report)
+    print(run(_REPORT.value, rounds=_REPORT_ROUNDS.value,
+              soak_calls=_REPORT_SOAK.value), flush=True)
     return
   if _RECOVERY.value:
     import recovery  # pylint: disable=import-outside-toplevel
@@ -358,15 +371,15 @@ def _versus_and_soak(settings: harness.Settings, say) -> list[dict]:
   out: list[dict] = []
   results = []
   if _VERSUS.value:
-    results = versus.run(_VERSUS.value, settings,
-                         sizes=[parse_size(s) for s in _VERSUS_SIZES.value],
-                         side=_VERSUS_SIDE.value, say=say)
+    sizes = [parse_size(s) for s in _VERSUS_SIZES.value]
+    common = dict(side=_VERSUS_SIDE.value, ops=_VERSUS_OPS.value, say=say)
+    if _VERSUS_IDLE.value or not _VERSUS_BUSY.value:
+      results = versus.run(_VERSUS.value, settings, sizes=sizes, **common)
     if _VERSUS_BUSY.value:
-      sizes = [n for n in (parse_size(s) for s in _VERSUS_SIZES.value)
-               if n <= versus.MiB]
-      results += versus.run(_VERSUS.value, settings, sizes=sizes, busy=True,
+      results += versus.run(_VERSUS.value, settings, busy=True,
+                            sizes=[n for n in sizes if n <= versus.MiB],
                             busy_placement=_VERSUS_BUSY_PLACEMENT.value,
-                            side=_VERSUS_SIDE.value, say=say)
+                            **common)
     out += [r.to_json() for r in results]
     say(versus.render(results))
   soak_rows = []

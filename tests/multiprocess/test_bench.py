@@ -192,6 +192,20 @@ def test_versus_times_one_side_alone(tmp_path):
     assert len(row['torch_times_ms']) == 2 and row['torch_ms'] > 0, row
 
 
+def test_versus_times_only_the_chosen_cases_busy(tmp_path):
+  """--versus_ops and --noversus_idle (as `--report_cases=contended` runs them): only the busy broadcast row."""
+  out = tmp_path / 'busy.jsonl'
+  result = launch.launch(
+      [sys.executable, BENCH, '--ops=', '--versus=1', '--versus_sizes=8',
+       '--versus_ops=broadcast', '--versus_busy', '--noversus_idle',
+       '--versus_side=ours', '--nomemory', f'--json={out}'],
+      num_processes=2, devices_per_process=1, timeout=55, cwd=ROOT)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r['op'] for r in rows if r['kind'] == 'versus'] == [
+      'broadcast 8 B (CPU busy)'], rows
+
+
 def test_targets_mark_met_and_missed_from_the_medians():
   sys.path.insert(0, str(ROOT))
   from bench import model

@@ -172,7 +172,8 @@ class _Plan:
 # A CPU device takes a host array without copying it when the array is
 # C-contiguous and 64-byte aligned; otherwise the runtime copies it into
 # memory of its own, which it touches page by page: several times slower than
-# a NumPy copy into huge-page-backed memory (bench/README.md has the numbers).
+# a NumPy copy into huge-page-backed memory (measured when this was tuned;
+# no doc keeps those numbers now).
 # So a large slice that would be copied anyway is copied here, into an
 # aligned buffer that nothing else holds (then aliasing it is safe). Small
 # ones are cheaper to leave to the runtime. Other devices (a TPU's, a GPU's)

@@ -13,6 +13,7 @@ from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import leaves as _leaves
 from multihost._src.runtime import process
+from multihost._src.runtime import runtime
 from multihost._src.transport import choice
 
 # it is the source (then its inline data follows).
@@ -51,20 +52,20 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
     CollectiveTimeoutError: a process did not arrive in time (named).
   """
   op = 'broadcast_one_to_all'
-  timeout = process.resolve_timeout(timeout)
+  rt = runtime.current()
+  timeout = rt.resolve_timeout(timeout)
   default_source = is_source is None
   if default_source:
-    is_source = process.process_index() == 0
-  leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  bad = _leaves.global_paths(leaves, paths)
-  if bad:
+    is_source = rt.index == 0
+  tree = _leaves.host_leaves(in_tree, op)
+  if tree.global_paths:
     raise ValueError(
-        f'{op}: leaves {bad} are global jax.Arrays that are not fully '
-        'addressable; they are already shared by all processes. Broadcast '
-        'host-local values, or use process_allgather(..., tiled=True) to get '
-        'the full value of a global array.')
-  values, specs = _leaves.to_host_all(leaves, op)
-  if process.process_count() == 1:
+        f'{op}: leaves {tree.global_paths} are global jax.Arrays that are '
+        'not fully addressable; they are already shared by all processes. '
+        'Broadcast host-local values, or use process_allgather(..., '
+        'tiled=True) to get the full value of a global array.')
+  values, specs, treedef = tree.values, tree.specs, tree.treedef
+  if rt.count == 1:
     if not is_source:
       raise errors.ConsistencyError(
           f'{op}: no process is the source (the only process passed '
@@ -76,7 +77,7 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   inline = (size <= agree.INLINE_BYTES
             and not choice.carries_small_payloads())
   header = agree.Header(
-      op, _leaves.signature(treedef), tuple(paths), specs, size=size,
+      op, tree.signature, tree.paths, specs, size=size,
       payload=_leaves.packed_bytes(values) if is_source and inline else None,
       default_source=default_source, is_source=bool(is_source))
   # With the default source every process knows who it is, so one barrier
@@ -88,22 +89,22 @@ def broadcast_one_to_all(in_tree: PyTree, is_source: bool | None = None, *,
   eager = relay = None
   if not default_source:
     records, headers = agree.agree_and_gather(
-        header, timeout=timeout,
+        header, timeout=timeout, runtime=rt,
         publish=(_SOURCE + (header.payload or b'')) if is_source
         else _NOT_SOURCE)
     if records is not None:
       source = _one_source([r[:1] == _SOURCE for r in records], op)
       payload = records[source][1:] if inline else None
   elif inline:
-    payload, headers = agree.agree_and_read_one(header, 0,
-                                                         timeout=timeout)
+    payload, headers = agree.agree_and_read_one(header, 0, timeout=timeout,
+                                                runtime=rt)
   else:
     # The source's bytes start down the chain with its agreement frame:
     # every process knows process 0 is the source.
     eager = choice.early_stripe(values, size) if is_source else None
     relay = choice.relay(size)
     headers = agree.agree(header, timeout=timeout, eager=eager,
-                          relay=relay).headers
+                          relay=relay, runtime=rt).headers
   if headers is not None:
     source = _one_source([h.is_source for h in headers], op)
     agree.check_same_leaves(headers)

@@ -57,15 +57,16 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   """
   op = 'process_allgather'
   timeout = _process.resolve_timeout(timeout)
-  leaves, paths, treedef = _leaves.flatten(in_tree, op)
-  has_global = bool(_leaves.global_paths(leaves, paths))
+  tree = _leaves.host_leaves(in_tree, op)
+  paths, treedef = tree.paths, tree.treedef
+  has_global = bool(tree.global_paths)
   if not has_global:  # The common case: one call converts every leaf.
-    parts, specs = _leaves.to_host_all(leaves, op)
-    shards: list[list | None] = [None] * len(leaves)  # this process's bounds
-    layouts: list[list | None] = [None] * len(leaves)  # every process's
+    parts, specs = tree.values, tree.specs
+    shards: list[list | None] = [None] * len(paths)  # this process's bounds
+    layouts: list[list | None] = [None] * len(paths)  # every process's
   else:
-    parts, specs, shards, layouts = _with_global_leaves(leaves, paths, op,
-                                                        tiled)
+    parts, specs, shards, layouts = _with_global_leaves(
+        jax.tree_util.tree_leaves(in_tree), list(paths), op, tiled)
   count = _process.process_count()
   if count == 1:
     out = [_assemble(parts_of_leaf, spec, tiled, bounds)
@@ -79,7 +80,7 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
   inline = (max(sizes) * count <= _INLINE_TOTAL
             and not choice.carries_small_payloads())
   header = agree.Header(
-      op, _leaves.signature(treedef), tuple(paths), tuple(specs), size=size,
+      op, tree.signature, paths, tuple(specs), size=size,
       payload=_leaves.packed_bytes(parts) if inline else None,
       tiled=bool(tiled), layouts=tuple(layouts), shards=tuple(shards))
   if inline:

@@ -88,9 +88,9 @@ class Rendezvous:
   returned True, else `exchange`.
   """
 
-  __slots__ = ('rt', 'client', 'op', 'me', 'count', 'call', 'prefix', 'start',
-               '_may_agree', '_fell_back', '_window', 'record', '_slot',
-               '_links', '_entries')
+  __slots__ = ('rt', 'client', 'op', 'me', 'count', 'call', 'start',
+               '_may_agree', '_fell_back', '_window', 'record', '_links',
+               '_entries')
 
   def __init__(self, rt: _runtime.Runtime, op: str, name: str = ''):
     self.rt = rt
@@ -101,7 +101,6 @@ class Rendezvous:
     self.me = rt.index
     self.count = rt.count
     self.call = rt.next_call_id()
-    self.prefix = f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
     self.start = time.monotonic()
     self.record = rt.flight.begin(op, self.call, self.start, name)
     rt.where.ensure_started()
@@ -109,7 +108,6 @@ class Rendezvous:
     rt.backoff = max(0, rt.backoff - 1)
     self._fell_back = False
     self._window = FAST_WINDOW_S
-    self._slot = f'{_ROOT}/b{self.call % _CYCLE}/'
     # Over the links once every process set them up (see `control.links`).
     self._links = links.usable(rt)
     self._entries: dict[int, bytes] | None = None
@@ -118,6 +116,16 @@ class Rendezvous:
         self.wrote()
       if links.enabled(rt):
         links.prepare(rt, op, self.call)
+
+  @property
+  def prefix(self) -> str:
+    """The call's key directory in the key-value store (made when asked: a call that agrees over the links never does)."""
+    return f'{_ROOT}/{self.call // _BLOCK}/{self.call}/'
+
+  @property
+  def _slot(self) -> str:
+    """The call's barrier slot (the service's path)."""
+    return f'{_ROOT}/b{self.call % _CYCLE}/'
 
   def wrote(self) -> None:
     """Notes that this process writes keys of this call (deleted with its block, see `_ended`)."""

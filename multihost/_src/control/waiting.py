@@ -107,7 +107,8 @@ class Wait:
     return where.with_whereabouts(error, runtime=m.rt)
 
   def end(self) -> None:
-    stalls.disarm(self.stall, runtime=self.m.rt)
+    if self.stall is not None:
+      stalls.disarm(self.stall, runtime=self.m.rt)
 
 
 class Due(Deadline):

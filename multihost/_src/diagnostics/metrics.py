@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 from jax import monitoring
+import numpy as np
 
 from multihost._src.runtime import runtime
 
@@ -113,4 +114,6 @@ def record_event(name: str, start: float, end: float | None = None,
 def result_bytes(result: Any, *args: Any, **kwargs: Any) -> int:
   """The bytes of a collective's result's array leaves (0 for others)."""
   del args, kwargs
+  if type(result) is np.ndarray:  # (one leaf, the common case: no flatten)
+    return result.nbytes
   return sum(getattr(x, 'nbytes', 0) for x in jax.tree.leaves(result))

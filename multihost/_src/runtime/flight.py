@@ -117,7 +117,8 @@ class Recorder:
     n = min(self.begun - begun, len(self._ring))
     if n <= 0:
       return []
-    return list(self._ring)[-n:]
+    ring = self._ring  # (not a copy of the whole ring: every call asks)
+    return [ring[-k] for k in range(n, 0, -1)]
 
   def event(self, name: str, start: float, end: float,
             args: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ The rule (`choose_transport`):
 * `MULTIHOST_TRANSPORT=tcp` or `device` forces one transport for every
   payload.
 * Otherwise, on CPU every payload moves over TCP between the hosts: gloo's
-  device collectives move bytes several times slower there (see
-  bench/README.md).
+  device collectives move bytes several times slower there (measured
+  when the transports were chosen; no doc keeps that table now).
 * On GPU and TPU, payloads of more than `DEVICE_BYTES` move with a device
   collective (NCCL, ICI), smaller ones over TCP (a device collective's
   launch costs more than a few TCP hops).
@@ -83,7 +83,9 @@ def carries_small_payloads() -> bool:
   the headers. Once calls agree over the TCP links (`control.links`), the
   headers travel there, so small payloads ride along: no second phase.
   """
-  return tcp_enabled() and not link.agreeing(runtime.current())
+  # (Agreeing over the links first: the steady state's answer, read
+  # without the transport's setting.)
+  return not link.agreeing(runtime.current()) and tcp_enabled()
 
 
 def _over_links(rt: runtime.Runtime, length: int) -> bool:

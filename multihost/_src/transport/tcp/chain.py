@@ -1,8 +1,8 @@
 """Data plane: bulk bytes between processes over TCP (the default transport of large payloads).
 
 Why not a device collective: on CPU, JAX's gloo collectives move bytes
-several times slower than plain TCP between the same processes (see
-bench/README.md). The payloads of `broadcast_one_to_all`,
+several times slower than plain TCP between the same processes
+(measured when the transports were chosen; no doc keeps that table now). The payloads of `broadcast_one_to_all`,
 `process_allgather` and the object collectives are host values (numpy in,
 numpy out), so they go host to host: for broadcast among processes that
 all run on one host, from `shared.SHARED_FROM` bytes, through the source's
@@ -70,8 +70,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   into one stripe per lane (`Plane.lanes` connections per pair of processes), each moving down its
   own chain at once: the first on the calling thread, the others on the
   plane's lane threads. One TCP stream is limited by the one core that
-  copies its bytes in and out of the kernel; two keep two cores copying
-  (bench/README.md). With a started `eager` (the source's), the first
+  copies its bytes in and out of the kernel; two keep two cores copying.
+  With a started `eager` (the source's), the first
   stripe's frame is already partly sent; with a `relay` holding the
   agreement's answer, it goes down the tree with the payload.
   """

@@ -21,7 +21,8 @@ EAGER_BYTES = 2 << 20
 # own result on the plane's copier thread, beside its sends, for payloads
 # of one stripe from this size: on a 16-core machine the copy was 0.14-0.26
 # ms of the source's 0.45-0.52 ms of CPU in a 1 MiB broadcast at P=2, and
-# the source the slower process (docs/performance.md).
+# the source the slower process (a run on that machine; docs/performance.md's
+# tables are of the 2-core machine).
 ASIDE_FROM = 256 << 10
 
 

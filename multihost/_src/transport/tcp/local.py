@@ -7,7 +7,8 @@ address record (`transport.tcp.auth`). A connector tries the name first
 process on the same host (and namespace) answers, and any other is refused
 at once (`NotLocal`) and connects over TCP. The same handshake proves the
 job secret on both; what a local socket saves is loopback's TCP stack
-(bench/README.md: about half the CPU per message, twice the bulk rate).
+(measured when local links came: about half the CPU per message, twice
+the bulk rate; not kept in the docs).
 Linux only; `$MULTIHOST_LOCAL_LINKS=0` turns it off.
 """
 

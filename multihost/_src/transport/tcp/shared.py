@@ -5,7 +5,8 @@ kernel and out) and a tree forwards it once per level, so at P processes
 on one host a broadcast moves 2(P - 1) copies through the cores the
 processes share. Here the source copies each piece of the payload once
 into its stage and every receiver copies it out at once: P copies in
-all, and no hop waits for another (docs/performance.md measures it).
+all, and no hop waits for another (docs/performance.md, "Against the
+physical floors": a 64 MiB broadcast against a raw local stream).
 
 The transfer (`broadcast`), once the call agreed: the payload goes in
 pieces (`_pieces`: at most `stage.SLOT_BYTES`, and between 2 processes
@@ -40,7 +41,8 @@ theirs; where its host has a core to spare (`Plane.spare_cores`), a copy
 of its parts made on the plane's copier thread beside the pieces' copies
 into the stage (on a 16-core machine the source, copying both, was the
 slower process: a 64 MiB broadcast at 2 processes took 18.7 ms against
-a raw local stream's 13.5; docs/performance.md).
+a raw local stream's 13.5, in a run on that machine that
+docs/performance.md no longer keeps).
 """
 
 from __future__ import annotations

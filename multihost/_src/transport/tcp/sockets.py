@@ -61,7 +61,8 @@ def congestion(conn: socket.socket) -> None:
   broadcast's receiver read the burst in 8 pieces, sleeping 4 to 6 times,
   and the call took 0.36 ms, against 2 sleeps and 0.20-0.25 ms with reno
   (P=2, links over loopback TCP); 0.44 ms against 0.27-0.29 between
-  simulated hosts (docs/performance.md, "The links' congestion control").
+  simulated hosts (docs/performance.md, "The links' congestion control",
+  has the loopback runs; the simulated hosts' run is not kept there).
   Where the kernel refuses
   ('auto'), the host's default stays; a name the kernel refuses was named
   when the links were made (`check_congestion`).
@@ -108,7 +109,7 @@ def tune(conn: socket.socket) -> None:
   Setting SO_SNDBUF or SO_RCVBUF on TCP turns off the kernel's autotuning
   of that buffer, which for a large transfer grows it past any fixed size
   worth asking for (tcp_rmem's maximum): the large broadcasts ran faster
-  without (bench/README.md). A local (Unix domain) socket has no
+  without (measured when the links were tuned; not kept in the docs). A local (Unix domain) socket has no
   autotuning and no Nagle.
   """
   if conn.family != socket.AF_UNIX:
