@@ -502,7 +502,7 @@ def _train(*args, log) -> tuple[int, str]:
 
 
 def test_train_sets_a_damaged_step_aside_with_resume_if_present(tmp_path):
-  """--resume refuses with the flag that falls back; --resume_if_present ends equal to the uninterrupted run."""
+  """--resume_if_present ends equal to the uninterrupted run (--resume's refusal: test_train.py's test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing)."""
   ref, ckpt = tmp_path / 'ref', tmp_path / 'ckpt'
   rc, out = _train(f'--checkpoint_dir={ref}', '--steps=20', '--save_every=5',
                    '--keep=4', log=tmp_path / 'ref.log')
@@ -515,13 +515,6 @@ def test_train_sets_a_damaged_step_aside_with_resume_if_present(tmp_path):
       f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size))
   args = [f'--checkpoint_dir={ckpt}', '--steps=20', '--save_every=5',
           '--keep=4']
-  rc, out = _train(*args, '--resume', log=tmp_path / 'strict.log')
-  assert rc == env_lib.NO_RETRY_EXIT_STATUS, out[-3000:]
-  assert re.search(r"error: \[process=0\] CheckpointDamagedError: .*step 10 .*"
-                   r"cannot be read.*Start with resume='if_present'.*resume "
-                   r'from the previous checkpoint \(step 5\).* Here: pass '
-                   r'--resume_if_present instead of --resume', out), out[-3000:]
-  assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == ['10', '5']
   metrics = tmp_path / 'metrics.jsonl'
   rc, out = _train(*args, '--resume_if_present', f'--metrics_out={metrics}',
                    log=tmp_path / 'fallback.log')
