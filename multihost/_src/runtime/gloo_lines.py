@@ -1,0 +1,238 @@
+"""Runtime: this process's stdout (file descriptor 1) without gloo's connection lines; everything else passes, unchanged and at once.
+
+JAX's CPU collectives (gloo, inside jaxlib) print one line per local device
+from C++ (`std::cout`) each time they connect a new set of devices: at the
+first collective of each communicator, so at any step, not only at
+`initialize()`:
+
+    [Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3
+
+No JAX setting or environment variable silences it (jaxlib 0.10.2). Several
+threads print at once, one `<<` piece at a time, so pieces of two lines
+interleave (`[Gloo] Rank [Gloo] Rank 1 is connected to ...`, then `0 is
+connected to ...`). `install()` points file descriptor 1 at a pipe that a
+daemon thread reads: it drops each line made only of those pieces and
+numbers (with at least one piece) and writes everything else to the
+original stdout as it comes: a partial line without a newline (a prompt)
+at once, unless it could still become such a line, then after at most
+HOLD_S. Bytes are passed as they are (no decoding); memory does not grow
+with the output. stderr is left alone.
+
+At exit (atexit, and `drain()` before an `os._exit`), what is in the pipe
+is written out. A SIGKILL loses what the thread had not read yet (a pipe's
+worth at most, usually nothing). Child processes inherit the pipe as their
+stdout: what they print is filtered too while this process lives; a forked
+child (without exec) gets the original stdout back. Should the thread fail,
+the original stdout is put back and the pipe is copied through unfiltered.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import fcntl
+import os
+import re
+import select
+import sys
+import termios
+import threading
+import time
+
+# The pieces gloo's line is printed in (each one `<<`), numbers aside.
+PIECES = (b'[Gloo] Rank ', b' is connected to ', b' peer ranks. ',
+          b'Expected number of connected peer ranks is : ')
+_WORDS = re.compile(b'(?:' + b'|'.join(re.escape(p) for p in PIECES) +
+                    rb'|\d)*')
+# How long a partial line that could still become gloo's is held back.
+HOLD_S = 0.05
+# The longest partial line held back (longer: passed as it is).
+MAX_HELD = 4096
+_READ = 1 << 16
+
+
+def is_gloo_line(line: bytes) -> bool:
+  """Whether `line` (no newline) is made only of gloo's pieces and numbers, with at least one piece."""
+  return (_WORDS.fullmatch(line) is not None and
+          any(p in line for p in PIECES))
+
+
+def could_be_gloo(start: bytes) -> bool:
+  """Whether a line that starts with `start` could still be one of gloo's."""
+  rest = start[_WORDS.match(start).end():]
+  return any(p.startswith(rest) for p in PIECES)
+
+
+class LineFilter:
+  """Drops gloo's lines from a byte stream fed in chunks; memory bounded by MAX_HELD."""
+
+  def __init__(self) -> None:
+    self.held = b''        # The current line so far, while it could be gloo's.
+    self.passing = False   # The current line is not gloo's: pass the rest.
+
+  def feed(self, data: bytes) -> bytes:
+    """The bytes to write now for `data`."""
+    out = []
+    while data:
+      end = data.find(b'\n')
+      part, data = (data, b'') if end < 0 else (data[:end + 1], data[end + 1:])
+      if self.passing:
+        out.append(part)
+      else:
+        line = self.held + part
+        self.held = b''
+        if end >= 0:
+          if not is_gloo_line(line[:-1]):
+            out.append(line)
+        elif len(line) <= MAX_HELD and could_be_gloo(line):
+          self.held = line
+        else:
+          out.append(line)
+          self.passing = True
+      if end >= 0:
+        self.passing = False
+    return b''.join(out)
+
+  def release(self) -> bytes:
+    """The partial line held back, to write as it is (nothing more came)."""
+    held, self.held = self.held, b''
+    if held:
+      self.passing = True
+    return held
+
+
+def _write_all(fd: int, data: bytes) -> bool:
+  """Writes `data` to `fd`; False when `fd` no longer takes it."""
+  view = memoryview(data)
+  while view:
+    try:
+      view = view[os.write(fd, view):]
+    except InterruptedError:
+      continue
+    except OSError:
+      return False
+  return True
+
+
+class StdoutFilter:
+  """File descriptor `fd` through a pipe and a reader thread that drops gloo's lines."""
+
+  def __init__(self, fd: int = 1) -> None:
+    self.fd = fd
+    self.pid = os.getpid()
+    self.original = os.dup(fd)  # os.dup and os.pipe: not inherited on exec.
+    self.read_end, write_end = os.pipe()
+    self.wake_r, self.wake_w = os.pipe()
+    self.closing = False
+    self.busy = False
+    self.lines = LineFilter()
+    os.dup2(write_end, fd)
+    os.close(write_end)
+    self.thread = threading.Thread(target=self._run, daemon=True,
+                                   name='multihost-stdout-filter')
+    self.thread.start()
+
+  def _run(self) -> None:
+    try:
+      self._copy(self.lines.feed)
+    except BaseException:  # noqa: BLE001  A bug here must not block writers.
+      if not self.closing:
+        os.dup2(self.original, self.fd)
+      self.lines, self.busy = LineFilter(), False
+      self._copy(lambda data: data)
+
+  def _copy(self, transform) -> None:
+    """Copies the pipe to the original stdout through `transform` until EOF, or until the pipe is empty once closing."""
+    ok = True  # False once the original stdout is gone (EPIPE): keep
+    # reading then, so that writers never block on a full pipe.
+    poller = select.poll()
+    poller.register(self.read_end, select.POLLIN)
+    poller.register(self.wake_r, select.POLLIN)
+    while True:
+      wait = HOLD_S * 1000 if self.lines.held or self.closing else None
+      ready = [fd for fd, _ in poller.poll(wait)]
+      if self.read_end not in ready:
+        ok = ok and _write_all(self.original, self.lines.release())
+        if self.closing:
+          return
+        continue
+      self.busy = True
+      data = os.read(self.read_end, _READ)
+      if not data:
+        _write_all(self.original, self.lines.release())
+        return
+      ok = ok and _write_all(self.original, transform(data))
+      self.busy = False
+
+  def pending(self) -> bool:
+    """Whether bytes written to `fd` are not out yet."""
+    waiting = array.array('i', [0])
+    fcntl.ioctl(self.read_end, termios.FIONREAD, waiting)
+    return bool(waiting[0] or self.busy or self.lines.held)
+
+  def drain(self, timeout: float = 1.0) -> None:
+    """Waits (up to `timeout` s) until what was written to `fd` so far is out."""
+    if os.getpid() != self.pid:
+      return
+    deadline = time.monotonic() + timeout
+    while (self.thread.is_alive() and self.pending() and
+           time.monotonic() < deadline):
+      time.sleep(0.001)
+
+  def close(self, timeout: float = 2.0) -> None:
+    """Puts the original stdout back after writing out what the pipe holds (up to `timeout` s).
+
+    The pipe may outlive this: children that inherited it keep it open.
+    """
+    if os.getpid() != self.pid or self.closing:
+      return
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
+    self.closing = True
+    os.dup2(self.original, self.fd)  # This process's write end closes here.
+    os.write(self.wake_w, b'x')
+    self.thread.join(timeout)
+
+  def forked(self) -> None:
+    """In a forked child: the original stdout back, the pipes closed (no reader runs here)."""
+    self.closing = True
+    os.dup2(self.original, self.fd)
+    for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
+      os.close(fd)
+
+
+# The filter of this process's stdout, once installed (one at most).
+_INSTALLED: list[StdoutFilter] = []
+
+
+def install() -> bool:
+  """Filters gloo's lines out of this process's stdout from now on; returns whether it does.
+
+  Idempotent; does nothing where stdout is a terminal (programs that ask
+  `isatty` keep their answer) or not open.
+  """
+  if _INSTALLED:
+    return True
+  try:
+    if os.isatty(1):
+      return False
+    os.fstat(1)
+  except OSError:
+    return False
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError, AttributeError):
+    pass
+  stdout = StdoutFilter(1)
+  _INSTALLED.append(stdout)
+  atexit.register(stdout.close)
+  os.register_at_fork(after_in_child=stdout.forked)
+  return True
+
+
+def drain(timeout: float = 1.0) -> None:
+  """Before an `os._exit`: waits (up to `timeout` s) until the filter has written out what stdout was given."""
+  for stdout in _INSTALLED:
+    stdout.drain(timeout)
