@@ -11,9 +11,9 @@ No JAX setting or environment variable silences it (jaxlib 0.10.2). Several
 threads print at once, one `<<` piece at a time, so pieces of two lines
 interleave (`[Gloo] Rank [Gloo] Rank 1 is connected to ...`, then `0 is
 connected to ...`). `install()` points file descriptor 1 at a pipe that a
-daemon thread reads: it drops each line made only of those pieces and
-numbers (with at least one piece) and writes everything else to the
-original stdout as it comes: a partial line without a newline (a prompt)
+daemon thread reads: it drops the lines made only of those pieces and
+numbers (see `LineFilter`) and writes everything else to the original
+stdout as it comes: a partial line without a newline (a prompt)
 at once, unless it could still become such a line, then after at most
 HOLD_S. Bytes are passed as they are (no decoding); memory does not grow
 with the output. stderr is left alone.
@@ -22,8 +22,9 @@ At exit (atexit, and `drain()` before an `os._exit`), what is in the pipe
 is written out. A SIGKILL loses what the thread had not read yet (a pipe's
 worth at most, usually nothing). Child processes inherit the pipe as their
 stdout: what they print is filtered too while this process lives; a forked
-child (without exec) gets the original stdout back. Should the thread fail,
-the original stdout is put back and the pipe is copied through unfiltered.
+child (without exec) gets the original stdout back. Should filtering fail,
+the pipe is copied through unfiltered; should copying fail too, the
+original stdout is put back.
 """
 
 from __future__ import annotations
@@ -46,15 +47,11 @@ _WORDS = re.compile(b'(?:' + b'|'.join(re.escape(p) for p in PIECES) +
                     rb'|\d)*')
 # How long a partial line that could still become gloo's is held back.
 HOLD_S = 0.05
+# How long a gloo line may stay open (its newline not come yet).
+OPEN_S = 1.0
 # The longest partial line held back (longer: passed as it is).
 MAX_HELD = 4096
 _READ = 1 << 16
-
-
-def is_gloo_line(line: bytes) -> bool:
-  """Whether `line` (no newline) is made only of gloo's pieces and numbers, with at least one piece."""
-  return (_WORDS.fullmatch(line) is not None and
-          any(p in line for p in PIECES))
 
 
 def could_be_gloo(start: bytes) -> bool:
@@ -64,11 +61,33 @@ def could_be_gloo(start: bytes) -> bool:
 
 
 class LineFilter:
-  """Drops gloo's lines from a byte stream fed in chunks; memory bounded by MAX_HELD."""
+  """Drops gloo's lines from a byte stream fed in chunks; memory bounded by MAX_HELD.
+
+  A line is gloo's when it is made only of gloo's pieces and numbers and
+  some gloo line is still open: one whose first piece came and whose
+  newline has not. Each line's newline closes one. So a line of the
+  exact form starts and ends one; the pieces of interleaved lines
+  (`[Gloo] Rank [Gloo] Rank 1 ...`, then `0 is connected to ...`), and
+  even an empty or numbers-only line they leave, go while one is open;
+  the same words or numbers alone elsewhere stay.
+  """
 
   def __init__(self) -> None:
     self.held = b''        # The current line so far, while it could be gloo's.
     self.passing = False   # The current line is not gloo's: pass the rest.
+    self.open = 0          # gloo lines started whose newline has not come.
+    self.open_until = 0.0  # Lines left open longer are forgotten.
+
+  def _is_gloo(self, line: bytes) -> bool:
+    if _WORDS.fullmatch(line) is None:
+      return False
+    now = time.monotonic()
+    owed = self.open if now < self.open_until else 0
+    started = line.count(PIECES[0])
+    if owed + started == 0:
+      return False
+    self.open, self.open_until = owed + started - 1, now + OPEN_S
+    return True
 
   def feed(self, data: bytes) -> bytes:
     """The bytes to write now for `data`."""
@@ -82,7 +101,7 @@ class LineFilter:
         line = self.held + part
         self.held = b''
         if end >= 0:
-          if not is_gloo_line(line[:-1]):
+          if not self._is_gloo(line[:-1]):
             out.append(line)
         elif len(line) <= MAX_HELD and could_be_gloo(line):
           self.held = line
@@ -136,10 +155,12 @@ class StdoutFilter:
     try:
       self._copy(self.lines.feed)
     except BaseException:  # noqa: BLE001  A bug here must not block writers.
-      if not self.closing:
-        os.dup2(self.original, self.fd)
-      self.lines, self.busy = LineFilter(), False
-      self._copy(lambda data: data)
+      try:
+        self.lines, self.busy = LineFilter(), False
+        self._copy(lambda data: data)  # Unfiltered, in order.
+      finally:
+        if not self.closing:  # Even copying failed: no pipe any more.
+          os.dup2(self.original, self.fd)
 
   def _copy(self, transform) -> None:
     """Copies the pipe to the original stdout through `transform` until EOF, or until the pipe is empty once closing."""
@@ -161,7 +182,12 @@ class StdoutFilter:
       if not data:
         _write_all(self.original, self.lines.release())
         return
-      ok = ok and _write_all(self.original, transform(data))
+      try:
+        out = transform(data)
+      except BaseException:
+        _write_all(self.original, self.lines.held + data)  # Nothing lost.
+        raise
+      ok = ok and _write_all(self.original, out)
       self.busy = False
 
   def pending(self) -> bool:
@@ -194,6 +220,9 @@ class StdoutFilter:
     os.dup2(self.original, self.fd)  # This process's write end closes here.
     os.write(self.wake_w, b'x')
     self.thread.join(timeout)
+    if not self.thread.is_alive():
+      for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
+        os.close(fd)
 
   def forked(self) -> None:
     """In a forked child: the original stdout back, the pipes closed (no reader runs here)."""
