@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tty
 
 from multihost._src.runtime import gloo_lines
 
@@ -114,6 +115,23 @@ def test_a_real_fd_through_the_filter_from_several_threads():
   # The main thread's lines arrive whole: a thread's piece may have split
   # no line of theirs here, as all of them came after the threads ended.
   assert got == b'yes\n' + b''.join(KEPT), got[:3000]
+
+
+def test_a_terminal_stays_a_terminal_and_bytes_pass_unchanged():
+  # As Open MPI's ranks see their stdout: a pty (raw here, so that the
+  # bytes read back are the bytes written).
+  outer, terminal = os.openpty()
+  tty.setraw(terminal)
+  stdout = gloo_lines.StdoutFilter(terminal)
+  try:
+    assert os.isatty(terminal)
+    os.write(terminal, b'a\n' + LINE + b'\xff\x00\r\nend')
+    stdout.close()
+    got = _read(outer, 1.0, size=10)
+  finally:
+    os.close(outer)
+    os.close(terminal)
+  assert got == b'a\n\xff\x00\r\nend'
 
 
 def test_a_failing_reader_puts_the_original_back_and_blocks_no_writer(

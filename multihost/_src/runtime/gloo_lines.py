@@ -10,8 +10,8 @@ first collective of each communicator, so at any step, not only at
 No JAX setting or environment variable silences it (jaxlib 0.10.2). Several
 threads print at once, one `<<` piece at a time, so pieces of two lines
 interleave (`[Gloo] Rank [Gloo] Rank 1 is connected to ...`, then `0 is
-connected to ...`). `install()` points file descriptor 1 at a pipe that a
-daemon thread reads: it drops the lines made only of those pieces and
+connected to ...`). `install()` points file descriptor 1 at a pipe (a pty, where
+stdout is a terminal, as under Open MPI) that a daemon thread reads: it drops the lines made only of those pieces and
 numbers (see `LineFilter`) and writes everything else to the original
 stdout as it comes: a partial line without a newline (a prompt)
 at once, unless it could still become such a line, then after at most
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import errno
 import fcntl
 import os
 import re
@@ -39,6 +40,7 @@ import sys
 import termios
 import threading
 import time
+import tty
 
 # The pieces gloo's line is printed in (each one `<<`), numbers aside.
 PIECES = (b'[Gloo] Rank ', b' is connected to ', b' peer ranks. ',
@@ -120,6 +122,26 @@ class LineFilter:
     return held
 
 
+def _channel(original: int) -> tuple[int, int]:
+  """(read end, write end): a pipe; a pty where `original` is a terminal.
+
+  Open MPI gives each rank a pty as its stdout, and a program on a terminal
+  asks `isatty`: a pty keeps their answer (and the C library's line
+  buffering). Raw, so that it passes bytes unchanged (no newline to
+  CR-LF), with the terminal's size.
+  """
+  if not os.isatty(original):
+    return os.pipe()
+  read_end, write_end = os.openpty()
+  tty.setraw(write_end)
+  try:
+    size = fcntl.ioctl(original, termios.TIOCGWINSZ, b'\0' * 8)
+    fcntl.ioctl(write_end, termios.TIOCSWINSZ, size)
+  except OSError:
+    pass
+  return read_end, write_end
+
+
 def _write_all(fd: int, data: bytes) -> bool:
   """Writes `data` to `fd`; False when `fd` no longer takes it."""
   view = memoryview(data)
@@ -140,7 +162,7 @@ class StdoutFilter:
     self.fd = fd
     self.pid = os.getpid()
     self.original = os.dup(fd)  # os.dup and os.pipe: not inherited on exec.
-    self.read_end, write_end = os.pipe()
+    self.read_end, write_end = _channel(self.original)
     self.wake_r, self.wake_w = os.pipe()
     self.closing = False
     self.busy = False
@@ -178,7 +200,12 @@ class StdoutFilter:
           return
         continue
       self.busy = True
-      data = os.read(self.read_end, _READ)
+      try:
+        data = os.read(self.read_end, _READ)
+      except OSError as e:  # A pty's last writer gone: EIO, not EOF.
+        if e.errno != errno.EIO:
+          raise
+        data = b''
       if not data:
         _write_all(self.original, self.lines.release())
         return
@@ -237,16 +264,13 @@ _INSTALLED: list[StdoutFilter] = []
 
 
 def install() -> bool:
-  """Filters gloo's lines out of this process's stdout from now on; returns whether it does.
+  """Filters gloo's lines out of this process's stdout from now on; returns whether it does (not where stdout is closed).
 
-  Idempotent; does nothing where stdout is a terminal (programs that ask
-  `isatty` keep their answer) or not open.
+  Idempotent.
   """
   if _INSTALLED:
     return True
   try:
-    if os.isatty(1):
-      return False
     os.fstat(1)
   except OSError:
     return False
