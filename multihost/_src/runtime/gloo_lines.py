@@ -142,6 +142,12 @@ def _channel(original: int) -> tuple[int, int]:
   return read_end, write_end
 
 
+def _identity(fd: int) -> tuple[int, int]:
+  """What `fd` is open on (device, inode)."""
+  info = os.fstat(fd)
+  return info.st_dev, info.st_ino
+
+
 def _write_all(fd: int, data: bytes) -> bool:
   """Writes `data` to `fd`; False when `fd` no longer takes it."""
   view = memoryview(data)
@@ -167,6 +173,7 @@ class StdoutFilter:
     self.closing = False
     self.busy = False
     self.lines = LineFilter()
+    self.channel = _identity(write_end)
     os.dup2(write_end, fd)
     os.close(write_end)
     self.thread = threading.Thread(target=self._run, daemon=True,
@@ -182,7 +189,7 @@ class StdoutFilter:
         self._copy(lambda data: data)  # Unfiltered, in order.
       finally:
         if not self.closing:  # Even copying failed: no pipe any more.
-          os.dup2(self.original, self.fd)
+          self._put_back()
 
   def _copy(self, transform) -> None:
     """Copies the pipe to the original stdout through `transform` until EOF, or until the pipe is empty once closing."""
@@ -244,17 +251,25 @@ class StdoutFilter:
     except (OSError, ValueError):
       pass
     self.closing = True
-    os.dup2(self.original, self.fd)  # This process's write end closes here.
+    self._put_back()  # This process's write end closes here.
     os.write(self.wake_w, b'x')
     self.thread.join(timeout)
     if not self.thread.is_alive():
       for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
         os.close(fd)
 
+  def _put_back(self) -> None:
+    """The original stdout at `fd` again, unless something else (pytest's capture) has replaced the pipe there since."""
+    try:
+      if _identity(self.fd) == self.channel:
+        os.dup2(self.original, self.fd)
+    except OSError:
+      pass
+
   def forked(self) -> None:
     """In a forked child: the original stdout back, the pipes closed (no reader runs here)."""
     self.closing = True
-    os.dup2(self.original, self.fd)
+    self._put_back()
     for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
       os.close(fd)
 
