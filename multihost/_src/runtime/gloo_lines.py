@@ -93,10 +93,11 @@ class LineFilter:
 
   def feed(self, data: bytes) -> bytes:
     """The bytes to write now for `data`."""
-    out = []
-    while data:
-      end = data.find(b'\n')
-      part, data = (data, b'') if end < 0 else (data[:end + 1], data[end + 1:])
+    out, start = [], 0
+    while start < len(data):
+      end = data.find(b'\n', start)
+      part = data[start:] if end < 0 else data[start:end + 1]
+      start += len(part)
       if self.passing:
         out.append(part)
       else:
