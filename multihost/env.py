@@ -83,7 +83,7 @@ TRACE_DIR = 'MULTIHOST_TRACE_DIR'
 
 # Set to 0 to leave each controller's stdout as it is: `multihost.initialize()`
 # otherwise filters gloo's connection lines out of it ("[Gloo] Rank N is
-# connected to ..."); see `multihost._src.runtime.gloo_lines`.
+# connected to ..."); see `multihost._src.diagnostics.gloo_lines`.
 QUIET_GLOO = 'MULTIHOST_QUIET_GLOO'
 
 # --- Other variables the packages, bin/ and bench/ read or set. ------------

@@ -30,9 +30,9 @@ import subprocess
 import sys
 import time
 
+from _helpers import QUIET_RUN_LINES
 from _helpers import clean_env
 from _helpers import gloo_lines
-from _helpers import QUIET_RUN_LINES
 from _helpers import quick_compile_env
 import pytest
 import slurm_cluster

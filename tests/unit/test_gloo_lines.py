@@ -1,4 +1,4 @@
-"""stdout's gloo filter (`multihost._src.runtime.gloo_lines`) on real pipes and file descriptors.
+"""stdout's gloo filter (`multihost._src.diagnostics.gloo_lines`) on real pipes and file descriptors.
 
 The lines are gloo's as jaxlib 0.10.2 prints them, whole and interleaved as
 seen under the launcher; each test also checks the neighbours the filter
@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import pathlib
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 import tty
 
-from multihost._src.runtime import gloo_lines
+from multihost._src.diagnostics import gloo_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINE = (b'[Gloo] Rank 3 is connected to 3 peer ranks. Expected number of '
@@ -134,65 +135,89 @@ def test_a_terminal_stays_a_terminal_and_bytes_pass_unchanged():
   assert got == b'a\n\xff\x00\r\nend'
 
 
-def test_a_failing_reader_puts_the_original_back_and_blocks_no_writer(
+def test_a_failing_filter_copies_the_rest_unfiltered_and_blocks_no_writer(
     monkeypatch):
   def broken(self, data):
     raise RuntimeError('a bug in the filter')
 
   monkeypatch.setattr(gloo_lines.LineFilter, 'feed', broken)
+  in_r, in_w = os.pipe()
   out_r, out_w = os.pipe()
-  stdout = gloo_lines.StdoutFilter(out_w)
+  reader = threading.Thread(target=gloo_lines.copy, args=(in_r, out_w))
+  reader.start()
   try:
     big = b'x' * (1 << 20) + b'\n'  # Far more than a pipe holds.
-    writer = threading.Thread(target=lambda: os.write(out_w, big) and
-                              os.write(out_w, LINE))
+    writer = threading.Thread(target=lambda: os.write(in_w, big) and
+                              os.write(in_w, LINE))
     writer.start()
     got = _read(out_r, 30.0, size=len(big) + len(LINE))
     writer.join(10)
     assert not writer.is_alive(), f'the writer blocked after {len(got)} bytes'
     assert got == big + LINE  # Nothing lost; unfiltered from then on.
   finally:
-    stdout.close()
-    os.close(out_r)
-    os.close(out_w)
+    os.close(in_w)
+    reader.join(10)
+    for fd in (in_r, out_r, out_w):
+      os.close(fd)
+  assert not reader.is_alive()
 
 
-def test_install_drains_before_os_exit_and_a_fork_gets_stdout_back():
-  program = (
-      'import os, sys\n'
-      'from multihost._src.runtime import gloo_lines\n'
-      'from multihost._src.liveness import peer_loss_exit\n'
-      'assert gloo_lines.install()\n'
-      f'os.write(1, {LINE!r})\n'
-      'pid = os.fork()\n'
-      'if pid == 0:\n'
-      '  print("child", os.readlink("/proc/self/fd/1") == sys.argv[1], '
-      'flush=True)\n'
-      '  os._exit(0)\n'
-      'os.waitpid(pid, 0)\n'
-      'for i in range(2000):\n'
-      '  print("line", i)\n'
-      'sys.stdout.write("no newline")\n'
-      'peer_loss_exit.flush_logs()\n'
-      'os._exit(0)\n')
+def _program(tmp_path: pathlib.Path, body: str) -> tuple[int, bytes, bytes]:
+  """Runs `body` after `gloo_lines.install()` in a fresh Python: (status, stdout to its end, stderr)."""
+  script = tmp_path / 'program.py'
+  # The module alone, by its path (no JAX import: seconds on a busy CPU).
+  script.write_text(
+      'import importlib.util, os, signal, sys, time\n'
+      'spec = importlib.util.spec_from_file_location(\n'
+      f'    "gloo_lines", {gloo_lines.__file__!r})\n'
+      'gloo_lines = importlib.util.module_from_spec(spec)\n'
+      'spec.loader.exec_module(gloo_lines)\n'
+      'assert gloo_lines.install()\n' + body)
   out_r, out_w = os.pipe()
   try:
-    proc = subprocess.Popen(
-        [sys.executable, '-c', program, os.readlink(f'/proc/self/fd/{out_w}')],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out_w,
-        stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=out_w,
+                            stderr=subprocess.PIPE)
     os.close(out_w)
     out_w = -1
+    # To its end: the filter, and the child it forks, have closed it.
     got = _read(out_r, 60.0)
     err = proc.communicate(timeout=60)[1]
   finally:
     os.close(out_r)
     if out_w >= 0:
       os.close(out_w)
-  assert proc.returncode == 0, err
-  expected = (b'child True\n' + b''.join(b'line %d\n' % i for i in range(2000))
-              + b'no newline')
-  assert got == expected, (got[-500:], err)
+  return proc.returncode, got, err
+
+
+def test_what_was_printed_survives_a_sigkill_and_children_stay_filtered(
+    tmp_path):
+  rc, got, err = _program(tmp_path, (
+      f'os.write(1, {LINE!r})\n'
+      'if os.fork() == 0:  # Prints after its parent is gone.\n'
+      '  time.sleep(0.5)\n'
+      f'  os.write(1, b"\\n" + {LINE!r} + b"child after parent\\n")\n'
+      '  os._exit(0)\n'
+      'for i in range(2000):\n'
+      '  print("line", i)\n'
+      'sys.stdout.write("no newline")\n'
+      'sys.stdout.flush()\n'
+      'os.kill(os.getpid(), signal.SIGKILL)\n'))
+  assert rc == -signal.SIGKILL, err
+  assert got == (b''.join(b'line %d\n' % i for i in range(2000)) +
+                 b'no newline\nchild after parent\n'), (got[-500:], err)
+
+
+def test_a_dead_filter_gives_the_program_its_stdout_back(tmp_path):
+  rc, got, err = _program(tmp_path, (
+      'print("a", flush=True)\n'
+      'time.sleep(0.5)\n'
+      'stdout = gloo_lines._INSTALLED[0]\n'
+      'os.kill(stdout.proc.pid, signal.SIGKILL)\n'
+      'stdout.watcher.join(10)\n'
+      f'print("b", flush=True); os.write(1, {LINE!r})\n'))
+  assert rc == 0, err
+  assert got == b'a\nb\n' + LINE, (got, err)
 
 
 def test_only_the_exact_form_or_pieces_of_an_open_line_go():

@@ -15,11 +15,11 @@ import jax
 
 from multihost import env as _env
 from multihost._src.auth import secret
+from multihost._src.diagnostics import gloo_lines
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
-from multihost._src.runtime import gloo_lines
 from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings

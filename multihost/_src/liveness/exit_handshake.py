@@ -105,7 +105,8 @@ def leave(rt: runtime.Runtime) -> None:
     rt.log.error('multihost: leaving with os._exit(1): a collective '
                  'abandoned after a peer failed is still running in C++, and '
                  'a normal exit would abort or hang on it.')
-    peer_loss_exit.flush_logs()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(1)
   if (cut_short and rt.uncaught not in (None, 'KeyboardInterrupt') and
       rt.raw is not None):  # The process's own runtime, not a test's.

@@ -26,8 +26,6 @@ import time
 
 from absl import logging
 
-from multihost._src.runtime import gloo_lines
-
 # The exit status of a process that left because a peer failed (BSD's
 # EX_TEMPFAIL: a temporary failure, the job may be retried).
 EXIT_STATUS = 75
@@ -164,7 +162,7 @@ class PeerLossExit:
 
 
 def flush_logs() -> None:
-  """Flushes every log handler and the standard streams, through stdout's gloo filter (before an `os._exit`)."""
+  """Flushes every log handler and the standard streams (before an `os._exit`)."""
   for handler in list(std_logging.getLogger().handlers) + list(
       logging.get_absl_logger().handlers):
     try:
@@ -176,4 +174,3 @@ def flush_logs() -> None:
       stream.flush()
     except Exception:  # noqa: BLE001
       pass
-  gloo_lines.drain()

@@ -1,4 +1,4 @@
-"""Runtime: this process's stdout (file descriptor 1) without gloo's connection lines; everything else passes, unchanged and at once.
+"""Diagnostics: this process's stdout (file descriptor 1) without gloo's connection lines; everything else passes, unchanged and at once.
 
 JAX's CPU collectives (gloo, inside jaxlib) print one line per local device
 from C++ (`std::cout`) each time they connect a new set of devices: at the
@@ -10,32 +10,36 @@ first collective of each communicator, so at any step, not only at
 No JAX setting or environment variable silences it (jaxlib 0.10.2). Several
 threads print at once, one `<<` piece at a time, so pieces of two lines
 interleave (`[Gloo] Rank [Gloo] Rank 1 is connected to ...`, then `0 is
-connected to ...`). `install()` points file descriptor 1 at a pipe (a pty, where
-stdout is a terminal, as under Open MPI) that a daemon thread reads: it drops the lines made only of those pieces and
-numbers (see `LineFilter`) and writes everything else to the original
-stdout as it comes: a partial line without a newline (a prompt)
-at once, unless it could still become such a line, then after at most
-HOLD_S. Bytes are passed as they are (no decoding); memory does not grow
-with the output. stderr is left alone.
+connected to ...`). `install()` points file descriptor 1 at a pipe (a pty,
+where stdout is a terminal, as under Open MPI) read by a small filter
+process (this file run by `python -I -S`, standard library only): it drops
+the lines made only of those pieces and numbers (see `LineFilter`) and
+writes everything else to the original stdout as it comes: a partial line
+without a newline (a prompt) at once, unless it could still become gloo's,
+then after at most HOLD_S. Bytes are passed as they are (no decoding);
+memory does not grow with the output. stderr is left alone.
 
-At exit (atexit, and `drain()` before an `os._exit`), what is in the pipe
-is written out. A SIGKILL loses what the thread had not read yet (a pipe's
-worth at most, usually nothing). Child processes inherit the pipe as their
-stdout: what they print is filtered too while this process lives; a forked
-child (without exec) gets the original stdout back. Should filtering fail,
-the pipe is copied through unfiltered; should copying fail too, the
-original stdout is put back.
+A process, not a thread: what was printed is in the pipe, and the filter
+writes it out even when the program leaves by `os._exit` or is killed
+right after printing; child processes that inherit stdout are filtered as
+long as they run. The filter ignores SIGINT, SIGTERM, SIGHUP, SIGUSR1 and
+SIGUSR2 (a terminal's Ctrl-C, a scheduler's signal to every process of a
+job) and ends when every writer has closed the pipe. At a normal exit the
+program puts its original stdout back and waits (up to CLOSE_TIMEOUT_S)
+for the filter to end. Should the filter die, the program's stdout is put
+back as it was (what the pipe held then is lost).
 """
 
 from __future__ import annotations
 
-import array
 import atexit
 import errno
 import fcntl
 import os
 import re
 import select
+import signal
+import subprocess
 import sys
 import termios
 import threading
@@ -54,6 +58,8 @@ OPEN_S = 1.0
 # The longest partial line held back (longer: passed as it is).
 MAX_HELD = 4096
 _READ = 1 << 16
+# How long the process waits at exit for the filter to write out the rest.
+CLOSE_TIMEOUT_S = 2.0
 
 
 def could_be_gloo(start: bytes) -> bool:
@@ -143,12 +149,6 @@ def _channel(original: int) -> tuple[int, int]:
   return read_end, write_end
 
 
-def _identity(fd: int) -> tuple[int, int]:
-  """What `fd` is open on (device, inode)."""
-  info = os.fstat(fd)
-  return info.st_dev, info.st_ino
-
-
 def _write_all(fd: int, data: bytes) -> bool:
   """Writes `data` to `fd`; False when `fd` no longer takes it."""
   view = memoryview(data)
@@ -162,102 +162,62 @@ def _write_all(fd: int, data: bytes) -> bool:
   return True
 
 
+def copy(read_end: int, out: int) -> None:
+  """Copies `read_end` to `out` until EOF, less gloo's lines; should filtering fail, unfiltered from then on (in order). Bytes `out` no longer takes are dropped, and reading goes on."""
+  lines, transform = LineFilter(), None
+  ok = True
+  poller = select.poll()
+  poller.register(read_end, select.POLLIN)
+  while True:
+    if not poller.poll(HOLD_S * 1000 if lines.held else None):
+      ok = ok and _write_all(out, lines.release())
+      continue
+    try:
+      data = os.read(read_end, _READ)
+    except OSError as e:  # A pty whose last writer is gone: EIO, not EOF.
+      if e.errno != errno.EIO:
+        raise
+      data = b''
+    if not data:
+      _write_all(out, lines.release())
+      return
+    try:
+      chunk = (transform or lines.feed)(data)
+    except Exception:  # noqa: BLE001  A bug here must not lose output.
+      chunk, lines, transform = lines.held + data, LineFilter(), bytes
+    ok = ok and _write_all(out, chunk)
+
+
 class StdoutFilter:
-  """File descriptor `fd` through a pipe and a reader thread that drops gloo's lines."""
+  """File descriptor `fd` through a pipe to a filter process that drops gloo's lines."""
 
   def __init__(self, fd: int = 1) -> None:
     self.fd = fd
     self.pid = os.getpid()
-    self.original = os.dup(fd)  # os.dup and os.pipe: not inherited on exec.
-    self.read_end, write_end = _channel(self.original)
-    self.wake_r, self.wake_w = os.pipe()
     self.closing = False
-    self.busy = False
-    self.lines = LineFilter()
+    self.original = os.dup(fd)  # os.dup and os.pipe: not inherited on exec.
+    read_end, write_end = _channel(self.original)
+    try:
+      self.proc = subprocess.Popen(
+          [sys.executable, '-I', '-S', os.path.abspath(__file__)],
+          stdin=read_end, stdout=self.original, close_fds=True)
+    except BaseException:
+      for end in (read_end, write_end, self.original):
+        os.close(end)
+      raise
+    os.close(read_end)
     self.channel = _identity(write_end)
     os.dup2(write_end, fd)
     os.close(write_end)
-    self.thread = threading.Thread(target=self._run, daemon=True,
-                                   name='multihost-stdout-filter')
-    self.thread.start()
+    self.watcher = threading.Thread(target=self._watch, daemon=True,
+                                    name='multihost-stdout-filter')
+    self.watcher.start()
 
-  def _run(self) -> None:
-    try:
-      self._copy(self.lines.feed)
-    except BaseException:  # noqa: BLE001  A bug here must not block writers.
-      try:
-        self.lines, self.busy = LineFilter(), False
-        self._copy(lambda data: data)  # Unfiltered, in order.
-      finally:
-        if not self.closing:  # Even copying failed: no pipe any more.
-          self._put_back()
-
-  def _copy(self, transform) -> None:
-    """Copies the pipe to the original stdout through `transform` until EOF, or until the pipe is empty once closing."""
-    ok = True  # False once the original stdout is gone (EPIPE): keep
-    # reading then, so that writers never block on a full pipe.
-    poller = select.poll()
-    poller.register(self.read_end, select.POLLIN)
-    poller.register(self.wake_r, select.POLLIN)
-    while True:
-      wait = HOLD_S * 1000 if self.lines.held or self.closing else None
-      ready = [fd for fd, _ in poller.poll(wait)]
-      if self.read_end not in ready:
-        ok = ok and _write_all(self.original, self.lines.release())
-        if self.closing:
-          return
-        continue
-      self.busy = True
-      try:
-        data = os.read(self.read_end, _READ)
-      except OSError as e:  # A pty's last writer gone: EIO, not EOF.
-        if e.errno != errno.EIO:
-          raise
-        data = b''
-      if not data:
-        _write_all(self.original, self.lines.release())
-        return
-      try:
-        out = transform(data)
-      except BaseException:
-        _write_all(self.original, self.lines.held + data)  # Nothing lost.
-        raise
-      ok = ok and _write_all(self.original, out)
-      self.busy = False
-
-  def pending(self) -> bool:
-    """Whether bytes written to `fd` are not out yet."""
-    waiting = array.array('i', [0])
-    fcntl.ioctl(self.read_end, termios.FIONREAD, waiting)
-    return bool(waiting[0] or self.busy or self.lines.held)
-
-  def drain(self, timeout: float = 1.0) -> None:
-    """Waits (up to `timeout` s) until what was written to `fd` so far is out."""
-    if os.getpid() != self.pid:
-      return
-    deadline = time.monotonic() + timeout
-    while (self.thread.is_alive() and self.pending() and
-           time.monotonic() < deadline):
-      time.sleep(0.001)
-
-  def close(self, timeout: float = 2.0) -> None:
-    """Puts the original stdout back after writing out what the pipe holds (up to `timeout` s).
-
-    The pipe may outlive this: children that inherited it keep it open.
-    """
-    if os.getpid() != self.pid or self.closing:
-      return
-    try:
-      sys.stdout.flush()
-    except (OSError, ValueError):
-      pass
-    self.closing = True
-    self._put_back()  # This process's write end closes here.
-    os.write(self.wake_w, b'x')
-    self.thread.join(timeout)
-    if not self.thread.is_alive():
-      for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
-        os.close(fd)
+  def _watch(self) -> None:
+    """Should the filter die, puts the original stdout back (no writer blocks or fails)."""
+    self.proc.wait()
+    if not self.closing:
+      self._put_back()
 
   def _put_back(self) -> None:
     """The original stdout at `fd` again, unless something else (pytest's capture) has replaced the pipe there since."""
@@ -267,12 +227,31 @@ class StdoutFilter:
     except OSError:
       pass
 
-  def forked(self) -> None:
-    """In a forked child: the original stdout back, the pipes closed (no reader runs here)."""
+  def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    """Puts the original stdout back and waits (up to `timeout` s) for the filter to write out the rest.
+
+    Children that inherited the pipe keep the filter running until they
+    close it; this does not wait for them beyond `timeout`.
+    """
+    if os.getpid() != self.pid or self.closing:
+      return
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
     self.closing = True
-    self._put_back()
-    for fd in (self.original, self.read_end, self.wake_r, self.wake_w):
-      os.close(fd)
+    self._put_back()  # This process's write end closes here.
+    try:
+      self.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      pass
+    os.close(self.original)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+  """What `fd` is open on (device, inode)."""
+  info = os.fstat(fd)
+  return info.st_dev, info.st_ino
 
 
 # The filter of this process's stdout, once installed (one at most).
@@ -280,9 +259,10 @@ _INSTALLED: list[StdoutFilter] = []
 
 
 def install() -> bool:
-  """Filters gloo's lines out of this process's stdout from now on; returns whether it does (not where stdout is closed).
+  """Filters gloo's lines out of this process's stdout from now on; returns whether it does.
 
-  Idempotent.
+  Idempotent. Not where stdout is closed or no Python interpreter can be
+  started (`sys.executable` empty).
   """
   if _INSTALLED:
     return True
@@ -290,18 +270,28 @@ def install() -> bool:
     os.fstat(1)
   except OSError:
     return False
+  if not sys.executable:
+    return False
   try:
     sys.stdout.flush()
   except (OSError, ValueError, AttributeError):
     pass
-  stdout = StdoutFilter(1)
+  try:
+    stdout = StdoutFilter(1)
+  except OSError:
+    return False
   _INSTALLED.append(stdout)
   atexit.register(stdout.close)
-  os.register_at_fork(after_in_child=stdout.forked)
   return True
 
 
-def drain(timeout: float = 1.0) -> None:
-  """Before an `os._exit`: waits (up to `timeout` s) until the filter has written out what stdout was given."""
-  for stdout in _INSTALLED:
-    stdout.drain(timeout)
+def main() -> None:
+  """The filter process: stdin to stdout, less gloo's lines, until every writer has closed stdin."""
+  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+              signal.SIGUSR2):
+    signal.signal(sig, signal.SIG_IGN)
+  copy(0, 1)
+
+
+if __name__ == '__main__':
+  main()
