@@ -217,7 +217,9 @@ def test_a_dead_filter_gives_the_program_its_stdout_back(tmp_path):
       'stdout.watcher.join(10)\n'
       f'print("b", flush=True); os.write(1, {LINE!r})\n'))
   assert rc == 0, err
-  assert got == b'a\nb\n' + LINE, (got, err)
+  # "a" is lost if the filter had not copied it yet (a busy CPU can hold
+  # a new Python's start back that long); what follows comes out as it is.
+  assert got in (b'a\nb\n' + LINE, b'b\n' + LINE), (got, err)
 
 
 def test_only_the_exact_form_or_pieces_of_an_open_line_go():
