@@ -81,6 +81,11 @@ FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
 # its flight recorder at exit (process-N.json), for the launcher to merge.
 TRACE_DIR = 'MULTIHOST_TRACE_DIR'
 
+# Set to 0 to leave each controller's stdout as it is: `multihost.initialize()`
+# otherwise filters gloo's connection lines out of it ("[Gloo] Rank N is
+# connected to ..."); see `multihost._src.diagnostics.gloo_lines`.
+QUIET_GLOO = 'MULTIHOST_QUIET_GLOO'
+
 # --- Other variables the packages, bin/ and bench/ read or set. ------------
 # JAX's (XLA's) threshold for its C++ log lines (0 all, 1 warnings, 2 errors).
 CPP_LOG_LEVEL = 'TF_CPP_MIN_LOG_LEVEL'

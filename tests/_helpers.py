@@ -166,3 +166,14 @@ def readme_swap_example() -> str:
             if phrase in b]
   assert len(blocks) == 1, blocks
   return blocks[0]
+
+
+# A clean 2-controller run prints at most this many lines (the launcher's
+# quiet run of bin/train.py prints 7, README's example 2), under any engine.
+QUIET_RUN_LINES = 12
+
+
+def gloo_lines(text: str) -> list[str]:
+  """The lines of `text` with any piece of gloo's connection line ("[Gloo] Rank N is connected to M peer ranks. ...")."""
+  return [ln for ln in text.splitlines()
+          if '[Gloo]' in ln or 'peer ranks' in ln]

@@ -210,6 +210,10 @@ def reference(tmp_path_factory) -> dict[str, object]:
       num_processes=2, devices_per_process=4, timeout=TIMEOUT_S, cwd=ROOT,
       env=_env(uuid.uuid4().hex))
   assert result.ok, result.summary + result.outputs[0][-3000:]
+  # The launcher's quiet run: no gloo line, no per-step line.
+  printed = '\n'.join(result.outputs)
+  assert not _helpers.gloo_lines(printed), printed[-3000:]
+  assert len(printed.splitlines()) <= _helpers.QUIET_RUN_LINES, printed
   return {'lines': sum((_normalized(o, folder) for o in result.outputs),
                        collections.Counter()),
           'digest': _final_digest(result.outputs[0])}
@@ -321,6 +325,8 @@ def test_train_under_open_mpi_5_is_quiet_and_ends_as_under_the_launcher(
                  cwd=ROOT)
   assert rc == 0, out[-3000:]
   assert _final_digest(out) == reference['digest']
+  assert not _helpers.gloo_lines(out), out[-3000:]
+  assert len(out.splitlines()) <= _helpers.QUIET_RUN_LINES, out[-3000:]
   lines = _normalized(out, folder)
   assert lines == reference['lines'], (
       f'under mpirun, not under the launcher: {lines - reference["lines"]}; '

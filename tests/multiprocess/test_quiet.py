@@ -91,6 +91,7 @@ def test_a_2x2_run_is_quiet_and_tells_a_preemption_once(tmp_path):
   everything = '\n'.join(result.outputs)
   assert ADVICE not in everything, everything[-3000:]
   assert ORBAX_PREEMPTION not in everything, everything[-3000:]
+  assert not _helpers.gloo_lines(everything), everything[-3000:]
   for i, out in enumerate(result.outputs):
     assert out.count(f'[process={i}] Preemption: all controllers stopped '
                      'at step') == 1, out[-3000:]
