@@ -55,8 +55,8 @@ class Queue:
       done = self._steps.popleft()
       loss = done.raw_loss
       if isinstance(loss, jax.Array):
-        # Mostly finished already: asking is cheaper than waiting (on a TPU
-        # host a wait on a finished array took ~36 us, a step's 1-4%).
+        # Mostly finished already (the host is the slower side): asking
+        # spares the wait's round trip through the runtime.
         if not loss.is_ready():
           loss.block_until_ready()
       else:
