@@ -119,7 +119,7 @@ OMPI_LOCAL_RANK = 'OMPI_COMM_WORLD_LOCAL_RANK'
 OMPI_LOCAL_SIZE = 'OMPI_COMM_WORLD_LOCAL_SIZE'
 # Open MPI 5's launcher (PRRTE) sets these and OMPI_COMM_WORLD_*, not
 # OMPI_MCA_orte_hnp_uri: JAX detects no cluster there, `multihost.initialize()`
-# does (`multihost._src.runtime.prrte`).
+# does (`multihost._src.clusters.prrte`).
 PRTE_LAUNCHED = 'PRTE_LAUNCHED'
 PMIX_NAMESPACE = 'PMIX_NAMESPACE'
 # Where Open MPI 5 and its PMIx are installed (libpmix is searched there).
@@ -158,7 +158,7 @@ MEGASCALE_SLICE_ID = 'MEGASCALE_SLICE_ID'
 GCE_METADATA_IP = 'GCE_METADATA_IP'
 
 # Variables whose presence means a cluster JAX can auto-detect (Kubernetes:
-# see `in_kubernetes_job`; Cloud TPU: `multihost._src.runtime.tpu_cluster`,
+# see `in_kubernetes_job`; Cloud TPU: `multihost._src.clusters.tpu`,
 # since a lone TPU machine has TPU_WORKER_HOSTNAMES too).
 CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE, 'PMI_RANK')
 

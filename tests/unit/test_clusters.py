@@ -20,9 +20,9 @@ import pytest
 
 import multihost
 from multihost import env as env_lib
+from multihost._src.clusters import prrte
+from multihost._src.clusters import tpu as tpu_cluster
 from multihost._src.runtime import errors
-from multihost._src.runtime import prrte
-from multihost._src.runtime import tpu_cluster
 
 # Open MPI 5's launcher, as seen by rank 1 of 2 on one host.
 _PRRTE = {env_lib.OMPI_SIZE: '2', env_lib.OMPI_RANK: '1',

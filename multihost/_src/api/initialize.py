@@ -15,14 +15,14 @@ import jax
 
 from multihost import env as _env
 from multihost._src.auth import secret
+from multihost._src.clusters import prrte
+from multihost._src.clusters import tpu as tpu_cluster
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
-from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
-from multihost._src.runtime import tpu_cluster
 
 # An indexed Kubernetes Job without the client JAX's detection needs there.
 _NO_KUBERNETES_CLIENT = (
@@ -165,7 +165,7 @@ def _job(env: Mapping[str, str], coordinator_address: str | None,
 def _tpu_job(env: Mapping[str, str], coordinator_address: str | None,
              num_processes: int | None, process_id: int | None
              ) -> tuple[Any, ...]:
-  """(coordinator_address, num_processes, process_id, cluster_detection_method) as a Cloud TPU environment gives them (`runtime.tpu_cluster`), those given kept, where another cluster's variables are absent; on a lone TPU machine the three as given and no method (a single controller)."""
+  """(coordinator_address, num_processes, process_id, cluster_detection_method) as a Cloud TPU environment gives them (`clusters.tpu`), those given kept, where another cluster's variables are absent; on a lone TPU machine the three as given and no method (a single controller)."""
   tpu = None
   if not any(m in env for m in _env.CLUSTER_MARKERS):
     tpu = tpu_cluster.find(env)
@@ -181,7 +181,7 @@ def _open_mpi_5(env: Mapping[str, str], coordinator_address: str | None,
                 num_processes: int | None, process_id: int | None,
                 local_device_ids: int | Sequence[int] | None, *,
                 timeout: float) -> tuple[Any, ...]:
-  """The job's arguments under Open MPI 5's mpirun (`runtime.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
+  """The job's arguments under Open MPI 5's mpirun (`clusters.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
   found = prrte.find(coordinator_address, timeout=timeout)
   if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
     local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
