@@ -16,6 +16,9 @@ opened, as on a TPU machine here); every comparison in interleaved rounds
   `jax.experimental.multihost_utils`'s, for float32 batches of `--sizes`
   sharded over a mesh of all devices (`P('data')`); each timed call waits
   for its result.
+* `overhead`: the loop's own host cost: main-thread CPU time per step of
+  `ResilientLoop.run` and of a bare loop of a trivial jitted step on a
+  batch already on the device (`--steps` x 10 steps, `--rounds` rounds).
 * `checkpoint`: a verified save and restore of a state of
   `--checkpoint_mib` MiB (two float32 leaves, replicated) with
   `recovery.Checkpoints` against plain Orbax `StandardCheckpointer`
@@ -162,6 +165,35 @@ def loop_rows(*, width: int, layers: int, batch: int, samples: int,
           f'| {ratios[0]:.3f}-{ratios[-1]:.3f} |']
 
 
+def overhead_rows(*, steps: int, rounds: int) -> list[str]:
+  x = jax.device_put(np.ones((8,), np.float32))
+  step = jax.jit(lambda s, b: (s + b, jnp.sum(s)))
+  loop = recovery.ResilientLoop(
+      step, data_fn=lambda ids: x,
+      sampler=recovery.EpochSampler(2 * steps, 2))
+  start = loop.init(x, jax.random.key(0))
+
+  def bare():
+    state = start.user
+    for _ in range(steps):
+      state, _ = step(state, x)
+    jax.block_until_ready(state)
+
+  sides = {'ours': lambda: loop.run(start, until_step=steps,
+                                    progress_every_s=1e9),
+           'bare': bare}
+  cpu: dict[str, list[float]] = {n: [] for n in sides}
+  for f in sides.values():
+    f()  # Warm.
+  for r in range(rounds):
+    for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+      t0 = time.thread_time()
+      sides[name]()
+      cpu[name].append((time.thread_time() - t0) / steps * 1e6)
+  o, b = statistics.median(cpu['ours']), statistics.median(cpu['bare'])
+  return [f'| trivial step, {steps} steps | {o:.1f} | {b:.1f} | {o - b:.1f} |']
+
+
 # -- the conversions -----------------------------------------------------------
 
 
@@ -246,6 +278,11 @@ def main() -> None:
                            batch=args.batch, samples=args.steps * args.batch,
                            steps=args.steps, rounds=args.rounds):
         print(row, flush=True)
+  if 'overhead' in parts:
+    print('\n| loop | ResilientLoop.run us/step | bare loop us/step '
+          '| difference |\n|---|---|---|---|')
+    for row in overhead_rows(steps=args.steps * 10, rounds=args.rounds):
+      print(row, flush=True)
   if 'convert' in parts:
     print('\n| conversion | batch | ours ms | JAX ms | ratio |'
           '\n|---|---|---|---|---|')

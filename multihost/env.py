@@ -124,7 +124,7 @@ OMPI_LOCAL_RANK = 'OMPI_COMM_WORLD_LOCAL_RANK'
 OMPI_LOCAL_SIZE = 'OMPI_COMM_WORLD_LOCAL_SIZE'
 # Open MPI 5's launcher (PRRTE) sets these and OMPI_COMM_WORLD_*, not
 # OMPI_MCA_orte_hnp_uri: JAX detects no cluster there, `multihost.initialize()`
-# does (`multihost._src.runtime.prrte`).
+# does (`multihost._src.clusters.prrte`).
 PRTE_LAUNCHED = 'PRTE_LAUNCHED'
 PMIX_NAMESPACE = 'PMIX_NAMESPACE'
 # Where Open MPI 5 and its PMIx are installed (libpmix is searched there).
@@ -147,10 +147,25 @@ K8S_SERVICE_HOST = 'KUBERNETES_SERVICE_HOST'
 # JobSet's Jobs): its index, JAX's process index there.
 JOB_COMPLETION_INDEX = 'JOB_COMPLETION_INDEX'
 
+# --- Cloud TPU's variables (JAX's GKE and GCE TPU cluster detection). ----
+# The hosts of a TPU slice, comma-separated (GKE sets them; JAX reads
+# TPU_PROCESS_ADDRESSES first); this host's index among them.
+TPU_PROCESS_ADDRESSES = 'TPU_PROCESS_ADDRESSES'
+TPU_WORKER_HOSTNAMES = 'TPU_WORKER_HOSTNAMES'
+TPU_WORKER_ID = 'TPU_WORKER_ID'
+# Set: JAX never asks the GCE metadata server (JAX sets it where no TPU chip is).
+TPU_SKIP_MDS_QUERY = 'TPU_SKIP_MDS_QUERY'
+# Multislice (slices joined over the data-center network).
+MEGASCALE_COORDINATOR_ADDRESS = 'MEGASCALE_COORDINATOR_ADDRESS'
+MEGASCALE_NUM_SLICES = 'MEGASCALE_NUM_SLICES'
+MEGASCALE_SLICE_ID = 'MEGASCALE_SLICE_ID'
+# The GCE metadata server's address (default metadata.google.internal).
+GCE_METADATA_IP = 'GCE_METADATA_IP'
+
 # Variables whose presence means a cluster JAX can auto-detect (Kubernetes:
-# see `in_kubernetes_job`).
-CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE,
-                   'TPU_WORKER_HOSTNAMES', 'PMI_RANK')
+# see `in_kubernetes_job`; Cloud TPU: `multihost._src.clusters.tpu`,
+# since a lone TPU machine has TPU_WORKER_HOSTNAMES too).
+CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE, 'PMI_RANK')
 
 # With failure detection on, a killed peer is reported within about this many
 # seconds (plus 2 s); JAX's own default (100 s) is meant for large TPU jobs.

@@ -7,4 +7,4 @@ against the imports themselves).
 
 # Top to bottom.
 LAYERS = ('api', 'control', 'transport', 'diagnostics', 'auth', 'liveness',
-          'runtime')
+          'clusters', 'runtime')

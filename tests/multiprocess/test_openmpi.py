@@ -5,7 +5,7 @@ Nothing is added to the command beyond what root and a 2-core machine need
 the tests' JAX compilation cache: `multihost.initialize()` finds the job
 itself. Under Open MPI 5 (PRRTE), where JAX's own detection finds nothing
 (`jax.distributed.initialize()` stops, checked here too), process 0's
-address reaches the others through PMIx (`multihost._src.runtime.prrte`).
+address reaches the others through PMIx (`multihost._src.clusters.prrte`).
 
 - the README's example under both engines prints what it prints under the
   launcher;

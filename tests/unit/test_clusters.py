@@ -8,16 +8,21 @@ second process.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib.util
 import socket
+import threading
+import time
 
 import jax
 import pytest
 
 import multihost
 from multihost import env as env_lib
+from multihost._src.clusters import prrte
+from multihost._src.clusters import tpu as tpu_cluster
 from multihost._src.runtime import errors
-from multihost._src.runtime import prrte
 
 # Open MPI 5's launcher, as seen by rank 1 of 2 on one host.
 _PRRTE = {env_lib.OMPI_SIZE: '2', env_lib.OMPI_RANK: '1',
@@ -99,3 +104,78 @@ def test_an_indexed_job_without_the_kubernetes_client_says_what_to_do(bare):
                      r'JAX_NUM_PROCESSES'):
     multihost.initialize()
   assert not jax.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def _metadata_server(attributes: dict[str, str]):
+  """A GCE metadata server on 127.0.0.1 serving instance `attributes` (404 for others); its address."""
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      key = self.path.rsplit('/', 1)[-1]
+      ok = (key in attributes and
+            self.headers.get('Metadata-Flavor') == 'Google')
+      body = attributes.get(key, '').encode()
+      self.send_response(200 if ok else 404)
+      self.send_header('Content-Length', str(len(body) if ok else 0))
+      self.end_headers()
+      if ok:
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+      del args
+
+  server = http.server.HTTPServer(('127.0.0.1', 0), Handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f'127.0.0.1:{server.server_address[1]}'
+  finally:
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_a_tpu_vm_asks_the_metadata_server_as_jax_would():
+  pod = {'agent-worker-number': '1', 'worker-network-endpoints': 'a,b',
+         'tpu-env': "ACCELERATOR_TYPE: 'v5litepod-8'\n"}
+  for attributes, want in ((pod, tpu_cluster.DETECT),
+                           ({**pod, 'worker-network-endpoints': 'a'},
+                            tpu_cluster.SINGLE),
+                           ({**pod, 'worker-network-endpoints': 'a',
+                             'tpu-env': "MEGASCALE_NUM_SLICES: '2'\n"},
+                            tpu_cluster.DETECT),
+                           ({}, None)):  # A VM that is no TPU pod host.
+    with _metadata_server(attributes) as server:
+      got = tpu_cluster._from_metadata(
+          {env_lib.GCE_METADATA_IP: server}, timeout=10)
+    assert got == want, (attributes, got)
+
+
+def test_a_metadata_server_that_never_answers_is_named_in_time():
+  with socket.socket() as silent:
+    silent.bind(('127.0.0.1', 0))
+    silent.listen(4)
+    address = f'127.0.0.1:{silent.getsockname()[1]}'
+    t0 = time.monotonic()
+    with pytest.raises(errors.MultihostError,
+                       match=rf'metadata server \(http://{address}\) .*'
+                       r'TPU_SKIP_MDS_QUERY=1'):
+      tpu_cluster._from_metadata({env_lib.GCE_METADATA_IP: address},
+                                 timeout=1.0)
+  assert time.monotonic() - t0 < 5
+
+
+def test_a_tpu_pods_host_list_gives_jaxs_numbers():
+  env = {env_lib.TPU_WORKER_HOSTNAMES: 'h0,h1,h2,h3',
+         env_lib.TPU_WORKER_ID: '2'}
+  assert tpu_cluster.find(env) == ('h0:8482', 4, 2)
+  assert tpu_cluster.find({**env, env_lib.MEGASCALE_NUM_SLICES: '2',
+                           env_lib.MEGASCALE_SLICE_ID: '1',
+                           env_lib.MEGASCALE_COORDINATOR_ADDRESS: 'm:1',
+                           env_lib.COORDINATOR_PORT: '9'}) == ('m:9', 8, 6)
+  assert tpu_cluster.find({env_lib.TPU_WORKER_HOSTNAMES: 'localhost',
+                           env_lib.TPU_WORKER_ID: '0'}) == tpu_cluster.SINGLE
+  with pytest.raises(ValueError, match=r"TPU_WORKER_ID='7' is not an index"):
+    tpu_cluster.find({**env, env_lib.TPU_WORKER_ID: '7'})

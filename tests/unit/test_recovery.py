@@ -196,6 +196,50 @@ def test_the_loop_dispatches_ahead_of_the_device_and_at_most_two_steps():
   assert ready_at_load[1:4] == [False, False, True], ready_at_load
 
 
+
+@pytest.mark.parametrize('overlap', [False, True])
+def test_an_overlapped_check_runs_after_the_next_dispatch_and_before_a_save(
+    tmp_path, overlap):
+  events = []
+
+  def check(old, new, ids, loss):
+    del old, new, ids, loss
+    events.append('check')
+    if events.count('check') == 2:
+      raise AssertionError('step 2 is bad')
+
+  loop = _toy_loop(check_fn=check)
+  loop.overlap_check = overlap
+  load = loop.data_fn
+  loop.data_fn = lambda ids: (events.append('load'), load(ids))[1]
+  with recovery.Checkpoints(tmp_path / 'c', save_every=2,
+                            async_save=False) as ckpt:
+    with pytest.raises(recovery.StepCheckError,
+                       match=r'Step 2 \(sample ids .*step 2 is bad'):
+      loop.run(_initial(loop), until_step=6, checkpoints=ckpt)
+    assert ckpt.latest_step() is None  # Step 2 failed: never saved.
+  # Step 1's check before step 2's batch, or (overlapped) after it; step 2
+  # saves (it settles), so its check runs at once either way.
+  assert events == (['load', 'load', 'check', 'check'] if overlap else
+                    ['load', 'check', 'load', 'check']), events
+  # Step 4's check, overlapped, runs before the run saves it and returns.
+  events.clear()
+  ok = _toy_loop(check_fn=lambda *a: events.append('check'))
+  ok.overlap_check = overlap
+  with recovery.Checkpoints(tmp_path / 'd', save_every=4,
+                            async_save=False) as ckpt:
+    ok.run(_initial(ok), until_step=5,
+           on_step=lambda s, rec: events.append(f'step {rec.step}'),
+           checkpoints=ckpt)
+    assert ckpt.steps() == [4, 5]
+  assert events.count('check') == 5
+
+  def checks_before(event):
+    return events[:events.index(event)].count('check')
+  assert checks_before('step 4') == 4, events
+  assert checks_before('step 3') == (2 if overlap else 3), events
+
+
 # -- checkpoints --------------------------------------------------------------
 
 

@@ -54,6 +54,10 @@ def host_local_array_to_global_array(local_inputs: PyTree,
   Returns:
     A pytree of global jax.Arrays.
   """
+  if (type(local_inputs) is np.ndarray  # pylint: disable=unidiomatic-typecheck
+      and isinstance(pspecs, jax.sharding.PartitionSpec)):
+    # One NumPy array (a batch): no tree to flatten and rebuild.
+    return _to_global(local_inputs, _layout(global_mesh, pspecs))[1]
   leaves, treedef, layouts = _leaves_and_layouts(local_inputs, global_mesh,
                                                  pspecs)
   return treedef.unflatten(_to_global_all(leaves, layouts))
@@ -309,10 +313,11 @@ def _to_global(x, layout: _Layout):
       x = x.astype(dtype)
     plan = layout.plan(x.shape)
     # As JAX's (a slice per device, one batched put), through the public
-    # make_array_from_callback: no local array is built in between.
+    # make_array_from_callback: no local array is built in between. No
+    # dtype= (the slices have it; this process has a device of the mesh):
+    # its check cost 1.7 us a call on CPU, a tenth of the call.
     return True, jax.make_array_from_callback(
-        plan.global_shape, layout.global_sharding, plan.slicer(x),
-        dtype=x.dtype), None
+        plan.global_shape, layout.global_sharding, plan.slicer(x)), None
   shape = layout.plan(x.shape).global_shape
   local_sharding = layout.local_sharding
   if isinstance(x, jax.Array) and (

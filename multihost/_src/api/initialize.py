@@ -15,12 +15,13 @@ import jax
 
 from multihost import env as _env
 from multihost._src.auth import secret
+from multihost._src.clusters import prrte
+from multihost._src.clusters import tpu as tpu_cluster
 from multihost._src.diagnostics import gloo_lines
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
 from multihost._src.runtime import failures
-from multihost._src.runtime import prrte
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 
@@ -55,9 +56,8 @@ def initialize(coordinator_address: str | None = None,
   position; its own options are keyword-only. Arguments are taken, in
   order, from: this call; the environment that `multihost.launch` sets
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
-  cluster (Slurm, Open MPI 4 and 5, an indexed Kubernetes Job, ...: see
-  docs/launcher.md). With none of these and no cluster, it does nothing and
-  the program runs as a single controller.
+  cluster (Slurm, Open MPI 4 and 5, Kubernetes, a TPU pod: docs/launcher.md);
+  else (a lone TPU machine too) it is a single controller, no jax.distributed.
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -86,8 +86,8 @@ def initialize(coordinator_address: str | None = None,
 
   Raises:
     ValueError: for inconsistent arguments (the message repeats them).
-    MultihostError: under Open MPI 5 or in a Kubernetes Job, the job cannot
-      be found (the message says what to set or install).
+    MultihostError: the job cannot be found (Open MPI 5, a Kubernetes Job, a
+      TPU VM's metadata server silent for 5 s; the message says what to do).
   """
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
@@ -97,8 +97,7 @@ def initialize(coordinator_address: str | None = None,
     rt.watchdog.ensure_started()
     rt.where.ensure_started()
     return
-  # Out of the environment before anything starts a child (the companion,
-  # the program's own subprocesses): children do not inherit the secret.
+  # Before any child starts (companion, subprocesses): none inherits it.
   secret.take_from_environment()
   env = os.environ
   coordinator_address, num_processes, process_id = _job(
@@ -110,10 +109,15 @@ def initialize(coordinator_address: str | None = None,
      held) = _open_mpi_5(env, coordinator_address, num_processes, process_id,
                          local_device_ids, timeout=initialization_timeout)
   explicit = None not in (coordinator_address, num_processes, process_id)
-  _check_kubernetes(env, explicit or cluster_detection_method is not None)
-  if not explicit and cluster_detection_method is None and not _env.in_cluster():
-    _single_controller(coordinator_address, num_processes, process_id)
-    return
+  if not explicit and cluster_detection_method is None:
+    (coordinator_address, num_processes, process_id,
+     cluster_detection_method) = _tpu_job(env, coordinator_address,
+                                          num_processes, process_id)
+    explicit = None not in (coordinator_address, num_processes, process_id)
+    _check_kubernetes(env, explicit or cluster_detection_method is not None)
+    if not (explicit or cluster_detection_method or _env.in_cluster()):
+      _single_controller(coordinator_address, num_processes, process_id)
+      return
   kwargs: dict[str, Any] = dict(
       coordinator_address=coordinator_address,
       num_processes=num_processes,
@@ -123,13 +127,10 @@ def initialize(coordinator_address: str | None = None,
       initialization_timeout=int(initialization_timeout),
       shutdown_timeout_seconds=int(shutdown_timeout_seconds),
   )
-  if slice_index is not None:
-    kwargs['slice_index'] = slice_index
-  if partition_index is not None:
-    kwargs['partition_index'] = partition_index
-  heartbeat = heartbeat_timeout_seconds
-  if heartbeat is None:
-    heartbeat = settings.heartbeat()
+  kwargs.update({k: v for k, v in (('slice_index', slice_index), (
+      'partition_index', partition_index)) if v is not None})
+  heartbeat = (settings.heartbeat() if heartbeat_timeout_seconds is None
+               else heartbeat_timeout_seconds)
   detect = _detect_failures(detect_failures)
   _set_heartbeat(kwargs, heartbeat, detect=detect)
   _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
@@ -162,11 +163,26 @@ def _job(env: Mapping[str, str], coordinator_address: str | None,
   return coordinator_address, num_processes, process_id
 
 
+def _tpu_job(env: Mapping[str, str], coordinator_address: str | None,
+             num_processes: int | None, process_id: int | None
+             ) -> tuple[Any, ...]:
+  """(coordinator_address, num_processes, process_id, cluster_detection_method) as a Cloud TPU environment gives them (`clusters.tpu`), those given kept, where another cluster's variables are absent; on a lone TPU machine the three as given and no method (a single controller)."""
+  tpu = None
+  if not any(m in env for m in _env.CLUSTER_MARKERS):
+    tpu = tpu_cluster.find(env)
+  if isinstance(tpu, tuple):  # A TPU pod's host: JAX's values, no lookup.
+    return (coordinator_address or tpu[0],
+            tpu[1] if num_processes is None else num_processes,
+            tpu[2] if process_id is None else process_id, None)
+  return (coordinator_address, num_processes, process_id,
+          'gcetpu' if tpu == tpu_cluster.DETECT else None)
+
+
 def _open_mpi_5(env: Mapping[str, str], coordinator_address: str | None,
                 num_processes: int | None, process_id: int | None,
                 local_device_ids: int | Sequence[int] | None, *,
                 timeout: float) -> tuple[Any, ...]:
-  """The job's arguments under Open MPI 5's mpirun (`runtime.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
+  """The job's arguments under Open MPI 5's mpirun (`clusters.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
   found = prrte.find(coordinator_address, timeout=timeout)
   if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
     local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.

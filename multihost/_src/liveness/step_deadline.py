@@ -98,7 +98,10 @@ class StepWatch:
     self._describe = describe
     self._leave = leave
     self._clock = clock
-    self._cond = threading.Condition(threading.Lock())
+    # `_lock` is `_cond`'s own: the per-step methods take it directly (the
+    # same mutual exclusion without the Condition's Python-level enter/exit).
+    self._lock = threading.Lock()
+    self._cond = threading.Condition(self._lock)
     self._rule: step_rule.Rule | None = None  # Resolved at the first step.
     self.learner = step_rule.Learner()
     # The step in progress (None between steps): its number, when it began,
@@ -145,7 +148,7 @@ class StepWatch:
     Optional. In the report of a stuck step, a process short of this point
     of the step is behind those past it. Outside a step it does nothing.
     """
-    with self._cond:
+    with self._lock:
       if self._n is not None and self._state == 'preparing':
         self._state = 'arrived'
         self._arrivals = True
@@ -188,7 +191,7 @@ class StepWatch:
 
   def _begin(self, n: int) -> None:
     rule = self.rule()  # Outside the lock: may raise on a bad variable.
-    with self._cond:
+    with self._lock:
       if self._n is not None:
         raise RuntimeError(
             f'{self.runtime.prefix} step_watch: step {n} began inside step '
@@ -205,7 +208,7 @@ class StepWatch:
 
   def _end(self, *, completed: bool,
            error: BaseException | None = None) -> None:
-    with self._cond:
+    with self._lock:
       if self._n is None:
         return
       now = self._clock()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 import contextlib
 import dataclasses
@@ -17,6 +16,7 @@ import numpy as np
 import multihost
 from multihost.lowlevel import process_prefix as _prefix
 from recovery._src.checkpoint.checkpoints import Checkpoints
+from recovery._src.run import pending
 from recovery._src.run.signals import SigintAsPreemption
 from recovery._src.run.signals import SigtermFlag
 from recovery._src.state import digest
@@ -32,10 +32,6 @@ StepFn = Callable[[PyTree, PyTree], tuple[PyTree, Any]]
 DataFn = Callable[[np.ndarray], PyTree]
 # (old_user_state, new_user_state, ids, loss) -> None; raises on a bad step.
 CheckFn = Callable[[PyTree, PyTree, np.ndarray, float], None]
-# Steps `ResilientLoop.run` lets the device queue before it waits for the
-# oldest (two: the next step is always queued, with one to spare for a slow
-# batch on the host).
-_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +115,21 @@ class ResilientLoop:
   sample ids (the same ids on every controller), and an `EpochSampler`. The
   loop carries the complete `TransitionState` (user state, PRNG key, data
   order, cursor, epoch, step), so a run restored from a checkpoint takes
-  exactly the steps the uninterrupted run would have taken.
+  exactly the steps the uninterrupted run would have taken. An optional
+  `check_fn` checks each step independently; with `overlap_check`, `run`
+  checks step n right after dispatching step n+1, so the device never waits
+  for the check (only for a `step_fn` that donates none of its arguments;
+  a step's check still passes before it is saved or the run returns).
   """
 
   def __init__(self, step_fn: StepFn, *, data_fn: DataFn,
-               sampler: EpochSampler, check_fn: CheckFn | None = None):
+               sampler: EpochSampler, check_fn: CheckFn | None = None,
+               overlap_check: bool = False):
     self.step_fn = step_fn
     self.data_fn = data_fn
     self.sampler = sampler
     self.check_fn = check_fn
+    self.overlap_check = overlap_check
 
   def init(self, user_state: PyTree, key: jax.Array) -> TransitionState:
     """The state at step 0: `user_state`, first epoch's order from `key`."""
@@ -146,18 +148,18 @@ class ResilientLoop:
     Collective when `step_fn` or `data_fn` are (as on a multi-process mesh):
     every process must call this, in the same order.
     """
-    return self._step(state, None, jax.process_count() > 1)
+    return self._step(state, None, jax.process_count() > 1, check=True)
 
-  def _step(self, state: TransitionState, watch: Any, many: bool
-            ) -> tuple[TransitionState, StepRecord]:
+  def _step(self, state: TransitionState, watch: Any, many: bool, *,
+            check: bool) -> tuple[TransitionState, StepRecord]:
     """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
 
     `many`: whether there are several processes (`jax.process_count() > 1`).
 
     Dispatches the step and returns without waiting for it, except that
-    with a `check_fn` the loss is read (the check decides whether the step
-    stands), and a loss sharded across processes is read on every process
-    here (reading it is collective).
+    with a `check_fn` and `check` the loss is read (the check decides
+    whether the step stands), and a loss sharded across processes is read
+    on every process here (reading it is collective).
     """
     ids, nxt = self.sampler.next(state)
     batch = self.data_fn(ids)
@@ -170,14 +172,23 @@ class ResilientLoop:
     if many and isinstance(loss, jax.Array) and not (
         loss.is_fully_addressable or loss.sharding.is_fully_replicated):
       _ = record.loss
-    if self.check_fn is not None:
-      try:
-        self.check_fn(state.user, user, ids, record.loss)
-      except AssertionError as e:
-        raise StepCheckError(
-            f'{_prefix()} Step {state.step + 1} (sample ids {ids.tolist()}) '
-            f'failed its independent check: {e}') from e
+    if check and self.check_fn is not None:
+      self._check(state.user, user, record)
     return nxt, record
+
+  def _check(self, old_user: PyTree, new_user: PyTree,
+             record: StepRecord) -> None:
+    """Runs `check_fn` on `record`'s step.
+
+    Raises:
+      StepCheckError: the check failed (naming the step and its ids).
+    """
+    try:
+      self.check_fn(old_user, new_user, record.ids, record.loss)
+    except AssertionError as e:
+      raise StepCheckError(
+          f'{_prefix()} Step {record.step} (sample ids '
+          f'{record.ids.tolist()}) failed its independent check: {e}') from e
 
   def run(self, state: TransitionState, *, until_step: int,
           checkpoints: Checkpoints | None = None,
@@ -189,61 +200,56 @@ class ResilientLoop:
 
     Collective: every process must call this, in the same order.
 
-    Saves every `checkpoints.save_every` steps and at `until_step`, each after
-    a consistency check across controllers. After every step it asks
+    Saves every `checkpoints.save_every` steps and at `until_step`, each after a
+    consistency check across controllers. After every step it asks
     `multihost.reached_preemption_sync_point(step)`: once any controller has
-    received SIGTERM, all controllers agree on a step, save it and return
-    with `preempted=True`. A single controller without `jax.distributed` has
-    no sync point (it is always False there and SIGTERM would kill the
-    process), so with `handle_sigterm` the loop installs its own SIGTERM
-    handler for the duration of the run and treats the signal the same way.
-    On Ctrl-C (KeyboardInterrupt) it lets a save in flight commit, then
-    re-raises with notes (the step reached and the last committed
-    checkpoint, then how to continue); the last committed checkpoint is
-    never touched. With several controllers, a Ctrl-C lands at a different
-    point of the loop on each, so an interrupted collective (a save) would
-    leave the others waiting: there the first Ctrl-C is turned into a preemption notice (SIGTERM to this
-    process), so that every controller stops at one agreed step and saves it;
-    a second Ctrl-C interrupts at once.
+    received SIGTERM, all agree on a step, save it and return with
+    `preempted=True`. A single controller without `jax.distributed` has no sync
+    point, so with `handle_sigterm` the loop handles SIGTERM itself for the run,
+    the same way. On Ctrl-C (KeyboardInterrupt) it lets a save in flight commit,
+    then re-raises with notes (the step reached, the last committed checkpoint,
+    how to continue). With several controllers the first Ctrl-C becomes a
+    preemption notice (SIGTERM to this process: all stop at one agreed step and
+    save it; an interrupted collective would leave the others waiting); a second
+    interrupts at once.
 
-    The loop never waits for the step it has just dispatched, only for the
-    oldest while more than two are queued: the device always has the next
-    one. A loss reaches the host only where it is used (`record.loss` read
-    by `on_step`; a `check_fn`, which gets every step's before the next is
-    dispatched; a progress line, the newest finished step's; the result).
-    A saved step, the last, and a preemption's finish inside their step.
+    The loop waits only for the oldest step while more than two are queued: the
+    device always has the next one. A loss reaches the host only where used
+    (`record.loss` read by `on_step`; a `check_fn`, before the next step is
+    dispatched, with `overlap_check` right after; a progress line, the newest
+    finished step's; the result). A saved step, the last, and a preemption's
+    finish inside their step.
 
-    Each step (its batch, `step_fn`, its check, the wait for the oldest
-    queued step; not the saves or `on_step`) runs under
-    `multihost.step_watch()`, which marks the arrival after `data_fn`. With several controllers, a step stuck past its
-    deadline (learned from the step times, see `multihost.set_step_deadline`)
-    makes every process log who is behind and where, and leave with exit
-    status 75, so that the launcher's `--max_restarts` or a scheduler
-    restarts the job, which resumes here from the last checkpoint.
+    Each step (its batch, `step_fn`, its check, the wait for the oldest queued
+    step; not the saves or `on_step`) runs under `multihost.step_watch()`, which
+    marks the arrival after `data_fn`. With several controllers, a step stuck
+    past its deadline (learned from the step times, see
+    `multihost.set_step_deadline`) makes every process log who is behind and
+    where, and leave with exit status 75, so that the launcher's
+    `--max_restarts` or a scheduler restarts the job, which resumes here from
+    the last checkpoint.
 
     Args:
       state: the state to continue from (fresh or restored).
       until_step: the step to stop at.
       checkpoints: where to save; None to run without saving.
       on_step: called after every step with the new state and its record
-        (the step may still be running: reading `record.loss` or the state
-        waits for it).
+        (reading `record.loss` or the state waits for the step).
       handle_sigterm: single controller only; see above.
       progress_every_s: seconds between progress log lines.
-      step_deadline: False: no step deadline in this loop (or turn it off
-        for the process: `multihost.set_step_deadline(enabled=False)`,
-        $MULTIHOST_STEP_DEADLINE=off).
+      step_deadline: False: no step deadline in this loop (for the process:
+        `multihost.set_step_deadline(enabled=False)`).
 
-    Returns:
-      A `RunResult`.
+    Returns: A `RunResult`.
     """
-    sigterm = SigtermFlag() if (handle_sigterm
-                                 and jax.process_count() == 1) else None
     many = jax.process_count() > 1
+    sigterm = SigtermFlag() if handle_sigterm and not many else None
     sigint = SigintAsPreemption() if many else None
     progress = _Progress(state.step, until_step, progress_every_s)
-    queue, record = _Queue(), None
+    queue, record = pending.Queue(), None
     watch = multihost.step_watch() if step_deadline else None
+    checks = (pending.Overlapped(self._check) if self.overlap_check and
+              self.check_fn is not None else None)
     try:
       if sigterm is not None:
         sigterm.install()
@@ -254,13 +260,18 @@ class ResilientLoop:
         # Its state is read right after it: it finishes inside its step.
         settle = n == until_step or _saves_at(checkpoints, n)
         with contextlib.nullcontext() if watch is None else watch.step(n):
-          state, record = self._step(state, watch, many)
+          state, record = self._step(old := state, watch, many,
+                                     check=checks is None)
+          if checks is not None:
+            checks.dispatched(old.user, state.user, record, settle=settle)
           queue.add(record, settle)
         if on_step is not None:
           on_step(state, record)
         preempted = self._reached_preemption(state.step, sigterm)
         if preempted and not settle:
           queue.finish(record, state, watch)
+          if checks is not None:
+            checks.flush()
         _save(checkpoints, state, preempted=preempted,
               final=state.step == until_step)
         if preempted:
@@ -308,43 +319,6 @@ def _saves_at(checkpoints: Checkpoints | None, step: int) -> bool:
   local = checkpoints.local
   return step % checkpoints.save_every == 0 or (local is not None
                                                 and local.due(step))
-
-
-class _Queue:
-  """The steps dispatched and not yet waited for, oldest first.
-
-  A loop that never reads a result keeps the device busy by queueing steps
-  ahead of it; this one queues up to `_IN_FLIGHT`, so that a step's watched
-  time is its device time and what is queued stays bounded.
-  """
-
-  def __init__(self):
-    self._steps: collections.deque[StepRecord] = collections.deque()
-    self.done: StepRecord | None = None  # The newest step known finished.
-
-  def add(self, record: StepRecord, settle: bool) -> None:
-    """Queues `record`'s step; waits for the oldest while over `_IN_FLIGHT` (all with `settle`)."""
-    self._steps.append(record)
-    while len(self._steps) > _IN_FLIGHT or (settle and self._steps):
-      done = self._steps.popleft()
-      loss = done.raw_loss
-      if isinstance(loss, jax.Array):
-        loss.block_until_ready()
-      else:
-        jax.block_until_ready(loss)
-      self.done = done
-
-  def finish(self, record: StepRecord, state: TransitionState,
-             watch: Any) -> None:
-    """Waits for `record`'s step (its loss and `state`) and all before it, judged as its step."""
-    self._steps.clear()
-    if watch is None:
-      jax.block_until_ready((record.raw_loss, state.user))
-    else:
-      with watch.step(record.step):  # The step's end, still judged.
-        watch.arrived()
-        jax.block_until_ready((record.raw_loss, state.user))
-    self.done = record
 
 
 class _Progress:

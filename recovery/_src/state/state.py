@@ -58,10 +58,24 @@ class TransitionState:
                step=int(data['step']))
 
   def replace(self, **changes) -> TransitionState:
-    """A copy with `changes` (as `dataclasses.replace`; a loop calls it every step)."""
-    fields = dict(self.__dict__)
-    fields.update(changes)
-    return TransitionState(**fields)
+    """A copy with `changes` (as `dataclasses.replace`; a loop calls it every step).
+
+    Raises:
+      TypeError: a change names no field.
+    """
+    if not changes.keys() <= _FIELDS:
+      raise TypeError(f'TransitionState has no field(s) '
+                      f'{sorted(changes.keys() - _FIELDS)}; its fields are '
+                      f'{sorted(_FIELDS)}.')
+    # The fields copied as they are (no __init__: a frozen dataclass's sets
+    # each field through object.__setattr__, a third of this call's time).
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TransitionState))
 
 
 class EpochSampler:

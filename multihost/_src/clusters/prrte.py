@@ -5,7 +5,7 @@ sets and Open MPI 5's does not (it sets `OMPI_COMM_WORLD_*`, `PMIX_*` and
 `PRTE_LAUNCHED`): there `jax.distributed.initialize()` stops with
 "coordinator_address should be defined". Here the count and index come from
 `OMPI_COMM_WORLD_SIZE`/`_RANK`; process 0's address is its own to choose and
-reaches the others through PMIx (`runtime.pmix`), whose server every process
+reaches the others through PMIx (`clusters.pmix`), whose server every process
 of the job is connected to: on one host it is 127.0.0.1, across hosts
 process 0's host name; the port is `$JAX_COORDINATOR_PORT`, else a free one
 that process 0 holds until its service binds it.
@@ -19,8 +19,8 @@ import socket
 import zlib
 
 from multihost import env
+from multihost._src.clusters import pmix
 from multihost._src.runtime import errors
-from multihost._src.runtime import pmix
 
 # What process 0 shares instead of an address when it cannot give one: the
 # others then raise its message at once, not after the timeout.
