@@ -180,11 +180,8 @@ class _Run:
                                         '0') in ('', '0')
     sampler = recovery.EpochSampler(F.SAMPLES.value, model.batch_size)
     self.upcoming = 0  # The step whose batch data_fn loads next.
-    # The step donates nothing, so each step's host check runs while the
-    # next step runs on the device (overlap_check), not before its dispatch.
     self.loop = recovery.ResilientLoop(model.update, data_fn=self._data,
-                                       sampler=sampler, check_fn=model.check,
-                                       overlap_check=True)
+                                       sampler=sampler, check_fn=model.check)
     self.initial = self.loop.init(model.initial_user_state(),
                                   jax.random.key(F.SEED.value))
     self.metrics = None

@@ -173,6 +173,9 @@ class ResilientLoop:
         loss.is_fully_addressable or loss.sharding.is_fully_replicated):
       _ = record.loss
     if check and self.check_fn is not None:
+      # Read here, so that a report of a step stuck in this read shows the
+      # program's own frames within its depth (one frame fewer than _check).
+      _ = record.loss
       self._check(state.user, user, record)
     return nxt, record
 
