@@ -168,6 +168,21 @@ def readme_swap_example() -> str:
   return blocks[0]
 
 
+def run_each(argv: list[str], envs: list[dict[str, str]], *, cwd,
+             timeout: float) -> tuple[list[int], list[str]]:
+  """Runs `argv` once per environment, all at once; their exit codes and outputs (stdout and stderr)."""
+  procs = []
+  try:
+    for env in envs:
+      procs.append(subprocess.Popen(
+          argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    codes = wait_all(procs, timeout=10)
+  return codes, outs
+
+
 # A clean 2-controller run prints at most this many lines (the launcher's
 # quiet run of bin/train.py prints 7, README's example 2), under any engine.
 QUIET_RUN_LINES = 12

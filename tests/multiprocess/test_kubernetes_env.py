@@ -12,7 +12,6 @@ Kubernetes API itself is not run here: it needs a cluster.
 from __future__ import annotations
 
 import pathlib
-import subprocess
 import sys
 
 import _helpers
@@ -26,23 +25,16 @@ TIMEOUT_S = 120
 def test_the_readme_example_in_an_indexed_jobs_environment(tmp_path):
   script = tmp_path / 'swap_example.py'
   script.write_text(_helpers.readme_swap_example())
-  procs = []
   with _helpers.held_port() as port:
-    try:
-      for index in (1, 0):
-        env = _helpers.clean_env(**_helpers.quick_compile_env(), **{
+    codes, outs = _helpers.run_each(
+        [sys.executable, str(script)],
+        [_helpers.clean_env(**_helpers.quick_compile_env(), **{
             env_lib.PLATFORMS: 'cpu',
             env_lib.K8S_SERVICE_HOST: '10.96.0.1',
             env_lib.JOB_COMPLETION_INDEX: str(index),
             env_lib.COORDINATOR: f'127.0.0.1:{port}',
-            env_lib.NUM_PROCESSES: '2'})
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script)], env=env, cwd=tmp_path,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
-      outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-      codes = _helpers.wait_all(procs, timeout=10)
+            env_lib.NUM_PROCESSES: '2'}) for index in (1, 0)],
+        cwd=tmp_path, timeout=TIMEOUT_S)
   assert codes == [0, 0], outs
   assert [o.strip() for o in outs] == ['process 1: seed 1234, ids [0, 1]',
                                        'process 0: seed 1234, ids [0, 1]'], outs

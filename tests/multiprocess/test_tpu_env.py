@@ -61,19 +61,13 @@ def test_a_lone_tpu_machine_is_one_controller_without_lookups():
 def test_the_hosts_of_a_tpu_pod_join_as_jax_numbers_them(tmp_path):
   script = tmp_path / 'swap_example.py'
   script.write_text(_helpers.readme_swap_example())
-  procs = []
   with _helpers.held_port() as port, _silent_server() as metadata:
-    try:
-      for worker in (1, 0):
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script)], cwd=tmp_path,
-            env=_tpu_env('127.0.0.1,127.0.0.1', worker, metadata,
-                         **{env_lib.COORDINATOR_PORT: str(port)}),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
-      outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-      codes = _helpers.wait_all(procs, timeout=10)
+    codes, outs = _helpers.run_each(
+        [sys.executable, str(script)],
+        [_tpu_env('127.0.0.1,127.0.0.1', worker, metadata,
+                  **{env_lib.COORDINATOR_PORT: str(port)})
+         for worker in (1, 0)],
+        cwd=tmp_path, timeout=TIMEOUT_S)
   assert codes == [0, 0], outs
   assert [o.strip().splitlines()[-1] for o in outs] == [
       'process 1: seed 1234, ids [0, 1]',

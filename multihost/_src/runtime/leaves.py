@@ -263,7 +263,7 @@ def flatten(tree: PyTree, op: str):
     with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
     known = (tuple(jax.tree_util.keystr(p) or '<root>' for p, _ in with_path),
              _ADDRESS.sub('', str(treedef)))
-    _remember(treedef, known)
+    _remember(_TREEDEFS, treedef, known)
   return leaves, list(known[0]), treedef
 
 
@@ -299,10 +299,7 @@ def host_leaves(tree: PyTree, op: str) -> HostLeaves:
     x64 = jax.config.jax_enable_x64
     key = (treedef, x64, *[(x.shape, x.dtype, x.flags.c_contiguous)
                             for x in leaves])
-    try:
-      known = _LAYOUTS.get(key)
-    except TypeError:  # Unhashable static data.
-      key = known = None
+    known = _cached(_LAYOUTS, key)
     if known is not None:
       return HostLeaves(leaves, *known, treedef, [])
   leaves, paths, treedef = flatten(tree, op)
@@ -312,9 +309,7 @@ def host_leaves(tree: PyTree, op: str) -> HostLeaves:
                          treedef, bad)
   if (not bad and key is not None
       and all(v is x for v, x in zip(values, leaves, strict=True))):
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-      _LAYOUTS.clear()
-    _LAYOUTS[key] = (specs, described.paths, described.signature)
+    _remember(_LAYOUTS, key, (specs, described.paths, described.signature))
   return described
 
 
@@ -322,7 +317,7 @@ def host_leaves(tree: PyTree, op: str) -> HostLeaves:
 # (shape, dtype, contiguity), the specs, paths and signature of a tree of
 # numpy leaves that need no conversion. Bounded: cleared when full.
 _LAYOUTS: dict[tuple, tuple] = {}
-_LAYOUTS_MAX = 256
+_LAYOUTS_MAX = _CACHE_MAX = 256  # Entries of each cache here, at most.
 
 
 # Each flattened treedef's (leaf paths, signature), which a training loop's
@@ -332,17 +327,23 @@ _TREEDEFS: dict[Any, tuple[tuple[str, ...], str]] = {}
 
 
 def _known(treedef) -> tuple[tuple[str, ...], str] | None:
+  return _cached(_TREEDEFS, treedef)
+
+
+def _cached(cache: dict, key):
+  """`cache[key]`, or None when absent or when `key` cannot be hashed (static data)."""
   try:
-    return _TREEDEFS.get(treedef)
-  except TypeError:  # Unhashable static data.
+    return cache.get(key)
+  except TypeError:
     return None
 
 
-def _remember(treedef, known: tuple[tuple[str, ...], str]) -> None:
-  if len(_TREEDEFS) > 256:
-    _TREEDEFS.clear()
+def _remember(cache: dict, key, value) -> None:
+  """Keeps `value` under `key` in a bounded `cache` (cleared when full); an unhashable key is not kept."""
+  if len(cache) >= _CACHE_MAX:
+    cache.clear()
   try:
-    _TREEDEFS[treedef] = known
+    cache[key] = value
   except TypeError:
     pass
 
