@@ -181,7 +181,8 @@ class _Run:
     sampler = recovery.EpochSampler(F.SAMPLES.value, model.batch_size)
     self.upcoming = 0  # The step whose batch data_fn loads next.
     self.loop = recovery.ResilientLoop(model.update, data_fn=self._data,
-                                       sampler=sampler, check_fn=model.check)
+                                       sampler=sampler, check_fn=model.check,
+                                       overlap_check=True)
     self.initial = self.loop.init(model.initial_user_state(),
                                   jax.random.key(F.SEED.value))
     self.metrics = None

@@ -72,15 +72,24 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
   names = {t.ident: t.name for t in threading.enumerate()}
   main = threading.main_thread().ident
   me = threading.get_ident()
+  program = _program_file()
   threads = []
   for ident, frame in sorted(frames.items(), key=lambda kv: kv[0] != main):
     if ident == me and ident != main:
       continue  # The reporting thread itself.
-    stack = traceback.extract_stack(frame)[-_FRAMES:]
+    stack = traceback.extract_stack(frame)
+    own = next((f for f in reversed(stack)
+                if program is not None and _same(f.filename, program)), None)
     threads.append({
         'name': names.get(ident, f'thread {ident}'),
         'main': ident == main,
-        'frames': [[_short(f.filename), f.lineno, f.name] for f in stack],
+        'frames': [[_short(f.filename), f.lineno, f.name]
+                   for f in stack[-_FRAMES:]],
+        # The innermost frame of the program's main module (its script), so
+        # that a short stack shows where in the program the thread is even
+        # when library frames fill it.
+        'program': None if own is None else [_short(own.filename),
+                                             own.lineno, own.name],
     })
   now = time.monotonic()
   last = rt.flight.last_completed()
@@ -100,6 +109,17 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
           'label': failed.label(), 'error': failed.error,
           'ago': now - failed.failed_at},
   }
+
+
+def _program_file() -> str | None:
+  """The program's main module's file (its script), or None (e.g. an interactive session)."""
+  main = sys.modules.get('__main__')
+  path = getattr(main, '__file__', None)
+  return os.path.abspath(path) if isinstance(path, str) else None
+
+
+def _same(filename: str, program: str) -> bool:
+  return filename == program or os.path.abspath(filename) == program
 
 
 def _short(path: str) -> str:

@@ -13,13 +13,22 @@ _prefix = failures.prefix
 
 
 def _frames(report: dict, limit: int) -> str:
-  """The main thread's innermost `limit` frames, innermost first: 'f (file:line) <- g (file:line)'."""
+  """The main thread's innermost `limit` frames, innermost first: 'f (file:line) <- g (file:line)'.
+
+  When the program's own innermost frame (its main module's, `program`) is
+  not among them, it ends the list after an ellipsis: 'f (...) <- ... <-
+  main (train.py:9)'.
+  """
   main = next((t for t in report['threads'] if t['main']), None)
   if main is None or not main['frames']:
     return 'main thread: no Python frames'
   frames = main['frames'][::-1][:limit]
-  return 'main thread in ' + ' <- '.join(
-      f'{func} ({path}:{line})' for path, line, func in frames)
+  own = main.get('program')
+  text = ' <- '.join(f'{func} ({path}:{line})' for path, line, func in frames)
+  if own is not None and own not in frames:
+    path, line, func = own
+    text += f' <- ... <- {func} ({path}:{line})'
+  return 'main thread in ' + text
 
 
 def _collectives(report: dict) -> str:

@@ -29,6 +29,10 @@ a context manager, around each step; `recovery`'s loop does it), and:
 * `StepWatch.arrived()` marks the point of the step from which a process
   waits for its peers (its batch is loaded): in the same step, a process
   short of it is behind one past it.
+* `StepWatch.awaiting(n, ready)`: step n's result is still to be read
+  (a loop that checks step n after dispatching step n+1): while step n+1
+  is in progress and the result is not ready, the process is stuck on step
+  n, and its place and a stuck step's report name step n.
 
 Per step: two clock reads and two uncontended lock operations, nothing
 sent, nothing growing. Every blocking operation of the thread has a bound.
@@ -113,6 +117,9 @@ class StepWatch:
     self._decided = 0  # The serial of the last step the thread judged.
     self._state = 'done'
     self._last: int | None = None  # The last step begun.
+    self._before = 0.0  # When the step before the last one began.
+    # The step whose result is still to be read, and whether it is ready.
+    self._awaited: tuple[int, Callable[[], bool] | None] | None = None
     self._ended = 0.0  # When the last step ended.
     self._arrivals = False  # Whether the program marks arrivals.
     self._thread: threading.Thread | None = None
@@ -153,6 +160,19 @@ class StepWatch:
         self._state = 'arrived'
         self._arrivals = True
 
+  def awaiting(self, n: int | None,
+               ready: Callable[[], bool] | None = None) -> None:
+    """Marks that step `n`'s result is still to be read (None: read), e.g. to check step n after dispatching step n+1.
+
+    Step n+1 is judged against its own deadline; while it is in progress
+    and `ready()` is False (None: until marked read), this process is
+    stuck on step `n`: its place (`position`) and a stuck step's report
+    name step `n`, timed from its start. `ready` is called only then (from
+    other threads): it must not block.
+    """
+    with self._lock:
+      self._awaited = None if n is None else (int(n), ready)
+
   def deadline(self) -> float | None:
     """Seconds the next step (or the one in progress) may take; None when not judged (off, or warming up)."""
     with self._cond:
@@ -177,6 +197,10 @@ class StepWatch:
     with self._cond:
       if self._last is None:
         return None
+      if self._stuck_on() is not None:
+        return {'step': self._n - 1, 'state': 'arrived',
+                'for': self._clock() - self._before,
+                'arrivals': self._arrivals, 'in': self._n}
       since = self._ended if self._n is None else self._began
       return {'step': self._last, 'state': self._state,
               'for': self._clock() - since, 'arrivals': self._arrivals}
@@ -199,7 +223,7 @@ class StepWatch:
             '`with watch.step(n):` per step).')
       now = self._clock()
       limit = self.learner.deadline(rule)
-      self._n, self._last, self._began = n, n, now
+      self._n, self._last, self._before, self._began = n, n, self._began, now
       self._state = 'preparing'
       self._serial += 1
       self._due = limit
@@ -232,6 +256,18 @@ class StepWatch:
       if completed:
         self.learner.observe(now - self._began, self.rule())
       self._n, self._due, self._state, self._ended = None, None, 'done', now
+
+  def _stuck_on(self) -> int | None:
+    """The earlier step this process is stuck on (see `awaiting`), or None (with the lock held)."""
+    if self._awaited is None or self._n is None:
+      return None
+    n, ready = self._awaited
+    try:
+      if n != self._n - 1 or (ready is not None and ready()):
+        return None
+    except Exception:  # noqa: BLE001  E.g. a deleted array: not awaited.
+      return None
+    return n
 
   # --- The thread --------------------------------------------------------
 
@@ -273,12 +309,15 @@ class StepWatch:
     """Step `n` outlasted its deadline: reports, and leaves if it is still in progress; returns whether the thread is done."""
     rt = self.runtime
     me = rt.index
+    with self._cond:  # Stuck on an earlier step's result: that step.
+      if self._serial == serial and self._stuck_on() is not None:
+        n, began = self._n - 1, self._before
     took = self._clock() - began
     reports = _bounded(lambda: self._ask(list(range(rt.count))), ASK_BOUND_S)
     if reports is None:
       reports = {p: None for p in range(rt.count) if p != me}
     with self._cond:
-      still = self._serial == serial and self._n == n
+      still = self._serial == serial and self._n is not None
       rule = self.rule()
       why = self.learner.explain(rule)
     if not still:  # It ended while the others were asked: slow, not stuck.

@@ -36,6 +36,8 @@ def position_text(position: dict, *, arrivals: bool | None = None) -> str:
   if state == 'done':
     return f'between steps: step {n} ended {seconds:.1f} s ago'
   text = f'in step {n} for {seconds:.1f} s'
+  if position.get('in') is not None:  # See `StepWatch.awaiting`.
+    text += f' (its result awaited in step {position["in"]})'
   if position['arrivals'] if arrivals is None else arrivals:
     text += (', arrived at its collective part' if state == 'arrived' else
              ', not arrived at its collective part')

@@ -251,7 +251,7 @@ class ResilientLoop:
     progress = _Progress(state.step, until_step, progress_every_s)
     queue, record = pending.Queue(), None
     watch = multihost.step_watch() if step_deadline else None
-    checks = (pending.Overlapped(self._check) if self.overlap_check and
+    checks = (pending.Overlapped(self._check, watch) if self.overlap_check and
               self.check_fn is not None else None)
     try:
       if sigterm is not None:

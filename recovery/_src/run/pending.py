@@ -17,8 +17,9 @@ IN_FLIGHT = 2
 class Overlapped:
   """`overlap_check`: the check of the step dispatched last, run once the next one is dispatched (or when flushed)."""
 
-  def __init__(self, check: Callable[[Any, Any, Any], None]):
+  def __init__(self, check: Callable[[Any, Any, Any], None], watch: Any):
     self._check = check  # (old user state, new user state, record)
+    self._watch = watch  # A `multihost.step_watch()`, or None.
     self._held: tuple[Any, Any, Any] | None = None
 
   def dispatched(self, old_user: Any, new_user: Any,
@@ -28,12 +29,22 @@ class Overlapped:
     self._held = (old_user, new_user, record)
     if settle:
       self.flush()
+    elif self._watch is not None:
+      # Until its check has read it, a process stuck in the next step is
+      # stuck on this one's result (its dispatch, its check wait for it).
+      loss = record.raw_loss
+      self._watch.awaiting(record.step, loss.is_ready if isinstance(
+          loss, jax.Array) else None)
 
   def flush(self) -> None:
     """Checks the step held, if any."""
     held, self._held = self._held, None
     if held is not None:
-      self._check(*held)
+      try:
+        self._check(*held)
+      finally:
+        if self._watch is not None:
+          self._watch.awaiting(None)
 
 
 class Queue:
