@@ -247,6 +247,40 @@ def test_a_process_between_steps_is_behind_one_in_the_next_step(pair):
   assert '(process(es) [0]: in step 3 for ' in line, line
 
 
+def test_a_process_yet_to_read_the_step_before_is_stuck_on_that_step(pair):
+  """Process 0 dispatched step 5 and is in step 6, still to read step 5's result (an overlapped check); process 1 is stuck loading step 5: process 0 reports step 5, awaited in step 6."""
+  rts, exits = pair
+  w0 = rts[0].step_watch
+  ready = []
+  with w0.step(5):
+    w0.arrived()
+  w0.awaiting(5, lambda: bool(ready))
+  release = threading.Event()
+  one = threading.Thread(target=lambda: _in_step(rts[1], 5, release,
+                                                 arrive=False), daemon=True)
+  one.start()
+  try:
+    with w0.step(6):
+      w0.arrived()
+      place = w0.position()
+      ready.append(True)  # Once step 5's result is ready: in step 6 again.
+      assert w0.position()['step'] == 6
+      ready.clear()
+      assert _wait_for(lambda: exits[0], 10), exits
+  finally:
+    release.set()
+    one.join(5)
+  assert place['step'] == 5 and place['state'] == 'arrived', place
+  assert place['in'] == 6 and place['for'] >= 0, place
+  line = w0.fired
+  assert line.startswith('[process=0] multihost: step 5 has run for '), line
+  assert ('Behind the others: process 1 is in step 5 for ' in line
+          and '(process(es) [0]: in step 5 for ' in line
+          and ' (its result awaited in step 6), arrived' in line), line
+  w0.awaiting(None)  # Read: step 6 again.
+  assert w0.position()['step'] == 6 and 'in' not in w0.position()
+
+
 def _slowly_asking(rt, exits, rule):
   """A watch (under `rule`) whose question to the others takes 0.5 s, and the event set when it is asked."""
   asked = threading.Event()
@@ -360,3 +394,29 @@ def test_recovery_s_loop_watches_each_step_unless_told_not_to():
   loop.run(state, until_step=5, step_deadline=False)
   assert watch.learner.steps == before + 3
   assert watch.position()['step'] == 3
+
+
+@pytest.mark.parametrize('overlap', [False, True])
+def test_an_overlapped_check_leaves_the_next_step_stuck_on_its_step(overlap):
+  """With `overlap_check`, until a step's held check reads its result, the next step is stuck on it (a result that is not a jax.Array is never ready)."""
+  seen, checked = [], []
+
+  def data_fn(ids):
+    seen.append(multihost.step_watch().position())
+    return np.float32(len(ids))
+
+  loop = recovery.ResilientLoop(
+      lambda user, batch: (user + batch, np.float32(batch)), data_fn=data_fn,
+      sampler=recovery.EpochSampler(8, 2), overlap_check=overlap,
+      check_fn=lambda *a: checked.append(multihost.step_watch().position()))
+  state = loop.init(np.float32(0), jax.random.key(0))
+  loop.run(state, until_step=3)
+  if overlap:  # Step 3 settles (the last): its check in its own step.
+    assert [(p['step'], p.get('in')) for p in seen] == [
+        (1, None), (1, 2), (2, 3)], seen
+    assert [(p['step'], p.get('in')) for p in checked] == [
+        (1, 2), (2, 3), (3, None)], checked
+  else:
+    assert [(p['step'], p.get('in')) for p in seen + checked] == [
+        (1, None), (2, None), (3, None)] * 2, seen
+  assert 'in' not in multihost.step_watch().position()

@@ -6,6 +6,8 @@ import pytest
 
 import multihost
 from multihost import env as env_lib
+from multihost._src.diagnostics import where
+from multihost._src.diagnostics import where_text
 
 
 def test_straggler_statistics_name_the_process_that_waited_least():
@@ -45,3 +47,22 @@ def test_single_process_where_and_stall_threshold(monkeypatch):
     multihost.stall_report_after()
 
 
+
+
+def test_a_short_stack_ends_with_the_program_s_own_innermost_frame():
+  frames = [['bin/train.py', 9, 'main'], ['run/loop.py', 266, 'run']] + [
+      ['lib/deep.py', n, f'f{n}'] for n in range(8)]
+  report = {'threads': [{'name': 'MainThread', 'main': True,
+                         'frames': frames, 'program': frames[0]}]}
+  line = where_text.main_thread({**report, 'last': None, 'now_in': None})
+  assert line.startswith('main thread in f7 (lib/deep.py:7) <- f6 '), line
+  assert ('<- f2 (lib/deep.py:2) <- ... <- main (bin/train.py:9);' in line
+          and 'f1 ' not in line), line
+  # Among the innermost frames already: shown once, in its place.
+  report['threads'][0]['frames'] = frames[:4]
+  line = where_text.main_thread({**report, 'last': None, 'now_in': None})
+  assert line.count('main (bin/train.py:9)') == 1 and '...' not in line, line
+  # The report names the program's innermost frame (this process's main
+  # module is the test runner's), or None where there is none.
+  mine = where.local_report()['threads'][0]
+  assert mine['main'] and 'program' in mine, mine
