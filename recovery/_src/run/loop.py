@@ -118,8 +118,11 @@ class ResilientLoop:
   exactly the steps the uninterrupted run would have taken. An optional
   `check_fn` checks each step independently; with `overlap_check`, `run`
   checks step n right after dispatching step n+1, so the device never waits
-  for the check (only for a `step_fn` that donates none of its arguments;
-  a step's check still passes before it is saved or the run returns).
+  for the check (a step's check still passes before it is saved or the run
+  returns). Until step n's check has read its result, a process stuck in
+  step n+1 is reported as stuck in step n (`multihost.step_watch()`'s
+  `awaiting`). It is off by default: it needs a `step_fn` that donates none
+  of its arguments (step n+1 would delete the state step n's check reads).
   """
 
   def __init__(self, step_fn: StepFn, *, data_fn: DataFn,
