@@ -1,6 +1,7 @@
 r"""Costs beside a training step, in one process: the loop, the conversions, a checkpoint.
 
   python bench/beside_step.py --parts=loop,convert,checkpoint
+  python bench/beside_step.py --parts=check   # overlap_check on against off
 
 One controller, no `jax.distributed` (it runs where no socket can be
 opened, as on a TPU machine here); every comparison in interleaved rounds
@@ -16,6 +17,10 @@ opened, as on a TPU machine here); every comparison in interleaved rounds
   `jax.experimental.multihost_utils`'s, for float32 batches of `--sizes`
   sharded over a mesh of all devices (`P('data')`); each timed call waits
   for its result.
+* `check`: `ResilientLoop.run` with a `check_fn` (the loss and a host
+  copy of the first layer's new weights finite, as a host check reads a
+  step's result), `overlap_check=True` against False, on the `loop`
+  part's model: overlapped, step n's check runs while step n+1 computes.
 * `overhead`: the loop's own host cost: main-thread CPU time per step of
   `ResilientLoop.run` and of a bare loop of a trivial jitted step on a
   batch already on the device (`--steps` x 10 steps, `--rounds` rounds).
@@ -106,8 +111,8 @@ def _adam_step(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
   return step
 
 
-def loop_rows(*, width: int, layers: int, batch: int, samples: int,
-              steps: int, rounds: int) -> list[str]:
+def _loop_parts(width: int, layers: int, batch: int, samples: int):
+  """The loop part's jitted step, `data_fn`, sampler and initial state."""
   mesh = jax.make_mesh((jax.device_count(),), ('data',))
   rep = jax.sharding.NamedSharding(mesh, jax.P())
   data_sharding = jax.sharding.NamedSharding(mesh, jax.P('data'))
@@ -128,7 +133,13 @@ def loop_rows(*, width: int, layers: int, batch: int, samples: int,
   step = _adam_step()
   sampler = recovery.EpochSampler(samples, batch)
   loop = recovery.ResilientLoop(step, data_fn=data_fn, sampler=sampler)
-  start = loop.init(user, jax.random.key(0))
+  return step, data_fn, sampler, loop.init(user, jax.random.key(0))
+
+
+def loop_rows(*, width: int, layers: int, batch: int, samples: int,
+              steps: int, rounds: int) -> list[str]:
+  step, data_fn, sampler, start = _loop_parts(width, layers, batch, samples)
+  loop = recovery.ResilientLoop(step, data_fn=data_fn, sampler=sampler)
   # The bare loop's ids: the ones the resilient loop draws, in order.
   ids, s = [], start
   for _ in range(steps):
@@ -162,6 +173,34 @@ def loop_rows(*, width: int, layers: int, batch: int, samples: int,
                                         strict=True))
   return [f'| {layers}-layer MLP, width {width}, batch {batch}, {steps} steps '
           f'| {o:.3f} | {b:.3f} | {statistics.median(ratios):.3f} '
+          f'| {ratios[0]:.3f}-{ratios[-1]:.3f} |']
+
+
+def _finite(old, new, ids, loss) -> None:
+  """A host check of a step: its loss and the first layer's new weights are finite."""
+  del old
+  if not (np.isfinite(loss) and np.isfinite(np.asarray(
+      new['params']['w0'])).all()):
+    raise AssertionError(f'not finite after the batch of ids {ids[:4]}...')
+
+
+def check_rows(*, width: int, layers: int, batch: int, samples: int,
+               steps: int, rounds: int) -> list[str]:
+  step, data_fn, sampler, start = _loop_parts(width, layers, batch, samples)
+  loops = {on: recovery.ResilientLoop(step, data_fn=data_fn, sampler=sampler,
+                                      check_fn=_finite, overlap_check=on)
+           for on in (True, False)}
+  sides = {on: (lambda loop=loop: loop.run(start, until_step=steps,
+                                           progress_every_s=1e9))
+           for on, loop in loops.items()}
+  for side in sides.values():  # Compile and warm (untimed).
+    side()
+  times = _interleaved(sides, rounds)
+  on, off = (_median_ms(times[k]) / steps for k in (True, False))
+  ratios = sorted(a / c for a, c in zip(times[True], times[False],
+                                        strict=True))
+  return [f'| {layers}-layer MLP, width {width}, batch {batch}, {steps} steps '
+          f'| {on:.3f} | {off:.3f} | {statistics.median(ratios):.3f} '
           f'| {ratios[0]:.3f}-{ratios[-1]:.3f} |']
 
 
@@ -277,6 +316,15 @@ def main() -> None:
       for row in loop_rows(width=width, layers=args.layers,
                            batch=args.batch, samples=args.steps * args.batch,
                            steps=args.steps, rounds=args.rounds):
+        print(row, flush=True)
+  if 'check' in parts:
+    print('\n| loop with a check_fn | overlap_check=True ms/step '
+          '| overlap_check=False ms/step | ratio (median of rounds) '
+          '| ratio by round |\n|---|---|---|---|---|')
+    for width in args.width:
+      for row in check_rows(width=width, layers=args.layers,
+                            batch=args.batch, samples=args.steps * args.batch,
+                            steps=args.steps, rounds=args.rounds):
         print(row, flush=True)
   if 'overhead' in parts:
     print('\n| loop | ResilientLoop.run us/step | bare loop us/step '
