@@ -30,9 +30,8 @@ a context manager, around each step; `recovery`'s loop does it), and:
   waits for its peers (its batch is loaded): in the same step, a process
   short of it is behind one past it.
 * `StepWatch.awaiting(n, ready)`: step n's result is still to be read
-  (a loop that checks step n after dispatching step n+1): while step n+1
-  is in progress and the result is not ready, the process is stuck on step
-  n, and its place and a stuck step's report name step n.
+  (checked after step n+1's dispatch): while it is not ready, a process in
+  step n+1 is stuck on step n, and its place and report name step n.
 
 Per step: two clock reads and two uncontended lock operations, nothing
 sent, nothing growing. Every blocking operation of the thread has a bound.
@@ -117,9 +116,7 @@ class StepWatch:
     self._decided = 0  # The serial of the last step the thread judged.
     self._state = 'done'
     self._last: int | None = None  # The last step begun.
-    self._before = 0.0  # When the step before the last one began.
-    # The step whose result is still to be read, and whether it is ready.
-    self._awaited: tuple[int, Callable[[], bool] | None] | None = None
+    self._awaited: tuple | None = None  # (n, ready, began): see `awaiting`.
     self._ended = 0.0  # When the last step ended.
     self._arrivals = False  # Whether the program marks arrivals.
     self._thread: threading.Thread | None = None
@@ -167,11 +164,13 @@ class StepWatch:
     Step n+1 is judged against its own deadline; while it is in progress
     and `ready()` is False (None: until marked read), this process is
     stuck on step `n`: its place (`position`) and a stuck step's report
-    name step `n`, timed from its start. `ready` is called only then (from
-    other threads): it must not block.
+    name step `n`, timed from its start (marked during step `n`; else from
+    now). `ready` is called only then (from other threads): it must not
+    block.
     """
     with self._lock:
-      self._awaited = None if n is None else (int(n), ready)
+      self._awaited = None if n is None else (
+          int(n), ready, self._began if self._last == n else self._clock())
 
   def deadline(self) -> float | None:
     """Seconds the next step (or the one in progress) may take; None when not judged (off, or warming up)."""
@@ -199,7 +198,7 @@ class StepWatch:
         return None
       if self._stuck_on() is not None:
         return {'step': self._n - 1, 'state': 'arrived',
-                'for': self._clock() - self._before,
+                'for': self._clock() - self._awaited[2],
                 'arrivals': self._arrivals, 'in': self._n}
       since = self._ended if self._n is None else self._began
       return {'step': self._last, 'state': self._state,
@@ -223,7 +222,7 @@ class StepWatch:
             '`with watch.step(n):` per step).')
       now = self._clock()
       limit = self.learner.deadline(rule)
-      self._n, self._last, self._before, self._began = n, n, self._began, now
+      self._n, self._last, self._began = n, n, now
       self._state = 'preparing'
       self._serial += 1
       self._due = limit
@@ -261,7 +260,7 @@ class StepWatch:
     """The earlier step this process is stuck on (see `awaiting`), or None (with the lock held)."""
     if self._awaited is None or self._n is None:
       return None
-    n, ready = self._awaited
+    n, ready, _ = self._awaited
     try:
       if n != self._n - 1 or (ready is not None and ready()):
         return None
@@ -311,7 +310,7 @@ class StepWatch:
     me = rt.index
     with self._cond:  # Stuck on an earlier step's result: that step.
       if self._serial == serial and self._stuck_on() is not None:
-        n, began = self._n - 1, self._before
+        n, began = self._n - 1, self._awaited[2]
     took = self._clock() - began
     reports = _bounded(lambda: self._ask(list(range(rt.count))), ASK_BOUND_S)
     if reports is None:
