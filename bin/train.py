@@ -4,7 +4,8 @@ Trains the tutorial's example (least squares, momentum SGD) with the
 `recovery` loop: deterministic per-epoch data order carried in the state,
 Orbax checkpoints every --save_every steps, consistency checks across
 controllers, and a clean stop on preemption (SIGTERM). Every step is checked
-against an independent host-side computation.
+against an independent host-side computation, while the next step computes
+(`overlap_check`).
 
 Single controller (no flags: 4 virtual CPU devices, a fresh checkpoint folder):
   python bin/train.py
