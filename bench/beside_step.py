@@ -21,6 +21,8 @@ opened, as on a TPU machine here); every comparison in interleaved rounds
   copy of the first layer's new weights finite, as a host check reads a
   step's result), `overlap_check=True` against False, on the `loop`
   part's model: overlapped, step n's check runs while step n+1 computes.
+  `--check_ms`: the check also sleeps that long (a check that waits on
+  something other than these cores, which a CPU device shares).
 * `overhead`: the loop's own host cost: main-thread CPU time per step of
   `ResilientLoop.run` and of a bare loop of a trivial jitted step on a
   batch already on the device (`--steps` x 10 steps, `--rounds` rounds).
@@ -37,6 +39,7 @@ back to back).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -176,19 +179,21 @@ def loop_rows(*, width: int, layers: int, batch: int, samples: int,
           f'| {ratios[0]:.3f}-{ratios[-1]:.3f} |']
 
 
-def _finite(old, new, ids, loss) -> None:
+def _finite(old, new, ids, loss, *, sleep_s: float = 0.0) -> None:
   """A host check of a step: its loss and the first layer's new weights are finite."""
   del old
+  time.sleep(sleep_s)
   if not (np.isfinite(loss) and np.isfinite(np.asarray(
       new['params']['w0'])).all()):
     raise AssertionError(f'not finite after the batch of ids {ids[:4]}...')
 
 
 def check_rows(*, width: int, layers: int, batch: int, samples: int,
-               steps: int, rounds: int) -> list[str]:
+               steps: int, rounds: int, check_ms: float) -> list[str]:
   step, data_fn, sampler, start = _loop_parts(width, layers, batch, samples)
+  check = functools.partial(_finite, sleep_s=check_ms / 1e3)
   loops = {on: recovery.ResilientLoop(step, data_fn=data_fn, sampler=sampler,
-                                      check_fn=_finite, overlap_check=on)
+                                      check_fn=check, overlap_check=on)
            for on in (True, False)}
   sides = {on: (lambda loop=loop: loop.run(start, until_step=steps,
                                            progress_every_s=1e9))
@@ -199,8 +204,8 @@ def check_rows(*, width: int, layers: int, batch: int, samples: int,
   on, off = (_median_ms(times[k]) / steps for k in (True, False))
   ratios = sorted(a / c for a, c in zip(times[True], times[False],
                                         strict=True))
-  return [f'| {layers}-layer MLP, width {width}, batch {batch}, {steps} steps '
-          f'| {on:.3f} | {off:.3f} | {statistics.median(ratios):.3f} '
+  return [f'| {layers}-layer MLP, width {width}, batch {batch}, {steps} steps, '
+          f'check + {check_ms:g} ms | {on:.3f} | {off:.3f} | {statistics.median(ratios):.3f} '
           f'| {ratios[0]:.3f}-{ratios[-1]:.3f} |']
 
 
@@ -297,6 +302,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=50)
   parser.add_argument('--rounds', type=int, default=41,
                       help='loop: interleaved rounds of each')
+  parser.add_argument('--check_ms', type=float, default=0.0,
+                      help='check: milliseconds each check also sleeps')
   parser.add_argument('--sizes', default='1,16,64',
                       help='convert: batch sizes in MiB')
   parser.add_argument('--repeats', type=int, default=21,
@@ -324,7 +331,8 @@ def main() -> None:
     for width in args.width:
       for row in check_rows(width=width, layers=args.layers,
                             batch=args.batch, samples=args.steps * args.batch,
-                            steps=args.steps, rounds=args.rounds):
+                            steps=args.steps, rounds=args.rounds,
+                            check_ms=args.check_ms):
         print(row, flush=True)
   if 'overhead' in parts:
     print('\n| loop | ResilientLoop.run us/step | bare loop us/step '
