@@ -31,7 +31,8 @@ class Overlapped:
       self.flush()
     elif self._watch is not None:
       # Until its check has read it, a process stuck in the next step is
-      # stuck on this one's result (its dispatch, its check wait for it).
+      # stuck on this one's result (the check reads it; on a CPU device the
+      # next step's batch and dispatch can wait for it too).
       loss = record.raw_loss
       self._watch.awaiting(record.step, loss.is_ready if isinstance(
           loss, jax.Array) else None)
