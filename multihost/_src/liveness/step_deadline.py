@@ -213,7 +213,8 @@ class StepWatch:
       self._thread.join(2.0)
 
   def _begin(self, n: int) -> None:
-    rule = self.rule()  # Outside the lock: may raise on a bad variable.
+    # Outside the lock: may raise on a bad variable (resolved once).
+    rule = self._rule or self.rule()
     with self._lock:
       if self._n is not None:
         raise RuntimeError(
@@ -226,7 +227,8 @@ class StepWatch:
       self._state = 'preparing'
       self._serial += 1
       self._due = limit
-      if limit is not None and self._thread is None and not self._stopping:
+      if (limit is not None and self._thread is None and not self._stopping
+          and self.runtime.client is not None):  # A client: maybe peers.
         self._start_thread()
 
   def _end(self, *, completed: bool,
@@ -253,7 +255,7 @@ class StepWatch:
           self._cond.wait(0.05)
         now = self._clock()
       if completed:
-        self.learner.observe(now - self._began, self.rule())
+        self.learner.observe(now - self._began, self._rule or self.rule())
       self._n, self._due, self._state, self._ended = None, None, 'done', now
 
   def _stuck_on(self) -> int | None:

@@ -26,6 +26,9 @@ from recovery._src.state.state import EpochSampler
 from recovery._src.state.state import TransitionState
 
 PyTree = Any
+_UNWATCHED = contextlib.nullcontext()  # The step of a run without a watch.
+_monotonic = time.monotonic
+_new = object.__new__
 # (user_state, batch) -> (new_user_state, loss)
 StepFn = Callable[[PyTree, PyTree], tuple[PyTree, Any]]
 # sample ids -> batch (global arrays, identical on every controller)
@@ -169,9 +172,12 @@ class ResilientLoop:
     if watch is not None:
       watch.arrived()  # From here on this process waits for its peers.
     user, loss = self.step_fn(state.user, batch)
-    nxt = nxt.replace(user=user, step=state.step + 1)
-    record = StepRecord(step=nxt.step, epoch=nxt.epoch, ids=ids,
-                        raw_loss=loss)
+    nxt = nxt._stepped(user, state.step + 1)  # pylint: disable=protected-access
+    # StepRecord(...) without its __init__ (a frozen dataclass's sets each
+    # field through object.__setattr__).
+    record = _new(StepRecord)
+    record.__dict__.update(step=nxt.step, epoch=nxt.epoch, ids=ids,
+                           raw_loss=loss)
     if many and isinstance(loss, jax.Array) and not (
         loss.is_fully_addressable or loss.sharding.is_fully_replicated):
       _ = record.loss
@@ -250,67 +256,73 @@ class ResilientLoop:
     """
     many = jax.process_count() > 1
     sigterm = SigtermFlag() if handle_sigterm and not many else None
-    sigint = SigintAsPreemption() if many else None
     progress = _Progress(state.step, until_step, progress_every_s)
     queue, record = pending.Queue(), None
     watch = multihost.step_watch() if step_deadline else None
     checks = (pending.Overlapped(self._check, watch) if self.overlap_check and
               self.check_fn is not None else None)
-    try:
-      if sigterm is not None:
-        sigterm.install()
-      if sigint is not None:
-        sigint.install()
-      while state.step < until_step:
-        n = state.step + 1
-        # Its state is read right after it: it finishes inside its step.
-        settle = n == until_step or _saves_at(checkpoints, n)
-        with contextlib.nullcontext() if watch is None else watch.step(n):
-          state, record = self._step(old := state, watch, many,
-                                     check=checks is None)
-          if checks is not None:
-            checks.dispatched(old.user, state.user, record, settle=settle)
-          queue.add(record, settle)
-        if on_step is not None:
-          on_step(state, record)
-        preempted = self._reached_preemption(state.step, sigterm)
-        if preempted and not settle:
-          queue.finish(record, state, watch)
-          if checks is not None:
-            checks.flush()
-        _save(checkpoints, state, preempted=preempted,
-              final=state.step == until_step)
-        if preempted:
-          _stopped_at_preemption(state, checkpoints)
-          return RunResult(state=state, preempted=True, last_loss=record.loss)
-        progress.tell(state.step, queue.done or record)
-      if checkpoints is not None:
-        checkpoints.wait()
-      return RunResult(state=state, preempted=False,
-                       last_loss=None if record is None else record.loss)
-    except KeyboardInterrupt as interrupt:
-      _note_interrupt(interrupt, state, checkpoints)
-      raise
-    finally:
-      if sigterm is not None:
-        sigterm.uninstall()
-      if sigint is not None:
-        sigint.uninstall()
+    with _handlers(sigterm, SigintAsPreemption() if many else None):
+      try:
+        while state.step < until_step:
+          n = state.step + 1
+          # Its state is read right after it: it finishes inside its step.
+          settle = n == until_step or (checkpoints is not None
+                                       and _saves_at(checkpoints, n))
+          with _UNWATCHED if watch is None else watch.step(n):
+            state, record = self._step(old := state, watch, many,
+                                       check=checks is None)
+            if checks is not None:
+              checks.dispatched(old.user, state.user, record, settle=settle)
+            queue.add(record, settle)
+          if on_step is not None:
+            on_step(state, record)
+          if sigterm is not None:
+            preempted = sigterm.received
+          else:
+            preempted = many and multihost.reached_preemption_sync_point(
+                state.step)
+          if preempted and not settle:
+            queue.finish(record, state, watch)
+            if checks is not None:
+              checks.flush()
+          if checkpoints is not None:
+            _save(checkpoints, state, preempted=preempted,
+                  final=state.step == until_step)
+          if preempted:
+            _stopped_at_preemption(state, checkpoints)
+            return RunResult(state=state, preempted=True,
+                             last_loss=record.loss)
+          if _monotonic() >= progress.next_at:
+            progress.tell(state.step, queue.done or record)
+        if checkpoints is not None:
+          checkpoints.wait()
+        return RunResult(state=state, preempted=False,
+                         last_loss=None if record is None else record.loss)
+      except KeyboardInterrupt as interrupt:
+        _note_interrupt(interrupt, state, checkpoints)
+        raise
 
-  def _reached_preemption(self, step: int,
-                          sigterm: SigtermFlag | None) -> bool:
+
+@contextlib.contextmanager
+def _handlers(sigterm: SigtermFlag | None,
+              sigint: SigintAsPreemption | None):
+  """The run's signal handlers, installed for its duration."""
+  try:
     if sigterm is not None:
-      return sigterm.is_set()
-    if jax.process_count() == 1:
-      return False
-    return multihost.reached_preemption_sync_point(step)
+      sigterm.install()
+    if sigint is not None:
+      sigint.install()
+    yield
+  finally:
+    if sigterm is not None:
+      sigterm.uninstall()
+    if sigint is not None:
+      sigint.uninstall()
 
 
-def _save(checkpoints: Checkpoints | None, state: TransitionState, *,
+def _save(checkpoints: Checkpoints, state: TransitionState, *,
           preempted: bool, final: bool) -> None:
   """Saves `state` when a save is due: on schedule, at the end, at a preemption."""
-  if checkpoints is None:
-    return
   if preempted:
     checkpoints.save(state, force=True, reason='preemption')
   else:
@@ -318,29 +330,32 @@ def _save(checkpoints: Checkpoints | None, state: TransitionState, *,
                      reason='final' if final else 'scheduled')
 
 
-def _saves_at(checkpoints: Checkpoints | None, step: int) -> bool:
+def _saves_at(checkpoints: Checkpoints, step: int) -> bool:
   """Whether `checkpoints.save` writes at `step` by its schedule (either tier)."""
-  if checkpoints is None:
-    return False
   local = checkpoints.local
   return step % checkpoints.save_every == 0 or (local is not None
                                                 and local.due(step))
 
 
 class _Progress:
-  """The progress line, every `every_s` seconds (process 0 tells it for all)."""
+  """The progress line, every `every_s` seconds (process 0 tells it for all).
+
+  `next_at` (`time.monotonic()`) is when the next is due: the loop compares
+  its clock with it, and calls `tell` only then.
+  """
 
   def __init__(self, start_step: int, until_step: int, every_s: float):
     self._start, self._until, self._every = start_step, until_step, every_s
-    self._t0 = self._last = time.monotonic()
+    self._t0 = _monotonic()
+    self.next_at = self._t0 + every_s
 
   def tell(self, step: int, record: StepRecord) -> None:
     """Logs `record`'s step and loss (a finished step's: reading it leaves
     the device the queued steps' work) when the time has come."""
-    now = time.monotonic()
-    if now - self._last < self._every:
+    now = _monotonic()
+    if now < self.next_at:
       return
-    self._last = now
+    self.next_at = now + self._every
     if jax.process_index() == 0:  # The loss and step are global.
       rate = (step - self._start) / (now - self._t0)
       logging.info('%s step %d/%d loss %.6g %.1f steps/s', _prefix(),

@@ -62,9 +62,10 @@ class Queue:
 
   def add(self, record: Any, settle: bool) -> None:
     """Queues `record`'s step; waits for the oldest while over `IN_FLIGHT` (all with `settle`)."""
-    self._steps.append(record)
-    while len(self._steps) > IN_FLIGHT or (settle and self._steps):
-      done = self._steps.popleft()
+    steps = self._steps
+    steps.append(record)
+    while len(steps) > IN_FLIGHT or (settle and steps):
+      done = steps.popleft()
       loss = done.raw_loss
       if isinstance(loss, jax.Array):
         # Mostly finished already (the host is the slower side): asking

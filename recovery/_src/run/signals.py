@@ -12,10 +12,14 @@ from multihost.lowlevel import process_prefix as _prefix
 
 
 class SigtermFlag:
-  """A SIGTERM handler that only records the signal (main thread only)."""
+  """A SIGTERM handler that only records the signal (main thread only).
+
+  `received` turns True once it came (Python runs signal handlers on the
+  main thread, between bytecodes: a loop reads it without a call).
+  """
 
   def __init__(self):
-    self._event = threading.Event()
+    self.received = False
     self._previous = None
 
   def install(self) -> None:
@@ -32,10 +36,10 @@ class SigtermFlag:
 
   def _handle(self, signum, frame) -> None:
     del signum, frame
-    self._event.set()
+    self.received = True
 
   def is_set(self) -> bool:
-    return self._event.is_set()
+    return self.received
 
 
 class SigintAsPreemption:

@@ -69,10 +69,32 @@ class TransitionState:
                       f'{sorted(_FIELDS)}.')
     # The fields copied as they are (no __init__: a frozen dataclass's sets
     # each field through object.__setattr__, a third of this call's time).
-    new = object.__new__(type(self))
-    new.__dict__.update(self.__dict__)
-    new.__dict__.update(changes)
+    new = _new(type(self))
+    fields = new.__dict__
+    fields.update(self.__dict__)
+    fields.update(changes)
     return new
+
+  def _moved(self, key: jax.Array, order: np.ndarray, cursor: int,
+             epoch: int) -> TransitionState:
+    """A copy at another place in the data (`replace` without its checks, for the sampler's every step)."""
+    new = _new(type(self))
+    fields = new.__dict__
+    fields.update(self.__dict__)
+    fields['key'], fields['order'] = key, order
+    fields['cursor'], fields['epoch'] = cursor, epoch
+    return new
+
+  def _stepped(self, user: PyTree, step: int) -> TransitionState:
+    """A copy with `user` and `step` (`replace` without its checks, for the loop's every step)."""
+    new = _new(type(self))
+    fields = new.__dict__
+    fields.update(self.__dict__)
+    fields['user'], fields['step'] = user, step
+    return new
+
+
+_new = object.__new__
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransitionState))
@@ -111,16 +133,16 @@ class EpochSampler:
     Does not change `state.step` or `state.user`.
     """
     key, order = state.key, state.order
-    cursor, epoch = state.cursor, state.epoch
+    cursor, epoch, size = state.cursor, state.epoch, self.batch_size
     if order.shape != (self.num_samples,):
       raise ValueError(
           f'The carried data order has shape {order.shape}, but this sampler '
           f'draws from num_samples={self.num_samples}. The state was made for '
           'a different data set size (another EpochSampler num_samples).')
-    if cursor + self.batch_size > self.num_samples:
+    if cursor + size > self.num_samples:
       key, shuffle_key = jax.random.split(key)
       order = self._permutation(shuffle_key)
       cursor, epoch = 0, epoch + 1
-    ids = order[cursor:cursor + self.batch_size].copy()
-    return ids, state.replace(key=key, order=order,
-                              cursor=cursor + self.batch_size, epoch=epoch)
+    # A copy: the caller may change its ids; the order stays as drawn.
+    ids = order[cursor:cursor + size].copy()
+    return ids, state._moved(key, order, cursor + size, epoch)  # pylint: disable=protected-access
