@@ -69,11 +69,11 @@ class _Step:
     self._n = n
 
   def __enter__(self) -> _Step:
-    self._watch._begin(self._n)  # pylint: disable=protected-access
+    self._watch.begin(self._n)
     return self
 
   def __exit__(self, kind, value, tb) -> None:
-    self._watch._end(completed=kind is None, error=value)  # pylint: disable=protected-access
+    self._watch.end(value)
 
 
 class StepWatch:
@@ -152,10 +152,13 @@ class StepWatch:
     Optional. In the report of a stuck step, a process short of this point
     of the step is behind those past it. Outside a step it does nothing.
     """
-    with self._lock:
+    self._lock.acquire()  # Not `with`: see `begin`.
+    try:
       if self._n is not None and self._state == 'preparing':
         self._state = 'arrived'
         self._arrivals = True
+    finally:
+      self._lock.release()
 
   def awaiting(self, n: int | None,
                ready: Callable[[], bool] | None = None) -> None:
@@ -212,10 +215,19 @@ class StepWatch:
     if self._thread is not None:
       self._thread.join(2.0)
 
-  def _begin(self, n: int) -> None:
+  def begin(self, n: int) -> None:
+    """Begins step `n` (`step(n)`'s entry, for a loop that cannot use a `with` block: `end` must follow).
+
+    Raises:
+      RuntimeError: a step is already in progress (steps do not nest).
+      ValueError: $MULTIHOST_STEP_DEADLINE is not auto, off or a number.
+    """
     # Outside the lock: may raise on a bad variable (resolved once).
     rule = self._rule or self.rule()
-    with self._lock:
+    # acquire/release, not `with self._lock:` (a third of its cost on
+    # Python 3.11, where `with` looks up and binds the lock's methods).
+    self._lock.acquire()
+    try:
       if self._n is not None:
         raise RuntimeError(
             f'{self.runtime.prefix} step_watch: step {n} began inside step '
@@ -230,10 +242,14 @@ class StepWatch:
       if (limit is not None and self._thread is None and not self._stopping
           and self.runtime.client is not None):  # A client: maybe peers.
         self._start_thread()
+    finally:
+      self._lock.release()
 
-  def _end(self, *, completed: bool,
-           error: BaseException | None = None) -> None:
-    with self._lock:
+  def end(self, error: BaseException | None = None) -> None:
+    """Ends the step in progress (`step(n)`'s exit), completed unless it raised `error`."""
+    completed = error is None
+    self._lock.acquire()  # Not `with`: see `begin`.
+    try:
       if self._n is None:
         return
       now = self._clock()
@@ -257,6 +273,8 @@ class StepWatch:
       if completed:
         self.learner.observe(now - self._began, self._rule or self.rule())
       self._n, self._due, self._state, self._ended = None, None, 'done', now
+    finally:
+      self._lock.release()
 
   def _stuck_on(self) -> int | None:
     """The earlier step this process is stuck on (see `awaiting`), or None (with the lock held)."""

@@ -84,7 +84,9 @@ class Learner:
     if rule.fixed is not None:
       return rule.fixed
     basis = self.longest if self.longest is not None else self.shortest_warmup
-    return max(rule.floor, rule.multiple * (basis or 0.0))
+    learned = rule.multiple * (basis or 0.0)
+    # max(floor, learned), without the call (every step asks).
+    return learned if learned > rule.floor else rule.floor
 
   def explain(self, rule: Rule) -> str:
     """How `deadline(rule)` came about, for the report."""

@@ -26,7 +26,6 @@ from recovery._src.state.state import EpochSampler
 from recovery._src.state.state import TransitionState
 
 PyTree = Any
-_UNWATCHED = contextlib.nullcontext()  # The step of a run without a watch.
 _monotonic = time.monotonic
 _new = object.__new__
 # (user_state, batch) -> (new_user_state, loss)
@@ -167,17 +166,20 @@ class ResilientLoop:
     whether the step stands), and a loss sharded across processes is read
     on every process here (reading it is collective).
     """
-    ids, nxt = self.sampler.next(state)
+    ids, key, order, cursor, epoch = self.sampler._draw(state)  # pylint: disable=protected-access
     batch = self.data_fn(ids)
     if watch is not None:
       watch.arrived()  # From here on this process waits for its peers.
     user, loss = self.step_fn(state.user, batch)
-    nxt = nxt._stepped(user, state.step + 1)  # pylint: disable=protected-access
-    # StepRecord(...) without its __init__ (a frozen dataclass's sets each
-    # field through object.__setattr__).
+    step = state.step + 1
+    # The new state and StepRecord(...) without their __init__ (a frozen
+    # dataclass's sets each field through object.__setattr__), here rather
+    # than through a call (as TransitionState._with does).
+    nxt = _new(type(state))
+    nxt.__dict__.update(user=user, key=key, order=order, cursor=cursor,
+                        epoch=epoch, step=step)
     record = _new(StepRecord)
-    record.__dict__.update(step=nxt.step, epoch=nxt.epoch, ids=ids,
-                           raw_loss=loss)
+    record.__dict__.update(step=step, epoch=epoch, ids=ids, raw_loss=loss)
     if many and isinstance(loss, jax.Array) and not (
         loss.is_fully_addressable or loss.sharding.is_fully_replicated):
       _ = record.loss
@@ -256,51 +258,69 @@ class ResilientLoop:
     """
     many = jax.process_count() > 1
     sigterm = SigtermFlag() if handle_sigterm and not many else None
-    progress = _Progress(state.step, until_step, progress_every_s)
+    with _handlers(sigterm, SigintAsPreemption() if many else None):
+      return self._run(
+          state, until_step, checkpoints, on_step, sigterm, many,
+          _Progress(state.step, until_step, progress_every_s),
+          multihost.step_watch() if step_deadline else None)
+
+  def _run(self, state: TransitionState, until_step: int,
+           checkpoints: Checkpoints | None,
+           on_step: Callable[[TransitionState, StepRecord], None] | None,
+           sigterm: SigtermFlag | None, many: bool, progress: _Progress,
+           watch: Any) -> RunResult:
+    """`run`'s steps, with its signal handlers installed."""
     queue, record = pending.Queue(), None
-    watch = multihost.step_watch() if step_deadline else None
     checks = (pending.Overlapped(self._check, watch) if self.overlap_check and
               self.check_fn is not None else None)
-    with _handlers(sigterm, SigintAsPreemption() if many else None):
-      try:
-        while state.step < until_step:
-          n = state.step + 1
-          # Its state is read right after it: it finishes inside its step.
-          settle = n == until_step or (checkpoints is not None
-                                       and _saves_at(checkpoints, n))
-          with _UNWATCHED if watch is None else watch.step(n):
-            state, record = self._step(old := state, watch, many,
-                                       check=checks is None)
-            if checks is not None:
-              checks.dispatched(old.user, state.user, record, settle=settle)
-            queue.add(record, settle)
-          if on_step is not None:
-            on_step(state, record)
-          if sigterm is not None:
-            preempted = sigterm.received
-          else:
-            preempted = many and multihost.reached_preemption_sync_point(
-                state.step)
-          if preempted and not settle:
-            queue.finish(record, state, watch)
-            if checks is not None:
-              checks.flush()
-          if checkpoints is not None:
-            _save(checkpoints, state, preempted=preempted,
-                  final=state.step == until_step)
-          if preempted:
-            _stopped_at_preemption(state, checkpoints)
-            return RunResult(state=state, preempted=True,
-                             last_loss=record.loss)
-          if _monotonic() >= progress.next_at:
-            progress.tell(state.step, queue.done or record)
+    check = checks is None  # Each step's own check, before the next.
+    try:
+      while state.step < until_step:
+        n = state.step + 1
+        # Its state is read right after it: it finishes inside its step.
+        settle = n == until_step or (checkpoints is not None
+                                     and _saves_at(checkpoints, n))
+        # watch.step(n)'s begin and end, without the `with` (this loop's
+        # largest cost of its own on Python 3.11).
+        if watch is not None:
+          watch.begin(n)
+        try:
+          state, record = self._step(old := state, watch, many, check=check)
+          if checks is not None:
+            checks.dispatched(old.user, state.user, record, settle=settle)
+          queue.add(record, settle)
+        except BaseException as error:
+          if watch is not None:
+            watch.end(error)
+          raise
+        if watch is not None:
+          watch.end()
+        if on_step is not None:
+          on_step(state, record)
+        if sigterm is not None:
+          preempted = sigterm.received
+        else:
+          preempted = many and multihost.reached_preemption_sync_point(
+              state.step)
+        if preempted and not settle:
+          queue.finish(record, state, watch)
+          if checks is not None:
+            checks.flush()
         if checkpoints is not None:
-          checkpoints.wait()
-        return RunResult(state=state, preempted=False,
-                         last_loss=None if record is None else record.loss)
-      except KeyboardInterrupt as interrupt:
-        _note_interrupt(interrupt, state, checkpoints)
-        raise
+          _save(checkpoints, state, preempted=preempted,
+                final=state.step == until_step)
+        if preempted:
+          _stopped_at_preemption(state, checkpoints)
+          return RunResult(state=state, preempted=True, last_loss=record.loss)
+        if _monotonic() >= progress.next_at:
+          progress.tell(state.step, queue.done or record)
+      if checkpoints is not None:
+        checkpoints.wait()
+      return RunResult(state=state, preempted=False,
+                       last_loss=None if record is None else record.loss)
+    except KeyboardInterrupt as interrupt:
+      _note_interrupt(interrupt, state, checkpoints)
+      raise
 
 
 @contextlib.contextmanager

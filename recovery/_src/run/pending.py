@@ -59,6 +59,9 @@ class Queue:
   def __init__(self):
     self._steps: collections.deque[Any] = collections.deque()
     self.done: Any = None  # The newest step known finished.
+    # The type of the last loss seen to be a jax.Array: an isinstance check
+    # against jax.Array costs about as much as asking whether it is ready.
+    self._array_type: type | None = None
 
   def add(self, record: Any, settle: bool) -> None:
     """Queues `record`'s step; waits for the oldest while over `IN_FLIGHT` (all with `settle`)."""
@@ -67,7 +70,8 @@ class Queue:
     while len(steps) > IN_FLIGHT or (settle and steps):
       done = steps.popleft()
       loss = done.raw_loss
-      if isinstance(loss, jax.Array):
+      if type(loss) is self._array_type or isinstance(loss, jax.Array):
+        self._array_type = type(loss)
         # Mostly finished already (the host is the slower side): asking
         # spares the wait's round trip through the runtime.
         if not loss.is_ready():

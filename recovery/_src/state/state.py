@@ -75,22 +75,12 @@ class TransitionState:
     fields.update(changes)
     return new
 
-  def _moved(self, key: jax.Array, order: np.ndarray, cursor: int,
-             epoch: int) -> TransitionState:
-    """A copy at another place in the data (`replace` without its checks, for the sampler's every step)."""
+  def _with(self, user: PyTree, key: jax.Array, order: np.ndarray,
+            cursor: int, epoch: int, step: int) -> TransitionState:
+    """A state of this type with these fields (`replace` without its checks, for the loop's every step)."""
     new = _new(type(self))
-    fields = new.__dict__
-    fields.update(self.__dict__)
-    fields['key'], fields['order'] = key, order
-    fields['cursor'], fields['epoch'] = cursor, epoch
-    return new
-
-  def _stepped(self, user: PyTree, step: int) -> TransitionState:
-    """A copy with `user` and `step` (`replace` without its checks, for the loop's every step)."""
-    new = _new(type(self))
-    fields = new.__dict__
-    fields.update(self.__dict__)
-    fields['user'], fields['step'] = user, step
+    new.__dict__.update(user=user, key=key, order=order, cursor=cursor,
+                        epoch=epoch, step=step)
     return new
 
 
@@ -132,6 +122,13 @@ class EpochSampler:
 
     Does not change `state.step` or `state.user`.
     """
+    ids, key, order, cursor, epoch = self._draw(state)
+    return ids, state._with(state.user, key, order, cursor, epoch,  # pylint: disable=protected-access
+                            state.step)
+
+  def _draw(self, state: TransitionState
+            ) -> tuple[np.ndarray, jax.Array, np.ndarray, int, int]:
+    """`next`'s ids, then the fields it changes: key, order, cursor, epoch."""
     key, order = state.key, state.order
     cursor, epoch, size = state.cursor, state.epoch, self.batch_size
     if order.shape != (self.num_samples,):
@@ -144,5 +141,5 @@ class EpochSampler:
       order = self._permutation(shuffle_key)
       cursor, epoch = 0, epoch + 1
     # A copy: the caller may change its ids; the order stays as drawn.
-    ids = order[cursor:cursor + size].copy()
-    return ids, state._moved(key, order, cursor + size, epoch)  # pylint: disable=protected-access
+    return (order[cursor:cursor + size].copy(), key, order, cursor + size,
+            epoch)
