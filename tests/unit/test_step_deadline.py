@@ -420,3 +420,51 @@ def test_an_overlapped_check_leaves_the_next_step_stuck_on_its_step(overlap):
     assert [(p['step'], p.get('in')) for p in seen + checked] == [
         (1, None), (2, None), (3, None)] * 2, seen
   assert 'in' not in multihost.step_watch().position()
+
+
+def test_begin_and_end_mark_a_step_as_its_with_block_does():
+  watch = multihost.step_watch()
+  before = watch.learner.steps
+  watch.begin(7)
+  try:
+    assert watch.position()['state'] == 'preparing'
+    with pytest.raises(RuntimeError, match='steps do not nest'):
+      watch.begin(8)
+    watch.arrived()
+    assert watch.position()['state'] == 'arrived'
+  finally:
+    watch.end()
+  assert (watch.position()['step'], watch.position()['state']) == (7, 'done')
+  assert watch.learner.steps == before + 1  # Completed: learned from.
+  watch.begin(8)
+  watch.end(ValueError('the step raised'))
+  assert (watch.position()['step'], watch.position()['state']) == (8, 'done')
+  assert watch.learner.steps == before + 1  # Raised: not learned from.
+
+
+def test_recovery_s_loop_ends_a_step_that_raises():
+  rep = jax.sharding.NamedSharding(jax.make_mesh((1,), ('d',),
+                                                 devices=jax.devices()[:1]),
+                                   jax.sharding.PartitionSpec())
+  loads = []
+
+  def data_fn(ids):
+    loads.append(len(loads) + 1)
+    if len(loads) == 2:
+      raise ValueError('no batch for step 2')
+    return jax.device_put(np.float32(len(ids)), rep)
+
+  loop = recovery.ResilientLoop(
+      jax.jit(lambda user, batch: (user + batch, batch)), data_fn=data_fn,
+      sampler=recovery.EpochSampler(8, 2))
+  state = loop.init(jax.device_put(np.float32(0), rep), jax.random.key(0))
+  watch = multihost.step_watch()
+  before = watch.learner.steps
+  with pytest.raises(ValueError, match='no batch for step 2'):
+    loop.run(state, until_step=4)
+  # Step 2 ended with its error (not learned from); the next run's steps
+  # begin as usual.
+  assert (watch.position()['step'], watch.position()['state']) == (2, 'done')
+  assert watch.learner.steps == before + 1
+  assert loop.run(state, until_step=2).state.step == 2
+  assert watch.learner.steps == before + 3

@@ -258,69 +258,67 @@ class ResilientLoop:
     """
     many = jax.process_count() > 1
     sigterm = SigtermFlag() if handle_sigterm and not many else None
-    with _handlers(sigterm, SigintAsPreemption() if many else None):
-      return self._run(
-          state, until_step, checkpoints, on_step, sigterm, many,
-          _Progress(state.step, until_step, progress_every_s),
-          multihost.step_watch() if step_deadline else None)
-
-  def _run(self, state: TransitionState, until_step: int,
-           checkpoints: Checkpoints | None,
-           on_step: Callable[[TransitionState, StepRecord], None] | None,
-           sigterm: SigtermFlag | None, many: bool, progress: _Progress,
-           watch: Any) -> RunResult:
-    """`run`'s steps, with its signal handlers installed."""
+    progress = _Progress(state.step, until_step, progress_every_s)
     queue, record = pending.Queue(), None
+    watch = multihost.step_watch() if step_deadline else None
     checks = (pending.Overlapped(self._check, watch) if self.overlap_check and
               self.check_fn is not None else None)
-    check = checks is None  # Each step's own check, before the next.
-    try:
-      while state.step < until_step:
-        n = state.step + 1
-        # Its state is read right after it: it finishes inside its step.
-        settle = n == until_step or (checkpoints is not None
-                                     and _saves_at(checkpoints, n))
-        # watch.step(n)'s begin and end, without the `with` (this loop's
-        # largest cost of its own on Python 3.11).
-        if watch is not None:
-          watch.begin(n)
-        try:
-          state, record = self._step(old := state, watch, many, check=check)
-          if checks is not None:
-            checks.dispatched(old.user, state.user, record, settle=settle)
-          queue.add(record, settle)
-        except BaseException as error:
+    with _handlers(sigterm, SigintAsPreemption() if many else None):
+      try:
+        while state.step < until_step:
+          n = state.step + 1
+          # Its state is read right after it: it finishes inside its step.
+          settle = n == until_step or (checkpoints is not None
+                                       and _saves_at(checkpoints, n))
+          # watch.step(n), without its `with` (costly on Python 3.11).
           if watch is not None:
-            watch.end(error)
-          raise
-        if watch is not None:
-          watch.end()
-        if on_step is not None:
-          on_step(state, record)
-        if sigterm is not None:
-          preempted = sigterm.received
-        else:
-          preempted = many and multihost.reached_preemption_sync_point(
-              state.step)
-        if preempted and not settle:
-          queue.finish(record, state, watch)
-          if checks is not None:
-            checks.flush()
+            watch.begin(n)
+          try:
+            state, record = self._step(old := state, watch, many,
+                                       check=checks is None)
+            if checks is not None:
+              checks.dispatched(old.user, state.user, record, settle=settle)
+            queue.add(record, settle)
+          except BaseException as error:
+            if watch is not None:
+              watch.end(error)
+            raise
+          if watch is not None:
+            watch.end()
+          if on_step is not None:
+            on_step(state, record)
+          if (sigterm.received if sigterm is not None else
+              many and multihost.reached_preemption_sync_point(state.step)):
+            return _preempted(state, record, settle=settle, queue=queue,
+                              watch=watch, checks=checks,
+                              checkpoints=checkpoints)
+          if checkpoints is not None:
+            _save(checkpoints, state, preempted=False,
+                  final=state.step == until_step)
+          if _monotonic() >= progress.next_at:
+            progress.tell(state.step, queue.done or record)
         if checkpoints is not None:
-          _save(checkpoints, state, preempted=preempted,
-                final=state.step == until_step)
-        if preempted:
-          _stopped_at_preemption(state, checkpoints)
-          return RunResult(state=state, preempted=True, last_loss=record.loss)
-        if _monotonic() >= progress.next_at:
-          progress.tell(state.step, queue.done or record)
-      if checkpoints is not None:
-        checkpoints.wait()
-      return RunResult(state=state, preempted=False,
-                       last_loss=None if record is None else record.loss)
-    except KeyboardInterrupt as interrupt:
-      _note_interrupt(interrupt, state, checkpoints)
-      raise
+          checkpoints.wait()
+        return RunResult(state=state, preempted=False,
+                         last_loss=None if record is None else record.loss)
+      except KeyboardInterrupt as interrupt:
+        _note_interrupt(interrupt, state, checkpoints)
+        raise
+
+
+def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
+               queue: pending.Queue, watch: Any,
+               checks: pending.Overlapped | None,
+               checkpoints: Checkpoints | None) -> RunResult:
+  """At the agreed preemption step, `state`'s: finishes it (and its check), saves it, and says so."""
+  if not settle:
+    queue.finish(record, state, watch)
+    if checks is not None:
+      checks.flush()
+  if checkpoints is not None:
+    _save(checkpoints, state, preempted=True, final=False)
+  _stopped_at_preemption(state, checkpoints)
+  return RunResult(state=state, preempted=True, last_loss=record.loss)
 
 
 @contextlib.contextmanager
