@@ -39,7 +39,7 @@ _PUBLIC = {
     '_src.diagnostics.stalls': ('set_stall_report_after',
                                 'stall_report_after'),
     '_src.diagnostics.where': ('where',),
-    '_src.liveness.step_deadline': ('set_step_deadline', 'step_watch'),
+    '_src.liveness.step_api': ('set_step_deadline', 'step_watch'),
     '_src.liveness.watchdog': ('set_exit_on_peer_failure',),
     '_src.runtime.errors': ('CollectiveTimeoutError', 'ConsistencyError',
                             'MultihostError', 'NotInitializedError',
@@ -106,10 +106,10 @@ if typing.TYPE_CHECKING:
     stall_report_after as stall_report_after,
   )
   from multihost._src.diagnostics.where import where as where
-  from multihost._src.liveness.step_deadline import (
+  from multihost._src.liveness.step_api import (
     set_step_deadline as set_step_deadline,
   )
-  from multihost._src.liveness.step_deadline import step_watch as step_watch
+  from multihost._src.liveness.step_api import step_watch as step_watch
   from multihost._src.liveness.watchdog import (
     set_exit_on_peer_failure as set_exit_on_peer_failure,
   )
