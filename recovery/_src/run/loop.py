@@ -153,9 +153,9 @@ class ResilientLoop:
     Collective when `step_fn` or `data_fn` are (as on a multi-process mesh):
     every process must call this, in the same order.
     """
-    return self._step(state, None, jax.process_count() > 1, check=True)
+    return self._step(state, None, jax.process_count() > 1, True)
 
-  def _step(self, state: TransitionState, watch: Any, many: bool, *,
+  def _step(self, state: TransitionState, watch: Any, many: bool,
             check: bool) -> tuple[TransitionState, StepRecord]:
     """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
 
@@ -275,7 +275,7 @@ class ResilientLoop:
             watch.begin(n)
           try:
             state, record = self._step(old := state, watch, many,
-                                       check=checks is None)
+                                       checks is None)
             if checks is not None:
               checks.dispatched(old.user, state.user, record, settle=settle)
             queue.add(record, settle)

@@ -131,7 +131,7 @@ class EpochSampler:
     """`next`'s ids, then the fields it changes: key, order, cursor, epoch."""
     key, order = state.key, state.order
     cursor, epoch, size = state.cursor, state.epoch, self.batch_size
-    if order.shape != (self.num_samples,):
+    if order.ndim != 1 or len(order) != self.num_samples:  # Shape (N,).
       raise ValueError(
           f'The carried data order has shape {order.shape}, but this sampler '
           f'draws from num_samples={self.num_samples}. The state was made for '
