@@ -58,7 +58,7 @@ class TransitionState:
                step=int(data['step']))
 
   def replace(self, **changes) -> TransitionState:
-    """A copy with `changes` (as `dataclasses.replace`; a loop calls it every step).
+    """A copy with `changes` (as `dataclasses.replace`, without its `__init__`).
 
     Raises:
       TypeError: a change names no field.
@@ -77,7 +77,7 @@ class TransitionState:
 
   def _with(self, user: PyTree, key: jax.Array, order: np.ndarray,
             cursor: int, epoch: int, step: int) -> TransitionState:
-    """A state of this type with these fields (`replace` without its checks, for the loop's every step)."""
+    """A state of this type with these fields (`replace` without its checks, for `EpochSampler.next`)."""
     new = _new(type(self))
     new.__dict__.update(user=user, key=key, order=order, cursor=cursor,
                         epoch=epoch, step=step)
