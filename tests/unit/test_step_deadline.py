@@ -369,20 +369,31 @@ def test_an_unanswered_ask_is_bounded(pair, monkeypatch):
 # -- recovery's loop ----------------------------------------------------------
 
 
+def _replicated() -> jax.sharding.NamedSharding:
+  """Replicated over a mesh of this process's first device."""
+  return jax.sharding.NamedSharding(
+      jax.make_mesh((1,), ('d',), devices=jax.devices()[:1]),
+      jax.sharding.PartitionSpec())
+
+
+def _counting_loop(data_fn, rep):
+  """A ResilientLoop adding each batch to a scalar (8 samples, batches of 2), and its state at step 0."""
+  loop = recovery.ResilientLoop(
+      jax.jit(lambda user, batch: (user + batch, batch)), data_fn=data_fn,
+      sampler=recovery.EpochSampler(8, 2))
+  return loop, loop.init(jax.device_put(np.float32(0), rep),
+                         jax.random.key(0))
+
+
 def test_recovery_s_loop_watches_each_step_unless_told_not_to():
-  rep = jax.sharding.NamedSharding(jax.make_mesh((1,), ('d',),
-                                                 devices=jax.devices()[:1]),
-                                   jax.sharding.PartitionSpec())
+  rep = _replicated()
   seen = []
 
   def data_fn(ids):
     seen.append(multihost.step_watch().position())
     return jax.device_put(np.float32(len(ids)), rep)
 
-  loop = recovery.ResilientLoop(
-      jax.jit(lambda user, batch: (user + batch, batch)), data_fn=data_fn,
-      sampler=recovery.EpochSampler(8, 2))
-  state = loop.init(jax.device_put(np.float32(0), rep), jax.random.key(0))
+  loop, state = _counting_loop(data_fn, rep)
   watch = multihost.step_watch()
   before = watch.learner.steps
   state = loop.run(state, until_step=3).state
@@ -443,9 +454,7 @@ def test_begin_and_end_mark_a_step_as_its_with_block_does():
 
 
 def test_recovery_s_loop_ends_a_step_that_raises():
-  rep = jax.sharding.NamedSharding(jax.make_mesh((1,), ('d',),
-                                                 devices=jax.devices()[:1]),
-                                   jax.sharding.PartitionSpec())
+  rep = _replicated()
   loads = []
 
   def data_fn(ids):
@@ -454,10 +463,7 @@ def test_recovery_s_loop_ends_a_step_that_raises():
       raise ValueError('no batch for step 2')
     return jax.device_put(np.float32(len(ids)), rep)
 
-  loop = recovery.ResilientLoop(
-      jax.jit(lambda user, batch: (user + batch, batch)), data_fn=data_fn,
-      sampler=recovery.EpochSampler(8, 2))
-  state = loop.init(jax.device_put(np.float32(0), rep), jax.random.key(0))
+  loop, state = _counting_loop(data_fn, rep)
   watch = multihost.step_watch()
   before = watch.learner.steps
   with pytest.raises(ValueError, match='no batch for step 2'):
