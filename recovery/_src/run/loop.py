@@ -173,11 +173,8 @@ class ResilientLoop:
     user, loss = self.step_fn(state.user, batch)
     step = state.step + 1
     # The new state and StepRecord(...) without their __init__ (a frozen
-    # dataclass's sets each field through object.__setattr__), and without
-    # a call (TransitionState._with's fields, here).
-    nxt = _new(type(state))
-    nxt.__dict__.update(user=user, key=key, order=order, cursor=cursor,
-                        epoch=epoch, step=step)
+    # dataclass's sets each field through object.__setattr__).
+    nxt = state._with(user, key, order, cursor, epoch, step)  # pylint: disable=protected-access
     record = _new(StepRecord)
     record.__dict__.update(step=step, epoch=epoch, ids=ids, raw_loss=loss)
     if many and isinstance(loss, jax.Array) and not (

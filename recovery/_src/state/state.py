@@ -77,7 +77,7 @@ class TransitionState:
 
   def _with(self, user: PyTree, key: jax.Array, order: np.ndarray,
             cursor: int, epoch: int, step: int) -> TransitionState:
-    """A state of this type with these fields (`replace` without its checks, for `EpochSampler.next`)."""
+    """A state of this type with these fields (`replace` without its checks, for `EpochSampler.next` and the loop's step)."""
     new = _new(type(self))
     new.__dict__.update(user=user, key=key, order=order, cursor=cursor,
                         epoch=epoch, step=step)
