@@ -25,6 +25,7 @@ import pytest
 
 from multihost import env as env_lib
 import recovery
+from recovery._src.run import pending
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH = 4
@@ -168,7 +169,7 @@ def test_the_loop_reads_no_loss_unless_asked_and_its_records_read_it_on_use():
   assert all(isinstance(r.loss, float) for r in records)
 
 
-def test_the_loop_dispatches_ahead_of_the_device_and_at_most_two_steps():
+def test_the_loop_dispatches_ahead_of_the_device_by_a_bounded_number_of_steps():
   # A step of about a tenth of a second or more of device work (matrix
   # products); the host loads the next batches while it runs.
   rep = _rep()
@@ -180,21 +181,23 @@ def test_the_loop_dispatches_ahead_of_the_device_and_at_most_two_steps():
     return {'m': m + batch}, jnp.sum(m)
 
   step_fn({'m': a}, jnp.float32(0))  # Compiled before the run.
-  records, ready_at_load = [], []
+  records, unfinished_at_load = [], []
 
   def data_fn(ids):
-    # Whether the first step had finished when this batch was loaded.
-    ready_at_load.append(bool(records) and records[0].raw_loss.is_ready())
+    # How many of the steps dispatched so far were unfinished at this load.
+    unfinished_at_load.append(
+        sum(not r.raw_loss.is_ready() for r in records))
     return jax.device_put(np.float32(ids[0]), rep)
 
   loop = recovery.ResilientLoop(step_fn, data_fn=data_fn,
-                                sampler=recovery.EpochSampler(12, 2))
+                                sampler=recovery.EpochSampler(24, 2))
   state = loop.init({'m': a}, jax.random.key(0))
-  loop.run(state, until_step=5, on_step=lambda s, rec: records.append(rec))
-  # Steps 2 and 3 were loaded while step 1 still ran; step 4 only once it
-  # had finished (at most two steps queued behind the one running).
-  assert ready_at_load[1:4] == [False, False, True], ready_at_load
-
+  loop.run(state, until_step=11, on_step=lambda s, rec: records.append(rec))
+  most, keep = pending.KEEP + pending.EVERY - 1, pending.KEEP
+  # The host ran ahead until `most` steps were queued, then waited until
+  # `keep` were, and never let more than `most` queue.
+  assert max(unfinished_at_load) == most, unfinished_at_load
+  assert unfinished_at_load[most + 1] <= keep, unfinished_at_load
 
 
 @pytest.mark.parametrize('overlap', [False, True])

@@ -224,15 +224,15 @@ class ResilientLoop:
     save it; an interrupted collective would leave the others waiting); a second
     interrupts at once.
 
-    The loop waits only for the oldest step while more than two are queued: the
-    device always has the next one. A loss reaches the host only where used
-    (`record.loss` read by `on_step`; a `check_fn`, before the next step is
-    dispatched, with `overlap_check` right after; a progress line, the newest
-    finished step's; the result). A saved step, the last, and a preemption's
-    finish inside their step.
+    The host runs up to eight steps ahead (every fourth step it waits until
+    four are queued): the device always has the next ones. A loss reaches
+    the host only where used (`record.loss` read by `on_step`; a `check_fn`,
+    before the next step is dispatched, with `overlap_check` right after; a
+    progress line, the newest finished step's; the result). A saved step,
+    the last, and a preemption's finish inside their step.
 
-    Each step (its batch, `step_fn`, its check, the wait for the oldest queued
-    step; not the saves or `on_step`) runs under `multihost.step_watch()`, which
+    Each step (its batch, `step_fn`, its check, a wait for a queued step; not
+    the saves or `on_step`) runs under `multihost.step_watch()`, which
     marks the arrival after `data_fn`. With several controllers, a step stuck
     past its deadline (learned from the step times, see
     `multihost.set_step_deadline`) makes every process log who is behind and
