@@ -5,9 +5,10 @@ attempt $MULTIHOST_RESTART_COUNT. It prints `process I attempt A cache
 'DIR' exists True`, DIR being $JAX_COMPILATION_CACHE_DIR. Then process
 $FAIL_PROCESS (default 1) exits with $FAIL_STATUS (default 1) after 0.3 s,
 on the attempts up to $FAIL_UNTIL_ATTEMPT (default: every attempt); every
-other process sleeps $SURVIVOR_SLEEP seconds (default 0.5), ignoring
-SIGTERM if $SURVIVOR_IGNORES_SIGTERM is 1 (as one blocked in a collective
-does), and exits 0.
+other process sleeps $SURVIVOR_SLEEP seconds on such an attempt (default
+0.5; 0.5 on an attempt where none fails), ignoring SIGTERM if
+$SURVIVOR_IGNORES_SIGTERM is 1 (as one blocked in a collective does), and
+exits 0.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
     sys.exit(int(os.environ.get('FAIL_STATUS', '1')))
   if os.environ.get('SURVIVOR_IGNORES_SIGTERM') == '1':
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  time.sleep(float(os.environ.get('SURVIVOR_SLEEP', '0.5')))
+  time.sleep(float(os.environ.get('SURVIVOR_SLEEP', '0.5')) if fails else 0.5)
 
 
 if __name__ == '__main__':
