@@ -170,32 +170,37 @@ def test_the_loop_reads_no_loss_unless_asked_and_its_records_read_it_on_use():
 
 
 def test_the_loop_dispatches_ahead_of_the_device_by_a_bounded_number_of_steps():
-  # A step of about a tenth of a second or more of device work (matrix
-  # products); the host loads the next batches while it runs.
+  # The run's first step is a few seconds of device work (matrix products),
+  # the others a few milliseconds; each reads the state the one before wrote,
+  # so none finishes before the first. The host loads ahead meanwhile.
   rep = _rep()
   a = jax.device_put(np.eye(512, dtype=np.float32) * 0.5, rep)
 
   @jax.jit
   def step_fn(user, batch):
-    m = jax.lax.fori_loop(0, 30, lambda i, m: jnp.tanh(m @ a), user['m'])
-    return {'m': m + batch}, jnp.sum(m)
+    rounds = jnp.where(batch == 1, 600, 2)  # The batch is the load's number.
+    m = jax.lax.fori_loop(0, rounds, lambda i, m: jnp.tanh(m @ a), user['m'])
+    return {'m': m}, jnp.sum(m)
 
-  step_fn({'m': a}, jnp.float32(0))  # Compiled before the run.
+  step_fn({'m': a}, jnp.int32(0))  # Compiled before the run.
   records, unfinished_at_load = [], []
 
   def data_fn(ids):
+    del ids
     # How many of the steps dispatched so far were unfinished at this load.
     unfinished_at_load.append(
         sum(not r.raw_loss.is_ready() for r in records))
-    return jax.device_put(np.float32(ids[0]), rep)
+    return jax.device_put(np.int32(len(unfinished_at_load)), rep)
 
   loop = recovery.ResilientLoop(step_fn, data_fn=data_fn,
                                 sampler=recovery.EpochSampler(24, 2))
   state = loop.init({'m': a}, jax.random.key(0))
-  loop.run(state, until_step=11, on_step=lambda s, rec: records.append(rec))
+  loop.run(state, until_step=14, on_step=lambda s, rec: records.append(rec))
   most, keep = pending.KEEP + pending.EVERY - 1, pending.KEEP
   # The host ran ahead until `most` steps were queued, then waited until
   # `keep` were, and never let more than `most` queue.
+  assert unfinished_at_load[:most + 1] == list(range(most + 1)), (
+      unfinished_at_load)
   assert max(unfinished_at_load) == most, unfinished_at_load
   assert unfinished_at_load[most + 1] <= keep, unfinished_at_load
 
