@@ -271,6 +271,18 @@ def test_a_late_process_is_named_in_the_timeout_on_every_other_process():
   _assert_nothing_running(cluster)
 
 
+def test_a_call_a_peer_left_right_after_its_part_of_completes():
+  # Process 1 passes the barrier inside the watched call and exits at once;
+  # process 0's call goes on 3 s (Orbax's primary committing alone). That is
+  # no failure: process 0's call returns, as does a later one that needs no
+  # peer, and both processes exit 0.
+  result = launch.launch(program('leaves_after_call'), num_processes=2,
+                         timeout=60)
+  assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
+  assert 'CALL done; exited: [1]' in result.outputs[0], result.outputs[0]
+  assert 'LATER CALL done' in result.outputs[0], result.outputs[0]
+
+
 def test_with_an_external_service_process_0_is_an_ordinary_failure():
   """When the launcher hosts the coordination service, killing 0 raises too."""
   with held_port() as port:

@@ -14,6 +14,7 @@ import json
 import logging
 import pathlib
 import re
+import threading
 import time
 
 import fake_coordination as fake
@@ -24,6 +25,7 @@ from multihost._src.control import agree
 from multihost._src.control import live_barrier
 from multihost._src.diagnostics import where
 from multihost._src.diagnostics import where_text
+from multihost._src.liveness import blocking
 from multihost._src.liveness import exit_handshake
 from multihost._src.liveness import peer_loss_exit
 from multihost._src.liveness import watchdog
@@ -402,6 +404,60 @@ def test_a_peer_that_left_is_named_as_exited_not_failed(job):
     assert 'failed' not in str(e).split('.')[0]
   for _, seconds in results:
     assert seconds < 5.0
+
+
+def _call_while_2_leaves(rts, rest, *, after_error=False):
+  """Process 0's watched call, whose step ends `rest` s after its watchdog saw process 2 leave; (result or error, seconds)."""
+  never = threading.Event()
+  if after_error:
+    rts[2].uncaught = 'RuntimeError'  # Process 2 leaves after an error.
+
+  def step():
+    # Process 2 left (say right after passing this step's barrier); what is
+    # left of the step here takes `rest` s (None: never ends).
+    deadline = time.monotonic() + 10
+    while 2 not in rts[0].watchdog.exited and time.monotonic() < deadline:
+      time.sleep(0.01)
+    if rest is None:
+      never.wait(30)
+    time.sleep(rest or 0)
+    return 'done'
+
+  threading.Timer(0.2, exit_handshake.leave, (rts[2],)).start()
+  try:
+    start = time.monotonic()
+    try:
+      return blocking.call('commit checkpoint', step, runtime=rts[0]), (
+          time.monotonic() - start)
+    except _errors.ProcessFailureError as e:
+      return e, time.monotonic() - start
+  finally:
+    never.set()
+
+
+def test_a_call_a_peer_left_right_after_still_completes(job):
+  _, rts = job
+  out, _ = _call_while_2_leaves(rts, rest=1.0)
+  assert out == 'done', out
+  assert rts[0].watchdog.exited_normally == {2}
+
+
+def test_a_call_a_peer_left_without_raises_after_the_grace(job):
+  _, rts = job
+  out, seconds = _call_while_2_leaves(rts, rest=None)
+  assert isinstance(out, _errors.ProcessFailureError), out
+  assert str(out).startswith('[process=0] commit checkpoint: process(es) '
+                             '[2] exited before this collective'), out
+  assert blocking.EXITED_GRACE_S <= seconds < blocking.EXITED_GRACE_S + 3
+
+
+def test_a_peer_that_left_after_an_error_gets_no_grace(job):
+  _, rts = job
+  out, seconds = _call_while_2_leaves(rts, rest=1.0, after_error=True)
+  assert isinstance(out, _errors.ProcessFailureError), out
+  assert seconds < 3, seconds  # The watchdog's poll, not the grace.
+  assert rts[0].watchdog.exited == {2}
+  assert not rts[0].watchdog.exited_normally
 
 
 def test_the_process_running_the_service_leaves_last(job):

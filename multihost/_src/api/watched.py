@@ -23,8 +23,11 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
   watchdog sees a peer gone, this thread raises `ProcessFailureError` naming
   it, and the worker is abandoned (the process can still save local state,
   log and exit; at exit it leaves with status 1 if the worker is still
-  stuck). Without failure detection (one process, or
-  `detect_failures=False`) only the timeout is watched.
+  stuck). A peer that left normally (it may have done its part already, as
+  Orbax's non-primary processes do before the primary commits) is waited
+  for 5 s first: a call that ends by then returns. Without failure
+  detection (one process, or `detect_failures=False`) only the timeout is
+  watched.
 
   Args:
     fn: the blocking call.
@@ -42,4 +45,5 @@ def call_watched(fn: Callable[..., T], *args: Any, op: str,
     CollectiveTimeoutError: `fn` did not return within `timeout`.
   """
   return blocking.call(op, fn, *args,
-                        timeout=process.resolve_timeout(timeout))
+                        timeout=process.resolve_timeout(timeout),
+                        met_elsewhere=True)

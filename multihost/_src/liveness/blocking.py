@@ -2,7 +2,8 @@
 
 The calling thread waits for the step or for the watchdog (`liveness.watchdog`).
 When the watchdog sees a peer gone, the caller raises `ProcessFailureError`
-naming it, even if the step is stuck in C++: the step thread is then
+naming it (where every peer gone left normally, only once the step has not
+ended within EXITED_GRACE_S), even if the step is stuck in C++: the step thread is then
 abandoned (this process can no longer run collectives, but it can save
 local state, log, and exit; the exit handshake waits a little for it).
 """
@@ -20,11 +21,19 @@ from multihost._src.runtime import runtime as _runtime
 
 _PEER_LOSS_MARKERS = ('Connection closed by peer', 'Connection reset by peer',
                       'Broken pipe', 'Connection refused')
+# How long a step still running when a peer left normally may go on: the
+# peer may have left right after its part of this very step (a barrier
+# passed, after which this process's step thread had yet to run, or an
+# Orbax commit, whose primary renames and writes after the others return).
+# What is left of such a step is local and ends by itself; a step the peer
+# never took part in raises once this has passed.
+EXITED_GRACE_S = 5.0
 
 
 def call(op: str, fn: Callable[..., Any], *args: Any,
          timeout: float | None = None,
-         runtime: _runtime.Runtime | None = None) -> Any:
+         runtime: _runtime.Runtime | None = None,
+         met_elsewhere: bool = False) -> Any:
   """Runs `fn(*args)`, a blocking step of collective `op`, watched for failures.
 
   Without a running watchdog (one process, or recoverability off) `fn`
@@ -39,13 +48,18 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     timeout: seconds after which to give up on `fn` (None: never; use it for
       steps with no timeout of their own, such as gloo collectives).
     runtime: the process's runtime (default: the current one).
+    met_elsewhere: the peers may have done their part already, not with
+      `fn` (another library's call, whose background threads meet): then a
+      peer that left normally before `fn` started gets EXITED_GRACE_S too,
+      instead of a ProcessFailureError at once.
 
   Returns:
     What `fn` returns.
 
   Raises:
-    ProcessFailureError: a peer failed (named) before `fn` completed, or
-      `fn` failed because a peer's connection dropped.
+    ProcessFailureError: a peer failed (named) before `fn` completed (one
+      that left normally: `fn` did not complete within EXITED_GRACE_S of
+      it), or `fn` failed because a peer's connection dropped.
     CollectiveTimeoutError: `fn` did not complete within `timeout`.
     Whatever `fn` raises, otherwise.
   """
@@ -55,7 +69,7 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     if timeout is None:
       return fn(*args)
     wd.me = rt.index  # Named in the timeout error.
-  else:
+  elif not (met_elsewhere and wd.only_normal_exits()):
     wd.check(op)
   step = _Step(fn, args)
   thread = wd.step_thread
@@ -69,6 +83,8 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     thread.submit(step)
     if not wd.gone():
       step.wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+    if not step.done and wd.gone():
+      _grace_after_normal_exits(step, wd, start_time, timeout)
   finally:
     wd.pending.discard(step)
   if not step.done:
@@ -92,6 +108,20 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     raise step.error
   wd.step_failed = None
   return step.result
+
+
+def _grace_after_normal_exits(step: _Step, wd: Any, start_time: float,
+                              timeout: float | None) -> None:
+  """While the peers gone all left normally: waits up to EXITED_GRACE_S (and `timeout`) for `step`."""
+  end = time.monotonic() + EXITED_GRACE_S
+  if timeout is not None:
+    end = min(end, start_time + max(timeout, 0))
+  while not step.done and wd.only_normal_exits():
+    left = end - time.monotonic()
+    if left <= 0:
+      return
+    # Woken by the step's end, or by the watchdog (a peer failed).
+    step.wake.acquire(timeout=left)
 
 
 class _Step:

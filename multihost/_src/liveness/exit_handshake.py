@@ -50,12 +50,17 @@ EXIT_DIR = 'multihost_exit/'
 _LOOK_S = 0.5
 
 
-def exited_processes(client: coordination.Client) -> list[int]:
-  """The processes that recorded a normal exit (none if the store is gone)."""
+# What a process records there: it leaves normally, or after an error.
+_NORMAL, _AFTER_ERROR = b'', b'error'
+
+
+def exited_processes(client: coordination.Client) -> dict[int, bool]:
+  """The processes that recorded their exit, each with whether it left normally (none if the store is gone)."""
   try:
-    return [int(k.rsplit('/', 1)[1]) for k, _ in client.kv_dir(EXIT_DIR)]
+    return {int(k.rsplit('/', 1)[1]): v == _NORMAL
+            for k, v in client.kv_dir(EXIT_DIR)}
   except Exception:  # noqa: BLE001
-    return []
+    return {}
 
 
 def leave(rt: runtime.Runtime) -> None:
@@ -71,9 +76,12 @@ def leave(rt: runtime.Runtime) -> None:
     companion = rt.companion
     serving = rt.runs_service or (companion is not None and
                                    companion.alive())
+    error = _leaving_after_error(rt)
+    # A peer still inside a collective this process finished waits a little
+    # for it after a normal exit (`liveness.blocking`), not after an error.
+    kind = _NORMAL if error is None else _AFTER_ERROR
     if serving:
-      rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
-      error = _leaving_after_error(rt)
+      rt.client.kv_set(f'{EXIT_DIR}{me}', kind)
       if error is None:
         _wait_for_others_to_leave(rt, watchdog.shutdown_timeout)
       else:
@@ -85,7 +93,7 @@ def leave(rt: runtime.Runtime) -> None:
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
-      rt.client.kv_set(f'{EXIT_DIR}{me}', b'')
+      rt.client.kv_set(f'{EXIT_DIR}{me}', kind)
     if not serving or watchdog.abandoned or watchdog.thread.is_alive():
       # Disconnect now: before process 0 goes, and to end our calls in
       # flight. (Otherwise JAX's own atexit does it.)

@@ -80,6 +80,7 @@ class Watchdog:
     self.shutdown_timeout = 300.0
     self.failed: dict[int, float] = {}  # process -> time.monotonic() seen.
     self.exited: set[int] = set()
+    self.exited_normally: set[int] = set()  # Of `exited`: not after an error.
     self.service_lost = False
     self.thread: threading.Thread | None = None
     # Kept by `liveness.blocking.call`: its step thread, the steps whose callers
@@ -116,6 +117,11 @@ class Watchdog:
   def gone(self) -> bool:
     """Whether a peer (or the service) is known to be gone."""
     return bool(self.failed or self.exited or self.service_lost)
+
+  def only_normal_exits(self) -> bool:
+    """Whether every peer known gone left normally (none failed, none left after an error)."""
+    return not (self.failed or self.service_lost) and (
+        self.exited <= self.exited_normally)
 
   def detection_bound(self) -> float:
     """Seconds within which the watchdog reports a peer that was killed.
@@ -269,12 +275,14 @@ class Watchdog:
       gone = [p for p in everyone if p not in alive and p not in self.failed
               and p not in self.exited]
       if gone:
-        exited = set(exit_handshake.exited_processes(client))
+        exited = exit_handshake.exited_processes(client)
         now = time.monotonic()
         with self.cond:
           for p in gone:
             if p in exited:
               self.exited.add(p)
+              if exited[p]:
+                self.exited_normally.add(p)
             else:
               self.failed[p] = now
           self._wake_waiters()
