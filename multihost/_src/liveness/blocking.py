@@ -3,9 +3,10 @@
 The calling thread waits for the step or for the watchdog (`liveness.watchdog`).
 When the watchdog sees a peer gone, the caller raises `ProcessFailureError`
 naming it (where every peer gone left normally, only once the step has not
-ended within EXITED_GRACE_S), even if the step is stuck in C++: the step thread is then
-abandoned (this process can no longer run collectives, but it can save
-local state, log, and exit; the exit handshake waits a little for it).
+ended within EXITED_GRACE_S), even if the step is stuck in C++: the step
+thread is then abandoned (this process can no longer run collectives, but
+it can save local state, log, and exit; the exit handshake waits a little
+for it).
 """
 
 from __future__ import annotations

@@ -280,9 +280,9 @@ class Watchdog:
         with self.cond:
           for p in gone:
             if p in exited:
-              self.exited.add(p)
-              if exited[p]:
+              if exited[p]:  # (First: `only_normal_exits` reads no lock.)
                 self.exited_normally.add(p)
+              self.exited.add(p)
             else:
               self.failed[p] = now
           self._wake_waiters()
