@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 import multihost
-from multihost import lowlevel
+from multihost._src.liveness import exit_handshake
+from multihost._src.runtime import runtime
 
 
 def main() -> None:
@@ -29,8 +30,7 @@ def main() -> None:
 
   result = multihost.call_watched(commit, op='commit', timeout=60)
   if me == 0:
-    exited = sorted(int(k.rsplit('/', 1)[1])
-                    for k, _ in lowlevel.key_value_dir('multihost_exit/'))
+    exited = sorted(exit_handshake.exited_processes(runtime.current().client))
     print(f'CALL {result}; exited: {exited}', flush=True)
     later = multihost.call_watched(lambda: 'done', op='later', timeout=60)
     print(f'LATER CALL {later}', flush=True)
