@@ -1,4 +1,4 @@
-"""Runtime: `initialize()`, which brings up `jax.distributed`, builds the runtime on its client and starts the failure watchdog."""
+"""Public function: `initialize()`, which brings up `jax.distributed`, builds the runtime on its client and starts the failure watchdog."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Control plane: what a barrier leaves in the coordination service for its diagnosis (MACs, gave-up and presence marks, who published).
+"""Auth: what a barrier leaves in the coordination service for its diagnosis (MACs, gave-up and presence marks, who published).
 
 One implementation for every barrier: the two ways a call agrees
 (`control.rendezvous` through the service, `control.rounds` over the TCP
 links) and the timed barrier of the live processes that `live_devices`
-blocks meet at (`_control_live_barrier`). Either way a process that times
+blocks meet at (`control.live_barrier`). Either way a process that times
 out leaves an authenticated mark beside the call's messages, so that a
 latecomer raises at once, and a timeout names the processes without an
 authenticated message (or presence mark) under the call's directory.

@@ -1,4 +1,4 @@
-"""Public function support: the timed barrier of the live processes that a live_devices block meets at (entry and exit).
+"""Control plane: the timed barrier of the live processes that a live_devices block meets at (entry and exit).
 
 A coordination-service barrier over the live processes only, waited in
 windows of `WINDOW_S` and retried with the live set read again, so that a

@@ -1,4 +1,4 @@
-"""Recording: each public collective's trace record and its `jax.monitoring` metrics; `record_event` for other spans.
+"""Diagnostics: each public collective's trace record and its `jax.monitoring` metrics; `record_event` for other spans.
 
 `recorded(op, nbytes)` wraps a public collective: when it returns or
 raises, it stamps `done` and the bytes on the flight records its

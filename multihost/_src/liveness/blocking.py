@@ -1,4 +1,4 @@
-"""Failure: `call()`, which runs a blocking step of a collective in a step thread, under the watchdog.
+"""Liveness: `call()`, which runs a blocking step of a collective in a step thread, under the watchdog.
 
 The calling thread waits for the step or for the watchdog (`liveness.watchdog`).
 When the watchdog sees a peer gone, the caller raises `ProcessFailureError`

@@ -1,4 +1,4 @@
-"""Control plane: the numbering of collective calls, which keys their barriers and key-value entries.
+"""Runtime: the numbering of collective calls, which keys their barriers and key-value entries.
 
 Every process must call the collectives in the same order, so the same
 number names the same call on every process. The counter is the runtime's

@@ -1,4 +1,4 @@
-"""Control plane: the one module that touches JAX's coordination-service client (the one jax._src access).
+"""Runtime: the one module that touches JAX's coordination-service client (the one jax._src access).
 
 Why this module exists: JAX 0.10.2 has no public API for the coordination
 service's timed barrier or its key-value store, which are what let a collective

@@ -1,4 +1,4 @@
-"""Failure and diagnostics: every message's prefix, its advice, and the named errors of low-level failures.
+"""Runtime: every message's prefix, its advice, and the named errors of low-level failures.
 
 The one place that turns what went wrong below the collectives (a
 coordination-service error, a broken TCP connection, a stuck device

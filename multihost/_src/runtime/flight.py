@@ -1,4 +1,4 @@
-"""Control plane: the flight recorder, each process's bounded ring of its last collective calls and events.
+"""Runtime: the flight recorder, each process's bounded ring of its last collective calls and events.
 
 Every rendezvous (see `control.rendezvous`) appends one `Record` when it
 starts and stamps its `end` when every process has met, or its `error` when

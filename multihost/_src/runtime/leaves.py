@@ -1,4 +1,4 @@
-"""Public-collective helpers: leaves of a pytree as host bytes (normalization, description, packing); pure.
+"""Runtime: leaves of a pytree as host bytes (normalization, description, packing); pure.
 
 A leaf of a collective is a numpy array, a `jax.Array` (including typed PRNG
 key arrays) or a Python scalar. Host-side it becomes a C-contiguous numpy array
