@@ -163,23 +163,13 @@ MEGASCALE_SLICE_ID = 'MEGASCALE_SLICE_ID'
 GCE_METADATA_IP = 'GCE_METADATA_IP'
 
 # Variables whose presence means a cluster JAX can auto-detect (Kubernetes:
-# see `in_kubernetes_job`; Cloud TPU: `multihost._src.clusters.tpu`,
+# an indexed Job's two variables above; Cloud TPU: `multihost._src.clusters.tpu`,
 # since a lone TPU machine has TPU_WORKER_HOSTNAMES too).
 CLUSTER_MARKERS = (SLURM_JOB_ID, OMPI_HNP_URI, OMPI_SIZE, 'PMI_RANK')
 
 # With failure detection on, a killed peer is reported within about this many
 # seconds (plus 2 s); JAX's own default (100 s) is meant for large TPU jobs.
 DEFAULT_HEARTBEAT_S = 10
-
-def in_kubernetes_job() -> bool:
-  """Whether this is a pod of an indexed Kubernetes Job (or JobSet), which JAX detects; any other pod is no cluster."""
-  return K8S_SERVICE_HOST in os.environ and JOB_COMPLETION_INDEX in os.environ
-
-
-def in_cluster() -> bool:
-  """Whether the environment looks like a cluster JAX can auto-detect."""
-  return any(m in os.environ for m in CLUSTER_MARKERS) or in_kubernetes_job()
-
 
 def controller_env(process_id: int, *, num_processes: int,
                    devices_per_process: int, port: int,

@@ -20,6 +20,7 @@ import pytest
 
 import multihost
 from multihost import env as env_lib
+from multihost._src.clusters import job
 from multihost._src.clusters import prrte
 from multihost._src.clusters import tpu as tpu_cluster
 from multihost._src.runtime import errors
@@ -42,13 +43,12 @@ def bare(monkeypatch):
   return monkeypatch
 
 
-def test_open_mpi_5_is_told_from_open_mpi_4(bare):
-  assert not prrte.launched()
-  for name, value in _PRRTE.items():
-    bare.setenv(name, value)
-  assert prrte.launched()
-  bare.setenv(env_lib.OMPI_HNP_URI, '4096.0;tcp://127.0.0.1:50000')
-  assert not prrte.launched()  # Open MPI 4: JAX's own detection.
+def test_open_mpi_5_is_told_from_open_mpi_4():
+  assert not prrte.launched({})
+  assert prrte.launched(_PRRTE)
+  # Open MPI 4: clusters.openmpi.
+  assert not prrte.launched({**_PRRTE, env_lib.OMPI_HNP_URI:
+                             '4096.0;tcp://127.0.0.1:50000'})
 
 
 def test_the_derived_port_is_the_jobs_own_and_in_jaxs_range():
@@ -140,13 +140,14 @@ def _metadata_server(attributes: dict[str, str]):
 def test_a_tpu_vm_asks_the_metadata_server_as_jax_would():
   pod = {'agent-worker-number': '1', 'worker-network-endpoints': 'a,b',
          'tpu-env': "ACCELERATOR_TYPE: 'v5litepod-8'\n"}
-  for attributes, want in ((pod, tpu_cluster.DETECT),
+  metadata = tpu_cluster.Metadata
+  for attributes, want in ((pod, metadata.POD_HOST),
                            ({**pod, 'worker-network-endpoints': 'a'},
-                            tpu_cluster.SINGLE),
+                            metadata.LONE_HOST),
                            ({**pod, 'worker-network-endpoints': 'a',
                              'tpu-env': "MEGASCALE_NUM_SLICES: '2'\n"},
-                            tpu_cluster.DETECT),
-                           ({}, None)):  # A VM that is no TPU pod host.
+                            metadata.POD_HOST),
+                           ({}, metadata.NOT_A_POD_HOST)):
     with _metadata_server(attributes) as server:
       got = tpu_cluster._from_metadata(
           {env_lib.GCE_METADATA_IP: server}, timeout=10)
@@ -167,15 +168,27 @@ def test_a_metadata_server_that_never_answers_is_named_in_time():
   assert time.monotonic() - t0 < 5
 
 
+def _tpu(env, request=None):
+  """(coordinator, count, index, engine) of `clusters.tpu` for `env`."""
+  found = tpu_cluster.detect(env, request or job.Request())
+  return found and (found.coordinator_address, found.num_processes,
+                    found.process_id, found.engine)
+
+
 def test_a_tpu_pods_host_list_gives_jaxs_numbers():
   env = {env_lib.TPU_WORKER_HOSTNAMES: 'h0,h1,h2,h3',
          env_lib.TPU_WORKER_ID: '2'}
-  assert tpu_cluster.find(env) == ('h0:8482', 4, 2)
-  assert tpu_cluster.find({**env, env_lib.MEGASCALE_NUM_SLICES: '2',
-                           env_lib.MEGASCALE_SLICE_ID: '1',
-                           env_lib.MEGASCALE_COORDINATOR_ADDRESS: 'm:1',
-                           env_lib.COORDINATOR_PORT: '9'}) == ('m:9', 8, 6)
-  assert tpu_cluster.find({env_lib.TPU_WORKER_HOSTNAMES: 'localhost',
-                           env_lib.TPU_WORKER_ID: '0'}) == tpu_cluster.SINGLE
+  assert _tpu(env) == ('h0:8482', 4, 2, 'tpu')
+  assert _tpu({**env, env_lib.MEGASCALE_NUM_SLICES: '2',
+               env_lib.MEGASCALE_SLICE_ID: '1',
+               env_lib.MEGASCALE_COORDINATOR_ADDRESS: 'm:1',
+               env_lib.COORDINATOR_PORT: '9'}) == ('m:9', 8, 6, 'tpu')
+  lone = {env_lib.TPU_WORKER_HOSTNAMES: 'localhost', env_lib.TPU_WORKER_ID: '0'}
+  assert _tpu(lone) == (None, 1, 0, 'tpu')  # A single controller.
   with pytest.raises(ValueError, match=r"TPU_WORKER_ID='7' is not an index"):
-    tpu_cluster.find({**env, env_lib.TPU_WORKER_ID: '7'})
+    _tpu({**env, env_lib.TPU_WORKER_ID: '7'})
+  # Given values are kept; a lone host given part of the job says so.
+  assert _tpu(env, job.Request(process_id=3)) == ('h0:8482', 4, 3, 'tpu')
+  with pytest.raises(ValueError, match=r'needs coordinator_address, '
+                     r'num_processes and process_id together'):
+    _tpu(lone, job.Request(num_processes=2))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
-import importlib.util
 import os
 import socket
 import time
@@ -15,26 +15,15 @@ import jax
 
 from multihost import env as _env
 from multihost._src.auth import secret
-from multihost._src.clusters import prrte
-from multihost._src.clusters import tpu as tpu_cluster
+from multihost._src.clusters import chain
+from multihost._src.clusters import job as job_lib
+from multihost._src.clusters import kubernetes
 from multihost._src.diagnostics import gloo_lines
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
-from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
-
-# An indexed Kubernetes Job without the client JAX's detection needs there.
-_NO_KUBERNETES_CLIENT = (
-    'process {index}: this pod is in an indexed Kubernetes Job, where JAX '
-    'finds the coordinator, process count and index through the Kubernetes '
-    'API with the `kubernetes` package, which is not installed. Install it '
-    "(pip install 'jax[k8s]') and let the pod's service account read pods "
-    'and jobs; or set JAX_COORDINATOR_ADDRESS (JOB-0.SUBDOMAIN:PORT, the '
-    "pod of index 0 through the Job's headless service) and "
-    "JAX_NUM_PROCESSES (the Job's parallelism) in the pod's environment: "
-    'the index is then $JOB_COMPLETION_INDEX.')
 
 
 def initialize(coordinator_address: str | None = None,
@@ -100,30 +89,21 @@ def initialize(coordinator_address: str | None = None,
   # Before any child starts (companion, subprocesses): none inherits it.
   secret.take_from_environment()
   env = os.environ
-  coordinator_address, num_processes, process_id = _job(
-      env, coordinator_address, num_processes, process_id)
-  held = None  # Open MPI 5: the port process 0 holds for its service.
-  if (None in (coordinator_address, num_processes, process_id) and
-      cluster_detection_method is None and prrte.launched()):
-    (coordinator_address, num_processes, process_id, local_device_ids,
-     held) = _open_mpi_5(env, coordinator_address, num_processes, process_id,
-                         local_device_ids, timeout=initialization_timeout)
-  explicit = None not in (coordinator_address, num_processes, process_id)
-  if not explicit and cluster_detection_method is None:
-    (coordinator_address, num_processes, process_id,
-     cluster_detection_method) = _tpu_job(env, coordinator_address,
-                                          num_processes, process_id)
-    explicit = None not in (coordinator_address, num_processes, process_id)
-    _check_kubernetes(env, explicit or cluster_detection_method is not None)
-    if not (explicit or cluster_detection_method or _env.in_cluster()):
-      _single_controller(coordinator_address, num_processes, process_id)
-      return
-  kwargs: dict[str, Any] = dict(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
+  job = chain.describe(env, job_lib.Request.of(
+      env, coordinator_address=coordinator_address,
+      num_processes=num_processes, process_id=process_id,
       local_device_ids=local_device_ids,
       cluster_detection_method=cluster_detection_method,
+      timeout=initialization_timeout))
+  if not job.distributed:
+    logging.info('Running as a single controller without jax.distributed '
+                 '(%s).', job.why)
+    return
+  # Debug: a clean run's output stays the same under every engine.
+  logging.debug('%s the job, found by %s: %s.',
+                failures.prefix(job.process_id), job.engine, job.why)
+  kwargs: dict[str, Any] = dict(
+      **job.jax_arguments(),
       initialization_timeout=int(initialization_timeout),
       shutdown_timeout_seconds=int(shutdown_timeout_seconds),
   )
@@ -133,92 +113,10 @@ def initialize(coordinator_address: str | None = None,
                else heartbeat_timeout_seconds)
   detect = _detect_failures(detect_failures)
   _set_heartbeat(kwargs, heartbeat, detect=detect)
-  _set_bind_address(kwargs, coordinator_bind_address, env, explicit=explicit)
-  companion = _start_distributed(kwargs, env, detect=detect, held=held)
+  _set_bind_address(kwargs, coordinator_bind_address, env)
+  companion = _start_distributed(kwargs, env, detect=detect, held=job.hold)
   _start_runtime(companion, kwargs, detect=detect,
                  shutdown_timeout=shutdown_timeout_seconds)
-
-
-def _job(env: Mapping[str, str], coordinator_address: str | None,
-         num_processes: int | None, process_id: int | None
-         ) -> tuple[str | None, int | None, int | None]:
-  """(coordinator_address, num_processes, process_id): the arguments, else the environment `multihost.launch` sets.
-
-  Raises:
-    ValueError: process_id is not in [0, num_processes).
-  """
-  coordinator_address = coordinator_address or env.get(_env.COORDINATOR)
-  if num_processes is None and env.get(_env.NUM_PROCESSES):
-    num_processes = int(env[_env.NUM_PROCESSES])
-  if process_id is None and env.get(_env.PROCESS_ID):
-    process_id = int(env[_env.PROCESS_ID])
-  if (process_id is None and coordinator_address and num_processes and
-      _env.in_kubernetes_job()):
-    process_id = int(env[_env.JOB_COMPLETION_INDEX])  # JAX's rule there.
-  if num_processes is not None and process_id is not None and not (
-      0 <= process_id < num_processes):
-    raise ValueError(
-        f'process_id must be in [0, num_processes); got process_id='
-        f'{process_id}, num_processes={num_processes}.')
-  return coordinator_address, num_processes, process_id
-
-
-def _tpu_job(env: Mapping[str, str], coordinator_address: str | None,
-             num_processes: int | None, process_id: int | None
-             ) -> tuple[Any, ...]:
-  """(coordinator_address, num_processes, process_id, cluster_detection_method) as a Cloud TPU environment gives them (`clusters.tpu`), those given kept, where another cluster's variables are absent; on a lone TPU machine the three as given and no method (a single controller)."""
-  tpu = None
-  if not any(m in env for m in _env.CLUSTER_MARKERS):
-    tpu = tpu_cluster.find(env)
-  if isinstance(tpu, tuple):  # A TPU pod's host: JAX's values, no lookup.
-    return (coordinator_address or tpu[0],
-            tpu[1] if num_processes is None else num_processes,
-            tpu[2] if process_id is None else process_id, None)
-  return (coordinator_address, num_processes, process_id,
-          'gcetpu' if tpu == tpu_cluster.DETECT else None)
-
-
-def _open_mpi_5(env: Mapping[str, str], coordinator_address: str | None,
-                num_processes: int | None, process_id: int | None,
-                local_device_ids: int | Sequence[int] | None, *,
-                timeout: float) -> tuple[Any, ...]:
-  """The job's arguments under Open MPI 5's mpirun (`clusters.prrte`), those given kept: (coordinator_address, num_processes, process_id, local_device_ids, the socket that holds process 0's port or None)."""
-  found = prrte.find(coordinator_address, timeout=timeout)
-  if local_device_ids is None and not env.get(_env.LOCAL_DEVICE_IDS):
-    local_device_ids = [found.local_index]  # As JAX's for Open MPI 4.
-  return (found.address,
-          found.count if num_processes is None else num_processes,
-          found.index if process_id is None else process_id,
-          local_device_ids, found.hold)
-
-
-def _check_kubernetes(env: Mapping[str, str], given: bool) -> None:
-  """Raises MultihostError, saying what to do, in an indexed Kubernetes Job where JAX's detection would lack its `kubernetes` package (not `given` the job, nor a detection method)."""
-  if (not given and _env.in_kubernetes_job() and
-      not any(m in env for m in _env.CLUSTER_MARKERS) and
-      importlib.util.find_spec('kubernetes') is None):
-    raise errors.MultihostError(_NO_KUBERNETES_CLIENT.format(
-        index=env[_env.JOB_COMPLETION_INDEX]))
-
-
-def _single_controller(coordinator_address: str | None,
-                       num_processes: int | None,
-                       process_id: int | None) -> None:
-  """No cluster and not all three of the job's arguments: says so, or raises for a partial set.
-
-  Raises:
-    ValueError: some of the three were given, not all.
-  """
-  if any(v is not None for v in (coordinator_address, num_processes,
-                                 process_id)):
-    raise ValueError(
-        'initialize() needs coordinator_address, num_processes and '
-        f'process_id together; got coordinator_address='
-        f'{coordinator_address!r}, num_processes={num_processes!r}, '
-        f'process_id={process_id!r}. Pass all three, or run under '
-        '`python -m multihost.launch` or a cluster JAX detects.')
-  logging.info('No cluster or coordinator found: running as a single '
-               'controller without jax.distributed.')
 
 
 def _set_heartbeat(kwargs: dict[str, Any], heartbeat: int | None, *,
@@ -233,28 +131,28 @@ def _set_heartbeat(kwargs: dict[str, Any], heartbeat: int | None, *,
     kwargs['heartbeat_timeout_seconds'] = max(1, int(heartbeat))
 
 
-def _set_bind_address(kwargs: dict[str, Any],
-                      coordinator_bind_address: str | None,
-                      env: Mapping[str, str], *, explicit: bool) -> None:
-  """The coordinator's bind address in `kwargs`: the argument, else (process 0, no bind address in the environment, no external service) the coordinator address's own host, the job's arguments detected from the cluster first where they were not all given."""
+def _set_bind_address(
+    kwargs: dict[str, Any], coordinator_bind_address: str | None,
+    env: Mapping[str, str], *,
+    resolve: Callable[..., list[Any]] = socket.getaddrinfo) -> None:
+  """The coordinator's bind address in `kwargs`: the argument, else (process 0, no bind address in the environment, no external service) the coordinator address's own host.
+
+  In a Kubernetes pod, process 0 waits for its own name to resolve (it does
+  once the pod is Ready), within the initialization timeout, which the wait
+  then shortens.
+  """
   coordinator_address = kwargs['coordinator_address']
-  process_id = kwargs['process_id']
   if (coordinator_bind_address is None and
       not env.get(_env.COORDINATOR_BIND) and
-      not settings.external_service()):
-    if not explicit:
-      # What jax.distributed.initialize would derive from the cluster
-      # (Slurm, Open MPI, Kubernetes, ...): without a bind address of our
-      # own, JAX's process 0 listens on every interface.
-      address, count, index = coordination.detect_cluster(
-          coordinator_address, kwargs['num_processes'], process_id,
-          kwargs['cluster_detection_method'])
-      if None not in (address, count, index):
-        coordinator_address, process_id = address, index
-        kwargs.update(coordinator_address=address, num_processes=count,
-                      process_id=index)
-    if process_id == 0 and coordinator_address:
-      coordinator_bind_address = _bind_address(coordinator_address)
+      not settings.external_service() and
+      kwargs['process_id'] == 0 and coordinator_address):
+    timeout = kwargs['initialization_timeout']
+    started = time.monotonic()
+    coordinator_bind_address = _bind_address(
+        coordinator_address,
+        wait_s=timeout if kubernetes.in_pod(env) else 0.0, resolve=resolve)
+    kwargs['initialization_timeout'] = max(1, int(
+        timeout - (time.monotonic() - started)))
   if coordinator_bind_address is not None:
     kwargs['coordinator_bind_address'] = coordinator_bind_address
 
@@ -326,16 +224,26 @@ def is_initialized() -> bool:
   return jax.distributed.is_initialized()
 
 
-def _bind_address(coordinator_address: str) -> str:
+def _bind_address(coordinator_address: str, *, wait_s: float = 0.0,
+                  resolve: Callable[..., list[Any]] = socket.getaddrinfo
+                  ) -> str:
   """Where process 0's service listens: the coordinator address's own host, never all interfaces.
+
+  `wait_s` > 0: waits up to that many seconds for the host name to resolve
+  (`clusters.kubernetes.await_own_name`).
 
   Raises:
     ValueError: that host is not an address of this machine.
+    MultihostError: the host name did not resolve within `wait_s` seconds.
   """
   host, _, port = coordinator_address.rpartition(':')
   host = host.strip('[]')
   try:
-    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    if wait_s > 0:
+      infos = kubernetes.await_own_name(host, int(port), timeout=wait_s,
+                                        resolve=resolve)
+    else:
+      infos = resolve(host, int(port), type=socket.SOCK_STREAM)
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
       probe.bind((address[0], 0))

@@ -1,1 +1,1 @@
-"""Cluster environments JAX does not detect, or detects with unbounded lookups: Open MPI 5 (PRRTE and PMIx), Cloud TPU."""
+"""Finding the job: one chain of engines (`chain.describe`), each reading the environment of one kind of cluster (the job as given, a Kubernetes Job, Open MPI 5 and 4, Slurm, Cloud TPU, a single controller, JAX's own detection) and describing the job the same way (`job.JobDescription`)."""

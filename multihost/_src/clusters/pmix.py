@@ -71,6 +71,40 @@ def library_paths() -> list[str]:
   return list(dict.fromkeys(found))
 
 
+# The PMIx standard's C signatures of the calls used here: (name, argument
+# types, result type). pmix_status_t is an int; pmix_key_t a char array
+# passed as a string; pmix_scope_t a uint8.
+_SIGNATURES = (
+    ('PMIx_Init', (ctypes.POINTER(_Proc), ctypes.POINTER(_Info),
+                   ctypes.c_size_t), ctypes.c_int),
+    ('PMIx_Finalize', (ctypes.POINTER(_Info), ctypes.c_size_t), ctypes.c_int),
+    ('PMIx_Put', (ctypes.c_uint8, ctypes.c_char_p, ctypes.POINTER(_Value)),
+     ctypes.c_int),
+    ('PMIx_Commit', (), ctypes.c_int),
+    ('PMIx_Get', (ctypes.POINTER(_Proc), ctypes.c_char_p,
+                  ctypes.POINTER(_Info), ctypes.c_size_t,
+                  ctypes.POINTER(ctypes.POINTER(_Value))), ctypes.c_int),
+    ('PMIx_Fence', (ctypes.POINTER(_Proc), ctypes.c_size_t,
+                    ctypes.POINTER(_Info), ctypes.c_size_t), ctypes.c_int),
+)
+# PMIx 4 and later; absent from older libraries.
+_VALUE_FREE = ('PMIx_Value_free', (ctypes.POINTER(_Value), ctypes.c_size_t),
+               None)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+  """Declares each call's argument and result types on `lib` (ctypes then checks every call's arguments)."""
+  for name, argtypes, restype in _SIGNATURES:
+    function = getattr(lib, name)
+    function.argtypes = list(argtypes)
+    function.restype = restype
+  name, argtypes, restype = _VALUE_FREE
+  function = getattr(lib, name, None)
+  if function is not None:
+    function.argtypes = list(argtypes)
+    function.restype = restype
+
+
 def _load() -> ctypes.CDLL:
   tried = []
   for path in library_paths():
@@ -79,9 +113,7 @@ def _load() -> ctypes.CDLL:
     except OSError as e:
       tried.append(f'{path} ({e})')
       continue
-    for name in ('PMIx_Init', 'PMIx_Get', 'PMIx_Put', 'PMIx_Commit',
-                 'PMIx_Fence', 'PMIx_Finalize'):
-      getattr(lib, name).restype = ctypes.c_int
+    _declare(lib)
     return lib
   raise PmixError(
       'found no loadable PMIx client library (libpmix, part of Open MPI 5) '

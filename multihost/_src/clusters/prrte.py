@@ -13,12 +13,13 @@ that process 0 holds until its service binds it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
-import os
 import socket
 import zlib
 
 from multihost import env
+from multihost._src.clusters import job
 from multihost._src.clusters import pmix
 from multihost._src.runtime import errors
 
@@ -42,18 +43,21 @@ class Found:
   index: int
   local_index: int
   hold: socket.socket | None = None
+  how: str = 'given'  # How the address was found, in words.
 
 
-def launched() -> bool:
-  """Whether Open MPI 5's launcher (PRRTE) started this process (and Open MPI 4's did not)."""
-  e = os.environ
+ENGINE = 'open-mpi-5'
+
+
+def launched(e: Mapping[str, str]) -> bool:
+  """Whether Open MPI 5's launcher (PRRTE) started this process (and Open MPI 4's did not), by its variables `e`."""
   return (env.OMPI_SIZE in e and env.OMPI_RANK in e and
           env.OMPI_HNP_URI not in e and
           (env.PRTE_LAUNCHED in e or env.PMIX_NAMESPACE in e))
 
 
-def _int(name: str) -> int:
-  value = os.environ.get(name, '')
+def _int(environ: Mapping[str, str], name: str) -> int:
+  value = environ.get(name, '')
   try:
     return int(value)
   except ValueError:
@@ -123,7 +127,32 @@ def first_address(*, single_host: bool, hostname: str,
   return f'{host}:{hold.getsockname()[1]}', hold
 
 
-def find(coordinator_address: str | None, *, timeout: float) -> Found:
+def detect(environ: Mapping[str, str],
+           request: job.Request) -> job.JobDescription | None:
+  """The job under Open MPI 5's mpirun, the request's values kept; None outside one (or where a detection method is asked).
+
+  Every process of the job calls it (process 0 gives its address to the
+  others through PMIx).
+
+  Raises:
+    MultihostError: the address cannot be found (`find`).
+  """
+  if request.cluster_detection_method is not None or not launched(environ):
+    return None
+  where = find(request.coordinator_address, environ=environ,
+               timeout=request.timeout)
+  return job.found(
+      request, coordinator_address=where.address,
+      num_processes=where.count, process_id=where.index,
+      local_device_ids=[where.local_index],  # As JAX's for Open MPI 4.
+      engine=ENGINE, hold=where.hold,
+      why=(f'Open MPI 5\'s mpirun (PRRTE): ${env.OMPI_SIZE}, '
+           f'${env.OMPI_RANK}, ${env.OMPI_LOCAL_RANK}; the coordinator '
+           f'{where.how}'))
+
+
+def find(coordinator_address: str | None, *, environ: Mapping[str, str],
+         timeout: float) -> Found:
   """Where this process of an Open MPI 5 job finds the coordinator; every process calls it.
 
   `coordinator_address` (the user's) is kept; else process 0 chooses one
@@ -135,17 +164,20 @@ def find(coordinator_address: str | None, *, timeout: float) -> Found:
     MultihostError: the address cannot be found; the message says what to
       install or set.
   """
-  count, index = _int(env.OMPI_SIZE), _int(env.OMPI_RANK)
-  local_index = _int(env.OMPI_LOCAL_RANK)
-  single_host = _int(env.OMPI_LOCAL_SIZE) == count
-  port = os.environ.get(env.COORDINATOR_PORT)
+  count, index = _int(environ, env.OMPI_SIZE), _int(environ, env.OMPI_RANK)
+  local_index = _int(environ, env.OMPI_LOCAL_RANK)
+  single_host = _int(environ, env.OMPI_LOCAL_SIZE) == count
+  port = environ.get(env.COORDINATOR_PORT)
   if coordinator_address:
     return Found(coordinator_address, count, index, local_index)
   if not pmix.available():
     if single_host:
-      namespace = os.environ.get(env.PMIX_NAMESPACE, '')
+      namespace = environ.get(env.PMIX_NAMESPACE, '')
       chosen = port or derived_port(namespace)
-      return Found(f'127.0.0.1:{int(chosen)}', count, index, local_index)
+      return Found(f'127.0.0.1:{int(chosen)}', count, index, local_index,
+                   how='on one host, without PMIx: 127.0.0.1 and '
+                   + ('$' + env.COORDINATOR_PORT if port else
+                      "a port derived from the job's namespace"))
     raise errors.MultihostError(
         f'process {index} of an Open MPI 5 job across hosts cannot find '
         'process 0\'s address: no PMIx client library (libpmix, part of '
@@ -177,4 +209,5 @@ def find(coordinator_address: str | None, *, timeout: float) -> Found:
     raise errors.MultihostError(
         f'process {index}: process 0 could not choose the coordinator '
         f'address: {shared[len(_FAILED):]}')
-  return Found(shared, count, index, local_index, hold)
+  return Found(shared, count, index, local_index, hold,
+               how="process 0's, shared through PMIx")

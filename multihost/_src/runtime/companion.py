@@ -354,25 +354,18 @@ def await_service(address: str, timeout: float) -> bool:
 
 
 def start_for_job(kwargs: dict, environ) -> Companion | None:
-  """For `initialize(**kwargs)`: resolves the cluster's parameters into `kwargs`; on process 0, starts the companion (returned).
+  """For `initialize(**kwargs)`: on process 0 of a job of 2 or more, starts the companion (returned); else None.
 
-  `kwargs` are those of `jax.distributed.initialize`; afterwards they name
-  the coordinator, the process count and this process's index explicitly.
-  The companion binds where process 0's own service would: the
+  `kwargs` are those of `jax.distributed.initialize`, the job's
+  coordinator, process count and index in them (`clusters.chain` found
+  them). The companion binds where process 0's own service would: the
   `coordinator_bind_address`, else $JAX_COORDINATOR_BIND_ADDRESS, else the
   coordinator address itself (never every interface, JAX's default).
-  Returns None (and leaves `kwargs`) where the parameters cannot be derived
-  here; `jax.distributed.initialize` then derives them, or says what is
-  missing.
   """
-  address, count, index = coordination.detect_cluster(
-      kwargs.get('coordinator_address'), kwargs.get('num_processes'),
-      kwargs.get('process_id'), kwargs.get('cluster_detection_method'))
-  if None in (address, count, index):
-    return None
-  kwargs.update(coordinator_address=address, num_processes=count,
-                process_id=index)
-  if index != 0 or count < 2:
+  address, count, index = (kwargs.get('coordinator_address'),
+                           kwargs.get('num_processes'),
+                           kwargs.get('process_id'))
+  if None in (address, count, index) or index != 0 or count < 2:
     return None
   bind = (kwargs.get('coordinator_bind_address') or
           environ.get(_env.COORDINATOR_BIND) or address)

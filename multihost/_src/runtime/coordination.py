@@ -222,16 +222,31 @@ def kubernetes_warning_hidden() -> Iterator[None]:
 
 def detect_cluster(coordinator_address: str | None, num_processes: int | None,
                    process_id: int | None,
-                   cluster_detection_method: str | None
-                   ) -> tuple[str | None, int | None, int | None]:
-  """(coordinator address, process count, process index) as `jax.distributed.initialize` would derive them (Slurm, Open MPI, ...)."""
+                   local_device_ids: Sequence[int] | None,
+                   cluster_detection_method: str | None, *, timeout: float
+                   ) -> tuple[str | None, int | None, int | None,
+                              list[int] | None]:
+  """(coordinator address, process count, process index, local device ids) as `jax.distributed.initialize` would derive them; those given kept.
+
+  JAX's own cluster detection (`clusters.jax_detection` is its one
+  caller): with `cluster_detection_method`, that cluster type's; else the
+  first JAX finds. `timeout`: seconds a detection may wait (Kubernetes'
+  and a TPU VM's lookups).
+  """
   from jax._src import clusters  # pylint: disable=g-import-not-at-top
   with kubernetes_warning_hidden():
-    address, count, index, _ = (
+    address, count, index, local = (
         clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            coordinator_address, num_processes, process_id, None,
-            cluster_detection_method, None))
-  return address, count, index
+            coordinator_address, num_processes, process_id,
+            None if local_device_ids is None else list(local_device_ids),
+            cluster_detection_method, max(1, int(timeout))))
+  return address, count, index, None if local is None else list(local)
+
+
+def running_on_cloud_tpu_vm() -> bool:
+  """Whether JAX found this machine to be a Cloud TPU VM (where its cluster detection restricts no process to a device)."""
+  from jax._src import cloud_tpu_init  # pylint: disable=g-import-not-at-top
+  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
 
 
 class _NoServiceLib:
