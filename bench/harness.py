@@ -24,6 +24,12 @@ from multihost import lowlevel  # The raw coordination-service barrier.
 SMALL_BYTES = 1 << 20  # Payloads up to this take Settings.small_repeats.
 
 
+def _shorten(message: object, limit: int) -> str:
+  """`message` on one line, cut to `limit` characters."""
+  text = ' '.join(str(message).split())
+  return text if len(text) <= limit else text[:limit] + '...'
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """How every case is timed (from bin/bench.py's flags)."""
@@ -184,7 +190,7 @@ def difference(ours: Any, theirs: Any) -> str:
       if not np.array_equal(a, b):
         return f'leaf {i}: values differ'
     elif type(a) is not type(b) or a != b:
-      return f'leaf {i}: {lowlevel.shorten(a, 40)} != {lowlevel.shorten(b, 40)}'
+      return f'leaf {i}: {_shorten(a, 40)} != {_shorten(b, 40)}'
   return ''
 
 
@@ -299,7 +305,7 @@ def run_case(case: Case, index: int, settings: Settings) -> Row:
       # E.g. JAX's assert_equal on a global array. Every process fails the
       # same way after the collective, so the run continues; the name goes
       # into the table.
-      failed[name] = f'{type(e).__name__}: {lowlevel.shorten(e, 120)}'
+      failed[name] = f'{type(e).__name__}: {_shorten(e, 120)}'
       first[name] = None
   # Ours must give JAX's output (or the expected one); any process seeing a
   # difference marks the row, and bin/bench.py then fails the run.

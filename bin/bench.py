@@ -88,7 +88,6 @@ from absl import logging
 import jax
 
 import multihost
-from multihost import lowlevel
 
 # bench/ is not installed: import it from this checkout. The repository root
 # goes first, before bin/ (the script's own folder, where this file would
@@ -315,7 +314,7 @@ def main(argv):
   harness.barrier(settings)
   wrong = [f'{r.op} {r.payload}' for r in rows if r.outputs_equal is False]
   if wrong:
-    print(f'{lowlevel.process_prefix()} OUTPUT MISMATCH: ours '
+    print(f'{multihost.process_prefix()} OUTPUT MISMATCH: ours '
           f'differs from JAX\'s in {wrong}; the timings of a wrong result '
           'mean nothing.', file=sys.stderr, flush=True)
     sys.exit(1)

@@ -44,7 +44,6 @@ from absl import logging
 import jax
 
 import multihost
-from multihost import lowlevel
 import recovery
 
 # Restarting will not help (see the module's docstring).
@@ -320,7 +319,7 @@ def main(argv):
   del argv  # Unused.
   _start_multihost()
   pid = jax.process_index()
-  prefix = lowlevel.process_prefix()
+  prefix = multihost.process_prefix()
   _check_same_flags(prefix)
   count = jax.device_count()
   batch_size = _checked_batch_size(count)

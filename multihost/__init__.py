@@ -7,9 +7,9 @@ of aborts, digest comparisons and object collectives.
 The implementation lives in private packages under `multihost/_src/` (see
 its `__init__.py`: the packages, top to bottom, and the one rule that
 imports run one way between them); this module only re-exports. The public
-submodules are `env` (environment variable names), `lowlevel` (seams for
-tools and tests), `netns` (simulated hosts), `launch` (the local launcher)
-and `testing` (the pytest plugin).
+submodules are `env` (environment variable names), `files` (the atomic
+file writer), `lowlevel` (seams for tools and tests), `netns` (simulated
+hosts), `launch` (the local launcher) and `testing` (the pytest plugin).
 """
 
 # Public names load on first use (PEP 562), so that a process that only
@@ -20,7 +20,7 @@ and `testing` (the pytest plugin).
 import importlib
 import typing
 
-_SUBMODULES = ('env', 'lowlevel')
+_SUBMODULES = ('env', 'files', 'lowlevel')
 _PUBLIC = {
     '_src.api.arrays': ('global_array_to_host_local_array',
                         'host_local_array_to_global_array'),
@@ -30,6 +30,7 @@ _PUBLIC = {
     '_src.api.gather': ('allgather_object', 'process_allgather'),
     '_src.api.initialize': ('initialize', 'is_initialized'),
     '_src.api.live_devices': ('live_devices',),
+    '_src.api.objects': ('max_object_bytes',),
     '_src.api.preemption': ('reached_preemption_sync_point',),
     '_src.api.stragglers': ('StragglerReport', 'straggler_report'),
     '_src.api.sync': ('sync_global_devices',),
@@ -44,7 +45,8 @@ _PUBLIC = {
     '_src.runtime.errors': ('CollectiveTimeoutError', 'ConsistencyError',
                             'MultihostError', 'NotInitializedError',
                             'ProcessFailureError'),
-    '_src.runtime.process': ('default_timeout', 'set_default_timeout'),
+    '_src.runtime.process': ('default_timeout', 'process_prefix',
+                             'set_default_timeout'),
 }
 _WHERE = {name: module for module, names in _PUBLIC.items()
           for name in names}
@@ -71,6 +73,7 @@ def __dir__() -> list[str]:
 
 if typing.TYPE_CHECKING:
   from multihost import env as env
+  from multihost import files as files
   from multihost import lowlevel as lowlevel
   from multihost._src.api.arrays import (
     global_array_to_host_local_array as global_array_to_host_local_array,
@@ -90,6 +93,7 @@ if typing.TYPE_CHECKING:
   from multihost._src.api.initialize import initialize as initialize
   from multihost._src.api.initialize import is_initialized as is_initialized
   from multihost._src.api.live_devices import live_devices as live_devices
+  from multihost._src.api.objects import max_object_bytes as max_object_bytes
   from multihost._src.api.preemption import (
     reached_preemption_sync_point as reached_preemption_sync_point,
   )
@@ -125,6 +129,7 @@ if typing.TYPE_CHECKING:
     ProcessFailureError as ProcessFailureError,
   )
   from multihost._src.runtime.process import default_timeout as default_timeout
+  from multihost._src.runtime.process import process_prefix as process_prefix
   from multihost._src.runtime.process import (
     set_default_timeout as set_default_timeout,
   )

@@ -1,10 +1,14 @@
-"""Semi-public seams for tools and tests: the raw coordination barrier, service hosting, transport choice, the TCP links' socket options.
+"""Seams below the collectives, for tools and tests: the raw coordination barrier and key-value store, service hosting, the failure-detection bound, transport choice, the TCP links' socket options, JAX's C++ log threshold.
 
-These are what `bin/bench.py`, the launcher and the tests need below the
-collectives. They are not part of the `jax.experimental.multihost_utils`
-surface and carry no compatibility promise; training code should not need
-them. Nothing outside `multihost/` imports a private `multihost._*` module:
-it goes through here.
+Who may import it: the launcher, `bin/bench.py`, `bench/` and the tests,
+for what they measure or drive below the collectives; `recovery` only for
+the names in `FOR_RECOVERY` (its quiet binaries hide JAX's C++ warnings
+the way `multihost.initialize()` does; tests/unit/test_layers.py holds
+it). Training code should not need it: what a program needs is public API
+of `multihost` (e.g. `multihost.process_prefix`, `multihost.files`). These
+seams are not part of the `jax.experimental.multihost_utils` surface and
+carry no compatibility promise. Nothing outside `multihost/` imports a
+private `multihost._*` module: it goes through here.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import multihost._src.api  # noqa: F401  Assembles the runtimes this uses.
 from multihost._src.liveness import watchdog
 from multihost._src.runtime import companion
 from multihost._src.runtime import coordination
-from multihost._src.runtime import failures
-from multihost._src.runtime import files
-from multihost._src.runtime import settings
 from multihost._src.transport import choice
 from multihost._src.transport.tcp import sockets
+
+# The names `recovery` may import from here (see above).
+FOR_RECOVERY = ('cpp_warnings_hidden',)
 
 
 def wait_at_barrier(barrier_id: str, timeout: float) -> None:
@@ -60,21 +64,6 @@ def cpp_warnings_hidden():
   return companion.cpp_advice_hidden()
 
 
-def max_object_bytes() -> int:
-  """The largest pickled object an object collective accepts from one process ($MULTIHOST_MAX_OBJECT_BYTES, default 1 GiB): what a caller that sends more must cut it below."""
-  return settings.max_object_bytes()
-
-
-def process_prefix(index: int | None = None) -> str:
-  """'[process=N]' for this process (or `index`): how every message of the project starts."""
-  return failures.prefix(index)
-
-
-def shorten(message: object, limit: int = 400) -> str:
-  """`message` (a string or an exception) on one line, cut to `limit` characters."""
-  return failures.shorten(message, limit)
-
-
 def key_value_set(key: str, value: bytes) -> None:
   """Sets (or replaces) `key` in the coordination service's key-value store."""
   coordination.kv_set(key, value)
@@ -88,14 +77,3 @@ def key_value_get(key: str, timeout: float) -> bytes:
 def key_value_dir(prefix: str) -> list[tuple[str, bytes]]:
   """Every (key, value) under `prefix` (ending with '/') in the coordination service's store."""
   return coordination.kv_dir(prefix)
-
-
-def write_atomic(path, data: bytes | str, *, mode: int = 0o644,
-                 sync: bool = True) -> None:
-  """Replaces file `path` with `data` at once, never through a link (see `multihost._src.runtime.files`)."""
-  files.write_atomic(path, data, mode=mode, sync=sync)
-
-
-def fsync_folder(folder) -> None:
-  """Flushes `folder`'s entries to disk (after a rename in it), never through a link."""
-  files.fsync_folder(folder)

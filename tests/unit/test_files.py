@@ -1,4 +1,4 @@
-"""The one file writer (`multihost.lowlevel.write_atomic`) and the writers that use it: whole files, nothing left on failure, never through a link."""
+"""The one file writer (`multihost.files.write_atomic`) and the writers that use it: whole files, nothing left on failure, never through a link."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import pytest
 
 import multihost
-from multihost import lowlevel
+from multihost import files as public_files
 from multihost._src.runtime import files
 from multihost._src.runtime import flight
 from multihost.launch._src.report import report as _report
@@ -35,12 +35,12 @@ def test_write_atomic_replaces_the_file_whole(tmp_path):
   path = tmp_path / 'state.json'
   path.write_text('old contents')
   with open(path) as reader:  # A reader that opened the old file...
-    lowlevel.write_atomic(path, 'new')
+    public_files.write_atomic(path, 'new')
     assert reader.read() == 'old contents'  # ...reads it whole.
   assert path.read_text() == 'new'
-  lowlevel.write_atomic(str(path), b'\x00bytes\xff')
+  public_files.write_atomic(str(path), b'\x00bytes\xff')
   assert path.read_bytes() == b'\x00bytes\xff'
-  lowlevel.write_atomic(path, b'')
+  public_files.write_atomic(path, b'')
   assert path.read_bytes() == b''
   assert _names(tmp_path) == ['state.json']  # No temporary file left.
 
@@ -48,7 +48,7 @@ def test_write_atomic_replaces_the_file_whole(tmp_path):
 def test_write_atomic_into_a_missing_folder_names_the_target(tmp_path):
   path = tmp_path / 'missing' / 'state.json'
   with pytest.raises(FileNotFoundError) as raised:
-    lowlevel.write_atomic(path, 'data')
+    public_files.write_atomic(path, 'data')
   # The target, not the random temporary name.
   assert raised.value.filename == str(path)
   assert str(path) in str(raised.value)
@@ -59,7 +59,7 @@ def test_write_atomic_leaves_no_temporary_file_when_the_data_raises(tmp_path):
   path = tmp_path / 'state.json'
   path.write_text('old')
   with pytest.raises(TypeError):
-    lowlevel.write_atomic(path, object())  # Not bytes: the write raises.
+    public_files.write_atomic(path, object())  # Not bytes: the write raises.
   assert path.read_text() == 'old'
   assert _names(tmp_path) == ['state.json']
 
@@ -74,7 +74,7 @@ def test_write_atomic_leaves_the_target_and_no_temporary_file_on_a_full_disk(
 
   monkeypatch.setattr(os, 'fsync', full)
   with pytest.raises(OSError) as raised:
-    lowlevel.write_atomic(path, 'new')
+    public_files.write_atomic(path, 'new')
   assert raised.value.errno == errno.ENOSPC
   assert path.read_text() == 'old'
   assert _names(tmp_path) == ['state.json']
@@ -86,7 +86,7 @@ def test_write_atomic_replaces_a_link_at_the_target_never_its_target(
   victim.write_text('precious')
   path = tmp_path / 'state.json'
   path.symlink_to(victim)
-  lowlevel.write_atomic(path, 'new')
+  public_files.write_atomic(path, 'new')
   assert victim.read_text() == 'precious'
   assert not path.is_symlink() and path.read_text() == 'new'
 
@@ -100,7 +100,7 @@ def test_write_atomic_refuses_a_link_at_its_temporary_name(tmp_path,
   victim.write_text('precious')
   (tmp_path / f'.state.json.tmp-{"ab" * 8}').symlink_to(victim)
   with pytest.raises(FileExistsError):
-    lowlevel.write_atomic(path, 'new')
+    public_files.write_atomic(path, 'new')
   assert victim.read_text() == 'precious'
   assert not path.exists()
 
@@ -113,13 +113,13 @@ def test_the_temporary_name_is_unpredictable_and_beside_the_target(tmp_path):
 
 def test_write_atomic_sets_the_mode_bits(tmp_path, umask_022):
   path = tmp_path / 'f'
-  lowlevel.write_atomic(path, 'x')
+  public_files.write_atomic(path, 'x')
   assert path.stat().st_mode & 0o7777 == 0o644
-  lowlevel.write_atomic(path, 'x', mode=0o600)  # Replacing: the new mode.
+  public_files.write_atomic(path, 'x', mode=0o600)  # Replacing: the new mode.
   assert path.stat().st_mode & 0o7777 == 0o600
-  lowlevel.write_atomic(path, 'x', mode=0o666)  # Then the umask applies.
+  public_files.write_atomic(path, 'x', mode=0o666)  # Then the umask applies.
   assert path.stat().st_mode & 0o7777 == 0o644
-  lowlevel.write_atomic(path, 'x', mode=0o640, sync=False)
+  public_files.write_atomic(path, 'x', mode=0o640, sync=False)
   assert path.stat().st_mode & 0o7777 == 0o640
   assert _names(tmp_path) == ['f']
 

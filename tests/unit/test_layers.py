@@ -148,3 +148,37 @@ def test_leaves_imports_no_other_multihost_module():
   deps = {d for d in _imports(path, 'multihost._src.runtime.leaves')
           if d.startswith('multihost')}
   assert deps == set()
+
+
+def _lowlevel_names(path: pathlib.Path) -> set[str]:
+  """The names of `multihost.lowlevel` that `path` uses (imported from it, or read as its attributes)."""
+  tree = ast.parse(path.read_text())
+  aliases, used = set(), set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module == 'multihost.lowlevel':
+      used.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module == 'multihost':
+      aliases.update(a.asname or a.name for a in node.names
+                     if a.name == 'lowlevel')
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name == 'multihost.lowlevel':
+          aliases.add(a.asname or 'multihost.lowlevel')
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) in aliases:
+      used.add(node.attr)
+  return used
+
+
+def test_recovery_takes_from_lowlevel_only_what_its_docstring_allows():
+  lowlevel = importlib.import_module('multihost.lowlevel')
+  assert 'FOR_RECOVERY' in lowlevel.__doc__
+  assert all(hasattr(lowlevel, name) for name in lowlevel.FOR_RECOVERY)
+  offenders = sorted(
+      f'{name} uses multihost.lowlevel.{used}'
+      for name, path in _modules('recovery').items()
+      for used in _lowlevel_names(path) - set(lowlevel.FOR_RECOVERY))
+  assert offenders == [], (
+      'recovery takes these from multihost.lowlevel, whose docstring allows '
+      f'only {lowlevel.FOR_RECOVERY}: use multihost\'s public API or '
+      f'recovery\'s own helpers:\n  ' + '\n  '.join(offenders))

@@ -38,7 +38,7 @@ def write_trace(path: str | os.PathLike, *,
     CollectiveTimeoutError: a process did not arrive in time (named).
     OSError: on process 0, `path` could not be written (its folder is
       missing or not writable); the file is then unchanged (see
-      `multihost.lowlevel.write_atomic`), and the others return as usual.
+      `multihost.files.write_atomic`), and the others return as usual.
   """
   rt = runtime.current()
   attempt = settings.restart_count()

@@ -1,8 +1,9 @@
-"""Runtime facts: this process's index, the process count, and the default timeout of every collective (the current runtime's)."""
+"""Runtime facts: this process's index and message prefix, the process count, and the default timeout of every collective (the current runtime's)."""
 
 from __future__ import annotations
 
 from multihost import env as _env
+from multihost._src.runtime import failures
 from multihost._src.runtime import runtime
 from multihost._src.runtime import settings
 
@@ -38,3 +39,12 @@ def process_index() -> int:
 
 def process_count() -> int:
   return runtime.current().count
+
+
+def process_prefix(index: int | None = None) -> str:
+  """'[process=N]': how every message of multihost starts, for this process (or for process `index`).
+
+  For a program's own messages to name the process the same way
+  (`recovery` and bin/train.py use it).
+  """
+  return failures.prefix(index)

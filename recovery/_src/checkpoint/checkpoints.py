@@ -10,9 +10,8 @@ from typing import Any
 from absl import logging
 import jax
 
+from multihost import process_prefix as _prefix
 from multihost import record_event as _record_event
-from multihost.lowlevel import process_prefix as _prefix
-from multihost.lowlevel import shorten as _short
 from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import damage
 from recovery._src.checkpoint import folder
@@ -28,6 +27,7 @@ from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import CheckpointFolderError
 from recovery._src.state.errors import NothingToResumeError
 from recovery._src.state.errors import fallback_advice
+from recovery._src.state.errors import shorten as _short
 from recovery._src.state.state import TransitionState
 
 PyTree = Any

@@ -26,9 +26,8 @@ import jax
 import numpy as np
 
 import multihost
+from multihost import process_prefix as _prefix
 from multihost import record_event as _record_event
-from multihost.lowlevel import process_prefix as _prefix
-from multihost.lowlevel import shorten as _short
 from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import manager
@@ -39,6 +38,7 @@ from recovery._src.state.errors import CheckpointCorruptError
 from recovery._src.state.errors import CheckpointDamagedError
 from recovery._src.state.errors import CheckpointError
 from recovery._src.state.errors import CheckpointFolderError
+from recovery._src.state.errors import shorten as _short
 from recovery._src.state.state import TransitionState
 
 

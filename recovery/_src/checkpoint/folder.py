@@ -25,7 +25,7 @@ from typing import Any
 from absl import logging
 import jax
 
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 from recovery._src.local import folder as local_folder
 from recovery._src.state.errors import CheckpointFolderError
 

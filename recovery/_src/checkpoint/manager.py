@@ -12,10 +12,10 @@ import jax
 import orbax.checkpoint as ocp
 
 import multihost
-from multihost.lowlevel import process_prefix as _prefix
-from multihost.lowlevel import shorten as _short
+from multihost import process_prefix as _prefix
 from recovery._src.checkpoint import folder
 from recovery._src.state.errors import CheckpointError
+from recovery._src.state.errors import shorten as _short
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'

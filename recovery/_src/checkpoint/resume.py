@@ -14,8 +14,8 @@ from typing import Any
 from absl import logging
 
 from multihost import env as _env
+from multihost import process_prefix as _prefix
 from multihost import record_event as _record_event
-from multihost.lowlevel import process_prefix as _prefix
 from recovery._src.checkpoint import damage as _damage
 from recovery._src.state.errors import START_FRESH
 from recovery._src.state.errors import CheckpointDamagedError

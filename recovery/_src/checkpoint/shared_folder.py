@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 import multihost
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 from recovery._src.state.errors import CheckpointFolderError
 
 

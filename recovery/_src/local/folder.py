@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from multihost.lowlevel import fsync_folder
-from multihost.lowlevel import write_atomic
+from multihost.files import fsync_folder
+from multihost.files import write_atomic
 from recovery._src.local import private
 from recovery._src.local import run_identity
 from recovery._src.state import leaves

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from multihost import env as _env
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import digest
 from recovery._src.state.errors import CheckpointError

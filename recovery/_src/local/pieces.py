@@ -23,7 +23,6 @@ from typing import Any
 import jax
 
 import multihost
-from multihost import lowlevel
 
 # The largest piece: small enough that one all-gather of a piece from every
 # process is no burden on a host's memory, large enough that few calls move
@@ -35,7 +34,7 @@ _LENGTH = struct.Struct('<Q')
 
 def piece_bytes() -> int:
   """The bytes of one piece: below the object limit with room for the pickle's framing of a bytes object."""
-  limit = lowlevel.max_object_bytes()
+  limit = multihost.max_object_bytes()
   return max(1, min(MAX_PIECE, limit - 1024 if limit > 2048 else limit // 2))
 
 

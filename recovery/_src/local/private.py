@@ -23,7 +23,7 @@ import re
 import secrets
 import stat
 
-from multihost.lowlevel import fsync_folder
+from multihost.files import fsync_folder
 from recovery._src.state.errors import CheckpointFolderError
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC

@@ -26,8 +26,7 @@ from typing import Any
 from absl import logging
 
 import multihost
-from multihost.lowlevel import process_prefix as _prefix
-from multihost.lowlevel import shorten as _short
+from multihost import process_prefix as _prefix
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
 from recovery._src.local import pieces
@@ -37,6 +36,7 @@ from recovery._src.state import digest
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
 from recovery._src.state.errors import CheckpointError
+from recovery._src.state.errors import shorten as _short
 from recovery._src.state.state import TransitionState
 
 

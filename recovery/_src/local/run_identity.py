@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from multihost.lowlevel import write_atomic
+from multihost.files import write_atomic
 from recovery._src.local import private
 
 # The run's identity, in the checkpoint folder: drawn at a fresh start (or

@@ -37,9 +37,8 @@ from absl import logging
 import jax
 
 import multihost
+from multihost import process_prefix as _prefix
 from multihost import record_event as _record_event
-from multihost.lowlevel import process_prefix as _prefix
-from multihost.lowlevel import shorten as _short
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
 from recovery._src.local import pieces
@@ -51,6 +50,7 @@ from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
 from recovery._src.state.errors import CheckpointFolderError
+from recovery._src.state.errors import shorten as _short
 from recovery._src.state.state import TransitionState
 
 

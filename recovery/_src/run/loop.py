@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 import multihost
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 from recovery._src.checkpoint.checkpoints import Checkpoints
 from recovery._src.run import pending
 from recovery._src.run.signals import SigintAsPreemption

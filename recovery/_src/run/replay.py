@@ -8,7 +8,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from multihost import lowlevel
+from multihost import process_prefix as _prefix
 from recovery._src.state import digest
 from recovery._src.state.errors import ReplayMismatchError
 from recovery._src.state.state import TransitionState
@@ -82,14 +82,14 @@ def verify_replay(loop: Stepper, reference: TransitionState,
                   if ref_digests[k] != got_digests.get(k))
   if differ or ref_digests.keys() != got_digests.keys():
     raise ReplayMismatchError(
-        f'{lowlevel.process_prefix()} The restored state at step '
+        f'{_prefix()} The restored state at step '
         f'{restored.step} differs from the saved one in leaves {differ}. The '
         'checkpoint did not round-trip; check the restore target.')
   out = []
   for _ in range(num_steps):
     reference, ref_rec = loop.step(reference)
     restored, rec = loop.step(restored)
-    where = f'{lowlevel.process_prefix()} Replay step {rec.step}'
+    where = f'{_prefix()} Replay step {rec.step}'
     if not np.array_equal(ref_rec.ids, rec.ids):
       raise ReplayMismatchError(
           f'{where}: sample ids differ: uninterrupted run '

@@ -8,7 +8,7 @@ import threading
 
 from absl import logging
 
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 
 
 class SigtermFlag:

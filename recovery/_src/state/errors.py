@@ -1,4 +1,4 @@
-"""Every error `recovery` raises, and the advice its messages end with.
+"""Every error `recovery` raises, the advice its messages end with, and how a message quotes another error (`shorten`).
 
 The advice ("what to do now") is written here once, in terms of recovery's
 own API, so the checkpoint folder and the loop tell the user the same thing.
@@ -14,6 +14,12 @@ RESUME_TO_CONTINUE = (
     "resume='if_present') to continue.")
 # How to begin again when a folder cannot be used.
 START_FRESH = 'start fresh in a new folder'
+
+
+def shorten(message: object, limit: int = 400) -> str:
+  """`message` (a string or an exception) on one line, cut to `limit` characters: how a message quotes another error."""
+  text = ' '.join(str(message).split())
+  return text if len(text) <= limit else text[:limit] + '...'
 
 
 class CheckpointError(RuntimeError):

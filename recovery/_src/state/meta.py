@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from multihost.lowlevel import process_prefix as _prefix
+from multihost import process_prefix as _prefix
 from recovery._src.state import digest
 from recovery._src.state import leaves
 from recovery._src.state.errors import CheckpointCorruptError
