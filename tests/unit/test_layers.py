@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -182,3 +183,57 @@ def test_recovery_takes_from_lowlevel_only_what_its_docstring_allows():
       'recovery takes these from multihost.lowlevel, whose docstring allows '
       f'only {lowlevel.FOR_RECOVERY}: use multihost\'s public API or '
       f'recovery\'s own helpers:\n  ' + '\n  '.join(offenders))
+
+
+# docs/layout.md's tables: a heading per tree, a row per package whose last
+# cell names its modules in backticks.
+_LAYOUT_TREES = {'multihost/_src': 'multihost/_src',
+                 'multihost/launch/_src': 'multihost/launch/_src',
+                 'recovery/_src': 'recovery/_src', 'bin': '.'}
+
+
+def _layout_tables() -> dict[str, set[str]]:
+  """{'multihost/_src/clusters': {'chain', ...}, ...}: each package docs/layout.md names, and the modules it names there."""
+  out: dict[str, set[str]] = {}
+  tree = None
+  for line in (ROOT / 'docs' / 'layout.md').read_text().splitlines():
+    if line.startswith('## '):
+      tree = _LAYOUT_TREES.get(line[3:].strip('` '))
+    elif tree and line.startswith('| `'):
+      cells = [c.strip() for c in line.strip('|').split('|')]
+      package = cells[0].strip('`').rstrip('/')
+      where = package if tree == '.' else f'{tree}/{package}'
+      out[where] = set(re.findall(r'`([A-Za-z_0-9]+)`', cells[-1]))
+  return out
+
+
+def _on_disk() -> dict[str, set[str]]:
+  """The same, from the files: every package of the three trees and bin/, and its modules."""
+  out = {}
+  for tree, _ in _LAYOUT_TREES.items():
+    folder = ROOT / tree
+    packages = ([folder] if tree == 'bin' else
+                [p.parent for p in folder.rglob('__init__.py') if p.parent
+                 != folder])
+    for package in packages:
+      out[str(package.relative_to(ROOT))] = {
+          p.stem for p in package.glob('*.py') if p.name != '__init__.py'}
+  return out
+
+
+def test_layout_md_names_every_package_and_module_and_no_other():
+  documented, actual = _layout_tables(), _on_disk()
+  wrong = []
+  for package in sorted(set(documented) | set(actual)):
+    missing = actual.get(package, set()) - documented.get(package, set())
+    stale = documented.get(package, set()) - actual.get(package, set())
+    if package not in documented:
+      wrong.append(f'{package}: no row')
+    elif package not in actual:
+      wrong.append(f'{package}: a row, but no such package')
+    if missing:
+      wrong.append(f'{package}: modules not named: {sorted(missing)}')
+    if stale:
+      wrong.append(f'{package}: named, but no such module: {sorted(stale)}')
+  assert not wrong, ('docs/layout.md does not describe the code as it is; '
+                     'update its tables:\n  ' + '\n  '.join(wrong))
