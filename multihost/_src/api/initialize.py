@@ -119,7 +119,7 @@ def initialize(coordinator_address: str | None = None,
                  shutdown_timeout=shutdown_timeout_seconds)
 
 
-def _set_heartbeat(kwargs: dict[str, Any], heartbeat: int | None, *,
+def _set_heartbeat(kwargs: dict[str, Any], heartbeat: float | None, *,
                    detect: bool) -> None:
   """The heartbeat timeout in `kwargs` (`heartbeat`, or with failure detection 10 s); failure detection turns on JAX's recoverability."""
   if detect:

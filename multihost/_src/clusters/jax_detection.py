@@ -9,6 +9,7 @@ install or set instead of letting JAX fail.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Sequence
 import importlib.util
 
 from multihost import env as _env
@@ -48,6 +49,7 @@ def detect(environ: Mapping[str, str], request: job.Request, *,
       importlib.util.find_spec('kubernetes') is None):
     raise errors.MultihostError(_NO_KUBERNETES_CLIENT.format(
         index=environ[_env.JOB_COMPLETION_INDEX]))
+  local: Sequence[int] | None
   if method == 'deactivate':  # JAX's word for "no detection".
     address, count, index, local = (
         request.coordinator_address, request.num_processes,

@@ -98,11 +98,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     function = getattr(lib, name)
     function.argtypes = list(argtypes)
     function.restype = restype
-  name, argtypes, restype = _VALUE_FREE
-  function = getattr(lib, name, None)
-  if function is not None:
-    function.argtypes = list(argtypes)
-    function.restype = restype
+  free = getattr(lib, _VALUE_FREE[0], None)
+  if free is not None:
+    free.argtypes = list(_VALUE_FREE[1])
+    free.restype = _VALUE_FREE[2]
 
 
 def _load() -> ctypes.CDLL:

@@ -107,7 +107,7 @@ def first_address(*, single_host: bool, hostname: str,
   if not single_host:
     host = hostname
     try:
-      ip = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][4][0]
+      ip = str(socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][4][0])
     except OSError as e:
       raise errors.MultihostError(
           f'process 0 of an Open MPI 5 job across hosts cannot resolve its '

@@ -119,14 +119,15 @@ def _from_host_list(environ: Mapping[str, str], request: job.Request,
 def _from_metadata(env: Mapping[str, str], timeout: float) -> Metadata:
   """`find` on a TPU VM without a host list: asks the GCE metadata server, as JAX would, within `timeout` seconds."""
   server = env.get(_env.GCE_METADATA_IP) or 'metadata.google.internal'
-  answers: dict[str, tuple[int, str] | BaseException] = {}
+  answers: dict[str, tuple[int, str]] = {}
+  failed: list[BaseException] = []
 
   def ask():
     for key in ('agent-worker-number', 'worker-network-endpoints', 'tpu-env'):
       try:
         answers[key] = _get(server, key, timeout)
       except BaseException as e:  # pylint: disable=broad-except
-        answers[key] = e
+        failed.append(e)
         return
       if answers[key][0] != 200:
         return
@@ -134,9 +135,7 @@ def _from_metadata(env: Mapping[str, str], timeout: float) -> Metadata:
   asker = threading.Thread(target=ask, name='tpu-metadata', daemon=True)
   asker.start()
   asker.join(timeout)
-  if asker.is_alive() or any(isinstance(a, BaseException)
-                             for a in answers.values()):
-    failed = [a for a in answers.values() if isinstance(a, BaseException)]
+  if asker.is_alive() or failed:
     why = (f'{type(failed[0]).__name__}: {failed[0]}' if failed else
            f'no answer within {timeout:g} s')
     raise errors.MultihostError(
