@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import signal
+import threading
 import time
 
 from absl import flags
@@ -127,6 +128,14 @@ DRILL_STALL_AT = flags.DEFINE_integer(
     'or 0), process --drill_stall_process sleeps --drill_stall_seconds in '
     'its data loader of this step (alive, but stuck: the step deadline ends '
     'it; 0: never).', lower_bound=0)
+DRILL_STALL_BETWEEN = flags.DEFINE_integer(
+    'drill_stall_between_steps_at', 0,
+    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
+    'or 0), process --drill_stall_process blocks its main thread for '
+    '--drill_stall_seconds in a SIGUSR2 handler, signalled by a thread '
+    'after this step: it lands wherever the loop\'s Python code is then '
+    '(between steps, alive and heartbeating: the step deadline ends it; '
+    '0: never).', lower_bound=0)
 DRILL_STALL_PROCESS = flags.DEFINE_integer(
     'drill_stall_process', 1, 'For fault drills: the process that stalls.',
     lower_bound=0)
@@ -199,6 +208,26 @@ def stall(step: int, pid: int, *, first_attempt: bool) -> None:
     time.sleep(DRILL_STALL_SECONDS.value)
 
 
+def stall_between(step: int, pid: int, *, first_attempt: bool) -> None:
+  """The drill of a stall between steps: after step --drill_stall_between_steps_at, process --drill_stall_process's main thread blocks in a SIGUSR2 handler (first attempt only)."""
+  if not (step == DRILL_STALL_BETWEEN.value and first_attempt
+          and pid == DRILL_STALL_PROCESS.value):
+    return
+
+  def handler(signum, frame):
+    del signum
+    print(f'Drill: process {pid} stalls in a signal handler after step '
+          f'{step} (in {frame.f_code.co_name}) for '
+          f'{DRILL_STALL_SECONDS.value:g} s at {time.time():.3f}.',
+          flush=True)
+    time.sleep(DRILL_STALL_SECONDS.value)
+
+  signal.signal(signal.SIGUSR2, handler)
+  # From another thread, a moment later: the main thread runs the handler
+  # at whatever point of the loop's code it has reached by then.
+  threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+
+
 # The flags every process must agree on: they shape the model, the data order,
 # the schedule of saves and collectives, or the checkpoint folder. The others
 # may differ: --local_checkpoint_dir's path (each host its own; only whether
@@ -209,7 +238,7 @@ _MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
                SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
                SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
                DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST,
-               DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT,
+               DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT, DRILL_STALL_BETWEEN,
                DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
                STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
                STEP_DEADLINE_FLOOR)

@@ -225,6 +225,7 @@ class _Run:
         self.metrics.flush()
     F.drill(record.step, pid, first_attempt=self.first_attempt,
             checkpoints=self.checkpoints)
+    F.stall_between(record.step, pid, first_attempt=self.first_attempt)
     self.upcoming = record.step + 1
 
   def _write(self, line: dict) -> None:

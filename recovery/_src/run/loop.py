@@ -231,14 +231,17 @@ class ResilientLoop:
     progress line, the newest finished step's; the result). A saved step,
     the last, and a preemption's finish inside their step.
 
-    Each step (its batch, `step_fn`, its check, a wait for a queued step; not
-    the saves or `on_step`) runs under `multihost.step_watch()`, which
-    marks the arrival after `data_fn`. With several controllers, a step stuck
-    past its deadline (learned from the step times, see
-    `multihost.set_step_deadline`) makes every process log who is behind and
-    where, and leave with exit status 75, so that the launcher's
-    `--max_restarts` or a scheduler restarts the job, which resumes here from
-    the last checkpoint.
+    The whole loop, from its first step to its end, runs under
+    `multihost.step_watch()`, with no gap: each step (its batch, `step_fn`,
+    its check, a wait for a queued step) and the code after it (`on_step`,
+    the preemption check, the saves) count as that step
+    (`StepWatch.between`); the arrival is marked after `data_fn`. With
+    several controllers, a process stuck anywhere in the loop past the
+    step deadline (learned from the step times, saves included, see
+    `multihost.set_step_deadline`) makes every process log who is behind
+    and where (its stack), and leave with exit status 75, so that the
+    launcher's `--max_restarts` or a scheduler restarts the job, which
+    resumes here from the last checkpoint.
 
     Args:
       state: the state to continue from (fresh or restored).
@@ -267,21 +270,19 @@ class ResilientLoop:
           # Its state is read right after it: it finishes inside its step.
           settle = n == until_step or (checkpoints is not None
                                        and _saves_at(checkpoints, n))
-          # watch.step(n), without its `with` (costly on Python 3.11).
+          # The watched window has no gap: `begin` ends the step before
+          # (marked `between`), which stayed judged through the code after
+          # it (on_step, the preemption check, saves). Not `with
+          # watch.step(n)` (costly on Python 3.11).
           if watch is not None:
             watch.begin(n)
-          try:
-            state, record = self._step(old := state, watch, many,
-                                       checks is None)
-            if checks is not None:
-              checks.dispatched(old.user, state.user, record, settle=settle)
-            queue.add(record, settle)
-          except BaseException as error:
-            if watch is not None:
-              watch.end(error)
-            raise
+          state, record = self._step(old := state, watch, many,
+                                     checks is None)
+          if checks is not None:
+            checks.dispatched(old.user, state.user, record, settle=settle)
+          queue.add(record, settle)
           if watch is not None:
-            watch.end()
+            watch.between()
           if on_step is not None:
             on_step(state, record)
           if (sigterm.received if sigterm is not None else
@@ -294,13 +295,25 @@ class ResilientLoop:
                   final=state.step == until_step)
           if _monotonic() >= progress.next_at:
             progress.tell(state.step, queue.done or record)
+        if watch is not None:
+          watch.end()
         if checkpoints is not None:
           checkpoints.wait()
         return RunResult(state=state, preempted=False,
                          last_loss=None if record is None else record.loss)
       except KeyboardInterrupt as interrupt:
+        _end(watch, interrupt)
         _note_interrupt(interrupt, state, checkpoints)
         raise
+      except BaseException as error:
+        _end(watch, error)
+        raise
+
+
+def _end(watch: Any, error: BaseException) -> None:
+  """Ends the watched window (`watch`'s step in progress, if any) on `error`: past its deadline, the step deadline's verdict comes first."""
+  if watch is not None:
+    watch.end(error)
 
 
 def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
@@ -314,6 +327,8 @@ def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
       checks.flush()
   if checkpoints is not None:
     _save(checkpoints, state, preempted=True, final=False)
+  if watch is not None:
+    watch.end()
   _stopped_at_preemption(state, checkpoints)
   return RunResult(state=state, preempted=True, last_loss=record.loss)
 

@@ -100,8 +100,9 @@ class Queue:
     self._steps.clear()
     if watch is None:
       jax.block_until_ready((record.raw_loss, state.user))
-    else:
-      with watch.step(record.step):  # The step's end, still judged.
-        watch.arrived()
-        jax.block_until_ready((record.raw_loss, state.user))
+    else:  # The step's end, still judged (its window stays open).
+      watch.begin(record.step)
+      watch.arrived()
+      jax.block_until_ready((record.raw_loss, state.user))
+      watch.between()
     self.done = record
