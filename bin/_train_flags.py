@@ -136,6 +136,14 @@ DRILL_STALL_BETWEEN = flags.DEFINE_integer(
     'after this step: it lands wherever the loop\'s Python code is then '
     '(between steps, alive and heartbeating: the step deadline ends it; '
     '0: never).', lower_bound=0)
+DRILL_FAULTS = flags.DEFINE_string(
+    'drill_faults', '',
+    'For chaos drills: faults, each ATTEMPT:KIND:PROCESS:STEP, comma-'
+    'separated: on attempt ATTEMPT ($MULTIHOST_RESTART_COUNT, 0 first), '
+    'process PROCESS, after step STEP: KIND kill (SIGKILL itself), stop '
+    '(SIGSTOP itself: alive to the kernel, silent to its peers) or stall '
+    '(its main thread blocks in a signal handler, as '
+    '--drill_stall_between_steps_at).')
 DRILL_STALL_PROCESS = flags.DEFINE_integer(
     'drill_stall_process', 1, 'For fault drills: the process that stalls.',
     lower_bound=0)
@@ -208,11 +216,54 @@ def stall(step: int, pid: int, *, first_attempt: bool) -> None:
     time.sleep(DRILL_STALL_SECONDS.value)
 
 
+def _faults_ok(value: str) -> bool:
+  """Whether --drill_faults is a list of ATTEMPT:KIND:PROCESS:STEP."""
+  try:
+    _faults(value)
+  except ValueError:
+    return False
+  return True
+
+
+def _faults(value: str) -> list[tuple[int, str, int, int]]:
+  out = []
+  for item in filter(None, value.split(',')):
+    attempt, kind, process, step = item.split(':')
+    if kind not in ('kill', 'stop', 'stall'):
+      raise ValueError(kind)
+    out.append((int(attempt), kind, int(process), int(step)))
+  return out
+
+
+flags.register_validator(
+    'drill_faults', _faults_ok,
+    message='--drill_faults must be ATTEMPT:KIND:PROCESS:STEP items (KIND '
+    'kill, stop or stall), comma-separated.')
+
+
+def chaos(step: int, pid: int, *, attempt: int) -> None:
+  """The chaos drill: this attempt's --drill_faults of process `pid` after `step`."""
+  for at, kind, process, when in _faults(DRILL_FAULTS.value):
+    if (at, process, when) != (attempt, pid, step):
+      continue
+    print(f'Drill: process {pid} on attempt {attempt}: {kind} after step '
+          f'{step} at {time.time():.3f}.', flush=True)
+    if kind == 'stall':
+      _stall_in_handler(step, pid)
+    else:
+      os.kill(os.getpid(), signal.SIGKILL if kind == 'kill' else
+              signal.SIGSTOP)
+
+
 def stall_between(step: int, pid: int, *, first_attempt: bool) -> None:
   """The drill of a stall between steps: after step --drill_stall_between_steps_at, process --drill_stall_process's main thread blocks in a SIGUSR2 handler (first attempt only)."""
-  if not (step == DRILL_STALL_BETWEEN.value and first_attempt
-          and pid == DRILL_STALL_PROCESS.value):
-    return
+  if (step == DRILL_STALL_BETWEEN.value and first_attempt
+      and pid == DRILL_STALL_PROCESS.value):
+    _stall_in_handler(step, pid)
+
+
+def _stall_in_handler(step: int, pid: int) -> None:
+  """Blocks the main thread for --drill_stall_seconds in a SIGUSR2 handler, signalled a moment later from a thread."""
 
   def handler(signum, frame):
     del signum
@@ -238,7 +289,8 @@ _MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
                SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
                SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
                DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST,
-               DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT, DRILL_STALL_BETWEEN,
+               DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT,
+               DRILL_STALL_BETWEEN, DRILL_FAULTS,
                DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
                STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
                STEP_DEADLINE_FLOOR)
