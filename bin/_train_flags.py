@@ -132,18 +132,17 @@ DRILL_STALL_BETWEEN = flags.DEFINE_integer(
     'drill_stall_between_steps_at', 0,
     'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
     'or 0), process --drill_stall_process blocks its main thread for '
-    '--drill_stall_seconds in a SIGUSR2 handler, signalled by a thread '
-    'after this step: it lands wherever the loop\'s Python code is then '
-    '(between steps, alive and heartbeating: the step deadline ends it; '
-    '0: never).', lower_bound=0)
+    '--drill_stall_seconds in a SIGUSR2 handler, raised in its per-step '
+    'callback after this step (between steps, alive and heartbeating: the '
+    'step deadline ends it; 0: never).', lower_bound=0)
 DRILL_FAULTS = flags.DEFINE_string(
     'drill_faults', '',
     'For chaos drills: faults, each ATTEMPT:KIND:PROCESS:STEP, comma-'
     'separated: on attempt ATTEMPT ($MULTIHOST_RESTART_COUNT, 0 first), '
     'process PROCESS, after step STEP: KIND kill (SIGKILL itself), stop '
     '(SIGSTOP itself: alive to the kernel, silent to its peers) or stall '
-    '(its main thread blocks in a signal handler, as '
-    '--drill_stall_between_steps_at).')
+    '(its main thread blocks in a SIGUSR2 handler, signalled from a thread '
+    'a moment after the step: wherever the loop\'s code is then).')
 DRILL_STALL_PROCESS = flags.DEFINE_integer(
     'drill_stall_process', 1, 'For fault drills: the process that stalls.',
     lower_bound=0)
@@ -259,11 +258,11 @@ def stall_between(step: int, pid: int, *, first_attempt: bool) -> None:
   """The drill of a stall between steps: after step --drill_stall_between_steps_at, process --drill_stall_process's main thread blocks in a SIGUSR2 handler (first attempt only)."""
   if (step == DRILL_STALL_BETWEEN.value and first_attempt
       and pid == DRILL_STALL_PROCESS.value):
-    _stall_in_handler(step, pid)
+    _stall_in_handler(step, pid, at_once=True)
 
 
-def _stall_in_handler(step: int, pid: int) -> None:
-  """Blocks the main thread for --drill_stall_seconds in a SIGUSR2 handler, signalled a moment later from a thread."""
+def _stall_in_handler(step: int, pid: int, *, at_once: bool = False) -> None:
+  """Blocks the main thread for --drill_stall_seconds in a SIGUSR2 handler: signalled here (`at_once`: in this callback, between steps), else a moment later from a thread (wherever the loop's code is then)."""
 
   def handler(signum, frame):
     del signum
@@ -274,6 +273,9 @@ def _stall_in_handler(step: int, pid: int) -> None:
     time.sleep(DRILL_STALL_SECONDS.value)
 
   signal.signal(signal.SIGUSR2, handler)
+  if at_once:
+    signal.raise_signal(signal.SIGUSR2)
+    return
   # From another thread, a moment later: the main thread runs the handler
   # at whatever point of the loop's code it has reached by then.
   threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGUSR2)).start()
