@@ -155,8 +155,8 @@ class ResilientLoop:
     """
     return self._step(state, None, jax.process_count() > 1, True)
 
-  def _step(self, state: TransitionState, watch: Any, many: bool,
-            check: bool) -> tuple[TransitionState, StepRecord]:
+  def _step(self, state: TransitionState, watch: pending.Watch | None,
+            many: bool, check: bool) -> tuple[TransitionState, StepRecord]:
     """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
 
     `many`: whether there are several processes (`jax.process_count() > 1`).
@@ -310,14 +310,14 @@ class ResilientLoop:
         raise
 
 
-def _end(watch: Any, error: BaseException) -> None:
+def _end(watch: pending.Watch | None, error: BaseException) -> None:
   """Ends the watched window (`watch`'s step in progress, if any) on `error`: past its deadline, the step deadline's verdict comes first."""
   if watch is not None:
     watch.end(error)
 
 
 def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
-               queue: pending.Queue, watch: Any,
+               queue: pending.Queue, watch: pending.Watch | None,
                checks: pending.Overlapped | None,
                checkpoints: Checkpoints | None) -> RunResult:
   """At the agreed preemption step, `state`'s: finishes it (and its check), saves it, and says so."""
