@@ -231,17 +231,14 @@ class ResilientLoop:
     progress line, the newest finished step's; the result). A saved step,
     the last, and a preemption's finish inside their step.
 
-    The whole loop, from its first step to its end, runs under
-    `multihost.step_watch()`, with no gap: each step (its batch, `step_fn`,
-    its check, a wait for a queued step) and the code after it (`on_step`,
-    the preemption check, the saves) count as that step
-    (`StepWatch.between`); the arrival is marked after `data_fn`. With
-    several controllers, a process stuck anywhere in the loop past the
-    step deadline (learned from the step times, saves included, see
+    The whole loop runs under `multihost.step_watch()` with no gap: a step
+    (its batch, `step_fn`, its check, a wait for a queued step) and the
+    code after it (`on_step`, the preemption check, the saves) count as
+    that step (`StepWatch.between`). With several controllers, a process
+    stuck anywhere in the loop past the step deadline (see
     `multihost.set_step_deadline`) makes every process log who is behind
-    and where (its stack), and leave with exit status 75, so that the
-    launcher's `--max_restarts` or a scheduler restarts the job, which
-    resumes here from the last checkpoint.
+    and where, and leave with exit status 75, so that a launcher or a
+    scheduler restarts the job, which resumes from the last checkpoint.
 
     Args:
       state: the state to continue from (fresh or restored).
@@ -267,13 +264,9 @@ class ResilientLoop:
       try:
         while state.step < until_step:
           n = state.step + 1
-          # Its state is read right after it: it finishes inside its step.
           settle = n == until_step or (checkpoints is not None
                                        and _saves_at(checkpoints, n))
-          # The watched window has no gap: `begin` ends the step before
-          # (marked `between`), which stayed judged through the code after
-          # it (on_step, the preemption check, saves). Not `with
-          # watch.step(n)` (costly on Python 3.11).
+          # No gap: `begin` ends the step before, judged until now.
           if watch is not None:
             watch.begin(n)
           state, record = self._step(old := state, watch, many,
