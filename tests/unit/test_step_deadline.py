@@ -281,6 +281,39 @@ def test_a_process_stuck_between_steps_is_judged_and_named(pair):
   w1.end()
 
 
+def test_a_step_that_raises_after_a_peer_left_at_its_deadline_leaves_75(
+    pair):
+  """Process 1, stuck between steps, left at its deadline (its report in the store); process 0's collective then raised, before its own deadline: it leaves with 75 too, naming process 1."""
+  rts, exits = pair
+  w1 = rts[1].step_watch
+  w1.begin(5)
+  w1.between()
+  left = {1: where.local_report(rts[1])}
+  w0 = step_deadline.StepWatch(
+      rts[0], ask=lambda ps: where.ask(ps, runtime=rts[0]),
+      describe=lambda r: where_text.whereabouts(r, where.ANSWER_WITHIN_S),
+      leave=exits[0].append, left_reports=lambda: left)
+  w0.configure(Rule(fixed=30.0, warmup_steps=0))
+  own, rts[0].step_watch = rts[0].step_watch, w0  # Its where-report's.
+  try:
+    w0.begin(6)
+    w0.arrived()
+    started = time.monotonic()
+    w0.end(RuntimeError('the collective failed: the peer left'))
+    took = time.monotonic() - started
+  finally:
+    w0.stop()
+    w1.end()
+    rts[0].step_watch = own
+  assert exits[0] == [75], exits
+  assert took < step_deadline.ASK_BOUND_S + 2, took
+  line = w0.fired
+  assert line.startswith('[process=0] multihost: step 6 raised after '), line
+  assert 'as process(es) [1] left at their step deadline' in line, line
+  assert ('Behind the others: process 1 is between steps: in the '
+          "program's code after step 5 for ") in line, line
+
+
 def test_between_keeps_the_step_judged_until_the_next_begin():
   watch = multihost.step_watch()
   before = watch.learner.steps

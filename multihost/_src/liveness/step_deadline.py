@@ -395,11 +395,10 @@ class StepWatch:
       # Before leaving: those who ask after this process has gone still
       # learn where it was.
       _bounded(lambda: self._leave_report(reports[me]), ASK_BOUND_S)
-    gone = [p for p, r in reports.items() if r is None]
-    if still and gone and self._left_reports is not None:
+    if still and self._left_reports is not None:  # Those that left so.
       left = _bounded(self._left_reports, ASK_BOUND_S) or {}
-      reports.update({p: {**left[p], 'left': True} for p in gone
-                      if p in left})
+      reports.update({p: {**(reports.get(p) or left[p]), 'left': True}
+                      for p in left if p != me})
     with self._cond:
       rule = self.rule()
       why = self.learner.explain(rule)
