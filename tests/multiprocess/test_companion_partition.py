@@ -56,8 +56,12 @@ def _wait_text(path, text, timeout):
                        f'{path.read_text(errors="replace")[-3000:]}')
 
 
+# Process 0 leaves by `os._exit` (as a crash, or a process leaving with 75
+# after a peer's loss does): no exit sequence stops the companion, which
+# must leave by itself. (After a normal exit or an uncaught error, process
+# 0 stops it before it exits.)
 @pytest.mark.parametrize('fault,end', [('cut', 'os_exit'),
-                                       ('freeze', 'os_exit'), ('cut', 'exit')])
+                                       ('freeze', 'os_exit')])
 def test_the_companion_leaves_after_process_0_whatever_happened_to_a_peer(
     tmp_path, fault, end):
   procs, logs, companion = [], [], None
