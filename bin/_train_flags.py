@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import signal
+import threading
 import time
 
 from absl import flags
@@ -127,6 +128,21 @@ DRILL_STALL_AT = flags.DEFINE_integer(
     'or 0), process --drill_stall_process sleeps --drill_stall_seconds in '
     'its data loader of this step (alive, but stuck: the step deadline ends '
     'it; 0: never).', lower_bound=0)
+DRILL_STALL_BETWEEN = flags.DEFINE_integer(
+    'drill_stall_between_steps_at', 0,
+    'For fault drills: on the first attempt ($MULTIHOST_RESTART_COUNT unset '
+    'or 0), process --drill_stall_process blocks its main thread for '
+    '--drill_stall_seconds in a SIGUSR2 handler, raised in its per-step '
+    'callback after this step (between steps, alive and heartbeating: the '
+    'step deadline ends it; 0: never).', lower_bound=0)
+DRILL_FAULTS = flags.DEFINE_string(
+    'drill_faults', '',
+    'For chaos drills: faults, each ATTEMPT:KIND:PROCESS:STEP, comma-'
+    'separated: on attempt ATTEMPT ($MULTIHOST_RESTART_COUNT, 0 first), '
+    'process PROCESS, after step STEP: KIND kill (SIGKILL itself), stop '
+    '(SIGSTOP itself: alive to the kernel, silent to its peers) or stall '
+    '(its main thread blocks in a SIGUSR2 handler, signalled from a thread '
+    'a moment after the step: wherever the loop\'s code is then).')
 DRILL_STALL_PROCESS = flags.DEFINE_integer(
     'drill_stall_process', 1, 'For fault drills: the process that stalls.',
     lower_bound=0)
@@ -199,6 +215,72 @@ def stall(step: int, pid: int, *, first_attempt: bool) -> None:
     time.sleep(DRILL_STALL_SECONDS.value)
 
 
+def _faults_ok(value: str) -> bool:
+  """Whether --drill_faults is a list of ATTEMPT:KIND:PROCESS:STEP."""
+  try:
+    _faults(value)
+  except ValueError:
+    return False
+  return True
+
+
+def _faults(value: str) -> list[tuple[int, str, int, int]]:
+  out = []
+  for item in filter(None, value.split(',')):
+    attempt, kind, process, step = item.split(':')
+    if kind not in ('kill', 'stop', 'stall'):
+      raise ValueError(kind)
+    out.append((int(attempt), kind, int(process), int(step)))
+  return out
+
+
+flags.register_validator(
+    'drill_faults', _faults_ok,
+    message='--drill_faults must be ATTEMPT:KIND:PROCESS:STEP items (KIND '
+    'kill, stop or stall), comma-separated.')
+
+
+def chaos(step: int, pid: int, *, attempt: int) -> None:
+  """The chaos drill: this attempt's --drill_faults of process `pid` after `step`."""
+  for at, kind, process, when in _faults(DRILL_FAULTS.value):
+    if (at, process, when) != (attempt, pid, step):
+      continue
+    print(f'Drill: process {pid} on attempt {attempt}: {kind} after step '
+          f'{step} at {time.time():.3f}.', flush=True)
+    if kind == 'stall':
+      _stall_in_handler(step, pid)
+    else:
+      os.kill(os.getpid(), signal.SIGKILL if kind == 'kill' else
+              signal.SIGSTOP)
+
+
+def stall_between(step: int, pid: int, *, first_attempt: bool) -> None:
+  """The drill of a stall between steps: after step --drill_stall_between_steps_at, process --drill_stall_process's main thread blocks in a SIGUSR2 handler (first attempt only)."""
+  if (step == DRILL_STALL_BETWEEN.value and first_attempt
+      and pid == DRILL_STALL_PROCESS.value):
+    _stall_in_handler(step, pid, at_once=True)
+
+
+def _stall_in_handler(step: int, pid: int, *, at_once: bool = False) -> None:
+  """Blocks the main thread for --drill_stall_seconds in a SIGUSR2 handler: signalled here (`at_once`: in this callback, between steps), else a moment later from a thread (wherever the loop's code is then)."""
+
+  def handler(signum, frame):
+    del signum
+    print(f'Drill: process {pid} stalls in a signal handler after step '
+          f'{step} (in {frame.f_code.co_name}) for '
+          f'{DRILL_STALL_SECONDS.value:g} s at {time.time():.3f}.',
+          flush=True)
+    time.sleep(DRILL_STALL_SECONDS.value)
+
+  signal.signal(signal.SIGUSR2, handler)
+  if at_once:
+    signal.raise_signal(signal.SIGUSR2)
+    return
+  # From another thread, a moment later: the main thread runs the handler
+  # at whatever point of the loop's code it has reached by then.
+  threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+
+
 # The flags every process must agree on: they shape the model, the data order,
 # the schedule of saves and collectives, or the checkpoint folder. The others
 # may differ: --local_checkpoint_dir's path (each host its own; only whether
@@ -210,6 +292,7 @@ _MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
                SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
                DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST,
                DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT,
+               DRILL_STALL_BETWEEN, DRILL_FAULTS,
                DRILL_STALL_PROCESS, DRILL_STALL_SECONDS, STEP_DEADLINE,
                STEP_DEADLINE_WARMUP, STEP_DEADLINE_MULTIPLE,
                STEP_DEADLINE_FLOOR)

@@ -176,8 +176,8 @@ class _Run:
 
   def __init__(self, model: LinearRegression, *, pid: int, prefix: str):
     self.model, self.pid, self.prefix = model, pid, prefix
-    self.first_attempt = os.environ.get(multihost.env.RESTART_COUNT,
-                                        '0') in ('', '0')
+    self.attempt = int(os.environ.get(multihost.env.RESTART_COUNT) or 0)
+    self.first_attempt = self.attempt == 0
     sampler = recovery.EpochSampler(F.SAMPLES.value, model.batch_size)
     self.upcoming = 0  # The step whose batch data_fn loads next.
     self.loop = recovery.ResilientLoop(model.update, data_fn=self._data,
@@ -224,6 +224,8 @@ class _Run:
         self.metrics.flush()
     F.drill(record.step, pid, first_attempt=self.first_attempt,
             checkpoints=self.checkpoints)
+    F.stall_between(record.step, pid, first_attempt=self.first_attempt)
+    F.chaos(record.step, pid, attempt=self.attempt)
     self.upcoming = record.step + 1
 
   def _write(self, line: dict) -> None:

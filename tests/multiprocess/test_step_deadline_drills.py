@@ -14,7 +14,14 @@
   processes' status 75 and the report, attempt 1 resumes from the step-5
   checkpoint and the run ends with exit status 0.
 
-Without the step deadline, both runs hang until the test's bounds stop
+* bin/train.py at 2 x 2 with `--drill_stall_between_steps_at=8`: process
+  1's main thread blocks in a signal handler raised in its per-step
+  callback after step 8 (tests/multiprocess/test_chaos.py signals it from
+  a thread instead: wherever the loop's code is): the loop's watched
+  window has no gap, so both processes leave with 75 and process 0 names
+  process 1, between steps, in its signal handler.
+
+Without the step deadline, these runs hang until the test's bounds stop
 them.
 """
 
@@ -47,7 +54,8 @@ def _report_lines(out):
   so, and its report follows (`liveness.step_deadline`).
   """
   return [l for l in out.splitlines()
-          if 'past its deadline' in l and ' has run for ' in l]
+          if ('past its deadline' in l and ' has run for ' in l)
+          or (' raised after ' in l and 'left at their step deadline' in l)]
 
 
 def test_a_peer_stuck_in_its_data_loader_makes_every_process_leave_with_75():
@@ -138,3 +146,31 @@ def test_train_heals_a_stuck_step_under_max_restarts(tmp_path):
   assert '[process=0] Resumed from step 5 ' in last.outputs[0]
   assert 'Finished step 12 ' in last.outputs[0]
   assert not any(alive(pid) for a in result.attempts for pid in a.pids)
+
+
+def test_a_stall_between_steps_makes_every_process_leave_with_75_naming_it(
+    tmp_path):
+  args = [PY, TRAIN, f'--checkpoint_dir={tmp_path / "ckpt"}', '--steps=40',
+          '--save_every=5', '--drill_stall_between_steps_at=8',
+          '--drill_stall_process=1', '--drill_stall_seconds=600',
+          f'--step_deadline_floor={DEADLINE_S:g}', '--step_deadline_warmup=2',
+          '--straggler_every=0']
+  result = launch.launch(args, num_processes=2, devices_per_process=2,
+                         grace_period=30, kill_wait=0.5, timeout=90,
+                         cwd=ROOT, env=quick_compile_env())
+  outs = result.outputs
+  assert result.returncodes == (75, 75), (result.summary, outs[0][-3000:],
+                                          outs[1][-3000:])
+  assert not result.stopped, result.summary
+  stalled = float(re.search(r'stalls in a signal handler after step 8 '
+                            r'\(in \w+\) for 600 s at (\d+\.\d+)',
+                            outs[1]).group(1))
+  assert 'Finished step' not in outs[0]
+  for i in (0, 1):
+    assert len(_report_lines(outs[i])) == 1, outs[i][-3000:]
+  (line,) = _report_lines(outs[0])
+  assert ('Behind the others: process 1 is between steps: in the '
+          "program's code after step 8 for " in line), line
+  assert 'process 1: main thread in handler (bin/_train_flags.py:' in line, line
+  print(f'stalled at {stalled:.3f}; process 0: {line[:300]}')
+  assert not any(alive(pid) for pid in result.pids)

@@ -406,7 +406,7 @@ def test_a_peer_that_left_is_named_as_exited_not_failed(job):
     assert seconds < 5.0
 
 
-def _call_while_2_leaves(rts, rest, *, after_error=False):
+def _call_while_2_leaves(rts, rest, *, after_error=False, timeout=None):
   """Process 0's watched call, whose step ends `rest` s after its watchdog saw process 2 leave; (result or error, seconds)."""
   never = threading.Event()
   if after_error:
@@ -427,8 +427,8 @@ def _call_while_2_leaves(rts, rest, *, after_error=False):
   try:
     start = time.monotonic()
     try:
-      return blocking.call('commit checkpoint', step, runtime=rts[0]), (
-          time.monotonic() - start)
+      return blocking.call('commit checkpoint', step, runtime=rts[0],
+                           timeout=timeout), time.monotonic() - start
     except _errors.ProcessFailureError as e:
       return e, time.monotonic() - start
   finally:
@@ -449,6 +449,16 @@ def test_a_call_a_peer_left_without_raises_after_the_grace(job):
   assert str(out).startswith('[process=0] commit checkpoint: process(es) '
                              '[2] exited before this collective'), out
   assert blocking.EXITED_GRACE_S <= seconds < blocking.EXITED_GRACE_S + 3
+
+
+def test_with_a_timeout_the_grace_after_a_normal_exit_stays_its_own(job):
+  """A call with a finite timeout (20 s) that a peer left normally gets the grace (5 s), not the rest of its timeout."""
+  _, rts = job
+  out, seconds = _call_while_2_leaves(rts, rest=None, timeout=20.0)
+  assert isinstance(out, _errors.ProcessFailureError), out
+  assert 'exited before this collective' in str(out), out
+  assert blocking.EXITED_GRACE_S <= seconds < blocking.EXITED_GRACE_S + 3, (
+      seconds)
 
 
 def test_a_peer_that_left_after_an_error_gets_no_grace(job):

@@ -247,6 +247,91 @@ def test_a_process_between_steps_is_behind_one_in_the_next_step(pair):
   assert '(process(es) [0]: in step 3 for ' in line, line
 
 
+def test_a_process_stuck_between_steps_is_judged_and_named(pair):
+  """Process 1 did step 5's work (`between`) and stalls in its code after it (a callback, a signal handler); process 0 waits in step 6: both leave with 75, and process 0 names process 1, between steps."""
+  rts, exits = pair
+  w0, w1 = rts[0].step_watch, rts[1].step_watch
+  release = threading.Event()
+
+  def one():
+    w1.begin(5)
+    w1.arrived()
+    w1.between()  # Its step's own work done; then stuck.
+    release.wait(20)
+
+  thread = threading.Thread(target=one, daemon=True)
+  started = time.monotonic()
+  thread.start()
+  try:
+    with w0.step(6):
+      w0.arrived()
+      assert _wait_for(lambda: exits[0] and exits[1], 10), exits
+    took = time.monotonic() - started
+  finally:
+    release.set()
+    thread.join(5)
+  assert exits == {0: [75], 1: [75]}
+  assert took < 0.4 + step_deadline.ASK_BOUND_S, took
+  line = w0.fired
+  assert ('Behind the others: process 1 is between steps: in the '
+          "program's code after step 5 for " in line), line
+  assert 'Where they are: process 1: main thread in ' in line, line
+  assert w1.fired.startswith('[process=1] multihost: step 5 has run for '), (
+      w1.fired)
+  w1.end()
+
+
+def test_a_step_that_raises_after_a_peer_left_at_its_deadline_leaves_75(
+    pair):
+  """Process 1, stuck between steps, left at its deadline (its report in the store); process 0's collective then raised, before its own deadline: it leaves with 75 too, naming process 1."""
+  rts, exits = pair
+  w1 = rts[1].step_watch
+  w1.begin(5)
+  w1.between()
+  left = {1: where.local_report(rts[1])}
+  w0 = step_deadline.StepWatch(
+      rts[0], ask=lambda ps: where.ask(ps, runtime=rts[0]),
+      describe=lambda r: where_text.whereabouts(r, where.ANSWER_WITHIN_S),
+      leave=exits[0].append, left_reports=lambda: left)
+  w0.configure(Rule(fixed=30.0, warmup_steps=0))
+  own, rts[0].step_watch = rts[0].step_watch, w0  # Its where-report's.
+  try:
+    w0.begin(6)
+    w0.arrived()
+    started = time.monotonic()
+    w0.end(RuntimeError('the collective failed: the peer left'))
+    took = time.monotonic() - started
+  finally:
+    w0.stop()
+    w1.end()
+    rts[0].step_watch = own
+  assert exits[0] == [75], exits
+  assert took < step_deadline.ASK_BOUND_S + 2, took
+  line = w0.fired
+  assert line.startswith('[process=0] multihost: step 6 raised after '), line
+  assert 'as process(es) [1] left at their step deadline' in line, line
+  assert ('Behind the others: process 1 is between steps: in the '
+          "program's code after step 5 for ") in line, line
+
+
+def test_between_keeps_the_step_judged_until_the_next_begin():
+  watch = multihost.step_watch()
+  before = watch.learner.steps
+  watch.begin(7)
+  watch.between()
+  try:
+    assert watch.position()['state'] == 'between'
+  finally:
+    watch.begin(8)  # Ends step 7 (completed, learned from), begins 8.
+  assert (watch.position()['step'], watch.position()['state']) == (
+      8, 'preparing')
+  assert watch.learner.steps == before + 1
+  with pytest.raises(RuntimeError, match='steps do not nest'):
+    watch.begin(9)  # Step 8 is not marked between.
+  watch.end()
+  assert watch.learner.steps == before + 2
+
+
 def test_a_process_yet_to_read_the_step_before_is_stuck_on_that_step(pair):
   """Process 0 dispatched step 5 and is in step 6, still to read step 5's result (an overlapped check); process 1 is stuck loading step 5: process 0 reports step 5, awaited in step 6."""
   rts, exits = pair
@@ -405,6 +490,20 @@ def test_recovery_s_loop_watches_each_step_unless_told_not_to():
   loop.run(state, until_step=5, step_deadline=False)
   assert watch.learner.steps == before + 3
   assert watch.position()['step'] == 3
+
+
+def test_recovery_s_loop_watches_the_code_between_its_steps_too():
+  """`on_step` (and the saves, the preemption check) run inside the step just taken: the window has no gap until the loop ends."""
+  rep = _replicated()
+  seen = []
+  loop, state = _counting_loop(
+      lambda ids: jax.device_put(np.float32(len(ids)), rep), rep)
+  watch = multihost.step_watch()
+  loop.run(state, until_step=3,
+           on_step=lambda s, r: seen.append(watch.position()))
+  assert [(p['step'], p['state']) for p in seen] == [
+      (1, 'between'), (2, 'between'), (3, 'between')], seen
+  assert watch.position()['state'] == 'done'  # The loop's end closes it.
 
 
 @pytest.mark.parametrize('overlap', [False, True])

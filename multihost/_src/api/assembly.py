@@ -35,7 +35,9 @@ def assemble(rt: runtime.Runtime) -> None:
       rt, ask=lambda processes: where.ask(processes, runtime=rt),
       describe=lambda reports: where_text.whereabouts(
           reports, where.ANSWER_WITHIN_S),
-      leave=rt.watchdog.leave)
+      leave=rt.watchdog.leave,
+      leave_report=lambda report: where.leave_report(report, runtime=rt),
+      left_reports=lambda: where.left_reports(runtime=rt))
 
 
 runtime.set_assembler(assemble)

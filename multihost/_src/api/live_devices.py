@@ -165,7 +165,7 @@ class _Block:
       return self._devices
     _runtime.current().watchdog.ensure_started()
     where.ensure_started()
-    if not _runtime.current().watchdog.running:
+    if not _runtime.current().watchdog.watching():
       _warn_unwatched()
     # Numbered per set of processes: those of another set do not count
     # these blocks.

@@ -169,7 +169,7 @@ def named(rt: runtime.Runtime, error: BaseException, op: str, where: str, *,
       tasks=coordination.tasks_in(str(error)), published=present,
       source=rt.timeout_source(timeout))
   if isinstance(error_named, errors.ProcessFailureError):
-    watchdog.peer_loss.delivered()  # Raised to the program (see _watchdog).
+    watchdog.failure_delivered()  # Raised to the program.
   return error_named
 
 

@@ -203,6 +203,44 @@ def ask(processes: list[int], *, timeout: float = ANSWER_WITHIN_S,
   return dict(sorted(reports.items()))
 
 
+# --- The reports of processes that left at a stuck step ----------------------
+
+# Each process whose step deadline fired leaves its own report here before
+# it leaves (one key per process, written once: the process then exits), so
+# that the others' reports can still say where it was.
+_LEFT_DIR = 'multihost_where/left/'
+
+
+def leave_report(report: dict, *, runtime: _runtime.Runtime | None = None,
+                 timeout: float = ANSWER_WITHIN_S) -> None:
+  """Leaves this process's `report` in the store for those asking after it has gone (see `left_reports`)."""
+  rt = runtime or _runtime.current()
+  if rt.client is None:
+    return
+  name = f'{_LEFT_DIR}{_index(rt)}'
+  body = json.dumps(report).encode()
+  if len(body) <= _MAX_ANSWER:
+    rt.client.kv_set(name, _seal(_key(rt, timeout), name, body))
+
+
+def left_reports(*, runtime: _runtime.Runtime | None = None,
+                 timeout: float = ANSWER_WITHIN_S) -> dict[int, dict]:
+  """The reports that processes left as their step deadline fired (`leave_report`), by process; authentic ones only."""
+  rt = runtime or _runtime.current()
+  if rt.client is None:
+    return {}
+  key = _key(rt, timeout)
+  out = {}
+  for name, stored in rt.client.kv_dir(_LEFT_DIR):
+    body = _unseal(key, name, stored, _MAX_ANSWER)
+    try:
+      if body is not None:
+        out[int(name.rsplit('/', 1)[1])] = json.loads(body)
+    except ValueError:
+      continue
+  return out
+
+
 def where(processes: list[int] | None = None, *,
           timeout: float = ANSWER_WITHIN_S) -> str:
   """Where every process (or each of `processes`) is: its threads' innermost frames and its last collective.

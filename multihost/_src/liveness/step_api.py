@@ -16,8 +16,11 @@ def step_watch() -> step_deadline.StepWatch:
   it ran, the deadline, the processes behind and where each is, and the
   process leaves with exit status 75 (the peer-loss exit status) so that a
   launcher or a scheduler restarts the job. Only processes with peers
-  (under `jax.distributed`) are judged. `recovery`'s loop uses it around
-  each step by itself. Get it after `multihost.initialize()`.
+  (under `jax.distributed`) are judged. A loop that leaves no code
+  unwatched marks each step's end with `between()` (the step stays judged
+  until the next `begin`) and calls `end()` once where it ends;
+  `recovery`'s loop does so by itself. Get it after
+  `multihost.initialize()`.
   """
   return _runtime.current().step_watch
 

@@ -32,6 +32,14 @@ a context manager, around each step; `recovery`'s loop does it), and:
 * `StepWatch.awaiting(n, ready)`: step n's result is still to be read
   (checked after step n+1's dispatch): while it is not ready, a process in
   step n+1 is stuck on step n, and its place and report name step n.
+* `StepWatch.between()`: a loop that wants no unwatched gap (`recovery`'s
+  does) marks the end of a step's own work with it instead of `end`: the
+  step stays judged, its time running, through the program's code after
+  it (callbacks, saves, logging) until the next `begin` ends it. A process
+  stalled there (a blocking callback, a signal handler that never
+  returns) outlasts its deadline like one stalled in the step; its report
+  says it is between steps, and where (its stack). `end` closes the
+  watched window where the loop ends.
 
 Per step: two clock reads and two uncontended lock operations, nothing
 sent, nothing growing. Every blocking operation of the thread has a bound.
@@ -88,6 +96,9 @@ class StepWatch:
     ask: where-reports of the given processes (None: no answer in time).
     describe: those reports in one sentence.
     leave: leaves the process with the given exit status.
+    leave_report: leaves this process's where-report for the others, as
+      it leaves at a stuck step (None: nothing left).
+    left_reports: the where-reports that processes left so (by process).
     clock: seconds, monotonic.
   """
 
@@ -95,11 +106,16 @@ class StepWatch:
                ask: Callable[[list[int]], dict[int, dict | None]],
                describe: Callable[[dict[int, dict | None]], str],
                leave: Callable[[int], None],
+               leave_report: Callable[[dict], None] | None = None,
+               left_reports: Callable[[], dict[int, dict]] | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.runtime = runtime
     self._ask = ask
     self._describe = describe
     self._leave = leave
+    self._leave_report = leave_report
+    self._left_reports = left_reports
+    self._forced = 0  # The serial of a step judged before its deadline.
     self._clock = clock
     # `_lock` is `_cond`'s own: the per-step methods take it directly (the
     # same mutual exclusion without the Condition's Python-level enter/exit).
@@ -203,7 +219,8 @@ class StepWatch:
         return {'step': self._n - 1, 'state': 'arrived',
                 'for': self._clock() - self._awaited[2],
                 'arrivals': self._arrivals, 'in': self._n}
-      since = self._ended if self._n is None else self._began
+      since = (self._ended if self._n is None or self._state == 'between'
+               else self._began)
       return {'step': self._last, 'state': self._state,
               'for': self._clock() - since, 'arrivals': self._arrivals}
 
@@ -218,6 +235,9 @@ class StepWatch:
   def begin(self, n: int) -> None:
     """Begins step `n` (`step(n)`'s entry, for a loop that cannot use a `with` block: `end` must follow).
 
+    A step marked `between` ends here, completed (its time, until now,
+    is learned from): the watched window has no gap.
+
     Raises:
       RuntimeError: a step is already in progress (steps do not nest).
       ValueError: $MULTIHOST_STEP_DEADLINE is not auto, off or a number.
@@ -228,6 +248,10 @@ class StepWatch:
     # Python 3.11, where `with` looks up and binds the lock's methods).
     self._lock.acquire()
     try:
+      if self._n is not None:
+        if self._state == 'between':
+          self.learner.observe(self._clock() - self._began, rule)
+          self._n = None
       if self._n is not None:
         raise RuntimeError(
             f'{self.runtime.prefix} step_watch: step {n} began inside step '
@@ -245,6 +269,22 @@ class StepWatch:
     finally:
       self._lock.release()
 
+  def between(self) -> None:
+    """Marks that the step in progress has done its own work: until the next `begin` (or `end`), this process is in its code between steps, still judged.
+
+    For a loop that leaves no gap unwatched (`recovery`'s): call it where
+    `end` would go, and `end` once, where the loop ends. The step's
+    deadline still runs: a process stuck after it (in a callback, a save,
+    a signal handler) leaves as one stuck in it does, and its place reads
+    'between steps'. Outside a step it does nothing.
+    """
+    self._lock.acquire()  # Not `with`: see `begin`.
+    try:
+      if self._n is not None:
+        self._state, self._ended = 'between', self._clock()
+    finally:
+      self._lock.release()
+
   def end(self, error: BaseException | None = None) -> None:
     """Ends the step in progress (`step(n)`'s exit), completed unless it raised `error`."""
     completed = error is None
@@ -253,18 +293,31 @@ class StepWatch:
       if self._n is None:
         return
       now = self._clock()
-      if (not completed and self._due is not None
-          and now - self._began >= self._due and self._thread is not None
-          and not self._stopping):
+      judging = (not completed and self._due is not None
+                 and self._thread is not None and not self._stopping)
+      if (judging and now - self._began < self._due
+          and self._left_reports is not None):
+        # Raised before its deadline: after a peer that left at its own
+        # (its window began earlier: it is the one stuck), it is judged now.
+        self._lock.release()
+        try:
+          left = _bounded(self._left_reports, ASK_BOUND_S)
+        finally:
+          self._lock.acquire()
+        if left and set(left) - {self.runtime.index} and self._n is not None:
+          self._forced = self._serial
+          now = self._began + self._due
+      if (judging and now - self._began >= self._due):
         # Raised past its deadline: typically the step's collective failed
         # as a stuck peer left. The thread is judging this step; its
         # verdict stands (it leaves with 75, naming who was behind), or
         # the process would end on that error with another status, racing
         # the report.
         self.runtime.log.warning(
-            'multihost: step %d raised past its deadline of %.3g s (%s: '
-            '%.200s); the step deadline reports it.', self._n, self._due,
-            type(error).__name__, error)
+            'multihost: step %d raised %s its deadline of %.3g s (%s: '
+            '%.200s); the step deadline reports it.', self._n,
+            'after a peer left at' if self._forced == self._serial else
+            'past', self._due, type(error).__name__, error)
         serial, until = self._serial, now + ASK_BOUND_S + 1.0
         self._cond.notify_all()
         while self._decided != serial and self._clock() < until:
@@ -309,7 +362,7 @@ class StepWatch:
           now = self._clock()
           if self._n is not None and self._due is not None:
             overdue = now - (self._began + self._due)
-            if overdue >= 0:
+            if overdue >= 0 or self._forced == self._serial:
               stuck = (self._serial, self._n, self._began, self._due)
               break
             wait = -overdue
@@ -337,6 +390,16 @@ class StepWatch:
       reports = {p: None for p in range(rt.count) if p != me}
     with self._cond:
       still = self._serial == serial and self._n is not None
+      forced = self._forced == serial
+    if still and reports.get(me) and self._leave_report is not None:
+      # Before leaving: those who ask after this process has gone still
+      # learn where it was.
+      _bounded(lambda: self._leave_report(reports[me]), ASK_BOUND_S)
+    if still and self._left_reports is not None:  # Those that left so.
+      left = _bounded(self._left_reports, ASK_BOUND_S) or {}
+      reports.update({p: {**(reports.get(p) or left[p]), 'left': True}
+                      for p in left if p != me})
+    with self._cond:
       rule = self.rule()
       why = self.learner.explain(rule)
     if not still:  # It ended while the others were asked: slow, not stuck.
@@ -346,7 +409,8 @@ class StepWatch:
           took, due, why)
       return False
     line = step_report.report(rt.prefix, me, n, took=took, due=due, why=why,
-                              reports=reports, describe=self._describe)
+                              reports=reports, describe=self._describe,
+                              raised=forced)
     self.fired = line
     logging.error('%s', line)
     peer_loss_exit.flush_logs()

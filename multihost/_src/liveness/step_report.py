@@ -14,14 +14,22 @@ from multihost._src.liveness import peer_loss_exit
 
 # Where a step stands, in order: a process at a smaller (step, place) is
 # behind one at a larger.
-_PLACES = {'preparing': 0, 'arrived': 1, 'done': 2}
+_PLACES = {'preparing': 0, 'arrived': 1, 'between': 2, 'done': 3}
 
 
-def place(position: dict | None) -> tuple[int, int] | None:
-  """A where-report's step position as an order: a smaller one is behind."""
+def place(position: dict | None,
+          now_in: dict | None = None) -> tuple[int, int, int] | None:
+  """A where-report's step position as an order: a smaller one is behind.
+
+  Between steps (`StepWatch.between`), a process waiting in a collective
+  (`now_in`, from its where-report) is ahead of one that is not: the
+  collective waits for it.
+  """
   if not position:
     return None
-  return (position['step'], _PLACES[position['state']])
+  state = position['state']
+  return (position['step'], _PLACES[state],
+          int(state == 'between' and now_in is not None))
 
 
 def position_text(position: dict, *, arrivals: bool | None = None) -> str:
@@ -35,6 +43,9 @@ def position_text(position: dict, *, arrivals: bool | None = None) -> str:
   n, state, seconds = position['step'], position['state'], position['for']
   if state == 'done':
     return f'between steps: step {n} ended {seconds:.1f} s ago'
+  if state == 'between':  # See `StepWatch.between`.
+    return (f'between steps: in the program\'s code after step {n} for '
+            f'{seconds:.1f} s')
   text = f'in step {n} for {seconds:.1f} s'
   if position.get('in') is not None:  # See `StepWatch.awaiting`.
     text += f' (its result awaited in step {position["in"]})'
@@ -46,10 +57,15 @@ def position_text(position: dict, *, arrivals: bool | None = None) -> str:
 
 def report(prefix: str, me: int, n: int, *, took: float, due: float,
            why: str, reports: dict[int, dict | None],
-           describe: Callable[[dict[int, dict | None]], str]) -> str:
-  """The one line of a stuck step: the step, how long, the deadline, who is behind and where."""
-  places = {p: place(r.get('step')) for p, r in reports.items()
-            if r is not None}
+           describe: Callable[[dict[int, dict | None]], str],
+           raised: bool = False) -> str:
+  """The one line of a stuck step: the step, how long, the deadline, who is behind and where.
+
+  `raised`: the step raised before its deadline, after a peer left at its
+  own (`StepWatch.end`): its collective failed as the stuck peer left.
+  """
+  places = {p: place(r.get('step'), r.get('now_in'))
+            for p, r in reports.items() if r is not None}
   known = {p: k for p, k in places.items() if k is not None}
   # A process that never got as far as marking an arrival is behind those
   # that did: the program marks them if any process does.
@@ -57,12 +73,20 @@ def report(prefix: str, me: int, n: int, *, took: float, due: float,
   lead = max(known.values(), default=None)
   behind = sorted(p for p, k in known.items() if k < lead)
   silent = sorted(p for p, r in reports.items() if r is None)
-  parts = [f'{prefix} multihost: step {n} has run for {took:.1f} s on this '
-           f'process, past its deadline of {due:.3g} s ({why}).']
+  if raised:
+    left = sorted(p for p, r in reports.items()
+                  if r is not None and r.get('left'))
+    parts = [f'{prefix} multihost: step {n} raised after {took:.1f} s on '
+             f'this process, as process(es) {left} left at their step '
+             f'deadline (of {due:.3g} s here: {why}).']
+  else:
+    parts = [f'{prefix} multihost: step {n} has run for {took:.1f} s on '
+             f'this process, past its deadline of {due:.3g} s ({why}).']
   if behind:
     who = '; '.join(
         f'process {p}{" (this process)" if p == me else ""} is '
         f'{position_text(reports[p]["step"], arrivals=arrivals)}'
+        f'{" (then left at its step deadline)" if reports[p].get("left") else ""}'
         for p in behind)
     ahead = sorted(p for p, k in known.items() if k == lead)
     parts.append(f'Behind the others: {who} (process(es) {ahead}: '

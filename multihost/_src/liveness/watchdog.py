@@ -114,6 +114,14 @@ class Watchdog:
         pass
     os._exit(status)
 
+  def watching(self) -> bool:
+    """Whether it runs (started, and not stopped by the exit sequence)."""
+    return bool(self.running)
+
+  def failure_delivered(self) -> None:
+    """Says that a `ProcessFailureError` reached the program: the peer-loss exit need not leave for it (`liveness.peer_loss_exit`)."""
+    self.peer_loss.delivered()
+
   def gone(self) -> bool:
     """Whether a peer (or the service) is known to be gone."""
     return bool(self.failed or self.exited or self.service_lost)

@@ -25,11 +25,17 @@ multihost._src.runtime.companion` instead, which imports JAX (seconds).
 
 The companion exits:
 * at once, when process 0 leaves normally (its exit handler, after the
-  others have left, writes `done` to the companion's pipe);
-* when process 0 died without leaving (its end of the pipe closes): as soon
-  as no controller is connected any more (the others saw the failure and
-  left), at the latest `heartbeat_timeout + _CRASH_GRACE_S` seconds later;
+  others have left, writes `done` to the companion's pipe): the service's
+  graceful shutdown, given at most `_SHUTDOWN_BOUND_S` (5 s);
+* when process 0 died or left without saying done (its end of the pipe
+  closes): as soon as no controller is connected any more (the others saw
+  the failure and left), at the latest `heartbeat_timeout +
+  _CRASH_GRACE_S` (10 s) later, however the others fare (a peer cut off or
+  SIGSTOPped stays connected): without the service's graceful shutdown,
+  which would wait for every task at its shutdown barrier up to the
+  shutdown timeout;
 * on SIGKILL (e.g. with process 0's process group).
+Either way it never waits on the service: it leaves with `os._exit`.
 
 What remains fatal: the loss of host 0 itself (the machine, or its network
 link), which takes the companion with it.
@@ -56,7 +62,11 @@ from multihost._src.runtime import settings
 _READY = b'multihost-companion-ready'
 _DONE = b'done\n'
 _START_TIMEOUT_S = 60.0
-_CRASH_GRACE_S = 20.0
+# After process 0 died: how long, beyond the heartbeat timeout (within which
+# the others' watchdogs learn of its death), the service still serves them.
+_CRASH_GRACE_S = 10.0
+# Process 0 left normally: the service's graceful shutdown gets this long.
+_SHUTDOWN_BOUND_S = 5.0
 _EXIT_WAIT_S = 10.0
 _POLL_S = 0.2
 # absl's C++ threshold that shows errors only (2: ERROR).
@@ -274,8 +284,26 @@ def _host(args: list[str], ready_fd: int, done_fd: int) -> int:
       connected = _connections()
       idle = idle + 1 if connected == 0 else 0
       time.sleep(_POLL_S)
-  service.shutdown()
+    # No graceful shutdown: it waits for every task at the service's
+    # shutdown barrier, up to shutdown_timeout (300 s by default), and a
+    # task cut off or stopped never comes.
+    os._exit(0)  # pylint: disable=protected-access
+  # Process 0 left normally, the others before it: the graceful shutdown,
+  # but bounded (a task that is gone without saying so never comes to its
+  # barrier either).
+  threading.Thread(target=service.shutdown, daemon=True,
+                   name='multihost-companion-shutdown').start()
+  _exit_within(_SHUTDOWN_BOUND_S)
   return 0
+
+
+def _exit_within(seconds: float) -> None:
+  """Leaves with `os._exit(0)` once the service's shutdown thread is done, or after `seconds` (never waits on it longer)."""
+  deadline = time.monotonic() + seconds
+  for thread in threading.enumerate():
+    if thread.name == 'multihost-companion-shutdown':
+      thread.join(max(0.0, deadline - time.monotonic()))
+  os._exit(0)  # pylint: disable=protected-access
 
 
 def _connections() -> int | None:

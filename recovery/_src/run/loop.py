@@ -155,8 +155,8 @@ class ResilientLoop:
     """
     return self._step(state, None, jax.process_count() > 1, True)
 
-  def _step(self, state: TransitionState, watch: Any, many: bool,
-            check: bool) -> tuple[TransitionState, StepRecord]:
+  def _step(self, state: TransitionState, watch: pending.Watch | None,
+            many: bool, check: bool) -> tuple[TransitionState, StepRecord]:
     """`step`, marking on `watch` (a `multihost.step_watch()`) when the batch is loaded.
 
     `many`: whether there are several processes (`jax.process_count() > 1`).
@@ -231,14 +231,14 @@ class ResilientLoop:
     progress line, the newest finished step's; the result). A saved step,
     the last, and a preemption's finish inside their step.
 
-    Each step (its batch, `step_fn`, its check, a wait for a queued step; not
-    the saves or `on_step`) runs under `multihost.step_watch()`, which
-    marks the arrival after `data_fn`. With several controllers, a step stuck
-    past its deadline (learned from the step times, see
-    `multihost.set_step_deadline`) makes every process log who is behind and
-    where, and leave with exit status 75, so that the launcher's
-    `--max_restarts` or a scheduler restarts the job, which resumes here from
-    the last checkpoint.
+    The whole loop runs under `multihost.step_watch()` with no gap: a step
+    (its batch, `step_fn`, its check, a wait for a queued step) and the
+    code after it (`on_step`, the preemption check, the saves) count as
+    that step (`StepWatch.between`). With several controllers, a process
+    stuck anywhere in the loop past the step deadline (see
+    `multihost.set_step_deadline`) makes every process log who is behind
+    and where, and leave with exit status 75, so that a launcher or a
+    scheduler restarts the job, which resumes from the last checkpoint.
 
     Args:
       state: the state to continue from (fresh or restored).
@@ -264,24 +264,18 @@ class ResilientLoop:
       try:
         while state.step < until_step:
           n = state.step + 1
-          # Its state is read right after it: it finishes inside its step.
           settle = n == until_step or (checkpoints is not None
                                        and _saves_at(checkpoints, n))
-          # watch.step(n), without its `with` (costly on Python 3.11).
+          # No gap: `begin` ends the step before, judged until now.
           if watch is not None:
             watch.begin(n)
-          try:
-            state, record = self._step(old := state, watch, many,
-                                       checks is None)
-            if checks is not None:
-              checks.dispatched(old.user, state.user, record, settle=settle)
-            queue.add(record, settle)
-          except BaseException as error:
-            if watch is not None:
-              watch.end(error)
-            raise
+          state, record = self._step(old := state, watch, many,
+                                     checks is None)
+          if checks is not None:
+            checks.dispatched(old.user, state.user, record, settle=settle)
+          queue.add(record, settle)
           if watch is not None:
-            watch.end()
+            watch.between()
           if on_step is not None:
             on_step(state, record)
           if (sigterm.received if sigterm is not None else
@@ -294,17 +288,29 @@ class ResilientLoop:
                   final=state.step == until_step)
           if _monotonic() >= progress.next_at:
             progress.tell(state.step, queue.done or record)
+        if watch is not None:
+          watch.end()
         if checkpoints is not None:
           checkpoints.wait()
         return RunResult(state=state, preempted=False,
                          last_loss=None if record is None else record.loss)
       except KeyboardInterrupt as interrupt:
+        _end(watch, interrupt)
         _note_interrupt(interrupt, state, checkpoints)
+        raise
+      except BaseException as error:
+        _end(watch, error)
         raise
 
 
+def _end(watch: pending.Watch | None, error: BaseException) -> None:
+  """Ends the watched window (`watch`'s step in progress, if any) on `error`: past its deadline, the step deadline's verdict comes first."""
+  if watch is not None:
+    watch.end(error)
+
+
 def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
-               queue: pending.Queue, watch: Any,
+               queue: pending.Queue, watch: pending.Watch | None,
                checks: pending.Overlapped | None,
                checkpoints: Checkpoints | None) -> RunResult:
   """At the agreed preemption step, `state`'s: finishes it (and its check), saves it, and says so."""
@@ -314,6 +320,8 @@ def _preempted(state: TransitionState, record: StepRecord, *, settle: bool,
       checks.flush()
   if checkpoints is not None:
     _save(checkpoints, state, preempted=True, final=False)
+  if watch is not None:
+    watch.end()
   _stopped_at_preemption(state, checkpoints)
   return RunResult(state=state, preempted=True, last_loss=record.loss)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from typing import Any
+from typing import Protocol
 
 import jax
 
@@ -19,16 +20,42 @@ KEEP = 4
 EVERY = 4
 
 
+class Record(Protocol):
+  """A dispatched step (`loop.StepRecord`): its number and its loss as the step function returned it (a jax.Array, or any value)."""
+  step: int
+  raw_loss: Any  # Whatever the user's step function returned.
+
+
+class Watch(Protocol):
+  """The part of `multihost.step_watch()` these use."""
+
+  def begin(self, n: int) -> None: ...
+  def arrived(self) -> None: ...
+  def between(self) -> None: ...
+  def end(self, error: BaseException | None = None) -> None: ...
+  def awaiting(self, n: int | None,
+               ready: Callable[[], bool] | None = None) -> None: ...
+
+
+class State(Protocol):
+  """The transition state (`TransitionState`): its user state is waited for."""
+  user: Any  # The user's pytree.
+
+
+# A held check: (old user state, new user state, record).
+Check = Callable[[Any, Any, Record], None]
+
+
 class Overlapped:
   """`overlap_check`: the check of the step dispatched last, run once the next one is dispatched (or when flushed)."""
 
-  def __init__(self, check: Callable[[Any, Any, Any], None], watch: Any):
-    self._check = check  # (old user state, new user state, record)
+  def __init__(self, check: Check, watch: Watch | None):
+    self._check = check
     self._watch = watch  # A `multihost.step_watch()`, or None.
-    self._held: tuple[Any, Any, Any] | None = None
+    self._held: tuple[Any, Any, Record] | None = None
 
   def dispatched(self, old_user: Any, new_user: Any,
-                 record: Any, *, settle: bool) -> None:
+                 record: Record, *, settle: bool) -> None:
     """Checks the step held before `record`'s, then holds `record`'s (checked now with `settle`)."""
     self.flush()
     self._held = (old_user, new_user, record)
@@ -63,13 +90,13 @@ class Queue:
   """
 
   def __init__(self):
-    self._steps: collections.deque[Any] = collections.deque()
-    self.done: Any = None  # The newest step known finished.
+    self._steps: collections.deque[Record] = collections.deque()
+    self.done: Record | None = None  # The newest step known finished.
     # The type of the last loss seen to be a jax.Array: an isinstance check
     # against jax.Array costs about as much as asking whether it is ready.
     self._array_type: type | None = None
 
-  def add(self, record: Any, settle: bool) -> None:
+  def add(self, record: Record, settle: bool) -> None:
     """Queues `record`'s step; at KEEP + EVERY queued waits until KEEP are (with `settle`: none)."""
     steps = self._steps
     steps.append(record)
@@ -94,14 +121,15 @@ class Queue:
       jax.block_until_ready(loss)
     self.done = done
 
-  def finish(self, record: Any, state: Any,
-             watch: Any) -> None:
+  def finish(self, record: Record, state: State,
+             watch: Watch | None) -> None:
     """Waits for `record`'s step (its loss and `state`) and all before it, judged as its step."""
     self._steps.clear()
     if watch is None:
       jax.block_until_ready((record.raw_loss, state.user))
-    else:
-      with watch.step(record.step):  # The step's end, still judged.
-        watch.arrived()
-        jax.block_until_ready((record.raw_loss, state.user))
+    else:  # The step's end, still judged (its window stays open).
+      watch.begin(record.step)
+      watch.arrived()
+      jax.block_until_ready((record.raw_loss, state.user))
+      watch.between()
     self.done = record
