@@ -1,4 +1,4 @@
-"""Failure: the exit handshake, by which a process leaves the job without being reported failed or aborting the others.
+"""Liveness: the exit handshake, by which a process leaves the job without being reported failed or aborting the others.
 
 With recoverability on, JAX's shutdown barrier no longer holds process 0
 back, and when process 0 exits the coordination service goes with it and

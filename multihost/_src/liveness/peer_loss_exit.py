@@ -1,4 +1,4 @@
-"""Failure: a survivor that cannot get control back leaves by itself.
+"""Liveness: a survivor that cannot get control back leaves by itself.
 
 When a peer dies while this process's main thread is inside a call that
 Python cannot interrupt (a jitted step's gloo or NCCL collective waits

@@ -1,4 +1,4 @@
-"""Failure: the watchdog, a thread per process that sees a peer die (liveness polling).
+"""Liveness: the watchdog, a thread per process that sees a peer die (liveness polling).
 
 When a peer is killed, JAX does not tell the survivors in a way Python can
 catch: with `jax_enable_recoverability` off, every survivor is aborted
