@@ -3,15 +3,19 @@
 Each process checks that it received exactly what was sent to it, from
 exactly the processes that sent to it, and nothing else; a mismatched
 pattern raises ConsistencyError on every process; the links are clean
-after (an all-gather over them passes). With $EXCHANGE_REPORT set, each
-process writes its link counters' growth per peer across one exchange of
-a large payload from process 0 to process 1 alone there (JSON).
+after (an all-gather over them passes). Each process prints its bytes
+received per peer across one exchange of
+a large payload from process 0 to process 1 alone: with the links over
+TCP ($MULTIHOST_LOCAL_LINKS=0), the kernel's count of bytes received on
+each link (TCP_INFO), so a byte that reaches a process that did not ask
+for it shows in that process's count.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import socket
+import struct
 
 import numpy as np
 
@@ -23,6 +27,24 @@ def _payload(src: int, dst: int, n: int) -> np.ndarray:
   """What `src` sends `dst`: n bytes that name both."""
   return ((np.arange(n, dtype=np.int64) * (src + 3) + dst) % 251).astype(
       np.uint8)
+
+
+# struct tcp_info: tcpi_bytes_received, a u64 at byte 128 (Linux 4.1+).
+_BYTES_RECEIVED = struct.Struct('<Q')
+_AT = 128
+
+
+def received_by_peer() -> dict[int, int]:
+  """Bytes the kernel received on each TCP link of this process's plane, by peer (lanes summed)."""
+  from multihost._src.runtime import runtime  # noqa: PLC0415
+  out: dict[int, int] = {}
+  for key, link in list(runtime.current().plane.conns.items()):
+    peer = key if isinstance(key, int) else key[0]
+    if link.sock.family not in (socket.AF_INET, socket.AF_INET6):
+      continue
+    info = link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    out[peer] = out.get(peer, 0) + _BYTES_RECEIVED.unpack_from(info, _AT)[0]
+  return out
 
 
 def main() -> None:
@@ -39,9 +61,22 @@ def main() -> None:
   assert sorted(got) == [prev], got.keys()
   assert got[prev]['from'] == prev and got[prev]['tag'] == b'x' * 7
   np.testing.assert_array_equal(got[prev]['data'], _payload(prev, me, big))
-  # 2. One pair only: process 0 to process 1; the others get nothing.
+  # 2. One pair only: process 0 to process 1; the others get nothing,
+  # and no byte of it reaches them (the kernel's counts, over TCP links).
   sends = {1: _payload(0, 1, 5 << 20)} if me == 0 else {}
+  before = received_by_peer()
   got = multihost.exchange(sends)
+  multihost.sync_global_devices('counted')  # (Every send is out.)
+  after = received_by_peer()
+  grew = {p: n - before.get(p, 0) for p, n in after.items()}
+  print(f'process {me}: RECEIVED BY PEER {sorted(grew.items())}', flush=True)
+  if after:  # Links over TCP: what the kernel counted.
+    for peer, n in grew.items():
+      if (peer, me) == (0, 1):
+        assert n >= 5 << 20, (peer, n)
+      else:  # The call's agreement and the barrier: a few frames.
+        assert n < 64 << 10, f'{n} bytes from process {peer}'
+    print(f'process {me}: COUNTED', flush=True)
   if me == 1:
     assert sorted(got) == [0]
     np.testing.assert_array_equal(got[0], _payload(0, 1, 5 << 20))
