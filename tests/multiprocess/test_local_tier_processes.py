@@ -157,10 +157,11 @@ def test_sigkill_restarts_from_a_replaced_host_s_peer_bitwise_equal(
                  for pid in a.pids)
 
 
-def test_peer_copies_larger_than_the_object_limit_travel_in_pieces(tmp_path):
+def test_peer_copies_larger_than_the_object_limit_travel_out_of_band(tmp_path):
   # $MULTIHOST_MAX_OBJECT_BYTES=2048, and each host's blocks (half of the
   # weights and momentum at width 1024: 4 KiB) pickle to more: every local
-  # save and the restore from the peer still work, in pieces.
+  # save and the restore from the peer still work (the arrays travel out of
+  # band, outside the limit).
   _, _, reference = _drill(tmp_path / 'reference', '--shard_params',
                            '--width=1024', kill=False)
   result, out, digest = _drill(
