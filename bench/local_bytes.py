@@ -41,8 +41,10 @@ def run(count: int, *, width: int, steps: int, every: int, local: bool,
         folder: pathlib.Path, timeout: float) -> dict:
   """One run of the trainer in a fresh network namespace: lo's received bytes across it, and the local saves it logged."""
   args = [f'--checkpoint_dir={folder}/ckpt', f'--steps={steps}',
-          '--save_every=1000', f'--width={width}', '--samples=8',
-          '--batch_size=8', '--shard_params', '--verbosity=1',
+          '--save_every=1000', f'--width={width}',
+          # (The batch is sharded over every device: one or more rows each.)
+          f'--samples={max(8, count)}', f'--batch_size={max(8, count)}',
+          '--shard_params', '--verbosity=1',
           '--num_cpu_devices=1']
   if local:
     args += [f'--local_checkpoint_dir={folder}/local$JAX_PROCESS_ID',
