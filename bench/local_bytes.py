@@ -29,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 
+from multihost import env as env_lib
+from recovery import HOST_ID_VARIABLE
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The namespace's own counters: /proc/net/dev (sysfs keeps showing the
 # namespace it was mounted in). lo's received bytes: its first number.
@@ -49,7 +52,7 @@ def run(count: int, *, width: int, steps: int, every: int, local: bool,
   if local:
     args += [f'--local_checkpoint_dir={folder}/local$JAX_PROCESS_ID',
              f'--local_save_every={every}']
-  train = (f'exec env RECOVERY_HOST_ID=host$JAX_PROCESS_ID '
+  train = (f'exec env {HOST_ID_VARIABLE}=host$JAX_PROCESS_ID '
            f'{shlex.quote(sys.executable)} {ROOT}/bin/train.py '
            + ' '.join(args))
   launcher = [sys.executable, '-m', 'multihost.launch',
@@ -58,8 +61,8 @@ def run(count: int, *, width: int, steps: int, every: int, local: bool,
   script = (f'ip link set lo up && echo RX $({_COUNTER}) && '
             f'{shlex.join(launcher)}; status=$?; echo RX $({_COUNTER}); '
             'exit $status')
-  env = {**os.environ, 'MULTIHOST_LOCAL_LINKS': '0'}
-  env.pop('RECOVERY_HOST_ID', None)
+  env = {**os.environ, env_lib.LOCAL_LINKS: '0'}
+  env.pop(HOST_ID_VARIABLE, None)
   done = subprocess.run(['unshare', '-n', 'sh', '-c', script], env=env,
                         cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout, check=False)
