@@ -55,12 +55,20 @@ def main() -> None:
   # 1. A ring, objects holding arrays well over the object limit.
   big = 3 * limit + 5
   nxt, prev = (me + 1) % count, (me - 1) % count
+  # (A jax.Array comes back as a NumPy array; a strided one, contiguous.)
   got = multihost.exchange(
-      {nxt: {'from': me, 'data': _payload(me, nxt, big), 'tag': b'x' * 7}},
+      {nxt: {'from': me, 'data': _payload(me, nxt, big), 'tag': b'x' * 7,
+             'jax': jax.numpy.full(big // 4, me, jax.numpy.float32),
+             'strided': _payload(me, nxt, 2 * big)[::2]}},
       recv_from=[prev])
   assert sorted(got) == [prev], got.keys()
-  assert got[prev]['from'] == prev and got[prev]['tag'] == b'x' * 7
-  np.testing.assert_array_equal(got[prev]['data'], _payload(prev, me, big))
+  mine = got[prev]
+  assert mine['from'] == prev and mine['tag'] == b'x' * 7
+  np.testing.assert_array_equal(mine['data'], _payload(prev, me, big))
+  assert type(mine['jax']) is np.ndarray and mine['jax'].dtype == np.float32
+  np.testing.assert_array_equal(mine['jax'], np.full(big // 4, prev))
+  np.testing.assert_array_equal(mine['strided'],
+                                _payload(prev, me, 2 * big)[::2])
   # 2. One pair only: process 0 to process 1; the others get nothing,
   # and no byte of it reaches them (the kernel's counts, over TCP links).
   sends = {1: _payload(0, 1, 5 << 20)} if me == 0 else {}

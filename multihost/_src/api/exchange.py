@@ -10,7 +10,8 @@ before any byte moves. Then each payload travels over the TCP link
 between its two processes only (`transport.tcp.pairs`): no byte passes
 through, or reaches, a third process.
 
-A payload is pickled with protocol 5: its NumPy arrays stay out of band,
+A payload is pickled with protocol 5: its NumPy arrays (jax.Arrays as
+NumPy arrays) stay out of band,
 sent from their own memory and received into one buffer per source, of
 which the arrays it returns are views (no extra copy either side). Only
 the pickle itself (the structure, small values, bytes objects) counts
@@ -22,10 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Mapping
+import io
 import operator
 import pickle
 import struct
 from typing import Any
+
+import jax
+import numpy as np
 
 from multihost._src.api import objects
 from multihost._src.control import agree
@@ -73,9 +78,12 @@ def exchange(sends: Mapping[int, Any], *,
   Any picklable value: NumPy arrays in it travel out of band, from their
   own memory, and come back as views of one receive buffer per sender (no
   extra copy either side; the object limit, $MULTIHOST_MAX_OBJECT_BYTES,
-  does not apply to them); the rest is pickled (bytes objects included),
-  sealed with the job secret and checked before it is unpickled, up to
-  the object limit. A value sent to this process itself is returned as is.
+  does not apply to them); so do fully addressable jax.Arrays, which come
+  back as NumPy arrays (a strided array is made contiguous first). The
+  rest is pickled (bytes objects too: pass large ones as
+  `np.frombuffer(data, np.uint8)`), sealed with the job secret and
+  checked before it is unpickled, up to the object limit.
+  A value sent to this process itself is returned as is.
 
   The processes agree on the pattern before any byte moves: with
   `recv_from`, a process says whom it expects from, and a sender it does
@@ -170,11 +178,24 @@ def _indices(values: Iterable[Any], count: int, what: str) -> list[int]:
   return sorted(set(out))
 
 
+class _Pickler(pickle.Pickler):
+  """Protocol 5, with more arrays out of band: a jax.Array as its NumPy value, a strided array as a contiguous copy."""
+
+  def reducer_override(self, obj):
+    if isinstance(obj, jax.Array):
+      return np.asarray(obj).__reduce_ex__(5)
+    if (isinstance(obj, np.ndarray) and obj.dtype.hasobject is False
+        and not (obj.flags.c_contiguous or obj.flags.f_contiguous)):
+      return np.ascontiguousarray(obj).__reduce_ex__(5)
+    return NotImplemented
+
+
 def _pickled(value: Any) -> tuple[bytes, list[memoryview]]:
   """(the pickle, its out-of-band buffers as flat byte views)."""
   buffers: list[pickle.PickleBuffer] = []
-  head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  return head, [b.raw() for b in buffers]
+  out = io.BytesIO()
+  _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(value)
+  return out.getvalue(), [b.raw() for b in buffers]
 
 
 def check_pattern(patterns: list[_Pattern]) -> None:
