@@ -78,7 +78,8 @@ SIDES = ('both', 'ours', 'torch')
 # The case families `run` may be limited to (`ops`): every case's name
 # starts with its family's, but for 'objects' (the object collectives) and
 # 'references' (the raw streams and round trips, ours alone).
-OPS = ('barrier', 'broadcast', 'all-gather', 'objects', 'references')
+OPS = ('barrier', 'broadcast', 'all-gather', 'exchange', 'objects',
+       'references')
 
 
 def build_cases(dist, refs: list, sizes=SIZES, ops=OPS) -> list[Case]:
@@ -104,6 +105,8 @@ def build_cases(dist, refs: list, sizes=SIZES, ops=OPS) -> list[Case]:
       cases.append(Case(
           f'all-gather {harness.format_size(n)}', n, calls,
           lambda x=x: multihost.process_allgather(x), gather))
+    if 'exchange' in ops:
+      cases.append(_exchange_case(dist, n, calls))
   if 'objects' not in ops:
     return cases + _references(refs)
   small = {'step': 7, 'loss': 0.25, 'host': f'h{me}'}
@@ -118,6 +121,25 @@ def build_cases(dist, refs: list, sizes=SIZES, ops=OPS) -> list[Case]:
       lambda: multihost.broadcast_object(kib),
       dist and (lambda: dist.broadcast_object_list([kib], 0))))
   return cases + _references(refs)
+
+
+def _exchange_case(dist, n: int, calls: int) -> Case:
+  """A ring exchange of `n` bytes: each process sends to the next, receives from the previous (torch: `batch_isend_irecv`)."""
+  me, count = jax.process_index(), jax.process_count()
+  nxt, prev = (me + 1) % count, (me - 1) % count
+  x = np.full(max(1, n // 4), me, np.float32)
+  ours = lambda: multihost.exchange({nxt: x}, recv_from=[prev])  # noqa: E731
+  theirs = None
+  if dist is not None:
+    import torch  # pylint: disable=import-outside-toplevel,g-import-not-at-top
+    t, into = torch.from_numpy(x), torch.empty(max(1, n // 4))
+
+    def theirs():
+      ops = [dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, into, prev)]
+      for request in dist.batch_isend_irecv(ops):
+        request.wait()
+  return Case(f'exchange (ring) {harness.format_size(n)}', n, calls, ours,
+              theirs)
 
 
 def _references(refs: list) -> list[Case]:

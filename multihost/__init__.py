@@ -27,6 +27,7 @@ _PUBLIC = {
     '_src.api.broadcast': ('broadcast_object', 'broadcast_one_to_all'),
     '_src.api.digest': ('leaf_digests', 'tree_digest'),
     '_src.api.equal': ('assert_equal',),
+    '_src.api.exchange': ('exchange',),
     '_src.api.gather': ('allgather_object', 'process_allgather'),
     '_src.api.initialize': ('initialize', 'is_initialized'),
     '_src.api.live_devices': ('live_devices',),
@@ -88,6 +89,7 @@ if typing.TYPE_CHECKING:
   from multihost._src.api.digest import leaf_digests as leaf_digests
   from multihost._src.api.digest import tree_digest as tree_digest
   from multihost._src.api.equal import assert_equal as assert_equal
+  from multihost._src.api.exchange import exchange as exchange
   from multihost._src.api.gather import allgather_object as allgather_object
   from multihost._src.api.gather import process_allgather as process_allgather
   from multihost._src.api.initialize import initialize as initialize

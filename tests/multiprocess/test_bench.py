@@ -185,7 +185,7 @@ def test_versus_times_one_side_alone(tmp_path):
   assert result.ok, result.summary + '\n' + result.outputs[0][-3000:]
   # Only the compared cases: the raw streams and round trips are ours.
   assert set(torch) == {'barrier', 'broadcast 8 B', 'all-gather 8 B',
-                        'all-gather of a small object',
+                        'exchange (ring) 8 B', 'all-gather of a small object',
                         'broadcast of a 1 KiB object'}, torch
   for row in torch.values():
     assert row['ours_times_ms'] == [] and row['ours_ms'] is None, row

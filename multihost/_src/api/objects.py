@@ -68,8 +68,8 @@ def check_size(op: str, process: int, size: int) -> None:
 
 
 def loads(op: str, process: int, data, sealed: bytes | None,
-          timeout: float) -> Any:
-  """Unpickles `process`'s `data` (bytes-like) if its seal checks; raises otherwise."""
+          timeout: float, buffers=()) -> Any:
+  """Unpickles `process`'s `data` (bytes-like; its out-of-band `buffers`) if its seal checks; raises otherwise."""
   secret = _secret.job_secret(op, timeout=timeout)
   ok = sealed is not None and len(sealed) > _NONCE and hmac.compare_digest(
       sealed[_NONCE:], _mac(secret, sealed[:_NONCE], data))
@@ -80,7 +80,7 @@ def loads(op: str, process: int, data, sealed: bytes | None,
         'header (altered or replayed on the way); they were not unpickled. '
         'Restart the job, and firewall the data-plane ports (see '
         'docs/trust.md, "Trust model").')
-  return pickle.loads(data)
+  return pickle.loads(data, buffers=buffers)
 
 
 def record(header) -> bytes:

@@ -145,3 +145,12 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
     return choose(max(sizes)).allgather(buffer, sizes, op=op, timeout=timeout)
   except errors.CollectiveTimeoutError as e:
     raise where.with_whereabouts(e) from e
+
+
+def exchange(sends: dict[int, list], incoming: dict[int, int], *, op: str,
+             timeout: float) -> dict[int, np.ndarray]:
+  """Each destination's bytes, sent to it alone, over the TCP links whatever the transport (see `Transport.exchange`); a timeout says where the late peers are."""
+  try:
+    return chain.TCP.exchange(sends, incoming, op=op, timeout=timeout)
+  except errors.CollectiveTimeoutError as e:
+    raise where.with_whereabouts(e) from e

@@ -15,6 +15,7 @@ import numpy as np
 
 from multihost._src.liveness import blocking
 from multihost._src.runtime import leaves
+from multihost._src.transport.tcp import pairs
 
 _AXIS = 'processes'
 
@@ -124,6 +125,11 @@ class DeviceTransport:
                 timeout: float) -> np.ndarray:
     """See `Transport.allgather`."""
     return allgather(buffer, max(sizes), op=op, timeout=timeout)
+
+  def exchange(self, sends: dict[int, list], incoming: dict[int, int], *,
+               op: str, timeout: float) -> dict[int, np.ndarray]:
+    """See `Transport.exchange`: over the TCP links (a device collective cannot send to one process only)."""
+    return pairs.exchange(sends, incoming, op=op, timeout=timeout)
 
 
 DEVICE = DeviceTransport()

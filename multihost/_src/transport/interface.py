@@ -2,7 +2,8 @@
 
 Two implementations: TCP between the hosts (`tcp.chain.TCP`) and JAX
 device collectives (`device.DEVICE`); `choice.choose` picks one per
-payload. Both take and return host bytes (uint8 numpy arrays) and raise the
+payload. A point-to-point exchange always moves over the TCP links (a
+device collective has no way to send to one process only). Both take and return host bytes (uint8 numpy arrays) and raise the
 same errors, so a collective never knows which one moved its bytes.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 
 
 class Transport(Protocol):
-  """Moves a call's payload bytes between every process (collective: every process calls the same method, in the same order, with the same sizes)."""
+  """Moves a call's payload bytes between processes (broadcast and all-gather are collective: every process calls the same method, in the same order, with the same sizes)."""
 
   name: str
 
@@ -54,6 +55,28 @@ class Transport(Protocol):
       sizes: every process's size, the same list on every process.
       op: the collective's name, for errors.
       timeout: seconds for the whole transfer.
+
+    Raises:
+      As `broadcast`.
+    """
+    ...
+
+  def exchange(self, sends: dict[int, list], incoming: dict[int, int], *,
+               op: str, timeout: float) -> dict[int, np.ndarray]:
+    """Each destination's bytes, sent to it alone; returns each source's.
+
+    Not collective over every process: over the processes named, each of
+    which calls it with this process among its sources or destinations
+    (the caller's agreement proves the pattern first).
+
+    Args:
+      sends: destination process -> bytes-like segments, sent in order.
+      incoming: source process -> the bytes it sends here.
+      op: the call's name, for errors.
+      timeout: seconds for the whole transfer.
+
+    Returns:
+      source process -> its bytes (uint8).
 
     Raises:
       As `broadcast`.

@@ -10,7 +10,8 @@ consistency check fails is damaged: it is noted (`Restored.damaged`, or
 it aside only where the run goes on past it), and, when `fall_back`, the
 next older one is tried. For a step, each process reads what its host
 holds; what it lacks comes from the lowest process of the first host (in
-host order) that holds it, in pieces (`local.pieces`). A block a process
+host order) that holds it, sent to that process alone
+(`multihost.exchange`): each block moves once. A block a process
 still lacks (or a sender cannot find) is a CheckpointError naming the
 block, the step and the hosts, and the step is damaged like one that fails
 a check. Every decision is taken from gathered facts, so all processes try
@@ -29,7 +30,6 @@ import multihost
 from multihost import process_prefix as _prefix
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
-from recovery._src.local import pieces
 from recovery._src.local.folder import EntryKey
 from recovery._src.state import consistency
 from recovery._src.state import digest
@@ -154,9 +154,11 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
         blocks[key] = folder.read_block(local_entries[key])
   except Exception as e:  # pylint: disable=broad-except
     error = f'{type(e).__name__}: {_short(e)}'
-  fetched = total = 0
+  fetched = 0
   if transfers:
-    outgoing = []
+    # Every destination of this process gets its list (empty too): each
+    # receiver names its senders.
+    outgoing = {dst: [] for src, dst, _ in transfers if src == tier.me}
     for src, dst, key in transfers:
       if src != tier.me:
         continue
@@ -166,17 +168,16 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
         error = error or f'{type(e).__name__}: {e}'
         continue
       try:
-        outgoing.append((dst, key, blocks[key] if key in blocks else
-                         folder.read_block(local_entries[key])))
+        outgoing[dst].append((key, blocks[key] if key in blocks else
+                              folder.read_block(local_entries[key])))
       except Exception as e:  # pylint: disable=broad-except
         error = error or f'{type(e).__name__}: {_short(e)}'
     senders = {src for src, dst, _ in transfers if dst == tier.me}
-    for sent in pieces.allgather(outgoing, keep=senders.__contains__):
-      for dst, key, block in sent or ():
-        total += block.nbytes
-        if dst == tier.me:
-          blocks[key] = block
-          fetched += block.nbytes
+    got = multihost.exchange(outgoing, recv_from=senders)
+    for sent in got.values():
+      for key, block in sent:
+        blocks[key] = block
+        fetched += block.nbytes
   restored = None
   if error is None:
     error = _missing(tier, step, info, needs[tier.me], blocks)
@@ -186,7 +187,10 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
       restored = _layout.assemble(abstract, blocks, where=where)
     except Exception as e:  # pylint: disable=broad-except
       error = f'{type(e).__name__}: {_short(e)}'
-  failed = _agree(error, where, 'reading it')
+  # (With every process's bytes from peers, for the log.)
+  gathered = multihost.allgather_object((error, fetched))
+  total = sum(n for _, n in gathered)
+  failed = _failed(where, 'reading it', [e for e, _ in gathered])
   if failed:
     return f'it failed reading: {failed}'
   algorithm = meta['digest_algorithm']  # (Checked by `_fits`.)
@@ -248,7 +252,11 @@ def _missing(tier, step: int, info: dict, need: set[EntryKey],
 
 def _agree(error: str | None, where: str, during: str) -> str | None:
   """None if no process saw an error, else the first ones (logged everywhere), the same on every process."""
-  errors = pieces.allgather(error)
+  return _failed(where, during, multihost.allgather_object(error))
+
+
+def _failed(where: str, during: str, errors: list) -> str | None:
+  """None if no process's entry of `errors` is an error, else the first ones (logged)."""
   failed = [(p, e) for p, e in enumerate(errors) if e is not None]
   if not failed:
     return None

@@ -10,10 +10,10 @@ identity kept in it), never by hostname, so processes with a disk each
 under one hostname are hosts of their own, and processes on one disk are
 one host; $RECOVERY_HOST_ID overrides the folder's identity. A block that
 lives on one host only is also copied to the next host in the ring (hosts
-ordered by their lowest process index), in pieces below the object limit
-(`local.pieces`, over `multihost.allgather_object`, sealed with the job
-secret), so losing any one host's local disk loses nothing, whatever the
-size of a host's blocks. The files are written by a background
+ordered by their lowest process index): each process sends its blocks to
+that host's lowest process alone (`multihost.exchange`: out of band, so
+whatever the size of a host's blocks, and no byte to any other host), so
+losing any one host's local disk loses nothing. The files are written by a background
 thread; the training step only waits for the (collective) consistency check,
 the copy to host memory (made before `save` returns, so the caller may update
 its arrays in place at once) and the peer exchange. A local save that fails
@@ -41,7 +41,6 @@ from multihost import process_prefix as _prefix
 from multihost import record_event as _record_event
 from recovery._src.local import folder
 from recovery._src.local import layout as _layout
-from recovery._src.local import pieces
 from recovery._src.local import private
 from recovery._src.local import restore as _local_restore
 from recovery._src.local import run_identity
@@ -125,8 +124,7 @@ class LocalTier:
                             f'{", ".join(names)})')
     if self.me == 0:
       _layout.warn_if_overridden_apart(gathered)
-    self.successor = (order[(order.index(self.host) + 1) % len(order)]
-                      if len(order) > 1 else None)
+    self.successor = self._successor_of(self.host)
     self._pool = futures.ThreadPoolExecutor(
         1, thread_name_prefix='recovery-local-save')
     self._writing: tuple[int, futures.Future] | None = None  # (step, write)
@@ -194,14 +192,8 @@ class LocalTier:
       if error is None and failed:
         error = ('the peer copies are incomplete: process(es) '
                  + '; '.join(f'{p}: {e}' for p, e in failed[:4]))
-      if not failed:  # In pieces below the object limit, to whom keeps them.
-        lowest = self.me == self.lowest[self.host]
-        gathered = pieces.allgather(
-            sends, keep=lambda p: lowest and p != self.me and (
-                self._successor_of(self.hosts[p]) == self.host))
-        self.peer_bytes_sent += sum(b.nbytes for _, b in sends)
-        for got in gathered:
-          peer_blocks.extend(got or ())
+      if not failed:  # Each process's blocks to its successor host alone.
+        peer_blocks = self._exchange(sends)
     if error is not None:
       self._failed(step, t0, error)
       return
@@ -223,6 +215,15 @@ class LocalTier:
         'in the background).', _prefix(), step, self.local,
         sum(b.nbytes for _, b in own), sum(b.nbytes for _, b in peer_blocks),
         sum(b.nbytes for _, b in sends), spent)
+
+  def _exchange(self, sends: list) -> list:
+    """Sends `sends` to the successor host's lowest process alone (its keeper); returns the blocks sent here (collective; every process sends, an empty list too, so each keeper names its senders)."""
+    keeper = self.lowest[self.successor]
+    senders = [p for p, h in enumerate(self.hosts) if self.me == self.lowest[
+        self.host] and self._successor_of(h) == self.host]
+    got = multihost.exchange({keeper: sends}, recv_from=senders)
+    self.peer_bytes_sent += sum(b.nbytes for _, b in sends)
+    return [block for p in sorted(got) for block in got[p]]
 
   def _failed(self, step: int, t0: float, why: str) -> None:
     """Logs and records a local save that failed (never fatal)."""
@@ -328,7 +329,7 @@ class LocalTier:
             own.add(s.step)
     out: dict[int, list[str]] = {}
     mine: set[int] = set()
-    for got in pieces.allgather((held, own)):
+    for got in multihost.allgather_object((held, own)):
       for step, folders in got[0].items():
         out.setdefault(step, []).extend(folders)
       mine |= got[1]
@@ -356,7 +357,8 @@ class LocalTier:
           or info['topology'] != s.manifest.get('topology')):
         info['conflict'] = True
       info['keys'] |= set(s.entries)
-    inventories = pieces.allgather({'host': self.host, 'steps': mine})
+    inventories = multihost.allgather_object({'host': self.host,
+                                              'steps': mine})
     by_host: dict[str, dict] = {}
     for inv in inventories:
       by_host.setdefault(inv['host'], inv['steps'])

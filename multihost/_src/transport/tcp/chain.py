@@ -35,6 +35,7 @@ from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport import buffers
 from multihost._src.transport.tcp import eager as _eager
 from multihost._src.transport.tcp import link as _tcp_link
+from multihost._src.transport.tcp import pairs
 from multihost._src.transport.tcp import payload
 from multihost._src.transport.tcp import shared
 from multihost._src.transport.tcp import sockets
@@ -241,7 +242,7 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
 
 
 class TcpTransport:
-  """The `Transport` over the authenticated TCP links: a pipelined chain per lane for broadcast, a ring for all-gather."""
+  """The `Transport` over the authenticated TCP links: a pipelined chain per lane for broadcast, a ring for all-gather, one frame per pair for an exchange (`tcp.pairs`)."""
 
   name = 'tcp'
 
@@ -258,6 +259,11 @@ class TcpTransport:
                 timeout: float) -> np.ndarray:
     """See `Transport.allgather`."""
     return allgather(buffer, sizes, op=op, timeout=timeout)
+
+  def exchange(self, sends: dict[int, list], incoming: dict[int, int], *,
+               op: str, timeout: float) -> dict[int, np.ndarray]:
+    """See `Transport.exchange`."""
+    return pairs.exchange(sends, incoming, op=op, timeout=timeout)
 
 
 TCP = TcpTransport()
