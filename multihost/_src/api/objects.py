@@ -33,8 +33,9 @@ _RECORD = struct.Struct('<QHB')
 def max_object_bytes() -> int:
   """The largest pickled object that `broadcast_object` or `allgather_object` accepts from one process, in bytes.
 
-  $MULTIHOST_MAX_OBJECT_BYTES, else 1 GiB. A caller with more to send cuts
-  it into pieces below this (as recovery's local tier does).
+  $MULTIHOST_MAX_OBJECT_BYTES, else 1 GiB. A caller with more to send
+  sends its arrays through `multihost.exchange`, which carries NumPy arrays
+  outside this limit (as recovery's local tier does).
   """
   return settings.max_object_bytes()
 
