@@ -61,6 +61,13 @@ class Checkpoints:
   persistent step, then falls back to the persistent tier. A local save
   that fails is logged and recorded, never raised.
 
+  With `read_once` (the default), a persistent restore reads each leaf
+  that every process holds whole (NumPy leaves, arrays replicated across
+  processes) from storage on one process only, and sends it to the others
+  over multihost's data plane once all have read (`read_once`); leaves
+  split across processes are read by their holders as before. With
+  `read_once=False` every process reads all it holds from storage.
+
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
 
@@ -73,13 +80,17 @@ class Checkpoints:
       `SetAside` (step, tier, new path) each; a step damaged in both tiers
       is there twice (for a local step, this process's folder of it).
     local: the local tier, or None.
+    read_from_storage: the bytes this process read while Orbax read the
+      last restored persistent step (/proc/self/io `rchar`: page-cache
+      hits count), or None (none yet, or no such count).
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
                keep: int = 3, async_save: bool = True,
                read_only: bool = False,
                local_directory: str | os.PathLike | None = None,
-               local_save_every: int | None = None, local_keep: int = 2):
+               local_save_every: int | None = None, local_keep: int = 2,
+               read_once: bool = True):
     if save_every < 1 or keep < 1:
       raise ValueError(
           f'save_every and keep must be >= 1; got save_every={save_every}, '
@@ -101,6 +112,9 @@ class Checkpoints:
     self.local: tier.LocalTier | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for
+    self.read_once = bool(read_once)
+    self._reader = None  # read_once's Orbax Checkpointer, made on first use
+    self.read_from_storage: int | None = None
 
     def listed():
       return (folder.scan(self.directory, READABLE_FORMATS),
@@ -280,6 +294,8 @@ class Checkpoints:
         self.local.close()
       self.wait()
       self._manager.close()
+      if self._reader is not None:
+        self._reader.close()
     finally:
       if self._lock is not None:
         self._lock.release()

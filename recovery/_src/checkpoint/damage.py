@@ -32,6 +32,7 @@ from multihost.lowlevel import shorten as _short
 from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import manager
+from recovery._src.checkpoint import read_once
 from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
@@ -110,14 +111,27 @@ def read(ckpt: Any, target: TransitionState,
     ) from None
   _meta.check_fits(meta, abstract, where=where)
   restored, error = None, None
+  encoded = carrier.encode_abstract(abstract)
+  readers = (read_once.plan(encoded, jax.process_count())
+             if ckpt.read_once and jax.process_count() > 1 else None)
   try:
+    if readers is None:
+      restore = functools.partial(
+          ckpt._manager.restore, step,
+          args=manager.restore_args(encoded))
+    else:
+      if ckpt._reader is None:
+        ckpt._reader = manager.reader()
+      restore = functools.partial(
+          lambda *a: {manager.STATE_ITEM: read_once.read(*a)},
+          ckpt.directory, step, encoded, readers, ckpt._reader)
+    before = read_once.bytes_read()
     restored = manager.watched(
-        f'restore checkpoint step {step}',
-        functools.partial(ckpt._manager.restore, step,
-                          args=manager.restore_args(
-                              carrier.encode_abstract(abstract))),
+        f'restore checkpoint step {step}', restore,
         lambda e: f'{type(e).__name__}: {_short(e)}')[manager.STATE_ITEM]
-    restored = carrier.decode(restored, abstract)
+    after = read_once.bytes_read()
+    ckpt.read_from_storage = (None if before is None or after is None
+                              else after - before)
   except CheckpointError as e:
     error = CheckpointDamagedError(
         f'{_prefix()} {where} cannot be read: {e}. The files are damaged '
@@ -130,6 +144,9 @@ def read(ckpt: Any, target: TransitionState,
                   + manager.ORBAX_BARRIER_TIMEOUT_S)
   if damage is not None:
     return damage
+  if readers is not None:  # Every process has read its part: no one waits.
+    restored = read_once.share(restored, encoded, readers)
+  restored = carrier.decode(restored, abstract)
   digests, error = None, None
   try:
     digests = _meta.check_digest(meta, restored, where=where,
@@ -149,7 +166,9 @@ def read(ckpt: Any, target: TransitionState,
         f'{_prefix()} Checkpoint folder {step} holds a state at step '
         f'{state.step}. {ckpt._fallback_hint(step)}', why=why))
   _record_event('checkpoint restore', start, step=step, tier='shared',
-                bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
+                bytes=sum(x.nbytes for x in jax.tree.leaves(restored)),
+                read_from_storage=ckpt.read_from_storage,
+                read_once=readers is not None)
   logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
                'digest %s...) from %s onto %d processes, %d devices.',
                _prefix(), step, state.epoch, state.cursor,
