@@ -87,7 +87,7 @@ def read(ckpt: Any, target: TransitionState,
   process returns the restored state, or every process a `Damage` of
   `step`: its meta item or its files cannot be read, or it fails its
   digest check, on some process (agreed after each of these reads, one
-  small all-gather each).
+  agreement of a flag each, `_agree`).
 
   Raises:
     What `Checkpoints.restore` raises, but `CheckpointDamagedError`.
@@ -139,7 +139,9 @@ def read(ckpt: Any, target: TransitionState,
         why=f'its files cannot be read ({e})')
     error.__cause__ = e.__cause__
   # A process whose read failed skips Orbax's closing barrier, where the
-  # others then wait up to its timeout before they fail too and get here.
+  # others then wait up to its timeout before they fail too and get here
+  # (with read_once there is no such barrier; a process still reading is
+  # waited for here).
   damage = _agree(ckpt, step, error, timeout=multihost.default_timeout()
                   + manager.ORBAX_BARRIER_TIMEOUT_S)
   if damage is not None:
@@ -182,12 +184,22 @@ def _agree(ckpt: Any, step: int, error: CheckpointDamagedError | None, *,
   """The `Damage` of `step` if this or any process found it damaged, else None.
 
   Collective: every process must call this, in the same order (one
+  agreement of whether any process found damage; then, if one did, an
   all-gather of the findings). Every process gets the same finding (the
   first failing process's), with its own error to raise: the one it hit,
   or, where it found nothing, one naming the processes that did.
   """
-  whys = multihost.allgather_object(None if error is None else error.why,
-                                    timeout=timeout)
+  mine = None if error is None else error.why
+  # Whether any process found damage, in one agreement of a flag (ceil(log2
+  # P) messages a process, where an all-gather moves P findings to every
+  # process); the findings move only when some process found one.
+  try:
+    multihost.assert_equal(np.uint8(mine is not None), timeout=timeout)
+    if mine is None:
+      return None  # Every process found nothing.
+  except multihost.ConsistencyError:
+    pass  # Some did, some did not.
+  whys = multihost.allgather_object(mine, timeout=timeout)
   failed = [p for p, why in enumerate(whys) if why is not None]
   if not failed:
     return None

@@ -71,12 +71,16 @@ def _multiprocessing() -> ocp.options.MultiprocessingOptions:
 
 
 def reader() -> ocp.Checkpointer:
-  """An Orbax `Checkpointer` that restores a step's `state` item as a PyTree, some leaves skipped (`read_once`).
+  """An Orbax `Checkpointer` of this process alone that restores a step's `state` item as a PyTree, some leaves skipped (`read_once`).
 
-  The manager's `StandardCheckpointHandler` restores every leaf; this
-  reads the same files with the same barriers (the coordination service's).
+  The manager's `StandardCheckpointHandler` restores every leaf. This one
+  meets no other process (its only active process is this one): where one
+  process's read fails, the others do not wait at an Orbax barrier for
+  it; the caller's agreement after the read is where they meet.
   """
-  multiprocessing = _multiprocessing()
+  me = jax.process_index()
+  multiprocessing = ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me})
   return ocp.Checkpointer(
       ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing),
       multiprocessing_options=multiprocessing)

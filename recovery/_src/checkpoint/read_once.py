@@ -8,8 +8,8 @@ one process (its reader) and reaches the others over multihost's data plane:
 1. `plan`: leaves under `SMALL_BYTES` go to process 0; larger ones, largest
    first, to the process with the fewest bytes so far (the lowest index on
    a tie). Every process computes the same plan from the same target.
-2. `read`: every process calls Orbax's restore (a collective with its own
-   closing barrier) with a target that holds only its own leaves to read
+2. `read`: every process calls Orbax's restore (on a `Checkpointer` of its
+   own, which meets no other process) with a target that holds only its own leaves to read
    whole (as NumPy) and the leaves that are split across processes (onto
    their shardings, each process reading its own shards, as before); the
    others' leaves are `ocp.PLACEHOLDER`s, which Orbax skips.
@@ -121,8 +121,9 @@ def read(directory: str, step: int, abstract: PyTree,
          checkpointer: ocp.Checkpointer) -> PyTree:
   """This process's part of restoring step `step`'s `state` item.
 
-  Collective: every process must call this, in the same order (Orbax's
-  restore meets at its barrier). Returns `abstract`'s tree: this process's
+  Not a collective: `checkpointer` (`manager.reader`) meets no other
+  process, so a process whose read fails raises at once and the others
+  meet it at the caller's next agreement. Returns `abstract`'s tree: this process's
   leaves to read whole as NumPy arrays, the split leaves as Orbax restores
   them, and `ocp.PLACEHOLDER` for every leaf another process reads.
   """
