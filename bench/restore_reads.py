@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from multihost import env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -121,7 +123,7 @@ def main() -> None:
             f'--read_once={int(mode == "once")}']
         out = subprocess.run(command, cwd=ROOT, capture_output=True,
                              text=True, timeout=args.timeout + 60,
-                             env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                             env={**os.environ, env.PLATFORMS: 'cpu'})
         lines = [line for line in out.stdout.splitlines()
                  if line.startswith('{') or line.startswith('[p0] {')]
         if out.returncode or not lines:

@@ -46,6 +46,8 @@ import sys
 import tempfile
 import time
 
+from multihost import env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TCP_INFO_LEN = 232
 
@@ -301,8 +303,7 @@ def main() -> None:
       out = subprocess.run(
           command, cwd=ROOT, capture_output=True, text=True,
           timeout=args.timeout + 60,
-          env={**os.environ, 'JAX_PLATFORMS': 'cpu',
-               'MULTIHOST_LOCAL_LINKS': '0'})
+          env={**os.environ, env.PLATFORMS: 'cpu', env.LOCAL_LINKS: '0'})
       if out.returncode:
         sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
         raise SystemExit(f'P={p}: exit status {out.returncode}')

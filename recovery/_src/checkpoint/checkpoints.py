@@ -61,13 +61,8 @@ class Checkpoints:
   persistent step, then falls back to the persistent tier. A local save
   that fails is logged and recorded, never raised.
 
-  With `read_once` (the default), a persistent restore reads each leaf
-  that every process holds whole (NumPy leaves, arrays replicated across
-  processes) from storage on one process only, and sends it to the others
-  over multihost's data plane once all have read (`read_once`); leaves
-  split across processes are read by their holders as before. With
-  `read_once=False` every process reads all it holds from storage.
-
+  With `read_once` (the default) a persistent restore reads each leaf every
+  process holds whole on one process, which sends it on (`read_once`).
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
 
@@ -80,17 +75,15 @@ class Checkpoints:
       `SetAside` (step, tier, new path) each; a step damaged in both tiers
       is there twice (for a local step, this process's folder of it).
     local: the local tier, or None.
-    read_from_storage: the bytes this process read while Orbax read the
-      last restored persistent step (/proc/self/io `rchar`: page-cache
-      hits count), or None (none yet, or no such count).
+    read_from_storage: bytes this process read while Orbax read the last
+      restored persistent step (/proc/self/io rchar), or None.
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
                keep: int = 3, async_save: bool = True,
-               read_only: bool = False,
+               read_only: bool = False, read_once: bool = True,
                local_directory: str | os.PathLike | None = None,
-               local_save_every: int | None = None, local_keep: int = 2,
-               read_once: bool = True):
+               local_save_every: int | None = None, local_keep: int = 2):
     if save_every < 1 or keep < 1:
       raise ValueError(
           f'save_every and keep must be >= 1; got save_every={save_every}, '
@@ -105,16 +98,14 @@ class Checkpoints:
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = int(save_every)
     self.keep = int(keep)
-    self.read_only = read_only
+    self.read_only, self.read_once = read_only, bool(read_once)
     self.resumed_from: int | None = None
     self.resumed_tier: str | None = None
     self.set_aside: list[damage.SetAside] = []
     self.local: tier.LocalTier | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for
-    self.read_once = bool(read_once)
-    self._reader = None  # read_once's Orbax Checkpointer, made on first use
-    self.read_from_storage: int | None = None
+    self._reader = self.read_from_storage = None  # (read_once's)
 
     def listed():
       return (folder.scan(self.directory, READABLE_FORMATS),
