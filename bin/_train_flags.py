@@ -67,6 +67,11 @@ HANDLE_SIGTERM = flags.DEFINE_boolean(
     'do. False: SIGTERM kills the process (its default action).')
 ASYNC_SAVE = flags.DEFINE_boolean('async_save', True,
                                    'Commit checkpoints in the background.')
+READ_ONCE = flags.DEFINE_boolean(
+    'read_once', True,
+    'A persistent restore reads each replicated leaf from storage on one '
+    'process and sends it to the others (recovery.Checkpoints(read_once=)). '
+    'False: every process reads all it holds.')
 PROGRESS_EVERY = flags.DEFINE_float(
     'progress_every', 5.0, 'Seconds between progress lines (step, loss, '
     'steps/s).')
@@ -288,7 +293,7 @@ def _stall_in_handler(step: int, pid: int, *, at_once: bool = False) -> None:
 # flags, --num_cpu_devices and --handle_sigterm (this process's own).
 _MUST_AGREE = (STEPS, CHECKPOINT_DIR, SAVE_EVERY, KEEP, RESUME,
                RESUME_IF_PRESENT, VERIFY_REPLAY, WIDTH, SAMPLES, BATCH_SIZE,
-               SEED, ASYNC_SAVE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
+               SEED, ASYNC_SAVE, READ_ONCE, STRAGGLER_EVERY, LOCAL_SAVE_EVERY,
                SHARD_PARAMS, DRILL_KILL_AFTER, DRILL_KILL_PROCESS,
                DRILL_WIPE_LOCAL, DRILL_DAMAGE_NEWEST,
                DRILL_DAMAGE_NEWEST_LOCAL, DRILL_STALL_AT,

@@ -165,7 +165,7 @@ def _checkpoints(directory: str) -> recovery.Checkpoints:
   """The run's checkpoints in `directory`, as the flags say."""
   return recovery.Checkpoints(
       directory, save_every=F.SAVE_EVERY.value, keep=F.KEEP.value,
-      async_save=F.ASYNC_SAVE.value,
+      async_save=F.ASYNC_SAVE.value, read_once=F.READ_ONCE.value,
       local_directory=F.LOCAL_DIR.value or None,
       local_save_every=(F.LOCAL_SAVE_EVERY.value or None
                         if F.LOCAL_DIR.value else None))

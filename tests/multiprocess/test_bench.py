@@ -344,3 +344,38 @@ def test_busy_cores_spin_beside_every_process_or_process_0_alone(tmp_path):
       assert f'spinners={want[p]} ' in line, line
       if want[p]:
         assert 'own_session=True' in line, line
+
+
+def test_restore_reads_counts_the_storage_bytes_of_each_mode():
+  out = _script('restore_reads.py', '--processes=2', '--mb=2',
+                '--repeats=1')
+  rows = [json.loads(line) for line in out.splitlines()
+          if line.startswith('{')]
+  once, every = rows
+  assert once['read_once'] and not every['read_once']
+  assert once['bits_equal'] and every['bits_equal']
+  assert 0.8 <= once['storage_per_job'] <= 1.25, once
+  assert every['storage_per_job'] >= 1.6, every
+  assert '| 2 | once |' in out and '| 2 | every |' in out
+
+
+def test_scale_costs_counts_bytes_and_sockets_per_call(tmp_path):
+  out = tmp_path / 'costs.jsonl'
+  table = _script('scale_costs.py', '--processes=2', '--calls=1',
+                  '--hosts=', '--only=broadcast_one_to_all 1 MiB,sync',
+                  f'--out={out}')
+  rows = {r['case']: r for r in map(json.loads, out.read_text().splitlines())}
+  big = rows['broadcast_one_to_all 1 MiB']
+  # Process 0 sends the MiB, process 1 receives it: each moves about 1 MiB.
+  assert 1 << 20 <= big['bytes_p0'] <= 1.1 * (1 << 20), big
+  assert 0 < rows['sync_global_devices']['bytes_max'] < 4096, rows
+  assert rows['memory']['tcp_sockets'] == [2, 2], rows['memory']
+  assert '| broadcast_one_to_all 1 MiB |' in table
+
+
+def _script(name: str, *args: str) -> str:
+  import subprocess  # pylint: disable=import-outside-toplevel
+  done = subprocess.run([sys.executable, str(ROOT / 'bench' / name), *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout

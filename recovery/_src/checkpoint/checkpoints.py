@@ -61,6 +61,8 @@ class Checkpoints:
   persistent step, then falls back to the persistent tier. A local save
   that fails is logged and recorded, never raised.
 
+  With `read_once` (the default) a persistent restore reads each leaf every
+  process holds whole on one process, which sends it on (`read_once`).
   Every method that saves or restores is a collective: every process must
   call it, in the same order, on a folder that all processes share.
 
@@ -73,11 +75,13 @@ class Checkpoints:
       `SetAside` (step, tier, new path) each; a step damaged in both tiers
       is there twice (for a local step, this process's folder of it).
     local: the local tier, or None.
+    read_from_storage: bytes this process read while Orbax read the last
+      restored persistent step (/proc/self/io rchar), or None.
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 100,
                keep: int = 3, async_save: bool = True,
-               read_only: bool = False,
+               read_only: bool = False, read_once: bool = True,
                local_directory: str | os.PathLike | None = None,
                local_save_every: int | None = None, local_keep: int = 2):
     if save_every < 1 or keep < 1:
@@ -94,13 +98,14 @@ class Checkpoints:
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = int(save_every)
     self.keep = int(keep)
-    self.read_only = read_only
+    self.read_only, self.read_once = read_only, bool(read_once)
     self.resumed_from: int | None = None
     self.resumed_tier: str | None = None
     self.set_aside: list[damage.SetAside] = []
     self.local: tier.LocalTier | None = None
     self._lock = None
     self._pending: int | None = None  # a started save, not yet waited for
+    self._reader = self.read_from_storage = None  # (read_once's)
 
     def listed():
       return (folder.scan(self.directory, READABLE_FORMATS),
@@ -280,6 +285,8 @@ class Checkpoints:
         self.local.close()
       self.wait()
       self._manager.close()
+      if self._reader is not None:
+        self._reader.close()
     finally:
       if self._lock is not None:
         self._lock.release()

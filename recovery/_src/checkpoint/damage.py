@@ -31,6 +31,7 @@ from multihost import record_event as _record_event
 from recovery._src.checkpoint import carrier
 from recovery._src.checkpoint import folder
 from recovery._src.checkpoint import manager
+from recovery._src.checkpoint import read_once
 from recovery._src.state import consistency
 from recovery._src.state import leaves
 from recovery._src.state import meta as _meta
@@ -86,7 +87,7 @@ def read(ckpt: Any, target: TransitionState,
   process returns the restored state, or every process a `Damage` of
   `step`: its meta item or its files cannot be read, or it fails its
   digest check, on some process (agreed after each of these reads, one
-  small all-gather each).
+  agreement of a flag each, `_agree`).
 
   Raises:
     What `Checkpoints.restore` raises, but `CheckpointDamagedError`.
@@ -110,14 +111,27 @@ def read(ckpt: Any, target: TransitionState,
     ) from None
   _meta.check_fits(meta, abstract, where=where)
   restored, error = None, None
+  encoded = carrier.encode_abstract(abstract)
+  readers = (read_once.plan(encoded, jax.process_count())
+             if ckpt.read_once and jax.process_count() > 1 else None)
   try:
+    if readers is None:
+      restore = functools.partial(
+          ckpt._manager.restore, step,
+          args=manager.restore_args(encoded))
+    else:
+      if ckpt._reader is None:
+        ckpt._reader = manager.reader()
+      restore = functools.partial(
+          lambda *a: {manager.STATE_ITEM: read_once.read(*a)},
+          ckpt.directory, step, encoded, readers, ckpt._reader)
+    before = read_once.bytes_read()
     restored = manager.watched(
-        f'restore checkpoint step {step}',
-        functools.partial(ckpt._manager.restore, step,
-                          args=manager.restore_args(
-                              carrier.encode_abstract(abstract))),
+        f'restore checkpoint step {step}', restore,
         lambda e: f'{type(e).__name__}: {_short(e)}')[manager.STATE_ITEM]
-    restored = carrier.decode(restored, abstract)
+    after = read_once.bytes_read()
+    ckpt.read_from_storage = (None if before is None or after is None
+                              else after - before)
   except CheckpointError as e:
     error = CheckpointDamagedError(
         f'{_prefix()} {where} cannot be read: {e}. The files are damaged '
@@ -125,11 +139,16 @@ def read(ckpt: Any, target: TransitionState,
         why=f'its files cannot be read ({e})')
     error.__cause__ = e.__cause__
   # A process whose read failed skips Orbax's closing barrier, where the
-  # others then wait up to its timeout before they fail too and get here.
+  # others then wait up to its timeout before they fail too and get here
+  # (with read_once there is no such barrier; a process still reading is
+  # waited for here).
   damage = _agree(ckpt, step, error, timeout=multihost.default_timeout()
                   + manager.ORBAX_BARRIER_TIMEOUT_S)
   if damage is not None:
     return damage
+  if readers is not None:  # Every process has read its part: no one waits.
+    restored = read_once.share(restored, encoded, readers)
+  restored = carrier.decode(restored, abstract)
   digests, error = None, None
   try:
     digests = _meta.check_digest(meta, restored, where=where,
@@ -149,7 +168,9 @@ def read(ckpt: Any, target: TransitionState,
         f'{_prefix()} Checkpoint folder {step} holds a state at step '
         f'{state.step}. {ckpt._fallback_hint(step)}', why=why))
   _record_event('checkpoint restore', start, step=step, tier='shared',
-                bytes=sum(x.nbytes for x in jax.tree.leaves(restored)))
+                bytes=sum(x.nbytes for x in jax.tree.leaves(restored)),
+                read_from_storage=ckpt.read_from_storage,
+                read_once=readers is not None)
   logging.info('%s Restored checkpoint step %d (epoch %d, cursor %d, '
                'digest %s...) from %s onto %d processes, %d devices.',
                _prefix(), step, state.epoch, state.cursor,
@@ -163,12 +184,22 @@ def _agree(ckpt: Any, step: int, error: CheckpointDamagedError | None, *,
   """The `Damage` of `step` if this or any process found it damaged, else None.
 
   Collective: every process must call this, in the same order (one
+  agreement of whether any process found damage; then, if one did, an
   all-gather of the findings). Every process gets the same finding (the
   first failing process's), with its own error to raise: the one it hit,
   or, where it found nothing, one naming the processes that did.
   """
-  whys = multihost.allgather_object(None if error is None else error.why,
-                                    timeout=timeout)
+  mine = None if error is None else error.why
+  # Whether any process found damage, in one agreement of a flag (ceil(log2
+  # P) messages a process, where an all-gather moves P findings to every
+  # process); the findings move only when some process found one.
+  try:
+    multihost.assert_equal(np.uint8(mine is not None), timeout=timeout)
+    if mine is None:
+      return None  # Every process found nothing.
+  except multihost.ConsistencyError:
+    pass  # Some did, some did not.
+  whys = multihost.allgather_object(mine, timeout=timeout)
   failed = [p for p, why in enumerate(whys) if why is not None]
   if not failed:
     return None

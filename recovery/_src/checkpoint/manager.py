@@ -39,8 +39,7 @@ def manager(directory: str, *, async_save: bool,
   # sync_global_devices, a device all-gather per barrier (a save meets 8
   # times). Orbax then leaves creating the folder to the caller.
   processes = jax.process_count()
-  multiprocessing = ocp.options.MultiprocessingOptions(
-      active_processes=set(range(processes)) if processes > 1 else None)
+  multiprocessing = _multiprocessing()
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None,  # keep-N deletes only this run's own steps
       # Saves are scheduled by the caller; Orbax's own interval is unused.
@@ -63,6 +62,28 @@ def manager(directory: str, *, async_save: bool,
     raise CheckpointError(
         f'{_prefix()} Cannot open checkpoint folder {directory}: '
         f'{type(e).__name__}: {e}') from e
+
+
+def _multiprocessing() -> ocp.options.MultiprocessingOptions:
+  processes = jax.process_count()
+  return ocp.options.MultiprocessingOptions(
+      active_processes=set(range(processes)) if processes > 1 else None)
+
+
+def reader() -> ocp.Checkpointer:
+  """An Orbax `Checkpointer` of this process alone that restores a step's `state` item as a PyTree, some leaves skipped (`read_once`).
+
+  The manager's `StandardCheckpointHandler` restores every leaf. This one
+  meets no other process (its only active process is this one): where one
+  process's read fails, the others do not wait at an Orbax barrier for
+  it; the caller's agreement after the read is where they meet.
+  """
+  me = jax.process_index()
+  multiprocessing = ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me})
+  return ocp.Checkpointer(
+      ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing),
+      multiprocessing_options=multiprocessing)
 
 
 def save_args(tree: Any, meta: dict[str, Any]) -> ocp.args.Composite:
