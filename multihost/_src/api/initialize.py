@@ -17,7 +17,6 @@ from multihost import env as _env
 from multihost._src.auth import secret
 from multihost._src.clusters import prrte
 from multihost._src.clusters import tpu as tpu_cluster
-from multihost._src.diagnostics import gloo_lines
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import errors
@@ -59,6 +58,13 @@ def initialize(coordinator_address: str | None = None,
   cluster (Slurm, Open MPI 4 and 5, Kubernetes, a TPU pod: docs/launcher.md);
   else (a lone TPU machine too) it is a single controller, no jax.distributed.
 
+  It leaves the process's file descriptors alone: stdout and stderr stay
+  what they were. JAX's CPU collectives (gloo) print one
+  `[Gloo] Rank N is connected to M peer ranks. ...` line per local device
+  at each new set of devices' first collective; the launcher drops them
+  from the output it reads, and so does `python -m multihost.launch.quiet`
+  for `srun`'s or `mpirun`'s output (docs/launcher.md).
+
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
     num_processes: number of controllers.
@@ -92,7 +98,6 @@ def initialize(coordinator_address: str | None = None,
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', failures.prefix())
-    _quiet_gloo()
     rt = runtime.current()
     rt.watchdog.ensure_started()
     rt.where.ensure_started()
@@ -296,7 +301,6 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
 def _start_runtime(companion: Any, kwargs: dict[str, Any], *, detect: bool,
                    shutdown_timeout: int) -> None:
   """The runtime on JAX's new client: it owns the companion (if any), and its watchdog (with failure detection) and where-responder start."""
-  _quiet_gloo()
   rt = runtime.current()  # The runtime on JAX's new client.
   if companion is not None:
     rt.companion = companion
@@ -308,17 +312,6 @@ def _start_runtime(companion: Any, kwargs: dict[str, Any], *, detect: bool,
   rt.where.ensure_started()
   rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
               rt.count, jax.local_device_count())
-
-
-def _quiet_gloo() -> None:
-  """From now on, gloo's connection lines (printed at each new communicator's first collective) are kept out of stdout, unless $MULTIHOST_QUIET_GLOO=0.
-
-  After `jax.distributed.initialize`: process 0's companion is forked
-  before (a fork needs a process without threads), and gloo prints nothing
-  before the first collective.
-  """
-  if settings.quiet_gloo():
-    gloo_lines.install()
 
 
 def is_initialized() -> bool:

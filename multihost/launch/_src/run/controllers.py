@@ -19,6 +19,7 @@ from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
+from multihost._src.diagnostics import gloo_lines as _gloo_lines
 from multihost.launch._src.policy import policy as _policy
 from multihost.launch._src.policy import restarts as _restarts
 from multihost.launch._src.processes import environment as _environment
@@ -147,7 +148,10 @@ class Controllers:
         extra_env=self._extra_env)
     self._cwd = cwd
     self._stream = stream
-    self._procs = _processes.Processes(num_processes, stream=stream)
+    # $MULTIHOST_QUIET_GLOO of the controllers' environment.
+    self._quiet_gloo = _gloo_lines.wanted({**os.environ, **self._extra_env})
+    self._procs = _processes.Processes(num_processes, stream=stream,
+                                       quiet_gloo=self._quiet_gloo)
     self._started = False
     self._start_time = time.monotonic()
     self._attempt_starts: list[float] = []
@@ -178,7 +182,8 @@ class Controllers:
     port = self._held.next_port()
     if self.restart_count:
       self._procs = _processes.Processes(self.num_processes,
-                                         stream=self._stream)
+                                         stream=self._stream,
+                                         quiet_gloo=self._quiet_gloo)
     if self._hold and _policy.restarts_left(restart_count=self.restart_count,
                                             max_restarts=self.max_restarts):
       self._procs.output.hold_tracebacks()
