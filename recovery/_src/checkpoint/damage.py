@@ -102,8 +102,10 @@ def read(ckpt: Any, target: TransitionState,
   if damage is not None:
     return damage
   target_tree = target.to_tree()
+  recorded = meta.get('storage')  # None: saved before it was recorded.
   try:
     abstract = leaves.restore_target(target_tree, meta.get('leaves'))
+    read_as = carrier.encode_abstract(abstract, recorded)
   except TypeError as e:
     raise CheckpointError(
         f'{_prefix()} Cannot restore step {step} onto this target: {e}'
@@ -114,10 +116,9 @@ def read(ckpt: Any, target: TransitionState,
     restored = manager.watched(
         f'restore checkpoint step {step}',
         functools.partial(ckpt._manager.restore, step,
-                          args=manager.restore_args(
-                              carrier.encode_abstract(abstract))),
+                          args=manager.restore_args(read_as)),
         lambda e: f'{type(e).__name__}: {_short(e)}')[manager.STATE_ITEM]
-    restored = carrier.decode(restored, abstract)
+    restored = carrier.decode(restored, abstract, recorded)
   except CheckpointError as e:
     error = CheckpointDamagedError(
         f'{_prefix()} {where} cannot be read: {e}. The files are damaged '
