@@ -347,13 +347,15 @@ def test_train_under_open_mpi_5_is_quiet_and_ends_as_under_the_launcher(
       f'under the launcher, not under mpirun: {reference["lines"] - lines}')
 
 
-@pytest.mark.parametrize('major', [5, 4])
 @pytest.mark.parametrize('quiet', ['default', '0'])
 def test_every_line_of_a_burst_before_os_exit_arrives_through_mpirun(
-    major, quiet, tmp_path):
+    quiet, tmp_path):
   # 20 000 lines from each rank, then os._exit(75) (a crash, the watchdog's
   # exit): mpirun ends the job at once; every line still arrives, also
   # through the quiet filter; the ranks' fd 1 is what mpirun gave them.
+  # Open MPI 5 only: Open MPI 4's mpirun interleaves two ranks' output
+  # inside lines (seen here), so its lines cannot be counted.
+  major = 5
   env = {} if quiet == 'default' else {env_lib.QUIET_GLOO: quiet}
   rc, out = _run(major, *_helpers.program('output_rows', 'burst', 20000,
                                           75)[1:], cwd=tmp_path, quiet=True,

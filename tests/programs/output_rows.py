@@ -6,7 +6,8 @@ JAX_PROCESS_ID), says on stderr what file descriptor 1 was before and after
 it (`fd1 before=... after=...`), runs one device collective (so gloo prints
 its connection line), then:
 
-- `burst N STATUS`: N flushed lines `line K` on stdout, then `os._exit(STATUS)`;
+- `burst N STATUS`: N flushed lines `line K` on stdout, a collective (all
+  have written theirs), then `os._exit(STATUS)`;
 - `order`: 200 flushed lines on stdout, then `ERR after 200 lines` on stderr;
 - `epipe`: lines on stdout until a write fails; says how on stderr;
 - `full FOLDER`: `os.write`s lines to stdout until one fails, says how on
@@ -45,6 +46,9 @@ def main() -> None:
   if mode == 'burst':
     for k in range(int(args[0])):
       print(f'line {k}', flush=True)
+    # Every process has written all of its lines before any leaves (a
+    # first exit ends the job: mpirun kills the others at once).
+    multihost_utils.process_allgather(np.int32(0))
     os._exit(int(args[1]))
   elif mode == 'order':
     for k in range(200):

@@ -98,7 +98,10 @@ class Controllers:
       same for every attempt, removed when the controllers stop; without
       restarts, none. `self.compilation_cache_dir` is the one in use.
     log_dir: where a failed attempt that is restarted leaves every line of
-      each process (`attempt-K.pI.log`), created if missing and kept. While
+      each process: in a folder of this run's own made there at the first
+      restart (`run-<UTC time>-<random>/attempt-K.pI.log`, so that runs
+      that share `log_dir` never overwrite each other's; it is
+      `self.run_log_dir`), created if missing and kept. While
       restarts are left, the lines of Python tracebacks are held back from
       `stream` (and, once the attempt failed, every line of the processes
       being stopped); a restart drops them (they are in the files) and
@@ -158,6 +161,7 @@ class Controllers:
     self._interrupts = _signals.Interrupts()
     self._result: _report.LaunchResult | None = None
     self.log_dir = None if log_dir is None else os.fspath(log_dir)
+    self.run_log_dir: str | None = None  # Made at the first restart.
     self._hold = hold_tracebacks and stream is not None
 
   # Starting and observing.
@@ -339,8 +343,9 @@ class Controllers:
   def _say_healed(self, attempt: _report.LaunchResult, k: int) -> None:
     """Writes failed attempt `k`'s output to one file per process and says where the others were and where the files are."""
     held = self._procs.output.drop_held()
-    self.log_dir = _attempt.tell_restarted(
-        self._stream, attempt, k, held=held, log_dir=self.log_dir)
+    self.run_log_dir = _attempt.tell_restarted(
+        self._stream, attempt, k, held=held, log_dir=self.log_dir,
+        run_log_dir=self.run_log_dir)
 
   def _say(self, text: str) -> None:
     """Writes a `[launcher] ` line to the live stream, if there is one."""
