@@ -29,6 +29,7 @@ written or deleted, and files are opened with O_NOFOLLOW
 from __future__ import annotations
 
 from collections.abc import Iterable
+import ctypes
 import dataclasses
 import errno
 import json
@@ -156,7 +157,9 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   holds the data, the manifest and the commit marker (last), then is renamed
   to `<step>-<run>`; a failed write removes it. A committed folder of the
   same step of the same run (a restarted run saving a step again) is
-  replaced; other runs' folders are never touched.
+  replaced: the new copy takes its name first, and the old copy is removed
+  after (`_replace`), so the step always has a complete copy on disk;
+  other runs' folders are never touched.
 
   Raises:
     CheckpointFolderError: `local` or the process subfolder fails
@@ -191,16 +194,61 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
          'entries': listed}), mode=0o600)
     write_atomic(os.path.join(tmp, COMMIT), str(step), mode=0o600)
     final = os.path.join(own, name)
-    if os.path.lexists(final) and not _remove(final):
+    if not os.path.lexists(final):
+      os.rename(tmp, final)
+    elif not _is_dir(final):
       raise OSError(errno.EEXIST, f'{final} exists and is not a folder (a '
                     f'symlink or a file), so local step {step} cannot take '
                     'its place; remove it by hand.')
-    os.rename(tmp, final)
+    else:
+      _replace(tmp, final)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # After _replace: the old copy.
     raise
   fsync_folder(own)
+  shutil.rmtree(tmp, ignore_errors=True)  # The old copy, if it replaced one.
   return offset
+
+
+# renameat2's flag that swaps two paths (Linux 3.15+), and "this directory".
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _libc() -> Any:
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    rename = libc.renameat2
+  except (OSError, AttributeError):
+    return None
+  rename.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                     ctypes.c_char_p, ctypes.c_uint]
+  rename.restype = ctypes.c_int
+  return rename
+
+
+def _replace(new: str, final: str) -> None:
+  """Puts committed folder `new` at `final` (a committed folder of the same step) and the old copy at `new`, for the caller to remove; `final` never goes without a complete copy.
+
+  One atomic swap (renameat2 RENAME_EXCHANGE) where the filesystem has
+  it. Else three renames: the old copy to `<new>0`, `new` to `final`, the
+  old copy to `new`; a kill between the first two leaves both copies
+  complete under names of this run's writes, and `remove_tmp` puts the
+  newer back at `final` (`_remove_writing`).
+  """
+  rename = _libc()
+  if rename is not None and rename(
+      _AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final),
+      _RENAME_EXCHANGE) == 0:
+    return
+  aside = f'{new}0'  # Still a name of this run's writes (`_WRITING`).
+  os.rename(final, aside)
+  try:
+    os.rename(new, final)
+  except BaseException:
+    os.rename(aside, final)
+    raise
+  os.rename(aside, new)
 
 
 def _real_file(path: str) -> os.stat_result | None:
@@ -373,8 +421,19 @@ def remove_tmp(local: str, process: int, run: str) -> None:
 
 
 def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
-  """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`)."""
-  for name in names:
+  """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`).
+
+  A committed one (its marker written) whose step has no folder (a
+  replacement killed between its renames, `_replace`) takes that place
+  instead: a complete copy of the step is never removed.
+  """
+  for name in sorted(names):
     m = _WRITING.fullmatch(name)
     if m and m.group(2) == run:
-      _remove(os.path.join(own, name))
+      path, final = (os.path.join(own, name),
+                     os.path.join(own, name[:m.end(2)]))
+      if (not os.path.lexists(final) and _is_dir(path) and
+          _real_file(os.path.join(path, COMMIT)) is not None):
+        os.rename(path, final)
+        continue
+      _remove(path)
