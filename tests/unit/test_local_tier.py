@@ -416,6 +416,24 @@ def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
 
 
+def test_a_fresh_start_refuses_local_steps_of_an_earlier_run_of_its_folder(
+    tmp_path, monkeypatch):
+  """The run marker gone (the folder emptied by hand, or lost): the local steps belong to no run this start can resume, and are still refused."""
+  _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch)
+  shutil.rmtree(tmp_path / 'ckpt')
+  (tmp_path / 'ckpt').mkdir()
+  stored = _stored(tmp_path / 'local')
+  ckpt = str(tmp_path / 'ckpt')
+  assert stored == {(ckpt, 3), (ckpt, 6)}
+  with pytest.raises(recovery.FolderNotFreshError) as e:
+    _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch, resume=False)
+  message = str(e.value)
+  assert f'local steps [3, 6] of {ckpt}' in message, message
+  assert 'of an earlier run of the folder, which no resume restores' in (
+      message), message
+  assert _stored(tmp_path / 'local') == stored  # nothing deleted
+
+
 @pytest.mark.parametrize('resume', [None, False])
 def test_a_fresh_start_refuses_local_steps_of_its_folder_and_keeps_them(
     tmp_path, monkeypatch, resume):
