@@ -161,7 +161,7 @@ def test_a_replaced_step_always_has_a_complete_copy(tmp_path, monkeypatch,
   # under its name or a committed write's (which the next start puts back
   # in place: the test below).
   if swap == 'three renames':
-    monkeypatch.setattr(folder, '_libc', lambda: None)
+    monkeypatch.setattr(private, 'exchange', lambda a, b: False)
   local, own = str(tmp_path), str(tmp_path / 'process_0')
   old = (('w', ((0, 4),)), np.arange(4, dtype=np.float32))
   new = (('w', ((0, 4),)), np.arange(4, 8, dtype=np.float32))

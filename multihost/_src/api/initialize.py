@@ -57,13 +57,7 @@ def initialize(coordinator_address: str | None = None,
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
   cluster (Slurm, Open MPI 4 and 5, Kubernetes, a TPU pod: docs/launcher.md);
   else (a lone TPU machine too) it is a single controller, no jax.distributed.
-
-  It leaves the process's file descriptors alone: stdout and stderr stay
-  what they were. JAX's CPU collectives (gloo) print one
-  `[Gloo] Rank N is connected to M peer ranks. ...` line per local device
-  at each new set of devices' first collective; the launcher drops them
-  from the output it reads, and so does `python -m multihost.launch.quiet`
-  for `srun`'s or `mpirun`'s output (docs/launcher.md).
+  Leaves stdout alone (gloo's lines are dropped by readers: docs/launcher.md).
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.

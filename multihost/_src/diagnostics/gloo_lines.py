@@ -21,13 +21,13 @@ Memory does not grow with the output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import errno
 import os
 import re
 import select
 import signal
 import time
-from collections.abc import Mapping
 
 from multihost import env
 

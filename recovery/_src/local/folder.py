@@ -29,7 +29,6 @@ written or deleted, and files are opened with O_NOFOLLOW
 from __future__ import annotations
 
 from collections.abc import Iterable
-import ctypes
 import dataclasses
 import errno
 import json
@@ -210,36 +209,16 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   return offset
 
 
-# renameat2's flag that swaps two paths (Linux 3.15+), and "this directory".
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _libc() -> Any:
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    rename = libc.renameat2
-  except (OSError, AttributeError):
-    return None
-  rename.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                     ctypes.c_char_p, ctypes.c_uint]
-  rename.restype = ctypes.c_int
-  return rename
-
-
 def _replace(new: str, final: str) -> None:
   """Puts committed folder `new` at `final` (a committed folder of the same step) and the old copy at `new`, for the caller to remove; `final` never goes without a complete copy.
 
-  One atomic swap (renameat2 RENAME_EXCHANGE) where the filesystem has
-  it. Else three renames: the old copy to `<new>0`, `new` to `final`, the
-  old copy to `new`; a kill between the first two leaves both copies
-  complete under names of this run's writes, and `remove_tmp` puts the
-  newer back at `final` (`_remove_writing`).
+  One atomic swap (`private.exchange`) where the filesystem has it. Else
+  three renames: the old copy to `<new>0`, `new` to `final`, the old copy
+  to `new`; a kill between the first two leaves both copies complete under
+  names of this run's writes, and `remove_tmp` puts the newer back at
+  `final` (`_remove_writing`).
   """
-  rename = _libc()
-  if rename is not None and rename(
-      _AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final),
-      _RENAME_EXCHANGE) == 0:
+  if private.exchange(new, final):
     return
   aside = f'{new}0'  # Still a name of this run's writes (`_WRITING`).
   os.rename(final, aside)
