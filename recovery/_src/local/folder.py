@@ -157,7 +157,8 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   to `<step>-<run>`; a failed write removes it. A committed folder of the
   same step of the same run (a restarted run saving a step again) is
   replaced: the new copy takes its name first, and the old copy is removed
-  after (`_replace`), so the step always has a complete copy on disk;
+  after (`private.replace_folder`), so the step always has a complete copy
+  on disk;
   other runs' folders are never touched.
 
   Raises:
@@ -200,34 +201,13 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
                     f'symlink or a file), so local step {step} cannot take '
                     'its place; remove it by hand.')
     else:
-      _replace(tmp, final)
+      private.replace_folder(tmp, final)  # The old copy now at tmp.
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)  # After _replace: the old copy.
+    shutil.rmtree(tmp, ignore_errors=True)  # Or the old copy, once replaced.
     raise
   fsync_folder(own)
   shutil.rmtree(tmp, ignore_errors=True)  # The old copy, if it replaced one.
   return offset
-
-
-def _replace(new: str, final: str) -> None:
-  """Puts committed folder `new` at `final` (a committed folder of the same step) and the old copy at `new`, for the caller to remove; `final` never goes without a complete copy.
-
-  One atomic swap (`private.exchange`) where the filesystem has it. Else
-  three renames: the old copy to `<new>0`, `new` to `final`, the old copy
-  to `new`; a kill between the first two leaves both copies complete under
-  names of this run's writes, and `remove_tmp` puts the newer back at
-  `final` (`_remove_writing`).
-  """
-  if private.exchange(new, final):
-    return
-  aside = f'{new}0'  # Still a name of this run's writes (`_WRITING`).
-  os.rename(final, aside)
-  try:
-    os.rename(new, final)
-  except BaseException:
-    os.rename(aside, final)
-    raise
-  os.rename(aside, new)
 
 
 def _real_file(path: str) -> os.stat_result | None:
@@ -403,8 +383,8 @@ def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
   """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`).
 
   A committed one (its marker written) whose step has no folder (a
-  replacement killed between its renames, `_replace`) takes that place
-  instead: a complete copy of the step is never removed.
+  replacement killed between its renames, `private.replace_folder`) takes
+  that place instead: a complete copy of the step is never removed.
   """
   for name in sorted(names):
     m = _WRITING.fullmatch(name)

@@ -1,4 +1,4 @@
-"""A host's local checkpoint folder, private and identified: owner-only folders, no links followed, the folder's identity.
+"""A host's local checkpoint folder, private and identified: owner-only folders, no links followed, the folder's identity, a folder replaced with no moment without one (`replace_folder`).
 
 `<local>` and each `process_<P>` must be real folders of this user that its
 group and others cannot write (`check_private`; created owner-only, mode
@@ -207,3 +207,23 @@ def exchange(a: str, b: str) -> bool:
   if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
     return False
   raise OSError(error, os.strerror(error), a)
+
+
+def replace_folder(new: str, final: str) -> None:
+  """Puts folder `new` at `final` (an existing folder) and the old one at `new`, for the caller to remove; `final` is never without one of them.
+
+  One atomic swap (`exchange`) where the filesystem has it. Else three
+  renames: the old folder to `<new>0`, `new` to `final`, the old folder to
+  `new`; a kill between the first two leaves both under temporary names
+  (the local folder's `remove_tmp` puts the newer committed one back).
+  """
+  if exchange(new, final):
+    return
+  aside = f'{new}0'
+  os.rename(final, aside)
+  try:
+    os.rename(new, final)
+  except BaseException:
+    os.rename(aside, final)
+    raise
+  os.rename(aside, new)
