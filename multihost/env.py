@@ -81,9 +81,10 @@ FLIGHT_RING = 'MULTIHOST_FLIGHT_RING'
 # its flight recorder at exit (process-N.json), for the launcher to merge.
 TRACE_DIR = 'MULTIHOST_TRACE_DIR'
 
-# Set to 0 to leave each controller's stdout as it is: `multihost.initialize()`
-# otherwise filters gloo's connection lines out of it ("[Gloo] Rank N is
-# connected to ..."); see `multihost._src.diagnostics.gloo_lines`.
+# Set to 0 to keep gloo's connection lines ("[Gloo] Rank N is connected to
+# ...") in the output that the launcher and `python -m multihost.launch.quiet`
+# (docs/restart.sbatch) read; they drop them otherwise. A controller's own
+# stdout is never touched. See `multihost._src.diagnostics.gloo_lines`.
 QUIET_GLOO = 'MULTIHOST_QUIET_GLOO'
 
 # --- Other variables the packages, bin/ and bench/ read or set. ------------

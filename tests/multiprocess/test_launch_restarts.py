@@ -254,8 +254,10 @@ def test_a_healed_failure_is_one_block_and_its_tracebacks_go_to_files(
                    r"at [\d.]+ s: 'process 0 attempt 0'\)\.\n", out), out
   assert re.search(r'\[launcher\]   \d+ line\(s\) held back \(tracebacks, '
                    r"the stopped processes' last words\); every line of "
-                   rf'attempt 0: {logs}/attempt-0\.p\*\.log\.\n', out), out
+                   rf'attempt 0: {logs}/run-\d{{8}}-\d{{6}}-\w+/attempt-0\.p'
+                   r'\*\.log\.\n', out), out
   assert 'process 0 attempt 1' in out and 'process 1 attempt 1' in out
+  (logs,) = logs.iterdir()  # This run's folder.
   p1 = (logs / 'attempt-0.p1.log').read_text()
   assert p1.startswith('process 1 attempt 0\nTraceback'), p1
   assert 'ValueError: bad batch 7' in p1 and 'The above exception' in p1
@@ -276,17 +278,21 @@ def test_a_failure_that_ends_the_run_shows_its_traceback_once(tmp_path):
   assert out.count('[p1] RuntimeError: step 3 failed\n') == 1, out
   assert out.count('[p1] ValueError: bad batch 7\n') == 1, out
   assert out.index('process 1 attempt 1') < out.index('Traceback'), out
-  assert 'held back' in out and (tmp_path / 'attempt-0.p1.log').exists()
-  # --verbosity=1: every line live, attempt 0's too; no files.
-  proc = _cli('--max_restarts=1', '--verbosity=1',
-              f'--log_dir={tmp_path / "v"}',
+  assert 'held back' in out
+  (first,) = tmp_path.glob('run-*/attempt-0.p1.log')
+  # --verbosity=1: every line live, attempt 0's too; its files beside the
+  # first run's (the same --log_dir), which stay as they were.
+  kept = first.read_text()
+  proc = _cli('--max_restarts=1', '--verbosity=1', f'--log_dir={tmp_path}',
               program='raises_on_first_attempt.py')
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert proc.stdout.count('[p1] RuntimeError: step 3 failed\n') == 1
   assert (proc.stdout.index('[p1] Traceback') <
           proc.stdout.index('[launcher] attempt 0 failed')), proc.stdout
   assert 'held back' not in proc.stdout
-  assert (tmp_path / 'v' / 'attempt-0.p1.log').exists()
+  logs = sorted(tmp_path.glob('run-*/attempt-0.p1.log'))
+  assert len(logs) == 2 and first in logs, logs
+  assert first.read_text() == kept
 
 
 def test_a_traceback_no_failure_follows_is_streamed_after_a_while(

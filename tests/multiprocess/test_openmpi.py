@@ -16,6 +16,10 @@ address reaches the others through PMIx (`multihost._src.clusters.prrte`).
   digest;
 - the README's example across two simulated hosts under both engines;
 - a program that uses mpi4py after `multihost.initialize()` under Open MPI 5.
+- 20 000 lines then `os._exit(75)` from each rank, read through `python -m
+  multihost.launch.quiet`: every byte arrives under both engines, with and
+  without `MULTIHOST_QUIET_GLOO=0`, and each rank's fd 1 is the same before
+  and after `multihost.initialize()`.
 
 An engine that is not installed skips its tests with the reason
 (`.ci/openmpi` installs both). Every run is bounded and leaves nothing
@@ -152,23 +156,39 @@ def _nothing_left(mark: str, reaped: tuple[int, ...] = ()) -> None:
   assert not unreaped, f'ranks not reaped 15 s after mpirun: {unreaped}'
 
 
-def _run(major: int, *args: str, cwd: pathlib.Path,
-         command=None) -> tuple[int, str]:
-  """mpirun -np 2 `args` (through `command`, which returns the command line to run): (exit status, stdout and stderr); bounded, leaves nothing."""
+def _run(major: int, *args: str, cwd: pathlib.Path, command=None,
+         quiet: bool = False, stderr=subprocess.STDOUT,
+         **env: str) -> tuple[int, str]:
+  """mpirun -np 2 `args` (through `command`, which returns the command line to run): (exit status, stdout and stderr); bounded, leaves nothing.
+
+  With `quiet`, mpirun's output is read through `python -m
+  multihost.launch.quiet` (docs/launcher.md), as a user's pipe does.
+  `stderr`: where mpirun's stderr goes (default: with its stdout).
+  """
   mark = uuid.uuid4().hex
   line = command(major, *args) if command else _command(major, *args)
-  proc = subprocess.Popen(line, cwd=cwd, env=_env(mark),
+  run_env = {**_env(mark), **env}
+  proc = subprocess.Popen(line, cwd=cwd, env=run_env,
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=stderr)
+  reader = proc
+  if quiet:
+    reader = subprocess.Popen([PY, '-m', 'multihost.launch.quiet'],
+                              cwd=ROOT, env=run_env, stdin=proc.stdout,
+                              stdout=subprocess.PIPE)
+    proc.stdout.close()  # The filter's now: EPIPE reaches mpirun.
   try:
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    out = reader.communicate(timeout=TIMEOUT_S)[0].decode(errors='replace')
+    proc.wait(timeout=30)
   except subprocess.TimeoutExpired:
     proc.terminate()  # mpirun then ends its ranks (a SIGKILL leaves them).
-    out = proc.communicate(timeout=30)[0]
+    out = reader.communicate(timeout=30)[0].decode(errors='replace')
     raise AssertionError(
         f'mpirun ran over {TIMEOUT_S} s:\n{out[-3000:]}') from None
   finally:
     _helpers.stop(proc)
+    if reader is not proc:
+      _helpers.stop(reader)
     _nothing_left(mark)
   return proc.returncode, out
 
@@ -322,7 +342,7 @@ def test_train_under_open_mpi_5_is_quiet_and_ends_as_under_the_launcher(
     reference, tmp_path):
   folder = tmp_path / 'ckpt'
   rc, out = _run(5, TRAIN, f'--checkpoint_dir={folder}', *TRAIN_ARGS,
-                 cwd=ROOT)
+                 cwd=ROOT, quiet=True)
   assert rc == 0, out[-3000:]
   assert _final_digest(out) == reference['digest']
   assert not _helpers.gloo_lines(out), out[-3000:]
@@ -331,6 +351,37 @@ def test_train_under_open_mpi_5_is_quiet_and_ends_as_under_the_launcher(
   assert lines == reference['lines'], (
       f'under mpirun, not under the launcher: {lines - reference["lines"]}; '
       f'under the launcher, not under mpirun: {reference["lines"] - lines}')
+
+
+@pytest.mark.parametrize('major', [5, 4])
+@pytest.mark.parametrize('quiet', ['default', '0'])
+def test_every_line_of_a_burst_before_os_exit_arrives_through_mpirun(
+    major, quiet, tmp_path):
+  # 20 000 lines from each rank, then os._exit(75) (a crash, the watchdog's
+  # exit): mpirun ends the job at once; every line still arrives, also
+  # through the quiet filter; the ranks' fd 1 is what mpirun gave them.
+  # mpirun forwards each rank's output in chunks that may end inside a
+  # line (Open MPI 4 interleaved two ranks' lines here, Open MPI 5 once
+  # under load), so the bytes are counted, not the lines: every byte of
+  # every line arrives once, nothing else (but gloo's two lines, unless
+  # quiet).
+  env = {} if quiet == 'default' else {env_lib.QUIET_GLOO: quiet}
+  with open(tmp_path / 'stderr', 'wb') as err:
+    rc, out = _run(major, *_helpers.program('output_rows', 'burst', 20000,
+                                            75)[1:], cwd=tmp_path,
+                   quiet=True, stderr=err, **env)
+  assert rc != 0, out[-3000:]
+  lines = ''.join(f'line {k}\n' for k in range(20000)) * 2
+  gloo = ''.join(f'[Gloo] Rank {i} is connected to 1 peer ranks. Expected '
+                 'number of connected peer ranks is : 1\n' for i in range(2))
+  want = collections.Counter(lines + (gloo if quiet == '0' else ''))
+  got = collections.Counter(out)
+  assert got == want, (f'{out.count(chr(10))} lines; missing {want - got}, '
+                       f'extra {got - want}; {out[-2000:]}')
+  stderr = (tmp_path / 'stderr').read_text(errors='replace')
+  fd1 = re.findall(r'^fd1 before=(\S+) after=(\S+)$', stderr, re.M)
+  assert len(fd1) == 2 and all(a == b for a, b in fd1), stderr[-3000:]
+  assert bool(_helpers.gloo_lines(out)) == (quiet == '0'), out[-2000:]
 
 
 @pytest.mark.parametrize('major', [5, 4])

@@ -270,8 +270,8 @@ def uninterrupted(uninterrupted_run) -> str:
 def test_a_clean_run_under_the_recipe_is_quiet(uninterrupted_run):
   # No gloo connection line (4 of them: 2 tasks x 2 devices), no per-step
   # line: what the launcher's quiet run prints.
-  # The recipe passes the tasks' stdout as it is: multihost.initialize()
-  # keeps gloo's lines out of it.
+  # The recipe reads srun's stdout through python -m multihost.launch.quiet,
+  # which drops gloo's lines (the tasks' own stdout is left alone).
   lines = uninterrupted_run.splitlines()
   assert not gloo_lines(uninterrupted_run), lines
   assert len(lines) <= QUIET_RUN_LINES, lines

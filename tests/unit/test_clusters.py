@@ -175,6 +175,18 @@ def _tpu(env, request=None):
                     found.process_id, found.engine)
 
 
+def test_one_host_of_a_two_slice_tpu_job_is_no_lone_controller():
+  # Each slice a single host (its host list one name), two slices: two
+  # controllers, never a lone one per host.
+  for slice_id in (0, 1):
+    assert _tpu({
+        env_lib.TPU_WORKER_HOSTNAMES: 'localhost', env_lib.TPU_WORKER_ID: '0',
+        env_lib.MEGASCALE_NUM_SLICES: '2',
+        env_lib.MEGASCALE_SLICE_ID: str(slice_id),
+        env_lib.MEGASCALE_COORDINATOR_ADDRESS: 'm0:8080'})[:3] == (
+            'm0:8482', 2, slice_id)
+
+
 def test_a_tpu_pods_host_list_gives_jaxs_numbers():
   env = {env_lib.TPU_WORKER_HOSTNAMES: 'h0,h1,h2,h3',
          env_lib.TPU_WORKER_ID: '2'}

@@ -9,6 +9,7 @@ of a dtype no checkpoint holds is refused with the reason.
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import shutil
@@ -77,6 +78,77 @@ def test_a_persistent_checkpoint_names_the_leaves_own_dtypes(tmp_path):
     for kind in matrix.KINDS:
       assert meta['leaves'][f'user/{name}/{kind}'][1] == name
       assert tree['user'][name][kind].dtype == matrix.dtype(name)
+
+
+def _natively(monkeypatch, dtype_name: str, answer: bool) -> None:
+  """Our carrier module's answer to "does TensorStore store `dtype_name` itself" is `answer` (others as installed)."""
+  real = carrier.stores_natively.__wrapped__
+  monkeypatch.setattr(
+      carrier, 'stores_natively',
+      lambda d: answer if np.dtype(d).name == dtype_name else real(d))
+
+
+@pytest.mark.parametrize('name,at_save,at_restore,stored', [
+    # Saved in a carrier (as a TensorStore that refuses it would), restored
+    # where TensorStore stores it: read as the uint8 it was written in.
+    ('float8_e4m3fn', False, True, 'uint8'),
+    # Saved in a carrier (the installed TensorStore refuses them), restored
+    # where TensorStore is said to store them.
+    ('float8_e4m3', None, True, 'uint8'),
+    ('uint4', None, True, 'uint8')])
+def test_a_leaf_restores_as_it_was_stored_whatever_tensorstore_says_now(
+    tmp_path, monkeypatch, name, at_save, at_restore, stored):
+  names = [name, 'bfloat16']
+  saved, target = matrix.user(1, names=names), matrix.user(2, names=names)
+  with monkeypatch.context() as saving:
+    if at_save is not None:
+      _natively(saving, name, at_save)
+    digest = matrix.save(str(tmp_path), 'persistent', saved, target)
+  with recovery.Checkpoints(tmp_path / 'ckpt', read_only=True) as ckpt:
+    storage = ckpt.read_meta(matrix.STEP)['storage']
+  assert {k: v for k, v in storage.items() if k.startswith('user/')} == {
+      **{f'user/{name}/{kind}': stored for kind in matrix.KINDS},
+      **{f'user/bfloat16/{kind}': 'bfloat16' for kind in matrix.KINDS}}
+  _natively(monkeypatch, name, at_restore)
+  got, took, step, _ = matrix.resume(str(tmp_path), 'persistent', target)
+  assert (took, step) == ('persistent', matrix.STEP)
+  assert matrix.differences(saved, got.user) == []
+  assert recovery.checkpoint_digest(got) == digest
+  # Nothing set aside as damaged.
+  assert sorted(p.name for p in (tmp_path / 'ckpt').iterdir()
+                if not p.name.startswith('.')) == [str(matrix.STEP)]
+
+
+def test_a_leaf_saved_as_itself_where_tensorstore_now_refuses_it_is_no_damage(
+    tmp_path, monkeypatch):
+  # Saved as itself; the TensorStore here is said not to store it (an
+  # older one): an error that says so, and nothing set aside as damaged.
+  names = ['float8_e4m3fn']
+  saved, target = matrix.user(1, names=names), matrix.user(2, names=names)
+  matrix.save(str(tmp_path), 'persistent', saved, target)
+  _natively(monkeypatch, 'float8_e4m3fn', False)
+  with pytest.raises(recovery.CheckpointError,
+                     match='was saved as float8_e4m3fn by a TensorStore that '
+                     'stores float8_e4m3fn; the TensorStore installed here'):
+    matrix.resume(str(tmp_path), 'persistent', target)
+  assert sorted(p.name for p in (tmp_path / 'ckpt').iterdir()
+                if not p.name.startswith('.')) == [str(matrix.STEP)]
+
+
+def test_a_checkpoint_without_the_storage_record_restores_by_todays_rule(
+    tmp_path):
+  names = ['uint4', 'float8_e4m3', 'bfloat16']
+  saved, target = matrix.user(1, names=names), matrix.user(2, names=names)
+  digest = matrix.save(str(tmp_path), 'persistent', saved, target)
+  meta_files = list((tmp_path / 'ckpt' / str(matrix.STEP)).glob(
+      'meta/metadata'))
+  assert len(meta_files) == 1, list((tmp_path / 'ckpt').rglob('*'))
+  text = json.loads(meta_files[0].read_text())
+  del text['storage']  # As written before the record existed.
+  meta_files[0].write_text(json.dumps(text))
+  got, took, _, _ = matrix.resume(str(tmp_path), 'persistent', target)
+  assert took == 'persistent' and matrix.differences(saved, got.user) == []
+  assert recovery.checkpoint_digest(got) == digest
 
 
 def test_local_manifests_name_ml_dtypes_by_name(tmp_path):

@@ -1,4 +1,4 @@
-"""stdout's gloo filter (`multihost._src.diagnostics.gloo_lines`) on real pipes and file descriptors.
+"""The gloo line filter (`multihost._src.diagnostics.gloo_lines`, `python -m multihost.launch.quiet`) on real pipes.
 
 The lines are gloo's as jaxlib 0.10.2 prints them, whole and interleaved as
 seen under the launcher; each test also checks the neighbours the filter
@@ -10,12 +10,10 @@ from __future__ import annotations
 import os
 import pathlib
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
-import tty
 
 from multihost._src.diagnostics import gloo_lines
 
@@ -83,58 +81,6 @@ def _read(fd: int, seconds: float, *, size: int | None = None) -> bytes:
   return got
 
 
-def test_a_real_fd_through_the_filter_from_several_threads():
-  out_r, out_w = os.pipe()
-  stdout = gloo_lines.StdoutFilter(out_w)
-  try:
-    os.write(out_w, b'before\nPrompt> ')
-    # A partial line that cannot be gloo's comes out while the filter runs.
-    assert _read(out_r, 1.0, size=15) == b'before\nPrompt> '
-    os.write(out_w, b'yes\n')  # (The rest of a line passes as it is.)
-    # Four threads print gloo's line piece by piece (as `<<` does), while
-    # the main thread writes its own lines.
-    pieces = [b'[Gloo] Rank ', b'1', b' is connected to ', b'3',
-              b' peer ranks. ', b'Expected number of connected peer ranks '
-              b'is : ', b'3', b'\n']
-
-    def gloo():
-      for _ in range(50):
-        for piece in pieces:
-          os.write(out_w, piece)
-
-    threads = [threading.Thread(target=gloo) for _ in range(4)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
-    os.write(out_w, b''.join(KEPT))
-    stdout.close()
-    os.close(out_w)
-    got = _read(out_r, 10.0)
-  finally:
-    os.close(out_r)
-  # The main thread's lines arrive whole: a thread's piece may have split
-  # no line of theirs here, as all of them came after the threads ended.
-  assert got == b'yes\n' + b''.join(KEPT), got[:3000]
-
-
-def test_a_terminal_stays_a_terminal_and_bytes_pass_unchanged():
-  # As Open MPI's ranks see their stdout: a pty (raw here, so that the
-  # bytes read back are the bytes written).
-  outer, terminal = os.openpty()
-  tty.setraw(terminal)
-  stdout = gloo_lines.StdoutFilter(terminal)
-  try:
-    assert os.isatty(terminal)
-    os.write(terminal, b'a\n' + LINE + b'\xff\x00\r\nend')
-    stdout.close()
-    got = _read(outer, 1.0, size=10)
-  finally:
-    os.close(outer)
-    os.close(terminal)
-  assert got == b'a\n\xff\x00\r\nend'
-
-
 def test_a_failing_filter_copies_the_rest_unfiltered_and_blocks_no_writer(
     monkeypatch):
   def broken(self, data):
@@ -162,64 +108,83 @@ def test_a_failing_filter_copies_the_rest_unfiltered_and_blocks_no_writer(
   assert not reader.is_alive()
 
 
-def _program(tmp_path: pathlib.Path, body: str) -> tuple[int, bytes, bytes]:
-  """Runs `body` after `gloo_lines.install()` in a fresh Python: (status, stdout to its end, stderr)."""
-  script = tmp_path / 'program.py'
-  # The module alone, by its path (no JAX import: seconds on a busy CPU).
-  script.write_text(
-      'import importlib.util, os, signal, sys, time\n'
-      'spec = importlib.util.spec_from_file_location(\n'
-      f'    "gloo_lines", {gloo_lines.__file__!r})\n'
-      'gloo_lines = importlib.util.module_from_spec(spec)\n'
-      'spec.loader.exec_module(gloo_lines)\n'
-      'assert gloo_lines.install()\n' + body)
+def _quiet(data: bytes, **env: str) -> subprocess.CompletedProcess:
+  """`python -m multihost.launch.quiet` with `data` on stdin."""
+  return subprocess.run(
+      [sys.executable, '-m', 'multihost.launch.quiet'], input=data, cwd=ROOT,
+      env={**os.environ, **env}, capture_output=True, timeout=60, check=False)
+
+
+def test_the_command_drops_gloo_lines_unless_told_not_to():
+  text = b''.join([KEPT[0], LINE, INTERLEAVED, *KEPT[1:], LINE, b'end'])
+  done = _quiet(text)
+  assert (done.returncode, done.stdout, done.stderr) == (
+      0, b''.join(KEPT) + b'end', b'')
+  done = _quiet(text, MULTIHOST_QUIET_GLOO='0')
+  assert (done.returncode, done.stdout) == (0, text)
+
+
+def test_a_writer_into_the_command_sees_a_closed_pipe():
+  # `program | python -m multihost.launch.quiet | head -1`: the program
+  # gets EPIPE (BrokenPipeError) soon after head has left, as without it.
+  program = ('import sys\n'
+             'try:\n'
+             '  for i in range(10_000_000):\n'
+             '    print("line", i, flush=True)\n'
+             'except BrokenPipeError:\n'
+             '  sys.stderr.write(f"EPIPE after {i} lines\\n")\n'
+             '  sys.stderr.close()\n'
+             '  sys.exit(0)\n')
+  done = subprocess.run(
+      ['bash', '-c', f'"$0" -c \'{program}\' | "$0" -m multihost.launch.quiet'
+       ' | head -1; echo "${PIPESTATUS[@]}" >&2', sys.executable], cwd=ROOT,
+      capture_output=True, text=True, timeout=60, check=False)
+  assert done.stdout == 'line 0\n', done
+  assert done.stderr.startswith('EPIPE after '), done.stderr
+  assert done.stderr.splitlines()[-1] == '0 0 0', done.stderr
+
+
+def test_a_failed_write_loses_only_itself_and_is_said_once(capfd):
+  # stdout that takes nothing for a while (a full disk; here a full
+  # non-blocking pipe, EAGAIN): what came then is lost, said once on
+  # stderr; what comes once it takes bytes again arrives.
+  in_r, in_w = os.pipe()
   out_r, out_w = os.pipe()
+  os.set_blocking(out_w, False)
+  fill = b'f' * 4096
+  while True:
+    try:
+      os.write(out_w, fill)
+    except BlockingIOError:
+      break
+  reader = threading.Thread(target=gloo_lines.copy, args=(in_r, out_w),
+                            kwargs={'name': 'test'})
+  reader.start()
   try:
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=out_w,
-                            stderr=subprocess.PIPE)
-    os.close(out_w)
-    out_w = -1
-    # To its end: the filter, and the child it forks, have closed it.
-    got = _read(out_r, 60.0)
-    err = proc.communicate(timeout=60)[1]
+    for i in range(3):
+      os.write(in_w, b'lost %d\n' % i)
+      time.sleep(0.1)
+    drained = b''
+    while (chunk := _read(out_r, 0.2, size=1 << 16)):
+      drained += chunk
+    assert set(drained) == {ord('f')}
+    os.write(in_w, b'after\n' + LINE + b'more\n')
+    assert _read(out_r, 10.0, size=11) == b'after\nmore\n'
   finally:
-    os.close(out_r)
-    if out_w >= 0:
-      os.close(out_w)
-  return proc.returncode, got, err
+    os.close(in_w)
+    reader.join(10)
+    for fd in (in_r, out_r, out_w):
+      os.close(fd)
+  assert not reader.is_alive()
+  err = capfd.readouterr().err
+  assert err.count('test: cannot write to stdout') == 1, err
 
 
-def test_what_was_printed_survives_a_sigkill_and_children_stay_filtered(
-    tmp_path):
-  rc, got, err = _program(tmp_path, (
-      f'os.write(1, {LINE!r})\n'
-      'if os.fork() == 0:  # Prints after its parent is gone.\n'
-      '  time.sleep(0.5)\n'
-      f'  os.write(1, b"\\n" + {LINE!r} + b"child after parent\\n")\n'
-      '  os._exit(0)\n'
-      'for i in range(2000):\n'
-      '  print("line", i)\n'
-      'sys.stdout.write("no newline")\n'
-      'sys.stdout.flush()\n'
-      'os.kill(os.getpid(), signal.SIGKILL)\n'))
-  assert rc == -signal.SIGKILL, err
-  assert got == (b''.join(b'line %d\n' % i for i in range(2000)) +
-                 b'no newline\nchild after parent\n'), (got[-500:], err)
-
-
-def test_a_dead_filter_gives_the_program_its_stdout_back(tmp_path):
-  rc, got, err = _program(tmp_path, (
-      'print("a", flush=True)\n'
-      'time.sleep(0.5)\n'
-      'stdout = gloo_lines._INSTALLED[0]\n'
-      'os.kill(stdout.proc.pid, signal.SIGKILL)\n'
-      'stdout.watcher.join(10)\n'
-      f'print("b", flush=True); os.write(1, {LINE!r})\n'))
-  assert rc == 0, err
-  # "a" is lost if the filter had not copied it yet (a busy CPU can hold
-  # a new Python's start back that long); what follows comes out as it is.
-  assert got in (b'a\nb\n' + LINE, b'b\n' + LINE), (got, err)
+def test_the_launcher_reads_whole_lines():
+  lines = gloo_lines.LineFilter()
+  assert lines.line(LINE) == b''
+  assert lines.line(b'kept\n') == b'kept\n'
+  assert lines.line(b'[Gloo] Rank 1', last=True) == b'[Gloo] Rank 1'
 
 
 def test_only_the_exact_form_or_pieces_of_an_open_line_go():

@@ -152,6 +152,64 @@ def test_a_write_killed_midway_and_an_uncommitted_folder_are_not_steps(
   assert (own / f'7-{OTHER_RUN}.tmp-0a1b').is_dir()
 
 
+@pytest.mark.parametrize('swap', ['exchange', 'three renames'])
+def test_a_replaced_step_always_has_a_complete_copy(tmp_path, monkeypatch,
+                                                    swap):
+  # The same step of the same run written again (a restarted run). At each
+  # rename and removal step 5 is complete on disk, old or new: under its own
+  # name where the filesystem swaps two folders at once (renameat2), else
+  # under its name or a committed write's (which the next start puts back
+  # in place: the test below).
+  if swap == 'three renames':
+    monkeypatch.setattr(private, 'exchange', lambda a, b: False)
+  local, own = str(tmp_path), str(tmp_path / 'process_0')
+  old = (('w', ((0, 4),)), np.arange(4, dtype=np.float32))
+  new = (('w', ((0, 4),)), np.arange(4, 8, dtype=np.float32))
+  folder.write_step(local, 0, 5, {'run': RUN, 'meta': {'digest': 'a'}}, [old])
+  seen = []
+
+  def readable(what):
+    names = [n for n in sorted(os.listdir(own)) if n == f'5-{RUN}' or (
+        swap == 'three renames' and n.startswith(f'5-{RUN}.tmp-'))]
+    complete = [c for c in (folder._read(os.path.join(own, n), 5, RUN, 0)
+                            for n in names) if c is not None]
+    assert complete, f'no complete step 5 on disk after {what}: {names}'
+    seen.append(float(folder.read_block(complete[0].entries[old[0]])[0]))
+
+  for module, name in ((os, 'rename'), (shutil, 'rmtree')):
+    real = getattr(module, name)
+
+    def watched(*args, real=real, name=name, **kwargs):
+      readable(f'before {name}{args}')
+      out = real(*args, **kwargs)
+      readable(f'{name}{args}')
+      return out
+
+    monkeypatch.setattr(module, name, watched)
+  folder.write_step(local, 0, 5, {'run': RUN, 'meta': {'digest': 'b'}}, [new])
+  monkeypatch.undo()
+  assert seen and set(seen) <= {0.0, 4.0} and seen[-1] == 4.0, seen
+  (stored,) = folder.scan(local)
+  np.testing.assert_array_equal(
+      folder.read_block(stored.entries[new[0]]), new[1])
+  assert os.listdir(own) == [f'5-{RUN}']
+
+
+def test_a_replacement_killed_between_renames_keeps_the_newer_copy(tmp_path):
+  # Both copies complete under names of the run's writes, the step's own
+  # name gone (killed between the fallback's first two renames).
+  local = str(tmp_path)
+  own = tmp_path / 'process_0'
+  for digest, values in (('old', [0.0]), ('new', [1.0])):
+    folder.write_step(local, 0, 5, {'run': RUN, 'meta': {'digest': digest}},
+                      [(('w', ((0, 1),)), np.asarray(values, np.float32))])
+    os.rename(own / f'5-{RUN}', own / f'5-{RUN}.tmp-ab{"0" * (digest == "old")}')
+  folder.remove_tmp(local, 0, RUN)
+  (stored,) = folder.scan(local)
+  assert stored.manifest['meta']['digest'] == 'new'
+  assert os.listdir(own) == [f'5-{RUN}']
+
+
 def test_a_0d_block_keeps_its_shape(tmp_path):
   folder.write_step(str(tmp_path), 2, 1,
                     {'run': RUN, 'meta': {'digest': 'a'}},
@@ -356,6 +414,24 @@ def test_another_topology_takes_the_persistent_tier(tmp_path, monkeypatch,
                    sharding=_sharded(devices(jax.devices())),
                    monkeypatch=monkeypatch)
   assert (ckpt.resumed_from, ckpt.resumed_tier) == (8, 'persistent')
+
+
+def test_a_fresh_start_refuses_local_steps_of_an_earlier_run_of_its_folder(
+    tmp_path, monkeypatch):
+  """The run marker gone (the folder emptied by hand, or lost): the local steps belong to no run this start can resume, and are still refused."""
+  _train(tmp_path, 7, local_every=3, monkeypatch=monkeypatch)
+  shutil.rmtree(tmp_path / 'ckpt')
+  (tmp_path / 'ckpt').mkdir()
+  stored = _stored(tmp_path / 'local')
+  ckpt = str(tmp_path / 'ckpt')
+  assert stored == {(ckpt, 3), (ckpt, 6)}
+  with pytest.raises(recovery.FolderNotFreshError) as e:
+    _train(tmp_path, 2, local_every=3, monkeypatch=monkeypatch, resume=False)
+  message = str(e.value)
+  assert f'local steps [3, 6] of {ckpt}' in message, message
+  assert 'of an earlier run of the folder, which no resume restores' in (
+      message), message
+  assert _stored(tmp_path / 'local') == stored  # nothing deleted
 
 
 @pytest.mark.parametrize('resume', [None, False])

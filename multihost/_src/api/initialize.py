@@ -18,7 +18,6 @@ from multihost._src.auth import secret
 from multihost._src.clusters import chain
 from multihost._src.clusters import job as job_lib
 from multihost._src.clusters import kubernetes
-from multihost._src.diagnostics import gloo_lines
 from multihost._src.runtime import companion as _companion
 from multihost._src.runtime import coordination
 from multihost._src.runtime import failures
@@ -47,6 +46,7 @@ def initialize(coordinator_address: str | None = None,
   (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); a
   cluster (Slurm, Open MPI 4 and 5, Kubernetes, a TPU pod: docs/launcher.md);
   else (a lone TPU machine too) it is a single controller, no jax.distributed.
+  Leaves stdout alone (gloo's lines are dropped by readers: docs/launcher.md).
 
   Args:
     coordinator_address: 'host:port' of process 0's coordination service.
@@ -81,7 +81,6 @@ def initialize(coordinator_address: str | None = None,
   if jax.distributed.is_initialized():
     logging.info('%s jax.distributed is already initialized; leaving it as '
                  'is.', failures.prefix())
-    _quiet_gloo()
     rt = runtime.current()
     rt.watchdog.ensure_started()
     rt.where.ensure_started()
@@ -194,7 +193,6 @@ def _start_distributed(kwargs: dict[str, Any], env: Mapping[str, str], *,
 def _start_runtime(companion: Any, kwargs: dict[str, Any], *, detect: bool,
                    shutdown_timeout: int) -> None:
   """The runtime on JAX's new client: it owns the companion (if any), and its watchdog (with failure detection) and where-responder start."""
-  _quiet_gloo()
   rt = runtime.current()  # The runtime on JAX's new client.
   if companion is not None:
     rt.companion = companion
@@ -206,17 +204,6 @@ def _start_runtime(companion: Any, kwargs: dict[str, Any], *, detect: bool,
   rt.where.ensure_started()
   rt.log.info('jax.distributed initialized: %d processes, %d local devices.',
               rt.count, jax.local_device_count())
-
-
-def _quiet_gloo() -> None:
-  """From now on, gloo's connection lines (printed at each new communicator's first collective) are kept out of stdout, unless $MULTIHOST_QUIET_GLOO=0.
-
-  After `jax.distributed.initialize`: process 0's companion is forked
-  before (a fork needs a process without threads), and gloo prints nothing
-  before the first collective.
-  """
-  if settings.quiet_gloo():
-    gloo_lines.install()
 
 
 def is_initialized() -> bool:

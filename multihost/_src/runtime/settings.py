@@ -183,11 +183,6 @@ def companion_service() -> bool:
   return not is_off(env.COMPANION_SERVICE)
 
 
-def quiet_gloo() -> bool:
-  """Whether gloo's connection lines are filtered out of stdout ($MULTIHOST_QUIET_GLOO not off)."""
-  return not is_off(env.QUIET_GLOO)
-
-
 def exit_on_peer_failure() -> bool:
   """Whether a process whose peer failed may leave by itself ($MULTIHOST_EXIT_ON_PEER_FAILURE not off)."""
   return not is_off(env.EXIT_ON_PEER_FAILURE)

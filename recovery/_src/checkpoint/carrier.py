@@ -10,6 +10,13 @@ meta item (its `leaves` specs and digests) names and digests the leaf's own
 dtype and value, never the carrier's, so the digest check is unchanged and
 the local tier (which writes raw bytes) needs no carrier.
 
+Which leaves went in a carrier is decided at the save and recorded there:
+the meta item's `storage` ({path: the dtype Orbax wrote}, `storage`), and a
+restore reads each leaf as recorded, whatever TensorStore is installed when
+it runs (one that stores float8_e4m3 natively reads a carried leaf as the
+uint8 it is). A checkpoint without the record (written before it existed)
+is read by today's rule (`carrier`).
+
 A jax.Array is converted shard by shard on the host (its shards are read
 and put back on their devices): no collective, no gather, no XLA op.
 """
@@ -17,6 +24,7 @@ and put back on their devices): no collective, no gather, no XLA op.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from typing import Any
 
 import jax
@@ -24,21 +32,29 @@ import ml_dtypes
 import numpy as np
 import tensorstore
 
+from recovery._src.state import leaves
+
 
 @functools.cache
+def stores_natively(dtype: np.dtype) -> bool:
+  """Whether the installed TensorStore stores `dtype` itself."""
+  try:
+    tensorstore.dtype(np.dtype(dtype).name)
+    return True
+  except (TypeError, ValueError):
+    return False
+
+
 def carrier(dtype: np.dtype) -> np.dtype | None:
-  """The dtype Orbax stores `dtype` in, or None when it stores `dtype` itself.
+  """The dtype a save now stores `dtype` in, or None when it stores `dtype` itself.
 
   Raises:
     TypeError: TensorStore cannot store `dtype` and no carrier holds its
       bits (named, with the fix).
   """
   dtype = np.dtype(dtype)
-  try:
-    tensorstore.dtype(dtype.name)
+  if stores_natively(dtype):
     return None
-  except (TypeError, ValueError):
-    pass
   try:
     info = ml_dtypes.iinfo(dtype)
     if info.bits <= 8:
@@ -54,6 +70,13 @@ def carrier(dtype: np.dtype) -> np.dtype | None:
       f'dtype {dtype.name} cannot be stored by Orbax\'s TensorStore (version '
       'installed here) and has no carrier that keeps its bits; convert the '
       'leaf to a dtype TensorStore stores (e.g. float32) before saving.')
+
+
+def _version() -> str:
+  try:
+    return importlib.metadata.version('tensorstore')
+  except importlib.metadata.PackageNotFoundError:
+    return 'unknown'
 
 
 def _convert_host(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -108,21 +131,53 @@ def encode(tree: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
-def encode_abstract(abstract: Any) -> Any:
-  """The restore target Orbax reads into: each leaf's carrier in its place."""
-  def leaf(x):
+def storage(tree: Any) -> dict[str, str]:
+  """{path: the dtype Orbax writes} of a storable tree, for the meta item (each leaf's own dtype where it goes uncarried)."""
+  def stored(x):
     into = carrier(np.dtype(x.dtype))
+    return (np.dtype(x.dtype) if into is None else into).name
+  return {leaves.path_name(path): stored(x) for path, x in
+          jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _carried_in(path: Any, dtype: np.dtype,
+                recorded: dict[str, str] | None) -> np.dtype | None:
+  """The carrier leaf `path` of `dtype` was saved in (None: none), as `recorded` at the save; by today's rule where nothing was recorded."""
+  if recorded is None or leaves.path_name(path) not in recorded:
+    return carrier(dtype)
+  name = leaves.path_name(path)
+  into = np.dtype(leaves.dtype_of(recorded[name]))
+  if not stores_natively(into):
+    raise TypeError(
+        f'leaf {name} was saved as {into.name} by a TensorStore that stores '
+        f'{into.name}; the TensorStore installed here (version '
+        f'{_version()}) does not read it. Restore with the TensorStore '
+        'version that saved it (or a newer one).')
+  return None if into == dtype else into
+
+
+def encode_abstract(abstract: Any,
+                    recorded: dict[str, str] | None = None) -> Any:
+  """The restore target Orbax reads into: each leaf's carrier in its place, as `recorded` at the save (the meta item's `storage`).
+
+  Raises:
+    TypeError: a leaf was saved in a dtype the installed TensorStore does
+      not read (named, with the fix).
+  """
+  def leaf(path, x):
+    into = _carried_in(path, np.dtype(x.dtype), recorded)
     if into is None:
       return x
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(x.shape, into, sharding=x.sharding)
     return np.zeros(np.shape(x), into)
-  return jax.tree.map(leaf, abstract)
+  return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
-def decode(restored: Any, abstract: Any) -> Any:
-  """The tree Orbax restored, each carried leaf back in `abstract`'s dtype."""
-  def leaf(x, like):
+def decode(restored: Any, abstract: Any,
+           recorded: dict[str, str] | None = None) -> Any:
+  """The tree Orbax restored, each carried leaf (as `recorded` at the save) back in `abstract`'s dtype."""
+  def leaf(path, x, like):
     dtype = np.dtype(like.dtype)
-    return x if carrier(dtype) is None else _to(x, dtype)
-  return jax.tree.map(leaf, restored, abstract)
+    return x if _carried_in(path, dtype, recorded) is None else _to(x, dtype)
+  return jax.tree_util.tree_map_with_path(leaf, restored, abstract)

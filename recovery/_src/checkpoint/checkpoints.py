@@ -233,7 +233,8 @@ class Checkpoints:
           f'{_prefix()} Cannot save step {step}: {e}') from None
     digests = consistency.check_consistent(
         tree, what=f'Before saving step {step}')
-    meta = _meta.build(state, raw, tree, digests, reason=reason)
+    meta = _meta.build(state, raw, tree, digests, reason=reason,
+                       storage=carrier.storage(tree))
     manager.watched(
         f'save checkpoint step {step}',
         functools.partial(self._manager.save, step, force=True,

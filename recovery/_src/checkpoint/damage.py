@@ -103,28 +103,29 @@ def read(ckpt: Any, target: TransitionState,
   if damage is not None:
     return damage
   target_tree = target.to_tree()
+  recorded = meta.get('storage')  # None: saved before it was recorded.
   try:
     abstract = leaves.restore_target(target_tree, meta.get('leaves'))
+    read_as = carrier.encode_abstract(abstract, recorded)
   except TypeError as e:
     raise CheckpointError(
         f'{_prefix()} Cannot restore step {step} onto this target: {e}'
     ) from None
   _meta.check_fits(meta, abstract, where=where)
   restored, error = None, None
-  encoded = carrier.encode_abstract(abstract)
-  readers = (read_once.plan(encoded, jax.process_count())
+  readers = (read_once.plan(read_as, jax.process_count())
              if ckpt.read_once and jax.process_count() > 1 else None)
   try:
     if readers is None:
       restore = functools.partial(
           ckpt._manager.restore, step,
-          args=manager.restore_args(encoded))
+          args=manager.restore_args(read_as))
     else:
       if ckpt._reader is None:
         ckpt._reader = manager.reader()
       restore = functools.partial(
           lambda *a: {manager.STATE_ITEM: read_once.read(*a)},
-          ckpt.directory, step, encoded, readers, ckpt._reader)
+          ckpt.directory, step, read_as, readers, ckpt._reader)
     before = read_once.bytes_read()
     restored = manager.watched(
         f'restore checkpoint step {step}', restore,
@@ -147,8 +148,8 @@ def read(ckpt: Any, target: TransitionState,
   if damage is not None:
     return damage
   if readers is not None:  # Every process has read its part: no one waits.
-    restored = read_once.share(restored, encoded, readers)
-  restored = carrier.decode(restored, abstract)
+    restored = read_once.share(restored, read_as, readers)
+  restored = carrier.decode(restored, abstract, recorded)
   digests, error = None, None
   try:
     digests = _meta.check_digest(meta, restored, where=where,

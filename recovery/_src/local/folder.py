@@ -156,7 +156,10 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
   holds the data, the manifest and the commit marker (last), then is renamed
   to `<step>-<run>`; a failed write removes it. A committed folder of the
   same step of the same run (a restarted run saving a step again) is
-  replaced; other runs' folders are never touched.
+  replaced: the new copy takes its name first, and the old copy is removed
+  after (`private.replace_folder`), so the step always has a complete copy
+  on disk;
+  other runs' folders are never touched.
 
   Raises:
     CheckpointFolderError: `local` or the process subfolder fails
@@ -191,15 +194,19 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
          'entries': listed}), mode=0o600)
     write_atomic(os.path.join(tmp, COMMIT), str(step), mode=0o600)
     final = os.path.join(own, name)
-    if os.path.lexists(final) and not _remove(final):
+    if not os.path.lexists(final):
+      os.rename(tmp, final)
+    elif not _is_dir(final):
       raise OSError(errno.EEXIST, f'{final} exists and is not a folder (a '
                     f'symlink or a file), so local step {step} cannot take '
                     'its place; remove it by hand.')
-    os.rename(tmp, final)
+    else:
+      private.replace_folder(tmp, final)  # The old copy now at tmp.
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # Or the old copy, once replaced.
     raise
   fsync_folder(own)
+  shutil.rmtree(tmp, ignore_errors=True)  # The old copy, if it replaced one.
   return offset
 
 
@@ -373,8 +380,19 @@ def remove_tmp(local: str, process: int, run: str) -> None:
 
 
 def _remove_writing(own: str, names: Iterable[str], run: str) -> None:
-  """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`)."""
-  for name in names:
+  """Removes, of `names` in the process subfolder `own`, run `run`'s steps in writing (`<step>-<run>.tmp-*`).
+
+  A committed one (its marker written) whose step has no folder (a
+  replacement killed between its renames, `private.replace_folder`) takes
+  that place instead: a complete copy of the step is never removed.
+  """
+  for name in sorted(names):
     m = _WRITING.fullmatch(name)
     if m and m.group(2) == run:
-      _remove(os.path.join(own, name))
+      path, final = (os.path.join(own, name),
+                     os.path.join(own, name[:m.end(2)]))
+      if (not os.path.lexists(final) and _is_dir(path) and
+          _real_file(os.path.join(path, COMMIT)) is not None):
+        os.rename(path, final)
+        continue
+      _remove(path)

@@ -1,4 +1,4 @@
-"""A host's local checkpoint folder, private and identified: owner-only folders, no links followed, the folder's identity.
+"""A host's local checkpoint folder, private and identified: owner-only folders, no links followed, the folder's identity, a folder replaced with no moment without one (`replace_folder`).
 
 `<local>` and each `process_<P>` must be real folders of this user that its
 group and others cannot write (`check_private`; created owner-only, mode
@@ -18,6 +18,8 @@ collective, no JAX.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import re
 import secrets
@@ -178,3 +180,50 @@ def folder_id(local: str) -> str:
         'written: something else is deleting files in the local folder. '
         'Give this run a local folder of its own.')
   return found
+
+
+# renameat2's flag that swaps two paths (Linux 3.15+), and "this directory".
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: str, b: str) -> bool:
+  """Swaps entries `a` and `b` in one atomic step (renameat2 RENAME_EXCHANGE); False, and nothing done, where the C library or the filesystem cannot.
+
+  Raises:
+    OSError: the swap failed otherwise.
+  """
+  try:
+    rename = ctypes.CDLL(None, use_errno=True).renameat2
+  except (OSError, AttributeError):
+    return False
+  rename.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                     ctypes.c_char_p, ctypes.c_uint]
+  rename.restype = ctypes.c_int
+  if rename(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
+            _RENAME_EXCHANGE) == 0:
+    return True
+  error = ctypes.get_errno()
+  if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    return False
+  raise OSError(error, os.strerror(error), a)
+
+
+def replace_folder(new: str, final: str) -> None:
+  """Puts folder `new` at `final` (an existing folder) and the old one at `new`, for the caller to remove; `final` is never without one of them.
+
+  One atomic swap (`exchange`) where the filesystem has it. Else three
+  renames: the old folder to `<new>0`, `new` to `final`, the old folder to
+  `new`; a kill between the first two leaves both under temporary names
+  (the local folder's `remove_tmp` puts the newer committed one back).
+  """
+  if exchange(new, final):
+    return
+  aside = f'{new}0'
+  os.rename(final, aside)
+  try:
+    os.rename(new, final)
+  except BaseException:
+    os.rename(aside, final)
+    raise
+  os.rename(aside, new)

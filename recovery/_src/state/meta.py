@@ -24,9 +24,14 @@ FORMAT = 'recovery-checkpoint-v2'
 READABLE_FORMATS = (FORMAT, 'recovery-checkpoint-v1')
 
 
-def build(state, raw, tree, digests: dict[str, str], *,
-          reason: str) -> dict[str, Any]:
-  """The meta item of `state`: `raw` is `state.to_tree()`, `tree` its storable form."""
+def build(state, raw, tree, digests: dict[str, str], *, reason: str,
+          storage: dict[str, str] | None = None) -> dict[str, Any]:
+  """The meta item of `state`: `raw` is `state.to_tree()`, `tree` its storable form.
+
+  `storage` ({path: dtype name}) records the dtype each leaf is written in
+  (a carrier's where TensorStore does not store the leaf's own), which
+  the restore reads it as; `leaves` names the leaves' own dtypes.
+  """
   return {
       'format': FORMAT,
       'step': state.step,
@@ -41,6 +46,7 @@ def build(state, raw, tree, digests: dict[str, str], *,
       'process_count': jax.process_count(),
       'device_count': jax.device_count(),
       'reason': reason,
+      **({} if storage is None else {'storage': storage}),
   }
 
 

@@ -16,6 +16,7 @@ import time
 from typing import BinaryIO
 from typing import TextIO
 
+from multihost._src.diagnostics import gloo_lines as _gloo_lines
 from multihost.launch._src.report import evidence as _evidence
 
 # A held traceback is streamed after all when no process failed this long
@@ -66,10 +67,13 @@ class Output:
       the captured lines).
     stream: where to write the `[pN] `-prefixed lines live (None: only
       capture them).
+    quiet_gloo: drop gloo's connection lines (`[Gloo] Rank N is connected
+      to M peer ranks. ...`, see `multihost._src.diagnostics.gloo_lines`),
+      neither captured nor streamed; every other line is kept, in order.
   """
 
   def __init__(self, num_processes: int, *, changed: threading.Condition,
-               stream: TextIO | None = None):
+               stream: TextIO | None = None, quiet_gloo: bool = True):
     self._lines: list[list[str]] = [[] for _ in range(num_processes)]
     # Per line, time.monotonic() when it was read (the first error of a run
     # is the first traceback read, see `_evidence`).
@@ -83,6 +87,8 @@ class Output:
     self._state = [_OUT] * num_processes
     self._last_held = [0.0] * num_processes  # Last traceback line's time.
     self._held: list[tuple[int, str, float]] = []  # (process, line, time)
+    self._gloo = ([_gloo_lines.LineFilter() for _ in range(num_processes)]
+                  if quiet_gloo else None)
 
   def hold_tracebacks(self) -> None:
     """From now on, hold the lines of Python tracebacks instead of streaming them (a restart would follow a failure)."""
@@ -152,8 +158,17 @@ class Output:
     return list(self._times[index])
 
   def pump(self, index: int, pipe: BinaryIO) -> None:
-    """Reads `pipe` to its end, line by line (runs in its own thread); closes it."""
+    """Reads `pipe` to its end, line by line (runs in its own thread); closes it.
+
+    The process's stdout and stderr are this one pipe, so its lines come in
+    the order it wrote them; a line is taken whole (to its newline, or the
+    pipe's end).
+    """
     for raw in iter(pipe.readline, b''):
+      if self._gloo is not None:
+        raw = self._gloo[index].line(raw, last=not raw.endswith(b'\n'))
+        if not raw:
+          continue
       line = raw.decode('utf-8', errors='replace')
       if not line.endswith('\n'):
         line += '\n'

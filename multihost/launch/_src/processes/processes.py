@@ -58,13 +58,15 @@ class Processes:
   Args:
     num_processes: number of processes.
     stream: where to stream the `[pN] `-prefixed output (None: capture only).
+    quiet_gloo: drop gloo's connection lines from the output (`Output`).
   """
 
-  def __init__(self, num_processes: int, *, stream: TextIO | None = None):
+  def __init__(self, num_processes: int, *, stream: TextIO | None = None,
+               quiet_gloo: bool = True):
     self.num_processes = num_processes
     self.changed = threading.Condition(threading.Lock())
     self.output = _output.Output(num_processes, changed=self.changed,
-                                 stream=stream)
+                                 stream=stream, quiet_gloo=quiet_gloo)
     self.start_time = time.monotonic()
     self._procs: list[subprocess.Popen[bytes]] = []
     self._pumps: list[threading.Thread] = []

@@ -142,26 +142,36 @@ def say(stream: TextIO | None, text: str) -> None:
     pass
 
 
+def run_folder(log_dir: str | None) -> str:
+  """A new folder for this run's attempt logs: `log_dir/run-<UTC time>-<random>` (made, with `log_dir` if missing), never one an earlier run made; a fresh `multihost-launch-logs-*` under the temp folder when `log_dir` is None. Raises OSError."""
+  if log_dir is None:
+    return tempfile.mkdtemp(prefix='multihost-launch-logs-')
+  os.makedirs(log_dir, exist_ok=True)
+  stamp = time.strftime('%Y%m%d-%H%M%S', time.gmtime())
+  return tempfile.mkdtemp(prefix=f'run-{stamp}-', dir=log_dir)
+
+
 def tell_restarted(stream: TextIO | None, attempt: _report.LaunchResult,
-                   k: int, *, held: int, log_dir: str | None) -> str | None:
-  """Writes failed attempt `k`'s output to one file per process (under `log_dir`, made if None) and says where the others were and where the files are; returns the log folder."""
+                   k: int, *, held: int, log_dir: str | None,
+                   run_log_dir: str | None) -> str | None:
+  """Writes failed attempt `k`'s output to one file per process (in `run_log_dir`, this run's folder, made under `log_dir` if None: `run_folder`) and says where the others were and where the files are; returns this run's folder."""
   if stream is None:
-    return log_dir
+    return run_log_dir
   if attempt.where:
     say(stream, f'  {attempt.where}.')
   try:
-    if log_dir is None:
-      log_dir = tempfile.mkdtemp(prefix='multihost-launch-logs-')
-    files = keep_logs(attempt.outputs, log_dir=log_dir, attempt=k)
+    if run_log_dir is None:
+      run_log_dir = run_folder(log_dir)
+    files = keep_logs(attempt.outputs, log_dir=run_log_dir, attempt=k)
   except OSError as e:
     say(stream, f'  {held} line(s) held back (tracebacks, the stopped '
-        f'processes\' last words) could not be written to {log_dir}: '
-        f'{e.strerror}.')
-    return log_dir
+        f'processes\' last words) could not be written to '
+        f'{run_log_dir or log_dir}: {e.strerror}.')
+    return run_log_dir
   what = (f'{held} line(s) held back (tracebacks, the stopped processes\' '
           'last words); ' if held else '')
   say(stream, f'  {what}every line of attempt {k}: {files}.')
-  return log_dir
+  return run_log_dir
 
 
 def ask_where(procs: _processes.Processes) -> None:

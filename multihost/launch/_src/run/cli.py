@@ -59,9 +59,11 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  'attempts and removed at the end')
   p.add_argument('--log_dir', default=None, metavar='DIR',
                  help='with --max_restarts: where a failed attempt that is '
-                 'restarted leaves every line of each process '
-                 '(attempt-K.pI.log; kept); default: a new '
-                 'multihost-launch-logs-* folder in the temp folder')
+                 'restarted leaves every line of each process, in a new '
+                 'folder of this run (run-<UTC time>-<random>/'
+                 'attempt-K.pI.log; kept, never overwritten by another '
+                 'run); default: a new multihost-launch-logs-* folder in '
+                 'the temp folder')
   p.add_argument('--verbosity', type=int, default=0, metavar='N',
                  help='0: while restarts are left, tracebacks are held back '
                  'and a failure that heals is told in one block naming the '

@@ -19,6 +19,7 @@ from typing import TextIO
 import weakref
 
 from multihost import env as env_lib
+from multihost._src.diagnostics import gloo_lines as _gloo_lines
 from multihost.launch._src.policy import policy as _policy
 from multihost.launch._src.policy import restarts as _restarts
 from multihost.launch._src.processes import environment as _environment
@@ -97,7 +98,10 @@ class Controllers:
       same for every attempt, removed when the controllers stop; without
       restarts, none. `self.compilation_cache_dir` is the one in use.
     log_dir: where a failed attempt that is restarted leaves every line of
-      each process (`attempt-K.pI.log`), created if missing and kept. While
+      each process: in a folder of this run's own made there at the first
+      restart (`run-<UTC time>-<random>/attempt-K.pI.log`, so that runs
+      that share `log_dir` never overwrite each other's; it is
+      `self.run_log_dir`), created if missing and kept. While
       restarts are left, the lines of Python tracebacks are held back from
       `stream` (and, once the attempt failed, every line of the processes
       being stopped); a restart drops them (they are in the files) and
@@ -147,13 +151,17 @@ class Controllers:
         extra_env=self._extra_env)
     self._cwd = cwd
     self._stream = stream
-    self._procs = _processes.Processes(num_processes, stream=stream)
+    # $MULTIHOST_QUIET_GLOO of the controllers' environment.
+    self._quiet_gloo = _gloo_lines.wanted({**os.environ, **self._extra_env})
+    self._procs = _processes.Processes(num_processes, stream=stream,
+                                       quiet_gloo=self._quiet_gloo)
     self._started = False
     self._start_time = time.monotonic()
     self._attempt_starts: list[float] = []
     self._interrupts = _signals.Interrupts()
     self._result: _report.LaunchResult | None = None
     self.log_dir = None if log_dir is None else os.fspath(log_dir)
+    self.run_log_dir: str | None = None  # Made at the first restart.
     self._hold = hold_tracebacks and stream is not None
 
   # Starting and observing.
@@ -178,7 +186,8 @@ class Controllers:
     port = self._held.next_port()
     if self.restart_count:
       self._procs = _processes.Processes(self.num_processes,
-                                         stream=self._stream)
+                                         stream=self._stream,
+                                         quiet_gloo=self._quiet_gloo)
     if self._hold and _policy.restarts_left(restart_count=self.restart_count,
                                             max_restarts=self.max_restarts):
       self._procs.output.hold_tracebacks()
@@ -334,8 +343,9 @@ class Controllers:
   def _say_healed(self, attempt: _report.LaunchResult, k: int) -> None:
     """Writes failed attempt `k`'s output to one file per process and says where the others were and where the files are."""
     held = self._procs.output.drop_held()
-    self.log_dir = _attempt.tell_restarted(
-        self._stream, attempt, k, held=held, log_dir=self.log_dir)
+    self.run_log_dir = _attempt.tell_restarted(
+        self._stream, attempt, k, held=held, log_dir=self.log_dir,
+        run_log_dir=self.run_log_dir)
 
   def _say(self, text: str) -> None:
     """Writes a `[launcher] ` line to the live stream, if there is one."""

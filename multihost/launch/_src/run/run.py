@@ -57,8 +57,9 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
     compilation_cache_dir: JAX's persistent compilation cache folder for
       every attempt (see `Controllers`; None: the user's
       $JAX_COMPILATION_CACHE_DIR, else with restarts a temporary one).
-    log_dir: where a restarted attempt leaves every line of each process
-      (see `Controllers`; None: a fresh folder under the temp folder).
+    log_dir: where a restarted attempt leaves every line of each process,
+      in a folder of this run's own (see `Controllers`; None: a fresh
+      folder under the temp folder).
     hold_tracebacks: while restarts are left, hold tracebacks back from
       `stream` until it is known whether the failure heals (see
       `Controllers`); False streams every line live.
