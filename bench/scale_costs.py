@@ -143,6 +143,11 @@ def _cases(folder: str):
   sharded_blocks = np.ones((count * 16384,), np.float32)
   sharded = {'w': jax.make_array_from_callback(
       sharded_blocks.shape, rows, lambda i: sharded_blocks[i])}
+  # 4 MiB of blocks a process: past the digest's 1 MiB whole-leaf bound, so
+  # what moves is the peer copy (and 4 bytes a 4 MiB chunk of digest).
+  large_blocks = np.ones((count * (1 << 20),), np.float32)
+  sharded_large = {'w': jax.make_array_from_callback(
+      large_blocks.shape, rows, lambda i: large_blocks[i])}
   persistent = recovery.Checkpoints(os.path.join(folder, 'p'),
                                     async_save=False, keep=1)
   tier = recovery.Checkpoints(
@@ -180,8 +185,10 @@ def _cases(folder: str):
       ('persistent save, 1 MiB replicated',
        lambda: persistent.save(state(next(steps), replicated.user),
                                force=True)),
-      ('local save, 64 KiB blocks a process (current path)',
+      ('local save, 64 KiB blocks a process (one small leaf)',
        lambda: tier.save(state(next(steps), sharded))),
+      ('local save, 4 MiB blocks a process',
+       lambda: tier.save(state(next(steps), sharded_large))),
       ('restore, 1 MiB replicated, read_once', lambda: restore(True)),
       ('restore, 1 MiB replicated, every process reads',
        lambda: restore(False)),
