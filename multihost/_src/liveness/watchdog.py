@@ -28,6 +28,11 @@ So, with recoverability on (`multihost.initialize()` turns it on):
   is stuck in a call Python cannot interrupt (a jitted step's collective).
   `set_exit_on_peer_failure` and $MULTIHOST_EXIT_ON_PEER_FAILURE set it.
 
+The watchdog is one object (`Watchdog`, the runtime's `watchdog`) whose
+state is private: the watched calls (`liveness.blocking.Calls`) and the exit
+handshake use its methods, and other packages call its methods and read
+what it knows as an immutable `Snapshot` (`snapshot()`).
+
 Process 0 is special when it hosts the coordination service (JAX's
 default): when it dies, the C++ client of every other process aborts the
 process (SIGABRT, "Terminating process because the JAX distributed service

@@ -44,6 +44,7 @@ from multihost._src.runtime import flight
 from multihost._src.runtime import settings as _settings
 
 if TYPE_CHECKING:  # For annotations only: liveness sits above this package.
+  from multihost._src.liveness import step_deadline as _step_deadline
   from multihost._src.liveness import watchdog as _watchdog
 
 # The exit sequence (see `Runtime.shutdown`). The flight recorder's dump
@@ -149,7 +150,7 @@ class Runtime:
     self.where: Any
     self.stalls: Any
     self.live_blocks: Any
-    self.step_watch: Any
+    self.step_watch: _step_deadline.StepWatch
     assemble = PROCESS.assembler
     if assemble is None:
       raise RuntimeError(
