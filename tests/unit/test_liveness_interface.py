@@ -1,13 +1,16 @@
 """Liveness is used through its interface: no module outside multihost/_src/liveness reads or writes a Watchdog's state.
 
+Nor do the other liveness modules (the watched calls of `blocking`, the exit
+handshake): only liveness/watchdog.py touches the Watchdog's attributes.
+
 Read from the source as text, so each finding names the file and line:
 - the Watchdog keeps its state private (every attribute its constructor
   sets starts with `_`), so its public surface is its methods;
-- outside the liveness package, `watchdog.X`, `wd.X` and `dog.X` (the names
+- outside watchdog.py, `watchdog.X`, `wd.X` and `dog.X` (the names
   the code gives a runtime's watchdog, or the watchdog module) name only a
   public method of `Watchdog` or a public name of the module
   (`snapshot()` is how other packages read what it knows);
-- outside the liveness package, no `._x` names one of the Watchdog's
+- outside watchdog.py, no `._x` names one of the Watchdog's
   private attributes on another object (an alias of a watchdog); names
   that other classes also set on themselves (`_thread`, `_cond`) are left
   to the rule above.
@@ -76,21 +79,21 @@ def _allowed(tree: ast.Module, cls: ast.ClassDef) -> set[str]:
   return {n for n in names if not n.startswith('_')}
 
 
-def _outside_liveness() -> list[pathlib.Path]:
+def _outside_watchdog() -> list[pathlib.Path]:
   this = pathlib.Path(__file__).resolve()
   return sorted(p for top in SCANNED for p in (ROOT / top).rglob('*.py')
-                if LIVENESS not in p.parents and p.resolve() != this
+                if p != WATCHDOG and p.resolve() != this
                 and '.venv' not in p.parts)
 
 
 def violations() -> list[str]:
-  """Every place outside liveness that touches a Watchdog's state, as 'path:line: text'."""
+  """Every place outside liveness/watchdog.py that touches a Watchdog's state, as 'path:line: text'."""
   tree = ast.parse(WATCHDOG.read_text())
   cls = _watchdog_class(tree)
   state = _state(cls)
   allowed = _allowed(tree, cls)
-  files = _outside_liveness()
-  own = sorted(state - _set_elsewhere(files + sorted(LIVENESS.glob('*.py'))))
+  files = _outside_watchdog()
+  own = sorted(state - _set_elsewhere(files + [WATCHDOG]))
   private = re.compile(
       r'(?<!\bself)\.(' + '|'.join(map(re.escape, own)) + r')\b')
   out = [f'{WATCHDOG.relative_to(ROOT)}: Watchdog.{name} is public state '
@@ -107,11 +110,11 @@ def violations() -> list[str]:
   return out
 
 
-def test_no_module_outside_liveness_touches_a_watchdogs_state():
+def test_no_module_but_the_watchdogs_own_touches_its_state():
   found = violations()
   assert not found, (
-      'Outside multihost/_src/liveness, use the Watchdog\'s methods and its '
-      'snapshot(), not its attributes:\n' + '\n'.join(found))
+      'Outside multihost/_src/liveness/watchdog.py, use the Watchdog\'s '
+      'methods and its snapshot(), not its attributes:\n' + '\n'.join(found))
 
 
 def test_the_scan_sees_the_watchdogs_state_and_methods():
