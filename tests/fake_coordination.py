@@ -260,7 +260,7 @@ def stop(rts: list[runtime.Runtime]) -> None:
   """Stops every runtime's threads (the responders and the watchdogs)."""
   for rt in rts:
     if rt.watchdog is not None:
-      rt.watchdog.stopping = True
+      rt.watchdog.stop_polling(wait=False)
   for rt in rts:
     if rt.where is not None:
       rt.where.stop()

@@ -51,7 +51,7 @@ def job(request):
     rt.where.ensure_started()
   yield service, rts
   for rt in rts:
-    rt.watchdog.peer_loss.cancel()
+    rt.watchdog.cancel_peer_loss()
   fake.stop(rts)
 
 
@@ -212,9 +212,9 @@ def test_a_where_request_written_after_a_later_one_is_still_answered(job):
 def _policy(rt, grace):
   """Gives `rt`'s watchdog a leave-on-peer-failure policy that records the exit instead."""
   exits = []
-  wd = rt.watchdog
-  wd.peer_loss = peer_loss_exit.PeerLossExit(exit_fn=exits.append)
-  wd.peer_loss.configure(enabled=True, grace=grace)
+  policy = peer_loss_exit.PeerLossExit(exit_fn=exits.append)
+  policy.configure(enabled=True, grace=grace)
+  rt.watchdog.use_peer_loss(policy)
   return exits
 
 
@@ -266,9 +266,9 @@ def test_a_peer_failure_raised_by_a_collective_does_not_make_it_leave(job):
 def test_the_exit_handshake_cancels_leaving_on_a_peer_failure(job):
   service, rts = job
   exits = _policy(rts[0], grace=0.5)
-  rts[0].watchdog.shutdown_timeout = 1.0
+  rts[0].watchdog.set_shutdown_timeout(1.0)
   service.kill(1)
-  assert _wait_for(lambda: rts[0].watchdog.failed, 5)
+  assert _wait_for(lambda: rts[0].watchdog.snapshot().failed, 5)
   exit_handshake.leave(rts[0])  # The normal exit sequence, inside the grace.
   time.sleep(1.0)
   assert exits == []
@@ -285,7 +285,7 @@ def test_the_service_host_does_not_wait_for_peers_after_an_error(
   # shutdown timeout, which keeps the cases apart).
   _, rts = job
   host = rts[0]
-  host.watchdog.shutdown_timeout = 4.5
+  host.watchdog.set_shutdown_timeout(4.5)
   monkeypatch.setattr(exit_handshake, '_EXIT_GRACE_S', 1.5)
   if why == 'timeout':
     fake.run([host], lambda rt: agree.agree(
@@ -416,7 +416,7 @@ def _call_while_2_leaves(rts, rest, *, after_error=False, timeout=None):
     # Process 2 left (say right after passing this step's barrier); what is
     # left of the step here takes `rest` s (None: never ends).
     deadline = time.monotonic() + 10
-    while 2 not in rts[0].watchdog.exited and time.monotonic() < deadline:
+    while 2 not in rts[0].watchdog.snapshot().exited and time.monotonic() < deadline:
       time.sleep(0.01)
     if rest is None:
       never.wait(30)
@@ -439,7 +439,7 @@ def test_a_call_a_peer_left_right_after_still_completes(job):
   _, rts = job
   out, _ = _call_while_2_leaves(rts, rest=1.0)
   assert out == 'done', out
-  assert rts[0].watchdog.exited_normally == {2}
+  assert rts[0].watchdog.snapshot().exited_normally == {2}
 
 
 def test_a_call_a_peer_left_without_raises_after_the_grace(job):
@@ -466,8 +466,9 @@ def test_a_peer_that_left_after_an_error_gets_no_grace(job):
   out, seconds = _call_while_2_leaves(rts, rest=1.0, after_error=True)
   assert isinstance(out, _errors.ProcessFailureError), out
   assert seconds < 3, seconds  # The watchdog's poll, not the grace.
-  assert rts[0].watchdog.exited == {2}
-  assert not rts[0].watchdog.exited_normally
+  peers = rts[0].watchdog.snapshot()
+  assert peers.exited == {2}
+  assert not peers.exited_normally
 
 
 def test_the_process_running_the_service_leaves_last(job):
@@ -481,7 +482,7 @@ def test_the_process_running_the_service_leaves_last(job):
   results = fake.run(rts, leave, delays={1: 0.5, 2: 1.5})
   assert [out for out, _ in results] == [None, None, None]
   assert left[0] >= max(left[1], left[2])  # process 0 waited for them
-  host = rts[0].watchdog
+  host = rts[0].watchdog.snapshot()
   assert host.exited == {1, 2} and not host.failed
 
 

@@ -79,7 +79,7 @@ def job(request, shape):
   assert [rt.plane.star for rt in rts] == [star] * count
   yield service, rts
   for rt in rts:
-    rt.watchdog.peer_loss.cancel()
+    rt.watchdog.cancel_peer_loss()
   fake.stop(rts)
 
 
@@ -271,7 +271,7 @@ def test_where_a_link_cannot_be_set_up_every_process_stays_on_the_service():
     assert not any(links.usable(rt) for rt in rts)
   finally:
     for rt in rts:
-      rt.watchdog.peer_loss.cancel()
+      rt.watchdog.cancel_peer_loss()
     fake.stop(rts)
   del service
 

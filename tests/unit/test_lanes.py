@@ -52,7 +52,7 @@ def job(monkeypatch):
 
   yield rts, bind
   for rt in rts:
-    rt.watchdog.peer_loss.cancel()
+    rt.watchdog.cancel_peer_loss()
   fake.stop(rts)
 
 

@@ -12,12 +12,13 @@ from multihost._src.transport.tcp import errors as tcp_errors
 class _Watchdog:
   """Names `dead` once `after` seconds have passed since it was made; records how long a caller was willing to wait."""
 
-  running = True
-
   def __init__(self, dead: tuple[int, ...], after: float, bound: float):
     self.dead, self.after, self.bound = dead, after, bound
     self.start = time.monotonic()
     self.until: list[float | None] = []
+
+  def watching(self) -> bool:
+    return True
 
   def failed_within_bound(self, until: float | None = None) -> tuple[int, ...]:
     self.until.append(until)
@@ -30,9 +31,9 @@ class _Watchdog:
 
 
 def test_a_broken_connection_names_the_dead_process_the_watchdog_names():
-  watchdog = _Watchdog((3,), after=0.05, bound=5.0)
+  stand_in = _Watchdog((3,), after=0.05, bound=5.0)
   e = tcp_errors.peer_error('broadcast_one_to_all', 1,
-                            ConnectionResetError('reset'), watchdog,
+                            ConnectionResetError('reset'), stand_in,
                             deadline=time.monotonic() + 10.0)
   assert isinstance(e, errors.ProcessFailureError), e
   assert list(e.failed) == [3], e
@@ -42,10 +43,10 @@ def test_a_broken_connection_waits_no_longer_than_the_transfers_deadline():
   # A peer that timed out closes its links; nobody will be named (the
   # stand-in names no one within its 5 s bound): the transfer times out at
   # its own deadline, naming the peer and what broke.
-  watchdog = _Watchdog((), after=60.0, bound=5.0)
+  stand_in = _Watchdog((), after=60.0, bound=5.0)
   start = time.monotonic()
   e = tcp_errors.peer_error('broadcast_one_to_all', 0,
-                            ConnectionResetError('reset by peer'), watchdog,
+                            ConnectionResetError('reset by peer'), stand_in,
                             deadline=start + 0.2)
   took = time.monotonic() - start
   assert isinstance(e, errors.CollectiveTimeoutError), e
@@ -55,11 +56,11 @@ def test_a_broken_connection_waits_no_longer_than_the_transfers_deadline():
 
 
 def test_without_a_deadline_a_broken_connection_waits_the_whole_bound():
-  watchdog = _Watchdog((), after=60.0, bound=0.3)
+  stand_in = _Watchdog((), after=60.0, bound=0.3)
   start = time.monotonic()
   e = tcp_errors.peer_error('process_allgather', 2, BrokenPipeError('pipe'),
-                            watchdog)
+                            stand_in)
   assert 0.25 < time.monotonic() - start < 2.0
-  assert watchdog.until == [None]
+  assert stand_in.until == [None]
   assert not isinstance(e, errors.CollectiveTimeoutError), e
   assert 'no process is known to have failed' in str(e), e

@@ -1,5 +1,8 @@
 """Liveness: `call()`, which runs a blocking step of a collective in a step thread, under the watchdog.
 
+`call` asks the runtime's watchdog (`Watchdog.call`), which runs the step
+on its `Calls`: the step thread, the steps whose callers wait, and those
+abandoned in C++. `Calls` asks the watchdog only what `Watcher` declares.
 The calling thread waits for the step or for the watchdog (`liveness.watchdog`).
 When the watchdog sees a peer gone, the caller raises `ProcessFailureError`
 naming it (where every peer gone left normally, only once the step has not
@@ -16,7 +19,10 @@ import queue
 import threading
 import time
 from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
+from multihost._src.runtime import errors
 from multihost._src.runtime import failures
 from multihost._src.runtime import runtime as _runtime
 
@@ -30,16 +36,41 @@ _PEER_LOSS_MARKERS = ('Connection closed by peer', 'Connection reset by peer',
 # never took part in raises once this has passed.
 EXITED_GRACE_S = 5.0
 
+T = TypeVar('T')  # What a watched step returns.
 
-def call(op: str, fn: Callable[..., Any], *args: Any,
+
+class Watcher(Protocol):
+  """What a watched call asks of the watchdog (`liveness.watchdog.Watchdog` implements it)."""
+
+  def gone(self) -> bool:
+    """Whether a peer (or the service) is known to be gone."""
+    ...
+
+  def only_normal_exits(self) -> bool:
+    """Whether every peer known gone left normally."""
+    ...
+
+  def failure_error(self, op: str, *, waited: float | None,
+                    cause: BaseException | None = None
+                    ) -> errors.ProcessFailureError:
+    """A `ProcessFailureError` for `op` naming the processes known gone."""
+    ...
+
+  def wait_for_named_failure(self) -> None:
+    """After a dropped connection, waits (bounded) for the watchdog to name it."""
+    ...
+
+
+def call(op: str, fn: Callable[..., T], *args: Any,
          timeout: float | None = None,
          runtime: _runtime.Runtime | None = None,
-         met_elsewhere: bool = False) -> Any:
+         met_elsewhere: bool = False) -> T:
   """Runs `fn(*args)`, a blocking step of collective `op`, watched for failures.
 
   Without a running watchdog (one process, or recoverability off) `fn`
   still runs on the step thread when there is a `timeout`, so the timeout
-  holds on every path; with neither it is just `fn(*args)`.
+  holds on every path; with neither it is just `fn(*args)`. The runtime's
+  watchdog runs it (`Watchdog.call`, on its `Calls`).
 
   Args:
     op: the collective's name, for error messages.
@@ -65,59 +96,106 @@ def call(op: str, fn: Callable[..., Any], *args: Any,
     Whatever `fn` raises, otherwise.
   """
   rt = runtime or _runtime.current()
-  wd = rt.watchdog
-  if not wd.running and not wd.ensure_started():
-    if timeout is None:
-      return fn(*args)
-    wd.me = rt.index  # Named in the timeout error.
-  elif not (met_elsewhere and wd.only_normal_exits()):
-    wd.check(op)
-  step = _Step(fn, args)
-  thread = wd.step_thread
-  if thread is None:
-    thread = wd.step_thread = _StepThread()
-  start_time = time.monotonic()
-  # The step's lock is released by the step thread when `fn` returns, or by
-  # the watchdog when a peer is gone; set membership is atomic under the GIL.
-  wd.pending.add(step)
-  try:
-    thread.submit(step)
-    if not wd.gone():
-      step.wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
-    if not step.done and wd.gone():
-      _grace_after_normal_exits(step, wd, start_time, timeout)
-  finally:
-    wd.pending.discard(step)
-  if not step.done:
-    wd.step_thread = None  # It is stuck in `fn`; later calls get a new one.
-    wd.abandoned = True
-    wd.abandoned_steps.append(step)
-  waited = time.monotonic() - start_time
-  if not step.done:
-    wd.step_failed = op  # A peer is stuck or gone (see `liveness.exit_handshake`).
-    if wd.gone():
-      raise wd.failure_error(op, waited=waited)
-    raise failures.step_timeout(op, me=wd.me, waited=waited,
-                                    timeout=timeout,
-                                    source=rt.timeout_source(timeout))
-  if step.error is not None:
-    if _is_peer_loss(step.error):
-      wd.step_failed = op
-      wd.wait_for_named_failure()
-      raise wd.failure_error(op, waited=time.monotonic() - start_time,
-                             cause=step.error) from step.error
-    raise step.error
-  wd.step_failed = None
-  return step.result
+  return rt.watchdog.call(op, fn, *args, timeout=timeout,
+                          met_elsewhere=met_elsewhere)
 
 
-def _grace_after_normal_exits(step: _Step, wd: Any, start_time: float,
+class Calls:
+  """One process's watched calls: its step thread, the steps whose callers wait, the steps abandoned in C++, and the last step that failed.
+
+  Owned by the watchdog, which wakes the waiting callers when it sees a
+  peer gone (`wake`) and awaits the abandoned steps at exit.
+  """
+
+  def __init__(self) -> None:
+    self._thread: _StepThread | None = None
+    # The steps whose callers wait; set membership is atomic under the GIL.
+    self._pending: set[_Step] = set()
+    self._abandoned: list[_Step] = []
+    self._failed_op: str | None = None
+
+  def run(self, op: str, fn: Callable[..., T], args: tuple[Any, ...], *,
+          watcher: Watcher, me: int, timeout: float | None,
+          source: Callable[[float], str]) -> T:
+    """Runs `fn(*args)` on the step thread until it ends, `watcher` sees a peer gone, or `timeout` passes (see `call`).
+
+    Args:
+      op: the collective's name, for error messages.
+      fn: the blocking step.
+      args: its arguments.
+      watcher: the watchdog that wakes the caller when a peer is gone.
+      me: this process's index, named in a timeout error.
+      timeout: seconds after which to give up on `fn` (None: never).
+      source: what set a timeout, as advice names it
+        (`Runtime.timeout_source`).
+    """
+    step = _Step(fn, args)
+    thread = self._thread
+    if thread is None:
+      thread = self._thread = _StepThread()
+    start_time = time.monotonic()
+    # The step's lock is released by the step thread when `fn` returns, or
+    # by the watchdog when a peer is gone.
+    self._pending.add(step)
+    try:
+      thread.submit(step)
+      if not watcher.gone():
+        step.wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+      if not step.done and watcher.gone():
+        _grace_after_normal_exits(step, watcher, start_time, timeout)
+    finally:
+      self._pending.discard(step)
+    if not step.done:
+      self._thread = None  # It is stuck in `fn`; later calls get a new one.
+      self._abandoned.append(step)
+    waited = time.monotonic() - start_time
+    if not step.done:
+      self._failed_op = op  # A peer is stuck or gone (see `liveness.exit_handshake`).
+      # (Without a timeout, only a peer gone ends the wait.)
+      if watcher.gone() or timeout is None:
+        raise watcher.failure_error(op, waited=waited)
+      raise failures.step_timeout(op, me=me, waited=waited, timeout=timeout,
+                                  source=source(timeout))
+    if step.error is not None:
+      if _is_peer_loss(step.error):
+        self._failed_op = op
+        watcher.wait_for_named_failure()
+        raise watcher.failure_error(op, waited=time.monotonic() - start_time,
+                                    cause=step.error) from step.error
+      raise step.error
+    self._failed_op = None
+    return step.result
+
+  def wake(self) -> None:
+    """Wakes every caller waiting for its step (the watchdog saw a peer gone)."""
+    for step in list(self._pending):
+      step.notify()
+
+  def failed_op(self) -> str | None:
+    """The op of the last step that raised a timeout or a failure here (None once a later one completed)."""
+    return self._failed_op
+
+  def abandoned(self) -> bool:
+    """Whether a step was abandoned in C++ (it may still be running)."""
+    return bool(self._abandoned)
+
+  def wait_for_abandoned(self, deadline: float) -> bool:
+    """Waits until `deadline` (time.monotonic()) for the abandoned steps to end; returns whether they all did."""
+    steps = list(self._abandoned)
+    for step in steps:
+      while not step.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return all(s.done for s in steps)
+
+
+def _grace_after_normal_exits(step: _Step, watcher: Watcher,
+                              start_time: float,
                               timeout: float | None) -> None:
   """While the peers gone all left normally: waits up to EXITED_GRACE_S (and `timeout`) for `step`."""
   end = time.monotonic() + EXITED_GRACE_S
   if timeout is not None:
     end = min(end, start_time + max(timeout, 0))
-  while not step.done and wd.only_normal_exits():
+  while not step.done and watcher.only_normal_exits():
     left = end - time.monotonic()
     if left <= 0:
       return
@@ -128,11 +206,11 @@ def _grace_after_normal_exits(step: _Step, wd: Any, start_time: float,
 class _Step:
   __slots__ = ('fn', 'args', 'done', 'result', 'error', 'wake')
 
-  def __init__(self, fn, args):
+  def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]):
     self.fn = fn
     self.args = args
     self.done = False
-    self.result = None
+    self.result: Any = None
     self.error: BaseException | None = None
     self.wake = threading.Lock()
     self.wake.acquire()
@@ -147,7 +225,7 @@ class _Step:
 class _StepThread:
   """A daemon thread that runs steps one at a time."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._steps: queue.SimpleQueue[_Step] = queue.SimpleQueue()
     threading.Thread(target=self._run, name='multihost-collective',
                      daemon=True).start()

@@ -26,17 +26,19 @@ ending with an uncaught exception (`_EXIT_GRACE_S`). Waiting the whole
 instead the service stops with this process, JAX's client aborts those
 still there, and a launcher reports this process's error as the first.
 
-`leave` is the watchdog's step of `Runtime.shutdown`; it reads the
-watchdog's state (`rt.watchdog`) and makes no import of it. It first
-cancels the watchdog's exit-on-peer-failure policy: the process is leaving
-anyway.
+`leave` is the watchdog's step of `Runtime.shutdown`; it asks the
+watchdog (`rt.watchdog`, a `liveness.watchdog.Watchdog`) through its
+methods and its `snapshot()`, and makes no import of it. It first cancels
+the watchdog's exit-on-peer-failure policy: the process is leaving anyway.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 import os
 import sys
 import time
+from types import TracebackType
 
 from multihost._src.liveness import peer_loss_exit
 from multihost._src.runtime import coordination
@@ -46,9 +48,6 @@ from multihost._src.runtime import runtime
 _EXIT_GRACE_S = 5.0
 # Where each process records a normal exit in the key-value store.
 EXIT_DIR = 'multihost_exit/'
-# How often process 0 looks again while it waits for the others.
-_LOOK_S = 0.5
-
 
 # What a process records there: it leaves normally, or after an error.
 _NORMAL, _AFTER_ERROR = b'', b'error'
@@ -67,12 +66,15 @@ def leave(rt: runtime.Runtime) -> None:
   """Leaves the job cleanly: records the exit; the process running the service waits for the others."""
   watchdog = rt.watchdog
   if watchdog is not None:
-    watchdog.peer_loss.cancel()
-  if watchdog is None or not watchdog.running or not rt.connected():
+    watchdog.cancel_peer_loss()
+  if watchdog is None or not watchdog.watching() or not rt.connected():
     return
-  me = watchdog.me
+  me = watchdog.snapshot().me
   cut_short = False
   try:
+    client = rt.client
+    if client is None:  # (`connected()` says there is one.)
+      raise RuntimeError('the runtime has no coordination client')
     companion = rt.companion
     serving = rt.runs_service or (companion is not None and
                                    companion.alive())
@@ -81,9 +83,9 @@ def leave(rt: runtime.Runtime) -> None:
     # for it after a normal exit (`liveness.blocking`), not after an error.
     kind = _NORMAL if error is None else _AFTER_ERROR
     if serving:
-      rt.client.kv_set(f'{EXIT_DIR}{me}', kind)
+      client.kv_set(f'{EXIT_DIR}{me}', kind)
       if error is None:
-        _wait_for_others_to_leave(rt, watchdog.shutdown_timeout)
+        _wait_for_others_to_leave(rt, watchdog.shutdown_timeout())
       else:
         why, stuck, within = error
         # Peers that are not stuck leave soon (they raised too, or will):
@@ -93,23 +95,15 @@ def leave(rt: runtime.Runtime) -> None:
       watchdog.stop_polling()
     else:
       watchdog.stop_polling()
-      rt.client.kv_set(f'{EXIT_DIR}{me}', kind)
-    if not serving or watchdog.abandoned or watchdog.thread.is_alive():
+      client.kv_set(f'{EXIT_DIR}{me}', kind)
+    if not serving or watchdog.in_flight():
       # Disconnect now: before process 0 goes, and to end our calls in
       # flight. (Otherwise JAX's own atexit does it.)
       rt.disconnect()
   except Exception as e:  # Never turn an exit into a hang.  # noqa: BLE001
     rt.log.warning('multihost: exit handshake failed: %s',
                    failures.shorten(e, 300))
-  watchdog.stopping = True
-  watchdog.running = False
-  deadline = time.monotonic() + _EXIT_GRACE_S
-  watchdog.thread.join(max(0.0, deadline - time.monotonic()))
-  steps = list(watchdog.abandoned_steps)
-  for step in steps:
-    while not step.done and time.monotonic() < deadline:
-      time.sleep(0.01)
-  if watchdog.thread.is_alive() or not all(s.done for s in steps):
+  if not watchdog.finish(time.monotonic() + _EXIT_GRACE_S):
     rt.log.error('multihost: leaving with os._exit(1): a collective '
                  'abandoned after a peer failed is still running in C++, and '
                  'a normal exit would abort or hang on it.')
@@ -147,8 +141,9 @@ def _leaving_after_error(rt: runtime.Runtime
     # They see it too: within the detection bound (a peer that saw a link
     # break waits that long to learn whether a process failed), then leave.
     return why, set(), watchdog.detection_bound() + _EXIT_GRACE_S
-  if watchdog.step_failed is not None:
-    return (f'{watchdog.step_failed} raised here', set(),
+  step_failed = watchdog.last_step_failed()
+  if step_failed is not None:
+    return (f'{step_failed} raised here', set(),
             watchdog.detection_bound() + _EXIT_GRACE_S)
   if rt.uncaught is not None:
     return f'the program is ending with {rt.uncaught}', set(), _EXIT_GRACE_S
@@ -166,22 +161,22 @@ def note_uncaught_exceptions() -> None:
   if getattr(previous, '_multihost_notes', False):
     return
 
-  def hook(kind, value, tb):
+  def hook(kind: type[BaseException], value: BaseException,
+           tb: TracebackType | None) -> None:
     try:
       runtime.current().uncaught = kind.__name__
     finally:
       previous(kind, value, tb)
 
-  hook._multihost_notes = True  # pylint: disable=protected-access
+  # Marks it: installed once. (A function's attribute, which mypy does not
+  # model.)
+  hook._multihost_notes = True  # type: ignore[attr-defined]
   sys.excepthook = hook
 
 
 def _say_not_waiting(rt: runtime.Runtime, why: str) -> bool:
   """Logs that this process leaves before the others; whether any were still there."""
-  watchdog = rt.watchdog
-  with watchdog.cond:
-    others = set(range(watchdog.count)) - {watchdog.me}
-    still = sorted(others - watchdog.exited - set(watchdog.failed))
+  still = rt.watchdog.snapshot().still_here()
   if still:
     rt.log.warning('multihost: leaving without waiting for process(es) %s '
                    'to exit, because %s; the coordination service stops '
@@ -191,25 +186,13 @@ def _say_not_waiting(rt: runtime.Runtime, why: str) -> bool:
 
 
 def _wait_for_others_to_leave(rt: runtime.Runtime, timeout: float, *,
-                              but: set[int] = frozenset(),
+                              but: Collection[int] = frozenset(),
                               warn: bool = True) -> None:
   """Waits up to `timeout` s until every other process (except `but`) left or failed."""
-  watchdog = rt.watchdog
-  deadline = time.monotonic() + timeout
-  others = set(range(watchdog.count)) - {watchdog.me} - set(but)
-  with watchdog.cond:
-    while True:
-      left = watchdog.exited | set(watchdog.failed)
-      if (others <= left or watchdog.service_lost
-          or not watchdog.thread.is_alive()):
-        return
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
-        break
-      watchdog.cond.wait(min(remaining, _LOOK_S))
-  if not warn:
+  still = rt.watchdog.wait_for_others_to_leave(timeout, but=but)
+  if not still or not warn:
     return
   rt.log.warning('multihost: exiting after %.0f s although process(es) %s '
                  'have not exited; the JAX runtime will abort them when the '
                  'coordination service stops with this process.',
-                 timeout, sorted(others - left))
+                 timeout, still)

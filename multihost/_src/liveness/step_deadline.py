@@ -132,7 +132,8 @@ class StepWatch:
     self._decided = 0  # The serial of the last step the thread judged.
     self._state = 'done'
     self._last: int | None = None  # The last step begun.
-    self._awaited: tuple | None = None  # (n, ready, began): see `awaiting`.
+    # (n, ready, began): see `awaiting`.
+    self._awaited: tuple[int, Callable[[], bool] | None, float] | None = None
     self._ended = 0.0  # When the last step ended.
     self._arrivals = False  # Whether the program marks arrivals.
     self._thread: threading.Thread | None = None
@@ -215,10 +216,11 @@ class StepWatch:
     with self._cond:
       if self._last is None:
         return None
-      if self._stuck_on() is not None:
-        return {'step': self._n - 1, 'state': 'arrived',
+      stuck = self._stuck_on()
+      if stuck is not None and self._awaited is not None:
+        return {'step': stuck, 'state': 'arrived',
                 'for': self._clock() - self._awaited[2],
-                'arrivals': self._arrivals, 'in': self._n}
+                'arrivals': self._arrivals, 'in': stuck + 1}
       since = (self._ended if self._n is None or self._state == 'between'
                else self._began)
       return {'step': self._last, 'state': self._state,
@@ -293,9 +295,10 @@ class StepWatch:
       if self._n is None:
         return
       now = self._clock()
-      judging = (not completed and self._due is not None
+      due = self._due
+      judging = (not completed and due is not None
                  and self._thread is not None and not self._stopping)
-      if (judging and now - self._began < self._due
+      if (judging and due is not None and now - self._began < due
           and self._left_reports is not None):
         # Raised before its deadline: after a peer that left at its own
         # (its window began earlier: it is the one stuck), it is judged now.
@@ -306,8 +309,9 @@ class StepWatch:
           self._lock.acquire()
         if left and set(left) - {self.runtime.index} and self._n is not None:
           self._forced = self._serial
-          now = self._began + self._due
-      if (judging and now - self._began >= self._due):
+          now = self._began + due
+      due = self._due
+      if judging and due is not None and now - self._began >= due:
         # Raised past its deadline: typically the step's collective failed
         # as a stuck peer left. The thread is judging this step; its
         # verdict stands (it leaves with 75, naming who was behind), or
@@ -382,8 +386,10 @@ class StepWatch:
     rt = self.runtime
     me = rt.index
     with self._cond:  # Stuck on an earlier step's result: that step.
-      if self._serial == serial and self._stuck_on() is not None:
-        n, began = self._n - 1, self._awaited[2]
+      stuck = self._stuck_on()
+      if (self._serial == serial and stuck is not None
+          and self._awaited is not None):
+        n, began = stuck, self._awaited[2]
     took = self._clock() - began
     reports = _bounded(lambda: self._ask(list(range(rt.count))), ASK_BOUND_S)
     if reports is None:
@@ -391,10 +397,11 @@ class StepWatch:
     with self._cond:
       still = self._serial == serial and self._n is not None
       forced = self._forced == serial
-    if still and reports.get(me) and self._leave_report is not None:
+    leave_report = self._leave_report
+    if still and reports.get(me) and leave_report is not None:
       # Before leaving: those who ask after this process has gone still
       # learn where it was.
-      _bounded(lambda: self._leave_report(reports[me]), ASK_BOUND_S)
+      _bounded(lambda: leave_report(reports[me]), ASK_BOUND_S)
     if still and self._left_reports is not None:  # Those that left so.
       left = _bounded(self._left_reports, ASK_BOUND_S) or {}
       reports.update({p: {**(reports.get(p) or left[p]), 'left': True}

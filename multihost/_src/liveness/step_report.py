@@ -67,11 +67,13 @@ def report(prefix: str, me: int, n: int, *, took: float, due: float,
   places = {p: place(r.get('step'), r.get('now_in'))
             for p, r in reports.items() if r is not None}
   known = {p: k for p, k in places.items() if k is not None}
+  answered = {p: r for p, r in reports.items() if r is not None}
   # A process that never got as far as marking an arrival is behind those
   # that did: the program marks them if any process does.
-  arrivals = any(reports[p]['step']['arrivals'] for p in known)
-  lead = max(known.values(), default=None)
-  behind = sorted(p for p, k in known.items() if k < lead)
+  arrivals = any(answered[p]['step']['arrivals'] for p in known)
+  lead = max(known.values()) if known else None
+  behind = sorted(p for p, k in known.items()
+                  if lead is not None and k < lead)
   silent = sorted(p for p, r in reports.items() if r is None)
   if raised:
     left = sorted(p for p, r in reports.items()
@@ -85,12 +87,12 @@ def report(prefix: str, me: int, n: int, *, took: float, due: float,
   if behind:
     who = '; '.join(
         f'process {p}{" (this process)" if p == me else ""} is '
-        f'{position_text(reports[p]["step"], arrivals=arrivals)}'
-        f'{" (then left at its step deadline)" if reports[p].get("left") else ""}'
+        f'{position_text(answered[p]["step"], arrivals=arrivals)}'
+        f'{" (then left at its step deadline)" if answered[p].get("left") else ""}'
         for p in behind)
     ahead = sorted(p for p, k in known.items() if k == lead)
     parts.append(f'Behind the others: {who} (process(es) {ahead}: '
-                 f'{position_text(reports[ahead[0]]["step"], arrivals=arrivals)}'
+                 f'{position_text(answered[ahead[0]]["step"], arrivals=arrivals)}'
                  ').')
     shown = behind
   elif len(known) < 2:

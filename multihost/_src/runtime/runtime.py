@@ -33,6 +33,7 @@ import functools
 import itertools
 import os
 import threading
+from typing import TYPE_CHECKING
 from typing import Any
 
 from absl import logging
@@ -41,6 +42,10 @@ import jax
 from multihost._src.runtime import coordination
 from multihost._src.runtime import flight
 from multihost._src.runtime import settings as _settings
+
+if TYPE_CHECKING:  # For annotations only: liveness sits above this package.
+  from multihost._src.liveness import step_deadline as _step_deadline
+  from multihost._src.liveness import watchdog as _watchdog
 
 # The exit sequence (see `Runtime.shutdown`). The flight recorder's dump
 # goes first: it only writes a local file, and a later step may block.
@@ -141,11 +146,11 @@ class Runtime:
     # built now by the registered assembler: a `liveness.watchdog.Watchdog`,
     # a `diagnostics.where.Responder`, `diagnostics.stalls.Stalls`,
     # `api.live_devices.Blocks` and a `liveness.step_deadline.StepWatch`.
-    self.watchdog: Any
+    self.watchdog: _watchdog.Watchdog
     self.where: Any
     self.stalls: Any
     self.live_blocks: Any
-    self.step_watch: Any
+    self.step_watch: _step_deadline.StepWatch
     assemble = PROCESS.assembler
     if assemble is None:
       raise RuntimeError(

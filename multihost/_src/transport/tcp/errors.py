@@ -14,7 +14,9 @@ from multihost._src.runtime import failures
 class Watched(Protocol):
   """What naming a failure asks of the runtime's watchdog."""
 
-  running: bool
+  def watching(self) -> bool:
+    """Whether the watchdog runs (else nobody is ever named)."""
+    ...
 
   def failed_within_bound(self, until: float | None = None) -> Iterable[int]:
     """The processes seen gone, waiting up to the detection bound (and not past `until`) for one."""
@@ -72,6 +74,6 @@ def peer_error(op: str, peer: int, error: BaseException, liveness: Watched, *,
         op, peer, 'to send or receive its part (its connection broke: '
         f'{type(error).__name__}: {error}; no process is known to have '
         'failed: it may have timed out itself)')
-  if not dead and liveness.running:  # every process is alive
+  if not dead and liveness.watching():  # every process is alive
     return failures.connection_cut(op, peer, error)
   return failures.connection_failure(op, peer, error, dead or [peer])
