@@ -269,9 +269,14 @@ class TcpTransport:
   def broadcast(self, parts: list[np.ndarray] | None, length: int,
                 source: int, *, op: str, timeout: float,
                 source_result: bool = True,
-                early: _eager.Eager | None = None,
-                relay: tree.Relay | None = None) -> np.ndarray | None:
-    """See `Transport.broadcast`."""
+                early: object | None = None,
+                relay: object | None = None) -> np.ndarray | None:
+    """See `Transport.broadcast`; `early` and `relay` are this transport's own (`choice.early_stripe`, `choice.relay`)."""
+    if not isinstance(early, (_eager.Eager, type(None))) or not isinstance(
+        relay, (tree.Relay, type(None))):
+      raise TypeError(
+          f'{op}: the TCP transport got another transport\'s early stripe '
+          f'or relay ({type(early).__name__}, {type(relay).__name__}).')
     return broadcast(parts, length, source, op=op, timeout=timeout,
                      source_result=source_result, eager=early, relay=relay)
 
