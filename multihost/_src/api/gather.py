@@ -178,8 +178,8 @@ def _global_parts(x: jax.Array, op: str):
   layout: list[set[tuple[tuple[int, int], ...]]] = [
       set() for _ in range(_process.process_count())]
   for device, index in x.sharding.devices_indices_map(x.shape).items():
-    # jax's `Device` (jaxlib's) does not resolve for mypy: its stubs name it
-    # without defining it.
+    # jax's `Device` (jaxlib's) does not resolve for mypy (it reports an
+    # unresolved `Device?`); the attribute exists on every device.
     layout[device.process_index].add(  # type: ignore[attr-defined]
         tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)))
   return spec, bounds, datas, [sorted(b) for b in layout]
