@@ -98,9 +98,8 @@ def _blame(run: Observed, first: int,
   aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
   died_first = (first == 0 and n > 1 and not run.host_service and bool(aborts) and
                 0 not in stopped and end0 is not None and
-                all(run.end_times[i] is None or
-                    run.end_times[i] >= end0 - ABORT_RACE_S
-                    for i in collateral))
+                all(end is None or end >= end0 - ABORT_RACE_S
+                    for end in (run.end_times[i] for i in collateral)))
   if died_first:
     out.append(
         f'Process 0, which hosts the JAX coordination service, died '
@@ -120,7 +119,7 @@ def _blame(run: Observed, first: int,
                  'partition or coordinator gone): JAX aborted it '
                  f'("{_evidence.LOST_SERVICE_MARKER}" in [p{i}]).')
   error = raised[first]
-  if _raised_before_exit(run, first, raised):
+  if error is not None and _raised_before_exit(run, first, raised):
     out.append(f'Process {first} raised first, at {error.time:.1f} s (when '
                f'the launcher read its traceback): {error.error}')
   where = where_others(run, first, raised)
