@@ -128,7 +128,7 @@ def _nest(pairs: Iterator[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
   if len(listed) == 1 and not listed[0][0]:
     return listed[0][1]
   out: dict[str, Any] = {}
-  for path, value in pairs:
+  for path, value in listed:
     node = out
     for i, part in enumerate(path[:-1]):
       node = node.setdefault(part, {})
