@@ -142,7 +142,10 @@ def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
   if interrupted_by is not None:
     return 128 + interrupted_by
   if first is not None:
-    return status_of(returncodes[first])  # type: ignore[arg-type]
+    code = returncodes[first]
+    if code is None:  # (a first failure has exited)
+      raise ValueError(f'process {first}, the first to fail, has not exited.')
+    return status_of(code)
   if timed_out:
     return TIMEOUT_EXIT_STATUS
   for rc in returncodes:  # E.g. stopped, yet exited non-zero.

@@ -51,8 +51,9 @@ def summary(run: Observed, *, first: int | None, code: int) -> str:
   for i, rc in enumerate(rcs):
     end = run.end_times[i]
     when = '' if end is None else f' at {end:.1f} s'
-    if raised[i] is not None and rc != 0:
-      when += f', raised at {raised[i].time:.1f} s'  # type: ignore[union-attr]
+    error = raised[i]
+    if error is not None and rc != 0:
+      when += f', raised at {error.time:.1f} s'
     note = ''
     if i == first:
       note = '  <- failed first'
@@ -147,8 +148,9 @@ def where_others(run: Observed, first: int,
                  raised: tuple[_evidence.Raised | None, ...]) -> str:
   """Where the processes other than `first` were at its failure ('at 8.1 s: p0 was running (...)'); '' when unknown or alone."""
   n = len(run.returncodes)
-  at = (raised[first].time  # type: ignore[union-attr]
-        if _raised_before_exit(run, first, raised) else run.end_times[first])
+  error = raised[first]
+  at = (error.time if error is not None and _raised_before_exit(
+      run, first, raised) else run.end_times[first])
   if at is None or n < 2:
     return ''
   others = '; '.join(doing_at(run, i, at, raised)
