@@ -173,7 +173,7 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     except ValueError:
       continue
   for third in itertools.chain([213], range(214, 256), range(0, 213)):
-    net = ipaddress.ip_network(f'10.{third}.0.0/24')
+    net = ipaddress.IPv4Network(f'10.{third}.0.0/24')
     if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
       return net
   raise HostsError('no free /24 in 10.0.0.0/8 for simulated hosts; pass '
@@ -242,13 +242,15 @@ class SimulatedHosts:
     if not ok:
       raise HostsError(why)
     cleanup_stale()
-    if self._subnet_arg is not None:
-      self.subnet = ipaddress.ip_network(self._subnet_arg)
-    else:
-      self.subnet = _pick_subnet()
-    if self.subnet.num_addresses < self.n + 2:
-      raise ValueError(f'subnet {self.subnet} is too small for {self.n} '
+    subnet = (_pick_subnet() if self._subnet_arg is None
+              else ipaddress.ip_network(self._subnet_arg))
+    if not isinstance(subnet, ipaddress.IPv4Network):
+      raise ValueError(f'subnet {subnet} is not an IPv4 network; pass one '
+                       'such as 10.213.0.0/24.')
+    if subnet.num_addresses < self.n + 2:
+      raise ValueError(f'subnet {subnet} is too small for {self.n} '
                        'hosts.')
+    self.subnet = subnet
     with _live_lock:
       _live.add(self)
     self._up = True
@@ -268,7 +270,7 @@ class SimulatedHosts:
         _run(['ip', '-n', sw, 'link', 'set', port, 'master', 'br0'])
         _run(['ip', '-n', sw, 'link', 'set', port, 'up'])
         _run(['ip', '-n', ns, 'addr', 'add',
-              f'{self.address(i)}/{self.subnet.prefixlen}', 'dev', 'eth0'])
+              f'{self.address(i)}/{subnet.prefixlen}', 'dev', 'eth0'])
         _run(['ip', '-n', ns, 'link', 'set', 'eth0', 'up'])
         _run(['ip', '-n', ns, 'link', 'set', 'lo', 'up'])
     except BaseException:
@@ -294,6 +296,8 @@ class SimulatedHosts:
   def address(self, i: int) -> str:
     """Host i's IPv4 address."""
     self._check(i)
+    if self.subnet is None:  # (set before the hosts run)
+      raise HostsError(f'{self.name}: the simulated hosts have no subnet.')
     return str(self.subnet.network_address + i + 1)
 
   def namespace(self, i: int) -> str:

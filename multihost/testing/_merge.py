@@ -10,23 +10,30 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 from typing import Any
+from typing import Literal
 
 import pytest
 
 from multihost.testing import _marker
 
 OUTPUT_TAIL_LINES = 60
+# A test's phases, and their outcomes, as pytest names them.
+When = Literal['setup', 'call', 'teardown']
+Outcome = Literal['passed', 'failed', 'skipped']
 
 
-def make_report(item: pytest.Item, when: str, outcome: str, longrepr: Any, *,
+def make_report(item: pytest.Item, when: When, outcome: Outcome,
+                longrepr: Any, *,
                 sections=(), duration: float = 0.0,
                 wasxfail: str | None = None) -> pytest.TestReport:
   """A `pytest.TestReport` of `item`'s phase `when`, as pytest's runner would make it."""
-  extra = {} if wasxfail is None else {'wasxfail': wasxfail}
-  return pytest.TestReport(
+  report = pytest.TestReport(
       item.nodeid, item.location, {k: 1 for k in item.keywords}, outcome,
       longrepr, when, sections=list(sections), duration=duration,
-      user_properties=list(item.user_properties), **extra)
+      user_properties=list(item.user_properties))
+  if wasxfail is not None:  # (what pytest's runner sets only for an xfail)
+    report.wasxfail = wasxfail
+  return report
 
 
 class ProcessesRepr:
@@ -78,7 +85,7 @@ def prefix(index: int, text: str) -> str:
   return '\n'.join(f'[p{index}] {line}' for line in text.splitlines())
 
 
-def combine(item: pytest.Item, spec: _marker.GroupSpec, when: str,
+def combine(item: pytest.Item, spec: _marker.GroupSpec, when: When,
             records: list[pytest.TestReport]) -> pytest.TestReport:
   """One report from every process's report of the same phase.
 
@@ -134,7 +141,7 @@ def _scaled(spec: _marker.GroupSpec) -> str:
 def incomplete(item: pytest.Item, spec: _marker.GroupSpec,
                per_process: list[dict[str, pytest.TestReport]], result: Any,
                *, group_started: bool,
-               when: str = 'call') -> pytest.TestReport:
+               when: When = 'call') -> pytest.TestReport:
   """A failure report for a test that did not complete on every process.
 
   Args:

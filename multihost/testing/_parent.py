@@ -183,13 +183,14 @@ class ParentSession:
     reports = []
     for when in ('setup', 'call', 'teardown'):
       records = [p.get(when) for p in per_process]
-      if any(r is None for r in records):
+      got = [r for r in records if r is not None]
+      if len(got) < len(records):
         reports.append(_merge.incomplete(item, self._scaled.get(spec, spec),
                                          per_process, result,
                                          group_started=group_started,
                                          when=when))
         break
-      reports.append(_merge.combine(item, spec, when, records))
+      reports.append(_merge.combine(item, spec, when, got))
       if when == 'setup' and reports[-1].outcome != 'passed':
         break  # Like pytest: no call phase after a failed or skipped setup.
     if reports[-1].when != 'teardown':

@@ -36,10 +36,12 @@ def exit_when_orphaned(parent_pid: int, results_dir: str) -> None:
   while os.getppid() == parent_pid:
     time.sleep(0.5)
   try:  # Usually nobody reads this any more: the pipe's reader is gone.
-    sys.__stderr__.write(
-        f'[multihost.testing] the parent pytest (pid {parent_pid}) is gone; '
-        'this worker exits.\n')
-    sys.__stderr__.flush()
+    err = sys.__stderr__  # (None only without a stderr at all)
+    if err is not None:
+      err.write(
+          f'[multihost.testing] the parent pytest (pid {parent_pid}) is '
+          'gone; this worker exits.\n')
+      err.flush()
   except (OSError, ValueError):
     pass
   finally:
@@ -107,8 +109,10 @@ class WorkerSession:
     from multihost._src.runtime import calls
     self._seq += 1
     # Marks the test in the process's output, for crash and hang reports.
-    sys.__stderr__.write(f'\n[multihost.testing] start {item.nodeid}\n')
-    sys.__stderr__.flush()
+    err = sys.__stderr__  # (None only without a stderr at all)
+    if err is not None:
+      err.write(f'\n[multihost.testing] start {item.nodeid}\n')
+      err.flush()
     self._failed = False
     self._start_error = None
     try:

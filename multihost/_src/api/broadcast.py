@@ -182,14 +182,22 @@ def broadcast_object(obj: Any, is_source: bool | None = None, *,
     size, seal, payload = (headers[source].size, headers[source].seal,
                            headers[source].payload)
   objects.check_size(op, source, size)
-  if payload is None:
+  pickled: bytes | memoryview | None = payload
+  if pickled is None:
     received = choice.broadcast(
         [np.frombuffer(data, np.uint8)] if is_source else None, size, source,
         op=op, timeout=timeout, source_result=False)
-    payload = b'' if is_source else memoryview(received)
+    if is_source:
+      pickled = b''
+    elif received is None:
+      raise errors.MultihostError(
+          f'{failures.prefix()} {op}: the transfer from process {source} '
+          'returned no bytes.')
+    else:
+      pickled = received.data
   if is_source:
     return obj
-  return objects.loads(op, source, payload, seal, timeout)
+  return objects.loads(op, source, pickled, seal, timeout)
 
 
 def _one_source(is_source: list[bool], op: str) -> int:

@@ -50,8 +50,7 @@ def _pool() -> futures.ThreadPoolExecutor:
 def array_digest(value: np.ndarray, spec: _leaves.LeafSpec) -> bytes:
   """A 16-byte digest of a host array's spec (dtype, shape, key impl) and bytes."""
   h = hashlib.sha256(spec.describe().encode())
-  data = memoryview(np.require(value, requirements='C').reshape(-1).view(
-      np.uint8))
+  data = np.require(value, requirements='C').reshape(-1).view(np.uint8).data
   if len(data) <= _WHOLE:
     h.update(data)
   else:
@@ -128,10 +127,12 @@ class _Chunks:
         self.buffer = np.empty(self.per, self.kind)
       self.buffer[:self._items(chunk)] = 0
       self.current = chunk
+    if self.buffer is None:  # (`current` names a chunk only once it is made)
+      raise RuntimeError(f'chunk {chunk} is current but has no buffer.')
     return self.buffer
 
   def _flush(self) -> None:
-    if self.current >= 0:
+    if self.current >= 0 and self.buffer is not None:
       n = self._items(self.current)
       crc = _crc32_of(self.buffer[:n].view(np.uint8))
       self.out[self.current] ^= crc ^ _zero_crc(n * self.itemsize)
@@ -320,7 +321,14 @@ def _digests(leaves: list, op: str, version: int) -> list[bytes]:
       out[i] = _from_crcs(spec, combined[offset:offset + n] ^
                           chunks.zero_crcs())
       offset += n
-  return out
+  return [_made(i, digest) for i, digest in enumerate(out)]
+
+
+def _made(i: int, digest: bytes | None) -> bytes:
+  """Leaf `i`'s digest, which every leaf has once the loops above ran."""
+  if digest is None:
+    raise RuntimeError(f'leaf {i} got no digest.')
+  return digest
 
 
 def leaf_digests(tree: PyTree, *, version: int = VERSION) -> dict[str, str]:

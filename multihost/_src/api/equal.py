@@ -54,7 +54,9 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
   leaves, paths, treedef = _leaves.flatten(in_tree, op)
   if process.process_count() == 1:
     return
-  specs, digests = [], []
+  specs: list[_leaves.LeafSpec] = []
+  # Per leaf: a host leaf's digest, or a global leaf's shard digests.
+  digests: list[bytes | list[tuple[tuple[Any, ...], bytes]]] = []
   for x in leaves:
     if _leaves.is_global(x):
       digests.append(_digest.shard_digests(x, op))
@@ -72,9 +74,10 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
   if has_global:
     headers = agree.full_exchange(header, timeout=timeout)
   else:
-    headers = agree.agree(header, timeout=timeout).headers
-    if headers is None:
+    differ = agree.agree(header, timeout=timeout).headers
+    if differ is None:
       return
+    headers = differ
   prefix = f'{fail_message} ' if fail_message else ''
   try:
     agree.check_same_leaves(headers)
@@ -87,7 +90,7 @@ def assert_equal(in_tree: PyTree, fail_message: str = '', *,
     if isinstance(per_process[0], bytes):
       if len(set(per_process)) > 1:
         differing.append((i, f'{path}: ' + failures.groups(
-            per_process, render=lambda d: f'digest {d.hex()[:12]}')))
+            per_process, render=_render_digest)))
     else:
       described = _shard_disagreements(per_process)
       if described:
@@ -150,3 +153,9 @@ def _describe_values(leaves, paths, indices, all_digests, timeout) -> str:
       text += f'; values by process: {[v.tolist() for v in values]}'
     out.append(text)
   return '\nDifferences (show_diff=True):\n  ' + '\n  '.join(out)
+
+
+def _render_digest(digest: object) -> str:
+  """A host leaf's digest, as differences show it (its first 12 hex digits)."""
+  return f'digest {digest.hex()[:12]}' if isinstance(digest, bytes) else repr(
+      digest)

@@ -133,7 +133,8 @@ def exchange(sends: Mapping[int, Any], *,
           f'{failures.prefix()} {_OP}: the processes\' calls differ: '
           f'{failures.groups([h.agreement().hex() for h in headers])}. '
           'Every process must run the same version of multihost.')
-    patterns = [_read_record(p, r, count) for p, r in enumerate(records)]
+    patterns = [_read_record(p, r, count)
+                for p, r in enumerate(agree.shared(records, _OP))]
   check_pattern(patterns)
   incoming = {p: pat.sends[me] for p, pat in enumerate(patterns)
               if p != me and me in pat.sends}
@@ -152,7 +153,7 @@ def exchange(sends: Mapping[int, Any], *,
       op=_OP, timeout=timeout)
   for p in sorted(incoming):
     head_len, lens, seal = incoming[p]
-    data = memoryview(received.pop(p))
+    data = received.pop(p).data
     views, at = [], head_len
     for n in lens:
       views.append(data[at:at + n])

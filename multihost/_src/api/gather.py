@@ -95,11 +95,12 @@ def process_allgather(in_tree: PyTree, tiled: bool = False, *,
                                    op=op, timeout=timeout)
     if not has_global:
       if inline:  # Equal sizes: the rows, joined in one (writable) copy.
-        rows = np.frombuffer(bytearray().join(payloads),
+        rows = np.frombuffer(bytearray().join(agree.shared(payloads, op)),
                              np.uint8).reshape(count, size)
       return treedef.unflatten(_leaves.stacked_views(rows, specs,
                                                      tiled=tiled))
-    received = ([np.frombuffer(p, np.uint8) for p in payloads] if inline
+    received = ([np.frombuffer(p, np.uint8)
+                 for p in agree.shared(payloads, op)] if inline
                 else [rows[p, :n] for p, n in enumerate(sizes)])
     all_shards = [[None if layout is None else layout[p]
                    for layout in layouts] for p in range(count)]
@@ -174,9 +175,12 @@ def _global_parts(x: jax.Array, op: str):
   bounds = [b for b, _, _ in shards]
   datas = [value for _, value, _ in shards]
   # Every process's distinct shards, from the sharding alone.
-  layout = [set() for _ in range(_process.process_count())]
+  layout: list[set[tuple[tuple[int, int], ...]]] = [
+      set() for _ in range(_process.process_count())]
   for device, index in x.sharding.devices_indices_map(x.shape).items():
-    layout[device.process_index].add(
+    # jax's `Device` (jaxlib's) does not resolve for mypy (it reports an
+    # unresolved `Device?`); the attribute exists on every device.
+    layout[device.process_index].add(  # type: ignore[attr-defined]
         tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)))
   return spec, bounds, datas, [sorted(b) for b in layout]
 
@@ -270,19 +274,21 @@ def allgather_object(obj: Any, *, timeout: float | None = None) -> list[Any]:
   records, headers = agree.agree_and_gather(header, timeout=timeout,
                                             publish=objects.record(header))
   if headers is None:
-    objs = [objects.read_record(op, p, r) for p, r in enumerate(records)]
+    objs = [objects.read_record(op, p, r)
+            for p, r in enumerate(agree.shared(records, op))]
   else:
     objs = [(h.size, h.seal, h.payload) for h in headers]
   me = _process.process_index()
   for p, (size, _, _) in enumerate(objs):
     objects.check_size(op, p, size)
+  payloads: list[bytes | memoryview | None]
   if all(payload is not None for _, _, payload in objs):
     payloads = [payload for _, _, payload in objs]
   else:
     sizes = [size for size, _, _ in objs]
     rows = choice.allgather(np.frombuffer(data, np.uint8), sizes, op=op,
                             timeout=timeout)
-    payloads = [memoryview(rows[p, :n]) for p, n in enumerate(sizes)]
+    payloads = [rows[p, :n].data for p, n in enumerate(sizes)]
   return [obj if p == me else
           objects.loads(op, p, b, objs[p][1], timeout)
           for p, b in enumerate(payloads)]

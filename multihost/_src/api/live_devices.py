@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 import threading
 import time
+from typing import Literal
 
 from absl import logging
 import jax
@@ -192,7 +193,7 @@ class _Block:
     _start_warner()
     return [d for d in self._devices if d.process_index in live]
 
-  def __exit__(self, exc_type, exc, tb) -> bool:
+  def __exit__(self, exc_type, exc, tb) -> Literal[False]:
     _runtime.current().live_blocks.active = None
     if exc is not None and not isinstance(exc, Exception):
       return False  # KeyboardInterrupt, SystemExit: leave at once.

@@ -89,7 +89,7 @@ def leave_mark(rt: runtime.Runtime, op: str, prefix: str, start: float, *,
     started = repr(time.time() - (time.monotonic() - start))
     value = f'{started}|{",".join(map(str, sorted(given_up_on)))}'.encode()
     secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
-    rt.client.kv_set(key, mac(secret, key, _GAVE_UP_MARK + value) + value)
+    rt.service().kv_set(key, mac(secret, key, _GAVE_UP_MARK + value) + value)
   except Exception:  # noqa: BLE001  The service may be gone; best effort.
     pass
 
@@ -106,7 +106,7 @@ def gave_up(rt: runtime.Runtime, op: str, prefix: str, *,
   secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
   keys = _keys(rt, where, processes)
   marks = []
-  for key, stored in rt.client.kv_dir(where):
+  for key, stored in rt.service().kv_dir(where):
     value = stored[MAC:]
     if key not in keys or not hmac.compare_digest(
         stored[:MAC], mac(secret, key, _GAVE_UP_MARK + value)):
@@ -134,9 +134,9 @@ def settle(rt: runtime.Runtime, op: str, prefix: str,
   key = beside(prefix, OUTCOME)
   secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
   value = outcome + b'|' + str(rt.index).encode()
-  if rt.client.kv_create(key, mac(secret, key, value) + value):
+  if rt.service().kv_create(key, mac(secret, key, value) + value):
     return outcome, rt.index
-  stored = rt.client.kv_try_get(key)
+  stored = rt.service().kv_try_get(key)
   if stored is None or not authentic(secret, key, stored):
     raise failures.forged_message(op, key, me=rt.index)
   decided, _, process = stored[MAC:].partition(b'|')
@@ -185,7 +185,7 @@ def leave_presence(rt: runtime.Runtime, op: str, where: str) -> None:
   """Marks under `where` that this process waits at its barrier (MAC'd; see `published`)."""
   key = where + str(rt.index)
   secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
-  rt.client.kv_set(key, mac(secret, key, _HERE_MARK) + _HERE_MARK)
+  rt.service().kv_set(key, mac(secret, key, _HERE_MARK) + _HERE_MARK)
 
 
 def published(rt: runtime.Runtime, op: str, prefix: str,
@@ -198,7 +198,7 @@ def published(rt: runtime.Runtime, op: str, prefix: str,
   try:
     secret = _secret.job_secret(op, timeout=1.0, runtime=rt)
     keys = _keys(rt, prefix, processes)
-    return [keys[key] for key, stored in rt.client.kv_dir(prefix)
+    return [keys[key] for key, stored in rt.service().kv_dir(prefix)
             if key in keys and authentic(secret, key, stored)]
   except Exception:  # noqa: BLE001
     return []

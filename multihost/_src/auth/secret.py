@@ -187,9 +187,9 @@ def _agree(rt: _runtime.Runtime, op: str,
     else:
       key = derive(mine, job)
       value = job + b'F' + _check(key)
-    rt.client.kv_set(_KEY, value)
+    rt.service().kv_set(_KEY, value)
     return job, key
-  value = blocking.call(op, rt.client.kv_get, _KEY, timeout, runtime=rt)
+  value = blocking.call(op, rt.service().kv_get, _KEY, timeout, runtime=rt)
   job, mode, rest = value[:_JOB], value[_JOB:_JOB + 1], value[_JOB + 1:]
   if mode == b'K':
     if mine is not None:

@@ -192,6 +192,15 @@ def agree_and_gather(header: Header, *, timeout: float,
   return None, _exchange_headers(meeting, header, timeout)
 
 
+def shared(records: list[bytes] | None, op: str) -> list[bytes]:
+  """What every process shared, from `agree_and_gather` that returned no headers (then never None)."""
+  if records is None:
+    raise errors.MultihostError(
+        f'{failures.prefix()} {op}: the agreement returned neither what '
+        'every process shared nor their headers.')
+  return records
+
+
 def full_exchange(header: Header, *, timeout: float,
                   runtime: _runtime.Runtime | None = None) -> list[Header]:
   """Every process's header, checked to name the same operation.
@@ -268,13 +277,13 @@ def check_same_options(headers: list[Header],
     if all(v == values[0] for v in values[1:]):
       continue
     differing = failures.minority([repr(v) for v in values])
-    by_process = {p: v for p, v in enumerate(values)}
-    if field == 'layouts':
-      by_process = '(the global leaves are sharded differently)'
+    shown = (str({p: v for p, v in enumerate(values)})
+             if field != 'layouts'
+             else '(the global leaves are sharded differently)')
     raise errors.ConsistencyError(
         f'{failures.prefix(me)} {headers[0].op}: the option {field!r} '
         f'differs across processes (processes {differing} differ from the '
-        f'rest): {by_process}. Every process must pass the same options, or '
+        f'rest): {shown}. Every process must pass the same options, or '
         'the processes would return results of different shapes.')
 
 

@@ -59,7 +59,7 @@ def prepare(rt: runtime.Runtime, op: str, call: int) -> None:
     key = _RECORDS + str(rt.index)
     value = f'{call}|{plane.setup}'.encode()
     secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
-    rt.client.kv_set(key, _control_marks.mac(secret, key, value) + value)
+    rt.service().kv_set(key, _control_marks.mac(secret, key, value) + value)
     plane.setup = 'recorded'
 
 
@@ -83,7 +83,7 @@ def met(rt: runtime.Runtime, op: str, call: int) -> None:
   secret = _secret.job_secret(op, timeout=SETUP_S, runtime=rt)
   keys = {_RECORDS + str(p) for p in range(rt.count)}
   states = []
-  for key, stored in rt.client.kv_dir(_RECORDS):
+  for key, stored in rt.service().kv_dir(_RECORDS):
     value = stored[_control_marks.MAC:]
     if key not in keys or not hmac.compare_digest(
         stored[:_control_marks.MAC], _control_marks.mac(secret, key, value)):
@@ -112,7 +112,8 @@ def _setup(rt: runtime.Runtime, plane: _tcp_link.Plane, op: str) -> None:
                if rt.count <= HOSTS_READ_MAX else None)
     hosts = None if records is None else [host for host, _ in records]
     plane.star = topology.star(rt, hosts)
-    plane.one_host = (hosts is not None and len(set(hosts)) == 1
+    plane.one_host = (records is not None and hosts is not None
+                      and len(set(hosts)) == 1
                       and all(local for _, local in records))
     plane.spare_cores = hosts is not None and threads.cores() > hosts.count(
         hosts[rt.index])

@@ -334,7 +334,7 @@ def barrier(barrier_id: str, op: str, *, timeout: float,
     ProcessFailureError: naming processes the service reports as gone.
   """
   rt = runtime or _runtime.current()
-  client = rt.client
+  client = rt.service()
   start = time.monotonic()
   where = published or barrier_id
   stall = stalls.arm(  # The slow path: a lock, no RPC.

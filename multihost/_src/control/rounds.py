@@ -217,12 +217,13 @@ class _Call:
     self.wait = waiting.Wait(meeting, timeout)
     self.watch = waiting.Due(self.wait)
     self.reads = waiting.Due(self.wait, idle=self.wait.slice)  # (`_receive`)
-    self.sender = None
+    self.sender: threads.Sender | None = None
     self.links: dict[int, _tcp_link.Link] = {}  # this call's, by peer
     self.peer = self.me  # the peer of the step under way (named in errors)
     self.step = 1
-    self.started = None  # the eager stripe this process started
-    self.everything = None  # in a star, all of `entries` encoded (`_body`)
+    self.started: _eager.Eager | None = None  # the eager stripe it started
+    # In a star, all of `entries` encoded (`_body`).
+    self.everything: bytes | None = None
     self.relays = 0  # in a star, the processes answered by their parent
     self.same = True  # every timeout heard of is this process's own
     self.answer = b''  # in a star, the answer as this process received it
@@ -277,8 +278,9 @@ class _Call:
       # What `dst` does not know yet: everything, or everything but
       # its own (one message for all that published nothing, and
       # all that the answer's relays pass on, encoded once).
-      self.everything = self.everything or _encode(
-          self.digest, flags, self.smallest, self.entries, self.relays)
+      if self.everything is None:
+        self.everything = _encode(
+            self.digest, flags, self.smallest, self.entries, self.relays)
       return self.everything
     count, step = self.count, self.step
     body = {p: v for p, v in self.entries.items()
@@ -316,7 +318,12 @@ class _Call:
     body = _receive(link, self.call, src, wait, self.reads, self.data)
     if isinstance(body, int):
       # The payload's frame: every process agreed, with the same
-      # timeout (process 0 sends no answer otherwise).
+      # timeout (process 0 sends no answer otherwise). Such a frame is
+      # read only where a relay was given (`self.data`).
+      if self.relay is None:
+        raise errors.MultihostError(
+            f'{self.op}: process {self.me} read a payload frame without a '
+            'relay to keep it in.')
       self.relay.folded = body
       return
     got_digest, got_flags, got_relays, got_timeout, got = _decode(
@@ -339,7 +346,8 @@ class _Call:
         and self.relays == (1 << count) - 2):
       # A relayed broadcast that every process agreed, with the same
       # timeout: the payload's frames are the answers (`tcp.tree`).
-      if eager is not None:  # (its link came in `links` above)
+      # (its link came in `links` above; `to` is set with `eager`)
+      if eager is not None and self.to is not None:
         self.started = eager
         eager.start(self.plane, self.links[self.to], self.to)
     elif me == 0 or relay is None or relay.folded is None:

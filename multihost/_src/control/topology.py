@@ -38,7 +38,8 @@ def steps(me: int, count: int, star: bool,
     if me == 0:
       return [(None, p) for p in range(1, count)]
     return [(0, None), (None, answered_by(me, count, relayed))]
-  rounds, step = [], 1
+  rounds: list[tuple[int | None, int | None]] = []
+  step = 1
   while step < count:
     rounds.append(((me + step) % count, (me - step) % count))
     step *= 2
@@ -47,7 +48,13 @@ def steps(me: int, count: int, star: bool,
 
 def answered_by(me: int, count: int, relayed: bool) -> int:
   """The process this one (not 0) takes its answer from in a star: with `relayed`, its parent in the binomial tree rooted at process 0 (`tcp.tree.tree_peers`), else process 0."""
-  return tree.tree_peers(me, count)[0] if relayed else 0
+  if not relayed:
+    return 0
+  parent = tree.tree_peers(me, count)[0]
+  if parent is None:
+    raise ValueError(f'process {me} of {count} takes no answer: it is the '
+                     'root of the tree.')
+  return parent
 
 
 def answers(me: int, count: int, relays: int,

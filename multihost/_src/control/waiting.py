@@ -41,8 +41,8 @@ class Wait:
     self.timeout = timeout
     self.deadline = meeting.start + timeout
     self.diagnose_at = meeting.start + min(WINDOW_S, timeout / 2)
-    self.marks_at = None
-    self.stall = None
+    self.marks_at: float | None = None
+    self.stall: int | None = None
     self.lock = threading.Lock()  # The sender thread asks `due` too.
     self.gave_up = False
     self.extended = False  # Another process settled the call as done.

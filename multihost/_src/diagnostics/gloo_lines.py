@@ -53,7 +53,8 @@ def wanted(environ: Mapping[str, str]) -> bool:
 
 def could_be_gloo(start: bytes) -> bool:
   """Whether a line that starts with `start` could still be one of gloo's."""
-  rest = start[_WORDS.match(start).end():]
+  words = _WORDS.match(start)  # (it matches every string, maybe empty)
+  rest = start[words.end():] if words else start
   return any(p.startswith(rest) for p in PIECES)
 
 

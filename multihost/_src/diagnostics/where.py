@@ -100,12 +100,14 @@ def local_report(runtime: _runtime.Runtime | None = None) -> dict:
       'pid': os.getpid(),
       'host': socket.gethostname(),
       'threads': threads,
-      'last': None if last is None else {'label': last.label(),
-                                         'ago': now - last.end},
+      # `last_completed` and `last_failed` return records with `end` and
+      # `failed_at` set; the checks say so to the type checker.
+      'last': None if last is None or last.end is None else {
+          'label': last.label(), 'ago': now - last.end},
       'now_in': None if current is None else {
           'label': current.label(), 'for': now - current.start},
       'step': rt.step_watch.position(),
-      'raised': None if failed is None else {
+      'raised': None if failed is None or failed.failed_at is None else {
           'label': failed.label(), 'error': failed.error,
           'ago': now - failed.failed_at},
   }
@@ -220,7 +222,7 @@ def leave_report(report: dict, *, runtime: _runtime.Runtime | None = None,
   name = f'{_LEFT_DIR}{_index(rt)}'
   body = json.dumps(report).encode()
   if len(body) <= _MAX_ANSWER:
-    rt.client.kv_set(name, _seal(_key(rt, timeout), name, body))
+    rt.service().kv_set(name, _seal(_key(rt, timeout), name, body))
 
 
 def left_reports(*, runtime: _runtime.Runtime | None = None,
@@ -231,7 +233,7 @@ def left_reports(*, runtime: _runtime.Runtime | None = None,
     return {}
   key = _key(rt, timeout)
   out = {}
-  for name, stored in rt.client.kv_dir(_LEFT_DIR):
+  for name, stored in rt.service().kv_dir(_LEFT_DIR):
     body = _unseal(key, name, stored, _MAX_ANSWER)
     try:
       if body is not None:
@@ -305,7 +307,7 @@ class Responder:
         return False
       self.attempted = True
       try:
-        first = rt.client.kv_increment(_DIR + 'count', 0)
+        first = rt.service().kv_increment(_DIR + 'count', 0)
       except Exception as e:  # noqa: BLE001
         rt.log.warning('multihost: no where-reporter (%s).',
                        failures.shorten(e, 200))
@@ -337,10 +339,10 @@ class Responder:
       self.stopping = True
     try:
       if rt.connected():
-        n = rt.client.kv_increment(_DIR + 'count', 1) - 1
+        n = rt.service().kv_increment(_DIR + 'count', 1) - 1
         name = f'{_DIR}req/{n}'
         key = rt.job_keys[1] if rt.job_keys else b''
-        rt.client.kv_set(name, _seal(key, name, b'{"to": []}'))
+        rt.service().kv_set(name, _seal(key, name, b'{"to": []}'))
     except Exception:  # noqa: BLE001
       pass
     if self.thread is not None:
@@ -348,7 +350,7 @@ class Responder:
 
   def _serve(self, n: int) -> None:
     rt = self.runtime
-    client = rt.client
+    client = rt.service()
     # Numbers answered lately, in order (bounded): a request found by a
     # catch-up scan and then again by the cursor is answered once.
     answered: dict[int, None] = {}
@@ -383,7 +385,7 @@ class Responder:
         name = f'{_DIR}resp/{n}/{me}'
         answer = json.dumps(local_report(rt)).encode()
         if len(answer) <= _MAX_ANSWER:
-          rt.client.kv_set(name, _seal(key, name, answer))
+          rt.service().kv_set(name, _seal(key, name, answer))
     except Exception as e:  # Never let the reporter die.  # noqa: BLE001
       rt.log.warning('multihost: could not answer where-request %d: %s',
                      n, failures.shorten(e, 200))
@@ -402,10 +404,10 @@ class Responder:
     rt = self.runtime
     try:
       pending = []
-      for name, stored in rt.client.kv_dir(f'{_DIR}req/'):
-        number = name.rsplit('/', 1)[1]
-        if number.isdigit() and int(number) not in answered:
-          pending.append((int(number), name, stored))
+      for name, stored in rt.service().kv_dir(f'{_DIR}req/'):
+        tail = name.rsplit('/', 1)[1]
+        if tail.isdigit() and int(tail) not in answered:
+          pending.append((int(tail), name, stored))
       if not pending:  # The usual idle poll: no job key needed.
         return n
       key = _key(rt, _POLL_S)

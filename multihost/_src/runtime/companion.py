@@ -393,7 +393,7 @@ def start_for_job(kwargs: dict, environ) -> Companion | None:
   address, count, index = (kwargs.get('coordinator_address'),
                            kwargs.get('num_processes'),
                            kwargs.get('process_id'))
-  if None in (address, count, index) or index != 0 or count < 2:
+  if address is None or count is None or index != 0 or count < 2:
     return None
   bind = (kwargs.get('coordinator_bind_address') or
           environ.get(_env.COORDINATOR_BIND) or address)

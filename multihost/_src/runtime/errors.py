@@ -67,7 +67,7 @@ class ProcessFailureError(MultihostError,
                failed_devices: Iterable[jax.Device] | None = None):
     # JAX's __init__ is not called: it would replace the message with
     # 'Devices failed: {...}'. Its one attribute is set here instead.
-    super().__init__(message)
+    MultihostError.__init__(self, message)
     self.operation = operation
     self.failed = tuple(sorted(failed))
     if failed_devices is None:

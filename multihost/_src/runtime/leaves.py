@@ -87,8 +87,10 @@ def to_host(x, op: str, *, canonical: bool = True
       raise ValueError(f'{op}: internal error, a global array reached '
                        'to_host.')
     value = np.asarray(x)
-  dtype = (_canonical(value.dtype, jax.config.jax_enable_x64) if canonical
-           else value.dtype)
+  # JAX's options are attributes it makes at run time (so not typed).
+  dtype = (_canonical(value.dtype,
+                      jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+           if canonical else value.dtype)
   if value.dtype != dtype:
     value = value.astype(dtype)
   if not value.flags.c_contiguous:  # (np.ascontiguousarray makes 0-d 1-d.)
@@ -154,7 +156,9 @@ def finish(value: np.ndarray, spec: LeafSpec):
   """Wraps key data back into a typed key array; other leaves stay numpy."""
   if spec.key_impl is None:
     return value
-  return jax.random.wrap_key_data(np.array(value), impl=spec.key_impl)
+  # It takes any array (a copy of numpy's here); its annotation says Array.
+  return jax.random.wrap_key_data(
+      np.array(value), impl=spec.key_impl)  # type: ignore[arg-type]
 
 
 def pack(values: list[np.ndarray], pad_to: int = 0, *,
@@ -188,7 +192,7 @@ def packed_bytes(values: list[np.ndarray]) -> bytes:
   """`pack(values)` as bytes, without the array in between (a small payload that travels in a header)."""
   if len(values) == 1:
     return values[0].tobytes()
-  return b''.join([v.reshape(-1).view(np.uint8) for v in values])
+  return b''.join([v.reshape(-1).view(np.uint8).data for v in values])
 
 
 def unpack(buffer: np.ndarray, specs: list[LeafSpec],
@@ -296,12 +300,13 @@ def host_leaves(tree: PyTree, op: str) -> HostLeaves:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   key = None
   if all(type(x) is np.ndarray for x in leaves):
-    x64 = jax.config.jax_enable_x64
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # (as above)
     key = (treedef, x64, *[(x.shape, x.dtype, x.flags.c_contiguous)
                             for x in leaves])
     known = _cached(_LAYOUTS, key)
     if known is not None:
-      return HostLeaves(leaves, *known, treedef, [])
+      specs, paths, signature_ = known
+      return HostLeaves(leaves, specs, paths, signature_, treedef, [])
   leaves, paths, treedef = flatten(tree, op)
   bad = global_paths(leaves, paths)
   values, specs = ([], ()) if bad else to_host_all(leaves, op)
@@ -316,7 +321,7 @@ def host_leaves(tree: PyTree, op: str) -> HostLeaves:
 # `host_leaves`' cache: per tree structure, x64 setting and each leaf's
 # (shape, dtype, contiguity), the specs, paths and signature of a tree of
 # numpy leaves that need no conversion. Bounded: cleared when full.
-_LAYOUTS: dict[tuple, tuple] = {}
+_LAYOUTS: dict[tuple, tuple[tuple[LeafSpec, ...], tuple[str, ...], str]] = {}
 _LAYOUTS_MAX = _CACHE_MAX = 256  # Entries of each cache here, at most.
 
 

@@ -40,6 +40,7 @@ from absl import logging
 import jax
 
 from multihost._src.runtime import coordination
+from multihost._src.runtime import errors
 from multihost._src.runtime import flight
 from multihost._src.runtime import settings as _settings
 
@@ -219,6 +220,21 @@ class Runtime:
           f'timeout must be a positive number of seconds; got {timeout!r}.')
     return float(timeout)
 
+  # --- The coordination service ------------------------------------------
+
+  def service(self) -> coordination.Client:
+    """This runtime's coordination-service client; raises NotInitializedError without one.
+
+    For the parts that run only in a multi-process job (where `client` is
+    never None): a None here is a bug or a missing `multihost.initialize()`.
+    """
+    if self.client is None:
+      raise errors.NotInitializedError(
+          f'{self.prefix} has no coordination-service client: jax.distributed '
+          'is not initialized. Call multihost.initialize() (or '
+          'jax.distributed.initialize()) at the start of your program.')
+    return self.client
+
   # --- Leaving -----------------------------------------------------------
 
   def connected(self) -> bool:
@@ -232,7 +248,7 @@ class Runtime:
     if self.raw is not None:
       if self.raw is coordination.raw_client():
         jax.distributed.shutdown()
-    elif hasattr(self.client, 'disconnect'):
+    elif self.client is not None and hasattr(self.client, 'disconnect'):
       self.client.disconnect()
 
   def dump_flight(self, folder: str) -> None:
@@ -308,7 +324,8 @@ def _rebuild() -> Runtime:
     index, count = jax.process_index(), jax.process_count()
     rt = PROCESS.runtime = Runtime(
         coordination.JaxClient(raw), index=index, count=count,
-        recoverable=bool(jax.config.jax_enable_recoverability),
+        # JAX's options are attributes it makes at run time.
+        recoverable=bool(jax.config.jax_enable_recoverability),  # type: ignore[attr-defined]
         runs_service=coordination.runs_service(),
         service_address=coordination.coordinator_address(),
         settings=settings, raw=raw)

@@ -17,6 +17,8 @@ picks the same transport without exchanging anything.
 from __future__ import annotations
 
 import functools
+from typing import Literal
+from typing import overload
 
 import jax
 import numpy as np
@@ -116,6 +118,22 @@ def relay(length: int) -> tree.Relay | None:
   return tree.Relay()
 
 
+@overload
+def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
+              op: str, timeout: float, source_result: Literal[True] = True,
+              early: _eager.Eager | None = None,
+              relay: tree.Relay | None = None) -> np.ndarray:
+  ...
+
+
+@overload
+def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
+              op: str, timeout: float, source_result: bool,
+              early: _eager.Eager | None = None,
+              relay: tree.Relay | None = None) -> np.ndarray | None:
+  ...
+
+
 def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
               op: str, timeout: float, source_result: bool = True,
               early: _eager.Eager | None = None,
@@ -123,7 +141,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   """The source's `length` bytes, on every process, over the chosen transport (see `Transport.broadcast`); a timeout says where the late peers are.
 
   Collective: every process must call this, in the same order, with the
-  same `length` and `source`.
+  same `length` and `source`. Every process gets the bytes, but the source
+  with `source_result=False`.
   """
   try:
     return choose(length).broadcast(parts, length, source, op=op,

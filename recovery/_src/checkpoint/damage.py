@@ -102,6 +102,9 @@ def read(ckpt: Any, target: TransitionState,
   damage = _agree(ckpt, step, error)
   if damage is not None:
     return damage
+  if meta is None:  # (no process failed reading it: this one read it)
+    raise CheckpointError(f'{_prefix()} {where}: its metadata was not read, '
+                          'though no process failed reading it.')
   target_tree = target.to_tree()
   recorded = meta.get('storage')  # None: saved before it was recorded.
   try:

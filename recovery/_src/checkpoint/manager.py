@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from absl import logging
+from absl.logging import converter
 import jax
 import orbax.checkpoint as ocp
 
@@ -95,6 +96,13 @@ def restore_args(abstract: Any) -> ocp.args.Composite:
   return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)})
 
 
+def _delete_failed(step: int, directory: str, e: Exception) -> str:
+  """What a failed delete of an old checkpoint step says."""
+  return (f'{_prefix()} Deleting old checkpoint step {step} in {directory} '
+          f'failed: {type(e).__name__}: {_short(e)}. Newer steps are '
+          'untouched; remove it by hand if it remains.')
+
+
 def watched(op: str, fn: Callable[[], Any],
             explain: Callable[[Exception], str]) -> Any:
   """Runs an Orbax call that every process takes part in.
@@ -121,7 +129,7 @@ def quiet_orbax_logs() -> None:
 
 
 def _not_orbax_info(record) -> bool:
-  return record.levelno >= logging.converter.STANDARD_WARNING or (
+  return record.levelno >= converter.STANDARD_WARNING or (
       f'{os.sep}orbax{os.sep}' not in record.pathname)
 
 
@@ -149,7 +157,4 @@ def prune(mgr: ocp.CheckpointManager, directory: str, committed: list[int],
     # Orbax's delete meets the other processes: watched.
     watched(
         f'delete checkpoint step {step}', functools.partial(mgr.delete, step),
-        lambda e, step=step: (
-            f'{_prefix()} Deleting old checkpoint step {step} in {directory} '
-            f'failed: {type(e).__name__}: {_short(e)}. Newer steps are '
-            'untouched; remove it by hand if it remains.'))
+        functools.partial(_delete_failed, step, directory))

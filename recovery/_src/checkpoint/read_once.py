@@ -28,6 +28,7 @@ data plane's fan-out (a tree or chain: a few copies, not P).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -43,6 +44,11 @@ import multihost
 SMALL_BYTES = 1 << 20
 
 PyTree = Any
+
+
+def _part_of(whole: np.ndarray, index: Any) -> np.ndarray:
+  """The part of `whole` at `index` (a device's, for `make_array_from_callback`)."""
+  return whole[index]
 
 
 def _nbytes(x: Any) -> int:
@@ -161,7 +167,9 @@ def share(restored: PyTree, abstract: PyTree, readers: dict[tuple, int], *,
   """
   me = jax.process_index()
   flat_abstract, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  flat = treedef.flatten_up_to(restored)
+  # jax's `PyTreeDef` (jaxlib's) does not resolve for mypy (it reports an
+  # unresolved `PyTreeDef?`); the method exists on every treedef.
+  flat = treedef.flatten_up_to(restored)  # type: ignore[attr-defined]
   got: dict[tuple, np.ndarray] = {}
   for reader in sorted(set(readers.values())):
     paths = [path for path, _ in flat_abstract if readers.get(path) == reader]
@@ -182,7 +190,8 @@ def share(restored: PyTree, abstract: PyTree, readers: dict[tuple, int], *,
       continue
     whole = got[path].view(np.dtype(x.dtype)).reshape(x.shape)
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-      whole = jax.make_array_from_callback(
-          x.shape, x.sharding, lambda index, whole=whole: whole[index])
-    out.append(whole)
+      out.append(jax.make_array_from_callback(
+          x.shape, x.sharding, functools.partial(_part_of, whole)))
+    else:
+      out.append(whole)
   return jax.tree_util.tree_unflatten(treedef, out)

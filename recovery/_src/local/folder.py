@@ -181,7 +181,7 @@ def write_step(local: str, process: int, step: int, manifest: dict[str, Any],
                            os.O_WRONLY | os.O_CREAT | os.O_EXCL) as f:
       for (leaf, index), block in blocks:
         block = np.require(block, requirements='C')  # keeps 0-d as 0-d
-        f.write(memoryview(block.reshape(-1).view(np.uint8)))
+        f.write(block.reshape(-1).view(np.uint8).data)
         listed.append({'leaf': leaf, 'index': [list(i) for i in index],
                        'dtype': leaves.dtype_text(block.dtype),
                        'shape': list(block.shape), 'offset': offset,
@@ -241,7 +241,7 @@ def _read(path: str, step: int, run: str, process: int) -> StoredStep | None:
   try:
     entries = {}
     for e in manifest['entries']:
-      key = (e['leaf'], tuple(tuple(int(v) for v in i) for i in e['index']))
+      key = (e['leaf'], tuple((int(a), int(b)) for a, b in e['index']))
       entry = Entry(key=key, dtype=e['dtype'], shape=tuple(e['shape']),
                     offset=int(e['offset']), nbytes=int(e['nbytes']),
                     path=data)
@@ -261,7 +261,7 @@ def scan(local: str) -> list[StoredStep]:
   skipped; so is all of `local` when it fails it (the tier refuses such a
   folder when it starts).
   """
-  out = []
+  out: list[StoredStep] = []
   try:
     private.check_private(local)
     names = sorted(os.listdir(local))
@@ -292,7 +292,7 @@ def read_block(entry: Entry) -> np.ndarray:
   out = np.empty(entry.shape, leaves.dtype_of(entry.dtype))
   with private.open_file(entry.path, os.O_RDONLY) as f:
     f.seek(entry.offset)
-    view = memoryview(out.reshape(-1).view(np.uint8))
+    view = out.reshape(-1).view(np.uint8).data
     if f.readinto(view) != entry.nbytes:
       raise OSError(f'{entry.path} ends before block {entry.key[0]} '
                     f'{list(entry.key[1])} (offset {entry.offset}, '

@@ -66,8 +66,11 @@ def array_layout(sharding: jax.sharding.Sharding,
   placed = []
   for device, index in sharding.devices_indices_map(shape).items():
     key = index_key(index, shape)
-    holders.setdefault(key, set()).add(device.process_index)
-    placed.append((device.id, device.process_index, key))
+    # jax's `Device` (jaxlib's) does not resolve for mypy (it reports an
+    # unresolved `Device?`); the attributes exist on every device.
+    process = device.process_index  # type: ignore[attr-defined]
+    holders.setdefault(key, set()).add(process)
+    placed.append((device.id, process, key))  # type: ignore[attr-defined]
   return ({k: frozenset(v) for k, v in holders.items()}, tuple(sorted(placed)))
 
 
@@ -102,7 +105,7 @@ def blocks_to_write(tree, hosts: list[str], me: int, *,
   for name, x in named_leaves(tree):
     if is_placed(x):
       holders, _ = array_layout(x.sharding, tuple(x.shape))
-      mine = {}
+      mine: dict[Any, Any] = {}
       for shard in x.addressable_shards:
         mine.setdefault(index_key(shard.index, tuple(x.shape)), shard.data)
     else:

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from absl import logging
+import numpy as np
 
 import multihost
 from multihost import process_prefix as _prefix
@@ -158,14 +159,15 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   if transfers:
     # Every destination of this process gets its list (empty too): each
     # receiver names its senders.
-    outgoing = {dst: [] for src, dst, _ in transfers if src == tier.me}
+    outgoing: dict[int, list[tuple[Any, np.ndarray]]] = {
+        dst: [] for src, dst, _ in transfers if src == tier.me}
     for src, dst, key in transfers:
       if src != tier.me:
         continue
       if key not in blocks and key not in local_entries:
-        e = missing_block_error(tier, step, key, info['keys'][key],
-                                send_to=dst)
-        error = error or f'{type(e).__name__}: {e}'
+        missing = missing_block_error(tier, step, key, info['keys'][key],
+                                      send_to=dst)
+        error = error or f'{type(missing).__name__}: {missing}'
         continue
       try:
         outgoing[dst].append((key, blocks[key] if key in blocks else
@@ -193,6 +195,9 @@ def _restore_step(tier, step: int, info: dict, target: TransitionState,
   failed = _failed(where, 'reading it', [e for e, _ in gathered])
   if failed:
     return f'it failed reading: {failed}'
+  if restored is None:  # (no error anywhere: this process assembled it)
+    raise CheckpointError(f'{_prefix()} {where}: nothing was assembled, '
+                          'though no process failed reading it.')
   algorithm = meta['digest_algorithm']  # (Checked by `_fits`.)
   digests = digest.checkpoint_leaf_digests(restored, algorithm=algorithm)
   got = digest.combine(digests, algorithm=algorithm)

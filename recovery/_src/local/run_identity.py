@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from typing import TypeGuard
 
 from multihost.files import write_atomic
 from recovery._src.local import private
@@ -51,6 +52,6 @@ def new() -> str:
   return private.new_identity()
 
 
-def is_run(value: Any) -> bool:
+def is_run(value: Any) -> TypeGuard[str]:
   """Whether `value` is a run identity (16 lowercase hex digits)."""
   return isinstance(value, str) and private.IDENTITY.fullmatch(value) is not None

@@ -175,7 +175,9 @@ class LocalTier:
 
   def _save(self, step: int, tree, meta: dict, t0: float) -> None:
     """`save` past the consistency check: the blocks, the peer copies, the write started."""
-    own, sends, error = [], [], None
+    own: list = []
+    sends: list = []
+    error: str | None = None
     # The same on every process: all take part in the exchange or none.
     peers_needed = (self.successor is not None
                     and _layout.on_one_host(tree, self.hosts))
@@ -218,6 +220,10 @@ class LocalTier:
 
   def _exchange(self, sends: list) -> list:
     """Sends `sends` to the successor host's lowest process alone (its keeper); returns the blocks sent here (collective; every process sends, an empty list too, so each keeper names its senders)."""
+    if self.successor is None:  # (called only where there is one)
+      raise CheckpointFolderError(
+          f'{_prefix()} Local tier: no successor host to send peer copies '
+          'to (the job has one host).')
     keeper = self.lowest[self.successor]
     senders = [p for p, h in enumerate(self.hosts) if self.me == self.lowest[
         self.host] and self._successor_of(h) == self.host]
@@ -320,7 +326,8 @@ class LocalTier:
     Collective: every process must call this, in the same order. What a
     fresh start refuses to mix with (`resume.decide`).
     """
-    held, own = {}, set()
+    held: dict[int, list[str]] = {}
+    own: set[int] = set()
     if self.me == self.lowest[self.host]:  # (The host's folder, once.)
       for s in folder.scan(self.local):
         if s.manifest.get('directory') == self.directory:

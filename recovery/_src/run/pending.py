@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from typing import Any
+from typing import Generic
 from typing import Protocol
+from typing import TypeVar
 
 import jax
 
@@ -22,8 +24,15 @@ EVERY = 4
 
 class Record(Protocol):
   """A dispatched step (`loop.StepRecord`): its number and its loss as the step function returned it (a jax.Array, or any value)."""
-  step: int
-  raw_loss: Any  # Whatever the user's step function returned.
+
+  @property
+  def step(self) -> int: ...
+  @property
+  def raw_loss(self) -> Any: ...  # Whatever the user's step function returned.
+
+
+# The records a queue holds (the loop's own `StepRecord`).
+R = TypeVar('R', bound=Record)
 
 
 class Watch(Protocol):
@@ -39,23 +48,25 @@ class Watch(Protocol):
 
 class State(Protocol):
   """The transition state (`TransitionState`): its user state is waited for."""
-  user: Any  # The user's pytree.
+
+  @property
+  def user(self) -> Any: ...  # The user's pytree.
 
 
 # A held check: (old user state, new user state, record).
-Check = Callable[[Any, Any, Record], None]
+Check = Callable[[Any, Any, R], None]
 
 
-class Overlapped:
+class Overlapped(Generic[R]):
   """`overlap_check`: the check of the step dispatched last, run once the next one is dispatched (or when flushed)."""
 
-  def __init__(self, check: Check, watch: Watch | None):
+  def __init__(self, check: Check[R], watch: Watch | None):
     self._check = check
     self._watch = watch  # A `multihost.step_watch()`, or None.
-    self._held: tuple[Any, Any, Record] | None = None
+    self._held: tuple[Any, Any, R] | None = None
 
   def dispatched(self, old_user: Any, new_user: Any,
-                 record: Record, *, settle: bool) -> None:
+                 record: R, *, settle: bool) -> None:
     """Checks the step held before `record`'s, then holds `record`'s (checked now with `settle`)."""
     self.flush()
     self._held = (old_user, new_user, record)
@@ -66,7 +77,8 @@ class Overlapped:
       # stuck on this one's result (the check reads it; on a CPU device the
       # next step's batch and dispatch can wait for it too).
       loss = record.raw_loss
-      self._watch.awaiting(record.step, loss.is_ready if isinstance(
+      # jax.Array's annotations leave out `is_ready`, which arrays have.
+      self._watch.awaiting(record.step, loss.is_ready if isinstance(  # type: ignore[attr-defined]
           loss, jax.Array) else None)
 
   def flush(self) -> None:
@@ -80,7 +92,7 @@ class Overlapped:
           self._watch.awaiting(None)
 
 
-class Queue:
+class Queue(Generic[R]):
   """The steps dispatched and not yet waited for, oldest first.
 
   A loop that never reads a result keeps the device busy by queueing steps
@@ -90,13 +102,13 @@ class Queue:
   """
 
   def __init__(self):
-    self._steps: collections.deque[Record] = collections.deque()
-    self.done: Record | None = None  # The newest step known finished.
+    self._steps: collections.deque[R] = collections.deque()
+    self.done: R | None = None  # The newest step known finished.
     # The type of the last loss seen to be a jax.Array: an isinstance check
     # against jax.Array costs about as much as asking whether it is ready.
     self._array_type: type | None = None
 
-  def add(self, record: Record, settle: bool) -> None:
+  def add(self, record: R, settle: bool) -> None:
     """Queues `record`'s step; at KEEP + EVERY queued waits until KEEP are (with `settle`: none)."""
     steps = self._steps
     steps.append(record)
@@ -114,14 +126,16 @@ class Queue:
     if type(loss) is self._array_type or isinstance(loss, jax.Array):
       self._array_type = type(loss)
       # Mostly finished already (the host is the slower side): asking
-      # spares the wait's round trip through the runtime.
-      if not loss.is_ready():
-        loss.block_until_ready()
+      # spares the wait's round trip through the runtime. (mypy cannot
+      # follow the cached type check to jax.Array, whose annotations leave
+      # out `is_ready`.)
+      if not loss.is_ready():  # type: ignore[attr-defined]
+        loss.block_until_ready()  # type: ignore[attr-defined]
     else:
       jax.block_until_ready(loss)
     self.done = done
 
-  def finish(self, record: Record, state: State,
+  def finish(self, record: R, state: State,
              watch: Watch | None) -> None:
     """Waits for `record`'s step (its loss and `state`) and all before it, judged as its step."""
     self._steps.clear()

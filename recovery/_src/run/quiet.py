@@ -15,6 +15,7 @@ import sys
 import threading
 
 from absl import logging
+from absl.logging import converter
 
 from multihost import env as _env
 from multihost import lowlevel
@@ -64,14 +65,14 @@ def _keep(record) -> bool:
   for where, start in _DROPPED:
     if where in record.pathname and msg.startswith(start):
       return False
-  info = record.levelno < logging.converter.STANDARD_WARNING
+  info = record.levelno < converter.STANDARD_WARNING
   # JAX says at INFO that it found no TPU on a machine that has none.
   if info and msg.startswith('Unable to initialize backend'):
     return False
   if info and (_JAX_DISTRIBUTED[0] in record.pathname and
                msg.startswith(_JAX_DISTRIBUTED[1])):
     return False
-  if record.levelno < logging.converter.STANDARD_ERROR and msg.startswith(
+  if record.levelno < converter.STANDARD_ERROR and msg.startswith(
       '%s '):
     try:
       text = record.getMessage()

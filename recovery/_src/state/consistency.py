@@ -79,5 +79,8 @@ def _has_cross_process_replicas(sharding: jax.sharding.Sharding,
   holders: dict[tuple, set[int]] = {}
   for device, index in sharding.devices_indices_map(shape).items():
     key = tuple((s.start, s.stop, s.step) for s in index)
-    holders.setdefault(key, set()).add(device.process_index)
+    # jax's `Device` (jaxlib's) does not resolve for mypy (it reports an
+    # unresolved `Device?`); the attribute exists on every device.
+    holders.setdefault(key, set()).add(
+        device.process_index)  # type: ignore[attr-defined]
   return any(len(p) > 1 for p in holders.values())

@@ -124,11 +124,11 @@ def _nest(pairs: Iterator[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
 
   A tree that is a single leaf (path ()) stays that leaf.
   """
-  pairs = list(pairs)
-  if len(pairs) == 1 and not pairs[0][0]:
-    return pairs[0][1]
+  listed = list(pairs)
+  if len(listed) == 1 and not listed[0][0]:
+    return listed[0][1]
   out: dict[str, Any] = {}
-  for path, value in pairs:
+  for path, value in listed:
     node = out
     for i, part in enumerate(path[:-1]):
       node = node.setdefault(part, {})
@@ -288,8 +288,8 @@ def _abstract_leaf(name: str, x: Any, stored: list | None) -> Any:
       return jax.ShapeDtypeStruct(data.shape, data.dtype,
                                   sharding=data.sharding)
     return np.zeros(data.shape, data.dtype)
-  stored = storable_leaf(name, x)
-  return np.zeros(stored.shape, stored.dtype)
+  kept = storable_leaf(name, x)
+  return np.zeros(kept.shape, kept.dtype)
 
 
 def restore_target(target: PyTree,

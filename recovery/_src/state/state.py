@@ -50,8 +50,10 @@ class TransitionState:
                 key_like: jax.Array) -> TransitionState:
     """Inverse of `to_tree`; `key_like` supplies the PRNG implementation."""
     data = tree['data']
+    # It takes any array (numpy's here); its annotation says Array.
     key = jax.random.wrap_key_data(
-        np.asarray(data['key']), impl=jax.random.key_impl(key_like))
+        np.asarray(data['key']),  # type: ignore[arg-type]
+        impl=jax.random.key_impl(key_like))
     return cls(user=tree['user'], key=key,
                order=np.asarray(data['order'], np.int32),
                cursor=int(data['cursor']), epoch=int(data['epoch']),

@@ -55,8 +55,8 @@ def read_address(key: bytes, index: int, value: bytes,
   text, _, mac = value.rpartition(b'|')
   try:
     ok = hmac.compare_digest(mac.decode(), _address_mac(key, index, text))
-    host, port, local = text.decode().split('|')
-    port = int(port)
+    host, port_text, local = text.decode().split('|')
+    port = int(port_text)
   except ValueError:
     ok = False
   if not ok:

@@ -93,7 +93,8 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     out = result = (buffers.take(length) if rank > 0 or source_result
                     else None)
   ranges = payload.stripes(length, plane.lanes)
-  pieces = [None] * len(ranges) if rank > 0 else payload.pieces(parts, ranges)
+  pieces: list = ([None] * len(ranges) if rank > 0
+                  else payload.pieces(_parts(parts, op, plane.me), ranges))
   if tree.carries(plane.count, length):
     tree.broadcast(plane, call, source, length, pieces[0], out, op,
                    deadline, eager, relay)
@@ -102,7 +103,7 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
   jobs = [plane.lane_threads[lane - 1].run(functools.partial(
       _chain, plane, lane, call, source, ranges[lane], pieces[lane], out, op,
       deadline, True)) for lane in range(1, len(ranges))]
-  error = None
+  error: BaseException | None = None
   try:
     _chain(plane, 0, call, source, ranges[0], pieces[0], out, op, deadline,
            len(ranges) > 1, eager)
@@ -118,6 +119,15 @@ def broadcast(parts: list[np.ndarray] | None, length: int, source: int, *,
     raise error
   _copied(eager, deadline)
   return result
+
+
+def _parts(parts: list[np.ndarray] | None, op: str,
+           me: int) -> list[np.ndarray]:
+  """The source's `parts`, which it must pass (a None here is a bug)."""
+  if parts is None:
+    raise errors.MultihostError(
+        f'{op}: process {me}, the source, passed no parts to send.')
+  return parts
 
 
 def _copied(eager: _eager.Eager | None, deadline: float) -> None:
@@ -147,31 +157,39 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
   # The source sends on its thread (it has no reads to keep going
   # meanwhile); a process in the middle of the chain forwards on a sender
   # (lane 0) or on its lane's thread between reads (the others).
-  sender = None
+  sender: threads.Sender | threads.DirectSender | None = None
   if nxt is not None and rank > 0:
     # A stripe of one chunk is read whole before any of it is forwarded:
     # a thread would have no read to overlap, only a handoff to add.
     sender = (threads.sender(watch, n, plane.sends)
               if lane == 0 and n > payload.CHUNK
               else threads.DirectSender(watch))
-  peer = nxt if rank == 0 else prev
+  peer = nxt if rank == 0 and nxt is not None else prev
   target = None if out is None else out[start:stop]
   try:
     down = plane.conn(nxt, deadline, op, lane) if nxt is not None else None
     if down is not None:
       payload.arm(down, deadline)
     if rank == 0 and eager is not None:
-      if down is not eager.link:  # (the links were closed meanwhile)
+      if down is None or down is not eager.link:  # (closed meanwhile)
         raise ConnectionResetError('the link was closed after the agreement')
       payload.send_and_copy(down, eager.segments, eager.head, target,
                             watch, eager.sent)
     elif rank == 0:
+      if down is None or piece is None:
+        raise errors.MultihostError(
+            f'{op}: process {me}, the source, has no link down the chain '
+            'or nothing to send on it.')
       head = down.frame(call, n)
       payload.send_and_copy(down, payload.framed(head, piece, striped),
                             len(head), target, watch)
     else:
-      view = memoryview(target)
-      if down is not None:
+      if target is None:
+        raise errors.MultihostError(
+            f'{op}: process {me} has no result to receive into.')
+      view = target.data
+      # A sender exists exactly where a link down the chain does.
+      if down is not None and sender is not None:
         sender.send(down.sock, down.frame(call, n))
       up = plane.conn(prev, deadline, op, lane)
       payload.arm(up, deadline)
@@ -179,13 +197,14 @@ def _chain(plane: _tcp_link.Plane, lane: int, call: int, source: int,
         up.read_frame_into(call, view, op, prev, watch)
       else:
         up.read_frame(call, n, op, prev, watch)
-      for at in range(0, n if down is not None else 0, payload.CHUNK):
-        chunk = view[at:at + payload.CHUNK]
-        up.recv_into(chunk, watch)
-        sender.send(down.sock, chunk)
-    if sender is not None:
+      if down is not None and sender is not None:
+        for at in range(0, n, payload.CHUNK):
+          chunk = view[at:at + payload.CHUNK]
+          up.recv_into(chunk, watch)
+          sender.send(down.sock, chunk)
+    if sender is not None and nxt is not None:
       peer = nxt
-      sender, done = None, sender
+      done, sender = sender, None
       done.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, sender, op, peer, e,
@@ -210,7 +229,9 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
   copied = False
   peer = prev
   watch = Deadline(op, deadline, plane.rt.watchdog)
-  sender = threads.sender(watch, max(sizes), plane.sends)
+  ring = threads.sender(watch, max(sizes), plane.sends)
+  # The sender `payload.failed` stops, if the ring fails before it closed.
+  sender: threads.Sender | threads.DirectSender | None = ring
   try:
     down = plane.conn(nxt, deadline, op)
     up = plane.conn(prev, deadline, op)
@@ -219,22 +240,21 @@ def allgather(buffer: np.ndarray, sizes: list[int], *, op: str,
     for step in range(count - 1):
       out_block = (me - step) % count
       in_block = (me - step - 1) % count
-      sender.send(down.sock, down.frame(call, sizes[out_block]))
+      ring.send(down.sock, down.frame(call, sizes[out_block]))
       # The first block is this process's own: it goes out from the
       # caller's buffer, and is copied into the result while it does.
-      sender.send(down.sock, memoryview(mine if step == 0
-                                        else blocks[out_block]))
+      ring.send(down.sock, (mine if step == 0 else blocks[out_block]).data)
       if not copied:
         blocks[me][:] = mine
         copied = True
-      up.read_frame_into(call, memoryview(blocks[in_block]), op, prev, watch)
-      if sender.error is not None:
-        raise sender.error
+      up.read_frame_into(call, blocks[in_block].data, op, prev, watch)
+      if ring.error is not None:
+        raise ring.error
     if not copied:
       blocks[me][:] = mine
     peer = nxt
-    sender, done = None, sender
-    done.close(deadline)
+    sender = None
+    ring.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, sender, op, peer, e,
                          deadline=deadline) from e
@@ -249,9 +269,14 @@ class TcpTransport:
   def broadcast(self, parts: list[np.ndarray] | None, length: int,
                 source: int, *, op: str, timeout: float,
                 source_result: bool = True,
-                early: _eager.Eager | None = None,
-                relay: tree.Relay | None = None) -> np.ndarray | None:
-    """See `Transport.broadcast`."""
+                early: object | None = None,
+                relay: object | None = None) -> np.ndarray | None:
+    """See `Transport.broadcast`; `early` and `relay` are this transport's own (`choice.early_stripe`, `choice.relay`)."""
+    if not isinstance(early, (_eager.Eager, type(None))) or not isinstance(
+        relay, (tree.Relay, type(None))):
+      raise TypeError(
+          f'{op}: the TCP transport got another transport\'s early stripe '
+          f'or relay ({type(early).__name__}, {type(relay).__name__}).')
     return broadcast(parts, length, source, op=op, timeout=timeout,
                      source_result=source_result, eager=early, relay=relay)
 

@@ -87,6 +87,8 @@ class Eager:
 
   def defer(self) -> None:
     """Ends the frame after a difference or a timeout: the rest is sent at once as far as the socket takes it, and the link owes the remainder (sent before its next use: `Plane.conn`)."""
+    if self.link is None:
+      raise RuntimeError('Eager.defer() called before Eager.start().')
     rest = payload.cut(self.segments, self.sent, payload.ALL)
     self.sent = sum(len(x) for x in self.segments)
     try:

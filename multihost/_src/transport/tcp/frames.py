@@ -16,6 +16,7 @@ import struct
 from multihost._src.runtime import failures
 from multihost._src.runtime.deadline import Deadline
 from multihost._src.transport.tcp import sockets
+from multihost._src.transport.tcp import stage as _stage
 
 _MAC = 16
 
@@ -66,7 +67,7 @@ class Link:
     self.owed: list[memoryview] | None = None
     # The peer's stage, where both sides of a local link passed theirs
     # (`transport.tcp.shared`); else None.
-    self.shared = None
+    self.shared: _stage.PeerStage | None = None
 
   def frame(self, call: int, length: int) -> bytes:
     """The next frame header to send (the caller sends frames in this order)."""
@@ -107,10 +108,10 @@ class Link:
         end += sockets.recv_some(self.sock, [view[end:]], deadline,
                                  idle=not end)
         self._end = end
-    out = bytes(self._ahead[at:at + n])
+    taken = bytes(self._ahead[at:at + n])
     at += n
     self._at, self._end = (0, 0) if at == end else (at, end)
-    return out
+    return taken
 
   def read_frame_into(self, call: int, view: memoryview, op: str, peer: int,
                       deadline: Deadline | None = None) -> None:

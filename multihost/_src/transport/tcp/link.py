@@ -46,12 +46,14 @@ from multihost._src.transport.tcp import threads
 _RETRY_S = 0.05  # between a connector's attempts after a cut handshake
 
 
-def _key(peer: int, lane: int) -> int | tuple[int, int]:
+def _key(peer: int, lane: int) -> Key:
   """`Plane.conns`' key of the link to `peer` on `lane` (lane 0's is the peer)."""
   return peer if lane == 0 else (peer, lane)
 
 
 Link = frames.Link
+# `Plane.conns`' key: the peer (lane 0), or (peer, lane).
+Key = int | tuple[int, int]
 
 
 class Plane:
@@ -76,7 +78,7 @@ class Plane:
     self.conns_lock = threading.RLock()
     self.lock = threading.Condition(self.conns_lock)
     self.connecting = threading.Lock()
-    self.conns: dict[int, Link] = {}
+    self.conns: dict[Key, Link] = {}
     self.sends = threads.SendThread()  # every transfer's background sends
     # The links per peer a large broadcast stripes over, and a thread for
     # each lane past the first (which runs on the calling thread).
@@ -115,9 +117,9 @@ class Plane:
                          name='multihost-transport', daemon=True).start()
     if self.local_listener is not None:
       self.local = self.local_listener.getsockname()[1:].decode()
-    rt.client.kv_set(auth.ADDRESS_KEY.format(self.me),
-                     auth.address_record(self.secret, self.me, host, port,
-                                         self.local))
+    rt.service().kv_set(auth.ADDRESS_KEY.format(self.me),
+                        auth.address_record(self.secret, self.me, host, port,
+                                            self.local))
 
   def _accepted(self, peer: int, lane: int, link: Link) -> None:
     """Keeps a link `peer` proved on `lane` (the acceptor calls it under `lock`)."""
@@ -143,7 +145,7 @@ class Plane:
   def _address(self, peer: int, remaining: float,
                op: str) -> tuple[str, int, str]:
     """(host, port, local socket name) from `peer`'s address record, authenticated; waits up to `remaining` seconds for it."""
-    value = self.rt.client.kv_get(auth.ADDRESS_KEY.format(peer), remaining)
+    value = self.rt.service().kv_get(auth.ADDRESS_KEY.format(peer), remaining)
     return auth.read_address(self.secret, peer, value, op)
 
   def _connect(self, peer: int, lane: int, remaining: float,
@@ -208,7 +210,8 @@ class Plane:
         link = None
     if link is not None:
       if link.owed:  # Outside the lock: the peer may take a while to read.
-        _pay_owed(link, peer, Deadline(op, deadline, self.rt.watchdog))
+        _pay_owed(link, peer, Deadline(op, deadline, self.rt.watchdog),
+                  self.rt.watchdog)
       return link
     if self.me < peer:
       # One connector at a time (the agreement's link setup runs on a thread
@@ -256,16 +259,17 @@ def _where(host: str, port: int, local: str) -> str:
   return f'the local socket @{local}' if local else f'{host}:{port}'
 
 
-def _pay_owed(link: Link, peer: int, deadline: Deadline) -> None:
-  """Sends what `link` owes its peer (see `Link.owed`)."""
+def _pay_owed(link: Link, peer: int, deadline: Deadline,
+              liveness: _tcp_errors.Watched) -> None:
+  """Sends what `link` owes its peer (see `Link.owed`); `liveness` names a dead peer."""
   owed, link.owed = link.owed, None
   try:
-    for view in owed:
+    for view in owed or ():
       sockets.send_all(link.sock, view, deadline)
   except (OSError, TimeoutError) as e:
     sockets.close(link.sock)
     raise _tcp_errors.peer_error(op=deadline.op, peer=peer, error=e,
-                                 liveness=deadline.liveness) from e
+                                 liveness=liveness) from e
 
 
 def transfer_id(plane: Plane) -> int:
@@ -310,7 +314,7 @@ def plane_of(rt: _runtime.Runtime, op: str, deadline: float) -> Plane:
     return rt.plane
 
 
-def break_plane(plane: Plane, error: BaseException) -> None:
+def break_plane(plane: Plane, error: BaseException | None) -> None:
   """Closes every link (bytes of a failed transfer may be in flight); the next transfer opens new ones."""
   del error
   with plane.lock:

@@ -62,8 +62,9 @@ def exchange(sends: dict[int, list], incoming: dict[int, int], *, op: str,
   in_order = sorted(incoming, key=lambda s: (me - s) % count)
   sizes = {d: length(sends[d]) for d in out_order}
   watch = Deadline(op, deadline, plane.rt.watchdog)
-  sender = threads.sender(watch, max(sizes.values(), default=0),
-                          plane.sends)
+  pipe = threads.sender(watch, max(sizes.values(), default=0), plane.sends)
+  # The sender `payload.failed` stops, if the exchange fails before it closed.
+  sender: threads.Sender | threads.DirectSender | None = pipe
   received: dict[int, np.ndarray] = {}
   peer = (out_order or in_order or [me])[0]
   try:
@@ -71,22 +72,22 @@ def exchange(sends: dict[int, list], incoming: dict[int, int], *, op: str,
       peer = dest
       down = plane.conn(dest, deadline, op)
       payload.arm(down, deadline)
-      sender.send(down.sock, down.frame(call, sizes[dest]))
+      pipe.send(down.sock, down.frame(call, sizes[dest]))
       for segment in sends[dest]:
         view = memoryview(segment).cast('B')
         for at in range(0, len(view), payload.CHUNK):
-          sender.send(down.sock, view[at:at + payload.CHUNK])
+          pipe.send(down.sock, view[at:at + payload.CHUNK])
     for source in in_order:
       peer = source
       up = plane.conn(source, deadline, op)
       payload.arm(up, deadline)
       out = buffers.take(incoming[source])
-      up.read_frame_into(call, memoryview(out), op, source, watch)
+      up.read_frame_into(call, out.data, op, source, watch)
       received[source] = out
     if out_order:
       peer = out_order[-1]
-    sender, done = None, sender
-    done.close(deadline)
+    sender = None
+    pipe.close(deadline)
   except (OSError, TimeoutError, errors.MultihostError) as e:
     raise payload.failed(plane, sender, op, peer, e,
                          deadline=deadline) from e

@@ -60,7 +60,7 @@ def segments(head: bytes, parts: list[np.ndarray]) -> list:
   out: list = []
   run: list = [head]
   for part in parts:
-    view = memoryview(part.reshape(-1).view(np.uint8))
+    view = part.reshape(-1).view(np.uint8).data
     if len(view) >= JOIN_BELOW:
       if run:
         out.append(b''.join(run))

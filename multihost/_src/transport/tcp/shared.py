@@ -110,8 +110,14 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, length: int,
   """
   watch = Deadline(op, deadline, plane.rt.watchdog)
   if plane.me == source:
+    if parts is None:
+      raise errors.MultihostError(
+          f'{op}: process {plane.me}, the source, passed no parts to send.')
     _send(plane, call, length, parts, out, op, deadline, watch)
   else:
+    if out is None:
+      raise errors.MultihostError(
+          f'{op}: process {plane.me} has no result to receive into.')
     _receive(plane, call, source, length, out, op, deadline, watch)
 
 
@@ -120,7 +126,7 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
           deadline: float, watch: Deadline) -> None:
   """The source's half: each piece into the stage, a frame to each receiver, and, where a slot takes another piece, their releases of its last one first (`_released`; see the module docstring)."""
   peers = [p for p in range(plane.count) if p != plane.me]
-  views = [memoryview(part.reshape(-1).view(np.uint8)) for part in parts]
+  views = [part.reshape(-1).view(np.uint8).data for part in parts]
   peer = peers[0]
   try:
     links = {}
@@ -142,7 +148,10 @@ def _send(plane: _tcp_link.Plane, call: int, length: int,
       copying = plane.copier.run(functools.partial(leaves.pack_into, out,
                                                    parts))
       out = None  # (the copier's: the pieces below do not copy into it)
-    stage = plane.stage.array  # (a link holds a stage only if this has one)
+    if plane.stage is None:  # (a link holds a stage only if this has one)
+      raise errors.MultihostError(
+          f'{op}: process {plane.me} has a shared link but no stage.')
+    stage = plane.stage.array
     pieces = _pieces(length, plane.count)
     for k, (start, stop) in enumerate(pieces):
       slot = _place(k, start, length)
@@ -172,7 +181,7 @@ def _receive(plane: _tcp_link.Plane, call: int, source: int, length: int,
     payload.arm(link, deadline)
     if link.shared is None:
       link.read_frame(call, length, op, source, watch)
-      link.recv_into(memoryview(out), watch)
+      link.recv_into(out.data, watch)
       return
     stage = link.shared.array
     pieces = _pieces(length, plane.count)

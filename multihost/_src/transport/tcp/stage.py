@@ -71,7 +71,7 @@ class Stage:
 
   def close(self) -> None:
     os.close(self.shared_fd)
-    self.array = None
+    del self.array  # (its view of the mapping, which may then close)
     try:
       self.memory.close()
     except BufferError:  # (a view still in use: freed with it)

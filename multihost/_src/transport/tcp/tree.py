@@ -89,15 +89,18 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
   try:
     if parent is not None:
       peer = (parent + source) % count
+      if out is None:
+        raise errors.MultihostError(
+            f'{op}: process {me} has no result to receive into.')
       up = plane.conn(peer, deadline, op)
       payload.arm(up, deadline)
       if relay is not None and relay.folded is not None:
         if relay.folded != n:
           raise failures.out_of_step(op, peer, (call, relay.folded),
                                      (call, n))
-        up.recv_into(memoryview(out), watch)
+        up.recv_into(out.data, watch)
       else:
-        up.read_frame_into(call, memoryview(out), op, peer, watch)
+        up.read_frame_into(call, out.data, op, peer, watch)
     target = out if parent is None else None  # (the source copies once)
     for child in children:
       peer = (child + source) % count
@@ -112,6 +115,9 @@ def broadcast(plane: _tcp_link.Plane, call: int, source: int, n: int,
         payload.send_and_copy(down, eager.segments, eager.head, target,
                               watch, eager.sent)
       else:
+        if piece is None:
+          raise errors.MultihostError(
+              f'{op}: process {me}, the source, passed nothing to send.')
         head = down.frame(call, n)
         payload.send_and_copy(down, payload.segments(head, piece), len(head),
                               target, watch)

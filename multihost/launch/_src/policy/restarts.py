@@ -70,8 +70,8 @@ def combine(attempts: collections.abc.Sequence[_report.LaunchResult], *,
     elif attempt.ok:
       then = 'the run succeeded'
     elif (attempt.interrupted_by is None and not attempt.timed_out and
-          not_retried(attempt) is not None):
-      then = not_retried(attempt)
+          (why := not_retried(attempt)) is not None):
+      then = why
     elif (attempt.interrupted_by is None and not attempt.timed_out and
           k >= max_restarts):
       then = f'no restarts left (--max_restarts={max_restarts})'

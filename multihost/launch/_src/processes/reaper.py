@@ -109,7 +109,7 @@ def kill_group(pgid: int, sig: int) -> None:
 
 
 def _children() -> list[int]:
-  pids = []
+  pids: list[int] = []
   try:
     for task in os.listdir('/proc/self/task'):
       with open(f'/proc/self/task/{task}/children') as f:

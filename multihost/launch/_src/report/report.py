@@ -117,18 +117,20 @@ def first_failure(returncodes: tuple[int | None, ...],
 
   def when(i: int) -> float:
     events = [inf]
-    if i in failed and end_times[i] is not None:
-      events.append(end_times[i])
-    if i in raisers:
-      events.append(raised[i].time)  # type: ignore[union-attr]
+    end, error = end_times[i], raised[i]
+    if i in failed and end is not None:
+      events.append(end)
+    if i in raisers and error is not None:  # (a raiser's is never None)
+      events.append(error.time)
     return min(events)
 
   first = min(set(failed) | set(raisers), key=lambda i: (when(i), i))
   if (first != 0 and 0 in failed and first in failed and
       returncodes[first] == -signal.SIGABRT and
       returncodes[0] != -signal.SIGABRT and
-      end_times[0] is not None and end_times[first] is not None and
-      end_times[0] - end_times[first] < ABORT_RACE_S and
+      (end0 := end_times[0]) is not None and
+      (end_first := end_times[first]) is not None and
+      end0 - end_first < ABORT_RACE_S and
       first not in _evidence.named_as_failed(outputs[0] if outputs else '')):
     return 0
   return first
@@ -140,7 +142,10 @@ def exit_code(returncodes: tuple[int | None, ...], *, first: int | None,
   if interrupted_by is not None:
     return 128 + interrupted_by
   if first is not None:
-    return status_of(returncodes[first])  # type: ignore[arg-type]
+    code = returncodes[first]
+    if code is None:  # (a first failure has exited)
+      raise ValueError(f'process {first}, the first to fail, has not exited.')
+    return status_of(code)
   if timed_out:
     return TIMEOUT_EXIT_STATUS
   for rc in returncodes:  # E.g. stopped, yet exited non-zero.

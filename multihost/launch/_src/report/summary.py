@@ -51,8 +51,9 @@ def summary(run: Observed, *, first: int | None, code: int) -> str:
   for i, rc in enumerate(rcs):
     end = run.end_times[i]
     when = '' if end is None else f' at {end:.1f} s'
-    if raised[i] is not None and rc != 0:
-      when += f', raised at {raised[i].time:.1f} s'  # type: ignore[union-attr]
+    error = raised[i]
+    if error is not None and rc != 0:
+      when += f', raised at {error.time:.1f} s'
     note = ''
     if i == first:
       note = '  <- failed first'
@@ -98,9 +99,8 @@ def _blame(run: Observed, first: int,
   aborts = [i for i in collateral if rcs[i] == -signal.SIGABRT]
   died_first = (first == 0 and n > 1 and not run.host_service and bool(aborts) and
                 0 not in stopped and end0 is not None and
-                all(run.end_times[i] is None or
-                    run.end_times[i] >= end0 - ABORT_RACE_S
-                    for i in collateral))
+                all(end is None or end >= end0 - ABORT_RACE_S
+                    for end in (run.end_times[i] for i in collateral)))
   if died_first:
     out.append(
         f'Process 0, which hosts the JAX coordination service, died '
@@ -120,7 +120,7 @@ def _blame(run: Observed, first: int,
                  'partition or coordinator gone): JAX aborted it '
                  f'("{_evidence.LOST_SERVICE_MARKER}" in [p{i}]).')
   error = raised[first]
-  if _raised_before_exit(run, first, raised):
+  if error is not None and _raised_before_exit(run, first, raised):
     out.append(f'Process {first} raised first, at {error.time:.1f} s (when '
                f'the launcher read its traceback): {error.error}')
   where = where_others(run, first, raised)
@@ -148,8 +148,9 @@ def where_others(run: Observed, first: int,
                  raised: tuple[_evidence.Raised | None, ...]) -> str:
   """Where the processes other than `first` were at its failure ('at 8.1 s: p0 was running (...)'); '' when unknown or alone."""
   n = len(run.returncodes)
-  at = (raised[first].time  # type: ignore[union-attr]
-        if _raised_before_exit(run, first, raised) else run.end_times[first])
+  error = raised[first]
+  at = (error.time if error is not None and _raised_before_exit(
+      run, first, raised) else run.end_times[first])
   if at is None or n < 2:
     return ''
   others = '; '.join(doing_at(run, i, at, raised)

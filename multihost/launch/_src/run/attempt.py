@@ -74,7 +74,8 @@ def supervise(procs: _processes.Processes, *, timeout: float | None,
                              tick=lambda: release_stale(procs))
     if step.action == _policy.RESTART_NOW and hold:
       procs.output.hold_all()  # The stopped ones' last words.
-    if step.action == _policy.INTERRUPTED:
+    # (`interrupts.first` is set once a signal came, as it has here)
+    if step.action == _policy.INTERRUPTED and interrupts.first is not None:
       _policy.forward(procs, interrupts.first,
                       wait=max(kill_wait, grace_period),
                       again=interrupts.again)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import collections.abc
 import shutil
+import socket
+from typing import TYPE_CHECKING
 
 from multihost import env as env_lib
 from multihost.launch._src.processes import environment as _environment
+
+if TYPE_CHECKING:  # (imported when used: only with hosts='netns')
+  from multihost import netns
 
 
 class Resources:
@@ -24,20 +29,21 @@ class Resources:
     self.heartbeat_timeout = heartbeat_timeout
     self._cache_choice = cache_choice
     self._extra_env = extra_env
-    self.hosts = None  # The SimulatedHosts while running, with hosts='netns'.
+    # The SimulatedHosts while running, with hosts='netns'.
+    self.hosts: netns.SimulatedHosts | None = None
     self.secret_env: dict[str, str] = {}
     # The folder the attempts get (None: the user's setting, or none).
     self.compilation_cache_dir: str | None = None
     self._own_cache_dir: str | None = None  # Made here; removed at close().
     self._service = None
-    self._port_hold = None  # (`hold_free_port`)
+    self._port_hold: socket.socket | None = None  # (`hold_free_port`)
 
   def open(self, *, max_restarts: int) -> None:
     """At the run's start: the simulated hosts, the job secret, the compilation cache folder."""
     if self.hosts_kind == _environment.NETNS:
       from multihost import netns as hosts_lib  # pylint: disable=g-import-not-at-top
-      self.hosts = hosts_lib.SimulatedHosts(self.num_processes)
-      self.hosts.start()
+      self.hosts = hosts = hosts_lib.SimulatedHosts(self.num_processes)
+      hosts.start()
     self.secret_env = env_lib.job_secret_env(self._extra_env)
     self.compilation_cache_dir, self._own_cache_dir = (
         _environment.compilation_cache_dir(
@@ -49,8 +55,8 @@ class Resources:
     self.port = self._fixed_port
     if not self.port:
       self.release_port()
-      self._port_hold = _environment.hold_free_port()
-      self.port = self._port_hold.getsockname()[1]
+      self._port_hold = hold = _environment.hold_free_port()
+      self.port = hold.getsockname()[1]
     return self.port
 
   def service_env(self) -> dict[str, str]:

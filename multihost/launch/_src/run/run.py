@@ -94,7 +94,7 @@ def launch(command: collections.abc.Sequence[str], *, num_processes: int,
   finally:
     if restore is not None:
       restore()
-  if folder is not None:
+  if folder is not None and trace is not None:  # (a folder only for a trace)
     # The run started when the controllers' clock did (`Controllers`).
     result = _trace.noted(
         result, os.fspath(trace), folder, num_processes=num_processes,
