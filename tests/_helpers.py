@@ -121,6 +121,18 @@ def read_pids(stream, marker: str, count: int, timeout: float) -> list[int]:
   return pids
 
 
+def wait_text(path: pathlib.Path, text: str, timeout: float) -> str:
+  """Returns `path`'s text once it holds `text`; AssertionError after `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    out = path.read_text(errors='replace')
+    if text in out:
+      return out
+    time.sleep(0.05)
+  raise AssertionError(f'{text!r} not in {path} within {timeout} s:\n'
+                       f'{path.read_text(errors="replace")[-3000:]}')
+
+
 def clean_env(**extra: str) -> dict[str, str]:
   """os.environ without any launcher's or scheduler's variables, plus `extra`."""
   drop = ('JAX_', 'MULTIHOST_', 'SLURM_', 'OMPI_')

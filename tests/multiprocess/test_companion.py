@@ -22,6 +22,7 @@ from _helpers import kill_alive
 from _helpers import program
 from _helpers import wait_all
 from _helpers import wait_gone
+from _helpers import wait_text
 import pytest
 
 from multihost import env as mh_env
@@ -61,19 +62,8 @@ def _start(tmp_path: pathlib.Path, mode: str, n: int = N, **extra: str):
   return procs, logs
 
 
-def _wait_text(log: pathlib.Path, text: str, timeout: float) -> str:
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    out = log.read_text(errors='replace')
-    if text in out:
-      return out
-    time.sleep(0.05)
-  raise AssertionError(f'{text!r} not in {log} within {timeout} s:\n'
-                       f'{log.read_text(errors="replace")[-3000:]}')
-
-
 def _companion(logs) -> int:
-  line = _wait_text(logs[0], 'COMPANION', 120).split('COMPANION ', 1)[1]
+  line = wait_text(logs[0], 'COMPANION', 120).split('COMPANION ', 1)[1]
   pid, forked = line.split()[:2]
   return int(pid), forked == 'True'
 
@@ -130,7 +120,7 @@ def test_the_whole_job_killed_takes_the_companion_with_it(tmp_path, cleanup):
   pid, _ = _companion(logs)
   cleanup.append(pid)
   for log in logs:
-    _wait_text(log, 'LOOPING', 120)
+    wait_text(log, 'LOOPING', 120)
   for p in procs:  # By pid, not by process group: the companion is not hit.
     p.send_signal(signal.SIGKILL)
   wait_all(procs, 30)

@@ -22,6 +22,7 @@ from _helpers import alive
 from _helpers import clean_env
 from _helpers import kill_alive
 from _helpers import program
+from _helpers import wait_text
 import pytest
 
 from multihost import env as mh_env
@@ -43,17 +44,6 @@ def _gone_within(pids, timeout):
   while any(alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.05)
   return [p for p in pids if alive(p)]
-
-
-def _wait_text(path, text, timeout):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    out = path.read_text(errors='replace')
-    if text in out:
-      return out
-    time.sleep(0.05)
-  raise AssertionError(f'{text!r} not in {path} within {timeout} s:\n'
-                       f'{path.read_text(errors="replace")[-3000:]}')
 
 
 # Process 0 leaves by `os._exit` (as a crash, or a process leaving with 75
@@ -81,7 +71,7 @@ def test_the_companion_leaves_after_process_0_whatever_happened_to_a_peer(
             env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True))
     for log in logs:
-      _wait_text(log, 'LOOP', 120)
+      wait_text(log, 'LOOP', 120)
     companion = int(logs[0].read_text().split('COMPANION ', 1)[1].split()[0])
     assert companion > 0 and alive(companion), logs[0].read_text()[-2000:]
     if fault == 'cut':

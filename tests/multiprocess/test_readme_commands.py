@@ -51,6 +51,10 @@ NOT_RUN = {
     'bench/cpu_share.py': 'a measurement: 9 rounds at P=8 with torch gloo '
                           'beside, about a minute; tests/multiprocess/'
                           'test_bench.py runs it at 3 processes',
+    'bench/scale_costs.py': 'a measurement: every collective, save and '
+                            'restore at P=2-16 on simulated hosts (root), '
+                            '3-4 minutes; tests/multiprocess/test_bench.py '
+                            'runs it at 2 processes',
     'bench/compile_cache.py': 'a measurement: a 400-layer model whose '
                               'compiles take 25-35 s per process and attempt',
     '--width=8388608': 'a synopsis ([--local_checkpoint_dir=...] is '
