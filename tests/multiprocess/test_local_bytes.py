@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import sys
 
+import _helpers
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -18,7 +19,9 @@ from bench import local_bytes  # noqa: E402  pylint: disable=g-import-not-at-top
                     or not shutil.which('ip'),
                     reason='needs root, unshare and ip (a private network '
                     'namespace counts the bytes)')
-def test_a_local_save_moves_each_process_s_blocks_once():
+def test_a_local_save_moves_each_process_s_blocks_once(monkeypatch):
+  for name, value in _helpers.quick_compile_env().items():
+    monkeypatch.setenv(name, value)  # bench/local_bytes.py passes it on.
   # Leaves of 4 MiB: the consistency check's digests of leaves up to
   # 1 MiB gather them whole (`multihost.tree_digest`), which would be
   # counted here too.

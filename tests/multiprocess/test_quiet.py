@@ -87,7 +87,8 @@ def test_a_2x2_run_is_quiet_and_tells_a_preemption_once(tmp_path):
     _wait_for(metrics, 20, alive=lambda: len(cluster.running()) == 2)
     cluster.kill(1, signal.SIGTERM)
     result = cluster.wait(timeout=TIMEOUT_S)
-  assert result.returncodes == (0, 0), result.summary
+  assert result.returncodes == (0, 0), result.summary + ''.join(
+      f'\n[p{i}] ...{out[-3000:]}' for i, out in enumerate(result.outputs))
   everything = '\n'.join(result.outputs)
   assert ADVICE not in everything, everything[-3000:]
   assert ORBAX_PREEMPTION not in everything, everything[-3000:]

