@@ -25,12 +25,15 @@ def main() -> None:
     time.sleep(30)
     return
   data = np.full(4 << 20, me, np.uint8)
+  # A dead peer is named by the failure detection (heartbeat 10 s + 2 s), so
+  # its calls wait longer than that; a late one is named by the timeout.
+  timeout = 5 if mode == 'late' else 60
   try:
     for call in range(1000):
       if mode == 'dies' and me == 2 and call == 20:
         os.kill(os.getpid(), signal.SIGKILL)
       got = multihost.exchange({(me + 1) % count: data},
-                               recv_from=[(me - 1) % count], timeout=5)
+                               recv_from=[(me - 1) % count], timeout=timeout)
       assert int(got[(me - 1) % count][-1]) == (me - 1) % count
   except multihost.ProcessFailureError as e:
     os.write(1, f'RAISED {e.failed}\n'.encode())
