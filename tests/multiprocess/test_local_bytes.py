@@ -22,11 +22,11 @@ from bench import local_bytes  # noqa: E402  pylint: disable=g-import-not-at-top
 def test_a_local_save_moves_each_process_s_blocks_once(monkeypatch):
   for name, value in _helpers.quick_compile_env().items():
     monkeypatch.setenv(name, value)  # bench/local_bytes.py passes it on.
-  # Leaves of 4 MiB: the consistency check's digests of leaves up to
+  # Leaves of 2 MiB: the consistency check's digests of leaves up to
   # 1 MiB gather them whole (`multihost.tree_digest`), which would be
   # counted here too.
-  row = local_bytes.measure(4, width=1 << 20, steps=10, every=5,
+  row = local_bytes.measure(4, width=1 << 19, steps=10, every=5,
                             timeout=300)
   assert row['local_saves'] == 2, row
-  assert row['blocks_sent_to_peer_S'] == (1 << 20) * 4 * 2 / 4, row
+  assert row['blocks_sent_to_peer_S'] == (1 << 19) * 4 * 2 / 4, row
   assert row['ratio_to_S'] <= 1.25, row
