@@ -386,22 +386,32 @@ def test_every_line_of_a_burst_before_os_exit_arrives_through_mpirun(
                      command=tee, quiet=True, stderr=err, **env)
     assert rc != 0, out[-3000:]
     given = raw.read_text(errors='replace')
-    # The filter's part: mpirun's output, less gloo's lines where quiet.
-    assert collections.Counter(out) == (
-        collections.Counter(given) - collections.Counter(gloo)
-        if quiet == 'default' else collections.Counter(given)), (
-            f'the filter changed mpirun\'s output: {out[-1000:]}')
+    kept, gave = collections.Counter(out), collections.Counter(given)
+    # The filter's part: nothing mpirun gave is lost (but gloo's lines,
+    # where quiet) ...
+    expected = gave - collections.Counter(gloo) if quiet == 'default' else gave
+    assert not expected - kept, (
+        f'the filter lost {expected - kept} of mpirun\'s output: {out[-1000:]}')
+    # ... and nothing is added, but a gloo line that mpirun put after
+    # another rank's partial line (`l[Gloo] Rank 1 ...`, Open MPI 4 under
+    # load): the filter keeps a line with other words before gloo's, as it
+    # keeps a program's quote of one.
+    extra = kept - expected
+    quoted = re.findall(r'^.+\[Gloo\] Rank \d+ is connected', given, re.M)
+    assert not extra or (quiet == 'default' and quoted
+                         and extra <= collections.Counter(gloo)), (
+                             f'the filter added {extra}: {out[-1000:]}')
     raw_lines.append(given.count('\n'))
-    if collections.Counter(given) >= collections.Counter(lines):
+    if gave >= collections.Counter(lines):
       break
-  got = collections.Counter(out)
-  assert got == want, (f'{out.count(chr(10))} lines; mpirun gave '
-                       f'{raw_lines}; missing {want - got}, '
-                       f'extra {got - want}; {out[-2000:]}')
+  assert kept - extra == want, (f'{out.count(chr(10))} lines; mpirun gave '
+                                f'{raw_lines}; missing {want - kept}, '
+                                f'extra {kept - want}; {out[-2000:]}')
   stderr = (tmp_path / 'stderr').read_text(errors='replace')
   fd1 = re.findall(r'^fd1 before=(\S+) after=(\S+)$', stderr, re.M)
   assert len(fd1) == 2 and all(a == b for a, b in fd1), stderr[-3000:]
-  assert bool(_helpers.gloo_lines(out)) == (quiet == '0'), out[-2000:]
+  if not extra:
+    assert bool(_helpers.gloo_lines(out)) == (quiet == '0'), out[-2000:]
 
 
 @pytest.mark.parametrize('major', [5, 4])
